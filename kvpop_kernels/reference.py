@@ -1,0 +1,228 @@
+"""Dense float references of every public op, written for clarity, not speed.
+
+These are the oracles of the test-suite (``tests/``): each function follows the
+definitions of ``DESIGN.md`` literally, forms full ``S x S`` matrices and loops over
+queries where that is the plainest statement of the rule.  They run in float64 for
+ranking and float32 (or the input's wider dtype) for attention, on any device.
+
+Names match the public ops of ``kvpop_kernels`` one to one.
+
+Eviction semantics (DESIGN.md), repeated here because every function below uses them:
+
+* window at query ``q``: positions ``q-w+1 .. q``;
+* eligible set ``E(q) = {t : s <= t <= q-w}``; ``t_new = q - w`` joins it at step ``q``;
+* token ``a`` ranks above ``b`` iff ``p[a] > p[b]`` or (``p[a] == p[b]`` and ``a > b``);
+* the kept long-range set at ``q`` is the top ``k`` of ``E(q)``;
+* ``evict_at[t]`` is the first ``q >= t+w`` at which ``t`` is not kept, ``NEVER`` otherwise;
+* key ``t`` is visible to query ``q`` iff
+  ``t <= q and (t < s or t > q-w or q < evict_at[t])``.
+
+NaN priorities rank as ``-inf`` (below every number; ties, as always, to the newer token).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._utils import NEVER
+
+__all__ = [
+    "NEVER",
+    "rank_key",
+    "visible_mask",
+    "eviction_schedule",
+    "eviction_decisions",
+    "future_attention_target",
+    "sparse_attention",
+    "dense_causal_attention",
+    "fixed_budget_decode",
+]
+
+
+def _clean_priority(priority: torch.Tensor) -> torch.Tensor:
+    """float64 copy with NaN replaced by -inf (the documented NaN rule)."""
+    p = priority.detach().to(torch.float64)
+    return torch.where(torch.isnan(p), torch.full_like(p, float("-inf")), p)
+
+
+def rank_key(p: float, t: int) -> tuple[float, int]:
+    """Sort key of token ``t`` with priority ``p``: a larger key ranks higher."""
+    return (p, t)
+
+
+def visible_mask(evict_at: torch.Tensor, *, sinks: int, window: int) -> torch.Tensor:
+    """Boolean visibility ``[B, Hkv, S_q=S, S_k=S]`` of key ``t`` to query ``q`` from ``evict_at [B, Hkv, S]``.
+
+    The one statement of the mask rule: ``t <= q and (t < s or t > q - w or q < evict_at[t])``.
+    """
+    S = evict_at.shape[-1]
+    dev = evict_at.device
+    q = torch.arange(S, device=dev).view(S, 1)
+    t = torch.arange(S, device=dev).view(1, S)
+    causal = t <= q
+    sink = t < sinks
+    in_window = t > q - window
+    kept = q < evict_at.to(torch.int64).unsqueeze(-2)  # [B, H, 1, S] vs [S, 1]
+    return causal & (sink | in_window | kept)
+
+
+def eviction_schedule(priority: torch.Tensor, *, sinks: int, window: int, k: int) -> torch.Tensor:
+    """Brute force: at every query ``q`` sort ``E(q)`` and keep its top ``k``.
+
+    ``priority`` float ``[B, Hkv, S]`` -> int32 ``evict_at [B, Hkv, S]``.
+    """
+    p = _clean_priority(priority)
+    Bsz, H, S = p.shape
+    out = torch.full((Bsz, H, S), NEVER, dtype=torch.int32)
+    pl = p.cpu().tolist()
+    for b in range(Bsz):
+        for h in range(H):
+            pr = pl[b][h]
+            ev = [NEVER] * S
+            for q in range(S):
+                eligible = list(range(sinks, q - window + 1))
+                ranked = sorted(eligible, key=lambda t: rank_key(pr[t], t), reverse=True)
+                kept = set(ranked[:k])
+                for t in eligible:
+                    if ev[t] == NEVER and t not in kept:
+                        ev[t] = q
+            out[b, h] = torch.tensor(ev, dtype=torch.int32)
+    return out.to(priority.device)
+
+
+def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute force decisions ``(y int8, bnd int32)``, each ``[B, Hkv, S]`` indexed by the token decided.
+
+    For ``s <= t <= S-1-w`` with at least ``k >= 1`` tokens in ``{s..t-1}``: ``bnd`` is the k-th
+    ranked token of ``{s..t-1}`` and ``y = +1`` if ``t`` ranks above it, else ``-1``.  Elsewhere
+    ``y = 0`` and ``bnd = -1``.
+    """
+    p = _clean_priority(priority)
+    Bsz, H, S = p.shape
+    y = torch.zeros((Bsz, H, S), dtype=torch.int8)
+    bnd = torch.full((Bsz, H, S), -1, dtype=torch.int32)
+    pl = p.cpu().tolist()
+    for b in range(Bsz):
+        for h in range(H):
+            pr = pl[b][h]
+            for t in range(sinks, S - window):
+                before = list(range(sinks, t))
+                if k == 0 or len(before) < k:
+                    continue
+                ranked = sorted(before, key=lambda u: rank_key(pr[u], u), reverse=True)
+                kth = ranked[k - 1]
+                bnd[b, h, t] = kth
+                y[b, h, t] = 1 if rank_key(pr[t], t) > rank_key(pr[kth], kth) else -1
+    return y.to(priority.device), bnd.to(priority.device)
+
+
+def future_attention_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, window: int,
+                            eps: float = 1e-6, scale: float | None = None) -> torch.Tensor:
+    """Dense training target ``r_tgt [B, Hkv, S]`` (float32).
+
+    ``m[h,g,t] = (1/N_t) sum_{u=t+w}^{S-1} exp(scale * q_u . k_t - lse_u)``, ``N_t = max(1, S-t-w)``,
+    ``r_tgt[h,t] = max_g log(eps + m[h,g,t])``.  ``q [B,Hq,S,D]``, ``k [B,Hkv,S,D]``, ``lse [B,Hq,S]``.
+    """
+    Bsz, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    kk = k.float().repeat_interleave(G, dim=1)  # query head h*G+g reads KV head h
+    logits = torch.einsum("bhud,bhtd->bhut", q.float(), kk) * scale
+    u = torch.arange(S, device=q.device).view(S, 1)
+    t = torch.arange(S, device=q.device).view(1, S)
+    keep = u >= t + window
+    prob = torch.exp(logits - lse.float().unsqueeze(-1)) * keep
+    n = torch.clamp(S - torch.arange(S, device=q.device) - window, min=1).float()
+    m = prob.sum(dim=2) / n  # [B, Hq, S]
+    r = torch.log(eps + m).view(Bsz, Hkv, G, S).amax(dim=2)
+    return r.float()
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, evict_at: torch.Tensor, *,
+                     sinks: int, window: int, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention with the mask of ``visible_mask``; differentiable in q, k, v.
+
+    Returns ``(out [B,Hq,S,D] in q's dtype, lse float32 [B,Hq,S])`` (natural log).
+    """
+    Bsz, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    mask = visible_mask(evict_at, sinks=sinks, window=window).repeat_interleave(G, dim=1)
+    kk = k.float().repeat_interleave(G, dim=1)
+    vv = v.float().repeat_interleave(G, dim=1)
+    logits = torch.einsum("bhud,bhtd->bhut", q.float(), kk) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("bhut,bhtd->bhud", torch.softmax(logits, dim=-1), vv)
+    return out.to(q.dtype), lse.float()
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain causal GQA attention ``(out, lse)``: the teacher's attention and the ``B >= S`` oracle."""
+    S = q.shape[2]
+    never = torch.full((q.shape[0], k.shape[1], S), NEVER, dtype=torch.int32, device=q.device)
+    return sparse_attention(q, k, v, never, sinks=0, window=max(S, 1), scale=scale)
+
+
+def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
+                        slot_prio: torch.Tensor, leaving_prio: torch.Tensor, *, pos: int,
+                        sinks: int, window: int, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch-1 decode step over a fixed budget of ``B = s + w + k`` slots per KV head.
+
+    Layout of the slots of each KV head (``B = k_cache.shape[1]``):
+
+    * ``[0, s)``: sinks, token ``t < s`` in slot ``t``;
+    * ``[s, s+w)``: the window ring, token ``t >= s`` in slot ``s + (t - s) % w``;
+    * ``[s+w, B)``: the ``k`` long-range slots.
+
+    ``slot_pos [Hkv, B]`` int32 holds each slot's token position (``-1`` when empty) and
+    ``slot_prio [Hkv, k]`` float32 the static priority of each long-range slot's token
+    (``-inf`` when empty).  Inputs: ``q [Hq, D]``, ``k_new, v_new [Hkv, D]`` for the new token at
+    position ``pos`` (keys already rotated), ``leaving_prio [Hkv]`` float32: the priority of the
+    token ``t_new = pos - w`` that leaves the window now (ignored when ``pos - w < s``).
+
+    The step, per KV head (DESIGN.md "in decoding this is literally ..."):
+
+    1. if ``t_new = pos - w >= s``: find the lowest-ranked long-range slot (lowest priority, ties
+       to the oldest position; an empty slot ranks below every token); if ``t_new`` ranks above it,
+       ``t_new``'s key/value (still in its ring slot) replace that slot's, else ``t_new`` is dropped;
+    2. write ``k_new, v_new`` into the new token's slot (sink slot ``pos`` or ring slot);
+    3. attend with every query head of the group over the slots with ``slot_pos >= 0``.
+
+    Updates ``k_cache, v_cache, slot_pos, slot_prio`` in place; returns ``(out [Hq, D] in q's
+    dtype, lse float32 [Hq])``.
+    """
+    Hq, D = q.shape
+    Hkv, B, _ = k_cache.shape
+    G = Hq // Hkv
+    s, w = sinks, window
+    scale = D ** -0.5 if scale is None else scale
+    t_new = pos - w
+    if t_new >= s and B > s + w:
+        for h in range(Hkv):
+            ring = s + (t_new - s) % w
+            keys = [(float(slot_prio[h, j]), int(slot_pos[h, s + w + j]), j) for j in range(B - s - w)]
+            lo_p, lo_t, lo_j = min(keys)
+            lp = float(leaving_prio[h])
+            lp = float("-inf") if lp != lp else lp  # NaN ranks as -inf
+            if (lp, t_new) > (lo_p, lo_t):
+                dst = s + w + lo_j
+                k_cache[h, dst] = k_cache[h, ring]
+                v_cache[h, dst] = v_cache[h, ring]
+                slot_pos[h, dst] = t_new
+                slot_prio[h, lo_j] = lp
+    slot = pos if pos < s else s + (pos - s) % w
+    k_cache[:, slot] = k_new
+    v_cache[:, slot] = v_new
+    slot_pos[:, slot] = pos
+    kk = k_cache.float().repeat_interleave(G, dim=0)  # [Hq, B, D]
+    vv = v_cache.float().repeat_interleave(G, dim=0)
+    logits = torch.einsum("hd,hbd->hb", q.float(), kk) * scale
+    valid = (slot_pos >= 0).repeat_interleave(G, dim=0)
+    logits = logits.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("hb,hbd->hd", torch.softmax(logits, dim=-1), vv)
+    return out.to(q.dtype), lse.float()

@@ -1,0 +1,34 @@
+"""kvpop: learned fixed-budget KV-cache eviction (KVpop) for Qwen3, with Triton kernels."""
+from pathlib import Path
+
+from setuptools import setup
+
+HERE = Path(__file__).parent
+README = (HERE / "README.md").read_text(encoding="utf-8") if (HERE / "README.md").exists() else ""
+
+setup(
+    name="kvpop",
+    version="0.1.0",
+    description="Learned fixed-budget KV-cache eviction (KVpop) for Qwen3 models, with Triton kernels",
+    long_description=README,
+    long_description_content_type="text/markdown",
+    packages=["kvpop", "kvpop_kernels"],
+    package_data={"kvpop": ["data/*", "data/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=[
+        # The CPU wheel of torch does not pull triton; the CUDA wheel does.  We ask for
+        # triton explicitly on Linux so that both the GPU path and the CPU interpreter work.
+        "torch>=2.11",
+        "triton>=3.6; platform_system == 'Linux'",
+        "transformers>=5.17,<6",
+        "numpy",
+        "safetensors",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["kvpop=kvpop.cli:main"]},
+)
