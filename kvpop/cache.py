@@ -55,7 +55,7 @@ _STATIC = ("kvpop", "streaming")
 _ACTIVE = threading.local()
 
 
-class KVpopLayer(CacheLayerMixin):
+class KVpopCacheLayer(CacheLayerMixin):
     """One layer's fixed-budget cache (batch 1).  Built by :class:`KVpopCache`."""
 
     is_sliding = False
@@ -177,7 +177,7 @@ class KVpopCache(Cache):
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.kvpop_config = config
         self.policy = policy
-        layers = [KVpopLayer(sinks=config.sinks, window=config.window, budget=config.budget, policy=policy)
+        layers = [KVpopCacheLayer(sinks=config.sinks, window=config.window, budget=config.budget, policy=policy)
                   for _ in range(num_layers)]
         super().__init__(layers=layers)
 
@@ -192,7 +192,7 @@ class KVpopCache(Cache):
 
 
 # ------------------------------------------------------------------------------------ attention
-def take_pending(layer_idx: int) -> tuple[KVpopCache, KVpopLayer] | None:
+def take_pending(layer_idx: int) -> tuple[KVpopCache, KVpopCacheLayer] | None:
     """The cache layer that ``update`` just stashed keys/values in for ``layer_idx``, if any."""
     act = getattr(_ACTIVE, "value", None)
     if act is None or act[1] != layer_idx:
@@ -254,7 +254,7 @@ def cache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return torch.stack(outs, dim=0).unsqueeze(0)  # [1, S, Hq, D]
 
 
-def _prefill(layer: KVpopLayer, module, query, key, value, scaling, hooks: PriorityHooks) -> torch.Tensor:
+def _prefill(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks: PriorityHooks) -> torch.Tensor:
     s, w, k = layer.sinks, layer.window, layer.k
     S = key.shape[2]
     prio = hooks.prompt(module, layer, key, value).float()  # [1, Hkv, S]
@@ -292,7 +292,7 @@ def _prefill(layer: KVpopLayer, module, query, key, value, scaling, hooks: Prior
     return out.transpose(1, 2)
 
 
-def _decode(layer: KVpopLayer, module, q1, k1, v1, scaling, hooks: PriorityHooks) -> torch.Tensor:
+def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: PriorityHooks) -> torch.Tensor:
     """One token: ``q1 [1, Hq, D]``, ``k1/v1 [1, Hkv, D]`` -> ``[Hq, D]``."""
     s, w = layer.sinks, layer.window
     pos = layer.seen
