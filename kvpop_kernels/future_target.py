@@ -182,7 +182,7 @@ if triton is not None:
         # query blocks: [u_lo, u_diag) straddle the u = t + w diagonal of this key block;
         # after it every u >= t + w, and only the last block can run past S.
         u_lo = t0 + window
-        DIAG: tl.constexpr = (BLOCK_T - 1 + BLOCK_U - 1) // BLOCK_U
+        DIAG = (BLOCK_T - 1 + BLOCK_U - 1) // BLOCK_U  # constexpr
         u_diag = tl.minimum(u_lo + DIAG * BLOCK_U, S)
         n_full = tl.maximum(S - (u_lo + DIAG * BLOCK_U), 0) // BLOCK_U
         u_tail = u_lo + DIAG * BLOCK_U + n_full * BLOCK_U
