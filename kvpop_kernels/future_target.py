@@ -95,22 +95,25 @@ def _cpu_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, window: int
     with torch.no_grad():
         msum = torch.zeros((Bsz, Hkv, G, S), dtype=torch.float32, device=q.device)
         if S > w:
-            kf = k.detach().to(torch.float32)  # [B, Hkv, S, D]
-            lf = lse.detach().to(torch.float32).reshape(Bsz, Hkv, G, S)
+            BH = Bsz * Hkv
+            # keys as [B*Hkv, D, S]: one batched GEMM per chunk with the G heads of a group stacked
+            kT = k.detach().to(torch.float32).reshape(BH, S, D).transpose(1, 2)
+            neg_lse = lse.detach().to(torch.float32).neg().reshape(BH, G, S)
             for u0 in range(w, S, C):  # only queries u >= w see any key at distance >= w
                 u1 = min(u0 + C, S)
                 n_u = u1 - u0
                 t_hi = u1 - w  # keys t <= u1 - 1 - w are seen by some query of the chunk
-                qc = q[:, :, u0:u1].detach().to(torch.float32).reshape(Bsz, Hkv, G, n_u, D)
-                kt = kf[:, :, None, :t_hi].transpose(-1, -2)  # [B, Hkv, 1, D, t_hi]
-                p = torch.matmul(qc, kt)  # [B, Hkv, G, n_u, t_hi]
-                p.mul_(scale).sub_(lf[..., u0:u1, None]).exp_()
+                qc = q[:, :, u0:u1].detach().to(torch.float32).reshape(BH, G * n_u, D) * scale
+                # p[bh, g*n_u + i, t] = exp(scale * q_{u0+i} . k_t - lse_{u0+i})
+                p = torch.baddbmm(neg_lse[:, :, u0:u1].reshape(BH, G * n_u, 1), qc, kT[:, :, :t_hi])
+                p.exp_()
+                p = p.view(BH, G, n_u, t_hi)
                 t_full = u0 - w + 1  # keys t < t_full are seen by every query of the chunk
                 if t_full < t_hi:
                     uu = torch.arange(u0, u1, device=q.device).view(n_u, 1)
                     tt = torch.arange(t_full, t_hi, device=q.device).view(1, t_hi - t_full)
                     p[..., t_full:t_hi].masked_fill_(uu < tt + w, 0.0)
-                msum[..., :t_hi] += p.sum(dim=-2)
+                msum.view(BH, G, S)[..., :t_hi] += p.sum(dim=2)
         n = torch.clamp(S - torch.arange(S, device=q.device) - w, min=1).to(torch.float32)
         r = torch.log(msum.div_(n).add_(eps)).amax(dim=2)
         out.copy_(r)
