@@ -215,7 +215,6 @@ def test_bad_input(case, exc, match):
         lse = lse[:, :3]
     elif case == "gqa":
         k = torch.randn(1, 3, 10, 16)
-        lse = lse
     elif case == "window0":
         kw["window"] = 0
     elif case == "window_float":
