@@ -86,6 +86,25 @@ def test_public_cpu_dispatch_without_interpreter(monkeypatch):
     assert_matches(out, want)
 
 
+@pytest.mark.parametrize("sinks,kslots", [(4, 0), (0, 3), (2, 1000), (300, 5)],
+                         ids=["k0", "no_sinks", "budget_ge_S", "S_lt_sinks"])
+@pytest.mark.parametrize("path", ["triton", "cpu"])
+def test_sparse_lse_schedules(sinks, kslots, path, device):
+    """lse of sparse attention under k = 0, no sinks, budget >= S (== dense) and S < sinks."""
+    B, Hq, Hkv, S, D, w = 1, 4, 2, 120, 32, 10
+    q, k, lse = make(B, Hq, Hkv, S, D, device=device, lse_kind="sparse", window=w, sinks=sinks,
+                     kslots=kslots)
+    want = ref.future_attention_target(q, k, lse, window=w)
+    if kslots >= S or sinks >= S:  # nothing evicted: the sparse normalisers are the dense ones
+        qd, kd, lse_d = make(B, Hq, Hkv, S, D, device=device, lse_kind="dense", window=w)
+        torch.testing.assert_close(lse, lse_d, atol=1e-5, rtol=1e-5)
+    if path == "triton":
+        out = kvpop_kernels.future_attention_target(q, k, lse, window=w)
+    else:
+        out = ft._cpu_target(q.cpu(), k.cpu(), lse.cpu(), w, 1e-6, D ** -0.5)
+    assert_matches(out.cpu(), want.cpu())
+
+
 @pytest.mark.parametrize("bt,bu", [(32, 16), (16, 32), (64, 16), (16, 16)])
 def test_triton_tile_sizes(bt, bu, device):
     """Several key blocks straddling the diagonal, full blocks and a ragged tail."""
