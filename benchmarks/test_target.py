@@ -106,7 +106,7 @@ def test_future_target(benchmark, provider, shape):
         pairs = B * Hq * max(S - WINDOW, 0) * max(S - WINDOW + 1, 0) // 2
         est_peak = ft._cpu_chunk(B, Hq, S) * B * Hq * S * elt
     elif provider == "reference":
-        need = 3 * B * Hq * S * S * elt  # logits, shifted logits, probabilities
+        need = 5 * B * Hq * S * S * elt  # logits and the temporaries of its elementwise steps
         if CUDA:
             free, _total = torch.cuda.mem_get_info()
             if need > 0.8 * free:
@@ -130,7 +130,10 @@ def test_future_target(benchmark, provider, shape):
         return out
 
     # warm-up (autotuning, allocator, lazy init) before any timing
-    timed()
+    try:
+        timed()
+    except torch.cuda.OutOfMemoryError:
+        pytest.skip(f"{provider} does not fit in GPU memory at S={S}")
     timed()
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
