@@ -108,7 +108,7 @@ class KVpopConfig:
     def __post_init__(self) -> None:
         _int("sinks", self.sinks, 0)
         _int("window", self.window, 1)
-        _int("budget", self.budget, 1)
+        _int("budget", self.budget, -(2**63))  # type only; the range check follows
         if self.budget < self.sinks + self.window + 1:
             raise ValueError(
                 f"budget={self.budget} leaves no long-range slot: it must be >= sinks + window + 1 = "
