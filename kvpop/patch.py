@@ -37,6 +37,12 @@ The patched forward (one call of the attention function per layer)
     Each forward also leaves ``priority`` and ``evict_at`` ``[B, Hkv, S]`` (detached) on the layer as
     ``last_priority`` / ``last_evict_at``, for a cache's prefill.
 
+Activation checkpointing: use the non-reentrant form
+(``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``):
+the reentrant form runs the first forward under ``no_grad``, so no layer would record ``L_score``.
+With the non-reentrant form the recomputation in backward repeats the layer's loss work too (the
+target pass and the decisions), the price of not keeping the layer's activations.
+
 Limits: no padding (a 2D attention mask with zeros -> ValueError; use equal-length rows or batch 1),
 no sliding-window layers, no attention dropout, no ``output_attentions`` (the weights returned are
 ``None``).  A forward whose keys outnumber its queries (decoding with a growing cache) is delegated to

@@ -161,6 +161,7 @@ def test_scorer_mask_uses_scorer_priorities(ids):
         assert int(vis.sum(-1).max()) <= 24  # at most B keys per query
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # past_key_values= is deprecated in 5.24, the only name in 5.17
 def test_padding_and_decode_paths_are_refused(ids):
     m = kvpop.patch(tiny_model(), **SMALL)
     ones = torch.ones_like(ids)
@@ -314,6 +315,21 @@ def test_training_forward_through_default_kernels(ids):
     assert 0 < stats["keep_frac"] < 1
     (ls + out.logits.float().pow(2).mean()).backward()
     assert all(p.grad is not None for n, p in m.named_parameters() if n.endswith("decay_logit"))
+
+
+def test_nonreentrant_checkpointing_gives_the_same_loss_and_grads(ids, cpu_path):
+    res = []
+    for ckpt in (False, True):
+        m = kvpop.patch(tiny_model(), **SMALL).train()
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        out = m(ids, use_cache=False)
+        ls = kvpop.score_loss(m)
+        (ls + out.logits.float().pow(2).mean()).backward()
+        res.append((float(ls.detach()), [p.grad.clone() for p in m.parameters()]))
+    assert res[0][0] == res[1][0] > 0
+    for a, b in zip(res[0][1], res[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_eval_forward_does_no_loss_work(ids):
