@@ -45,8 +45,14 @@ target pass and the decisions), the price of not keeping the layer's activations
 
 Limits: no padding (a 2D attention mask with zeros -> ValueError; use equal-length rows or batch 1),
 no sliding-window layers, no attention dropout, no ``output_attentions`` (the weights returned are
-``None``).  A forward whose keys outnumber its queries (decoding with a growing cache) is delegated to
-``KVpopLayer.decode_fn`` when a cache has set one (``kvpop.KVpopCache``), else NotImplementedError.
+``None``).
+
+Hook for the decoding cache: when ``KVpopLayer.decode_fn`` is set (by ``kvpop.KVpopCache``; whoever
+sets it clears it), the attention function hands every call of that layer to
+``decode_fn(module, query, key, value, attention_mask, scaling=..., k_pre=[B, Hkv, S_new, D], **kwargs)``
+(``k_pre``: the pre-RoPE keys of the new tokens) and returns what it returns; a prefill can reuse
+:func:`sequence_attention`.  Without a ``decode_fn``, a call with fewer queries than keys (decoding
+with a ``DynamicCache``) raises NotImplementedError.
 Scorers are created in float32 on the device of the attention weights; cast the model *before*
 patching (``model.to(torch.bfloat16)`` after ``patch`` casts the scorers too, which works but loses
 score precision).
@@ -77,6 +83,9 @@ __all__ = [
     "kvpop_layers",
     "disabled",
     "make_teacher",
+    "sequence_attention",
+    "kvpop_attention_forward",
+    "kvpop_mask",
     "ATTN_NAME",
     "SUPPORTED_MODELS",
 ]
@@ -190,7 +199,6 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
             f"attention implementation {ATTN_NAME!r} is set but {type(module).__name__} "
             f"(layer {getattr(module, 'layer_idx', '?')}) carries no KVpopLayer: use kvpop.patch(model)"
         )
-    cfg = layer.config
     if attention_mask is not None:
         if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
             raise ValueError(
@@ -200,13 +208,33 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     if dropout:
         raise ValueError(f"kvpop attention has no attention dropout; got dropout={dropout} "
                          f"(set config.attention_dropout = 0)")
+    k_pre = layer.k_pre
+    layer.k_pre = None
+    if k_pre is not None:
+        k_pre = k_pre.transpose(1, 2)  # [B, S_new, Hkv, D] -> [B, Hkv, S_new, D]
+    if layer.decode_fn is not None:
+        return layer.decode_fn(module, query, key, value, attention_mask, scaling=scaling, k_pre=k_pre, **kwargs)
     if query.shape[2] != key.shape[2]:
-        if layer.decode_fn is not None:
-            return layer.decode_fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         raise NotImplementedError(
             "kvpop attention got fewer queries than keys (decoding with a growing cache); decode with "
             "kvpop.KVpopCache instead of a DynamicCache"
         )
+    out, _ = sequence_attention(layer, query, key, value, k_pre, scaling=scaling,
+                                training=module.training and torch.is_grad_enabled())
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       k_pre: torch.Tensor | None, *, scaling: float | None = None,
+                       training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVpop attention over one whole sequence (training, evaluation, or a cache's prefill).
+
+    ``query [B, Hq, S, D]``, ``key, value, k_pre [B, Hkv, S, D]`` (``k_pre``: the pre-RoPE key) ->
+    ``(out [B, Hq, S, D], lse float32 [B, Hq, S])``.  Sets ``layer.last_priority`` (float32) and
+    ``layer.last_evict_at`` (int32), each ``[B, Hkv, S]``, and, when ``training`` (and
+    ``config.compute_loss``, policy ``"kvpop"``, ``S > budget``), ``layer.loss_terms``.
+    """
+    cfg = layer.config
     if cfg.policy in ("tova", "h2o"):
         raise NotImplementedError(
             f"policy={cfg.policy!r} is defined only while decoding through kvpop.KVpopCache; a full-sequence "
@@ -214,18 +242,15 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         )
     B, Hq, S, D = query.shape
     Hkv = key.shape[1]
-    k_pre = layer.k_pre
-    layer.k_pre = None
-    if k_pre is None or k_pre.dim() != 4 or k_pre.transpose(1, 2).shape != value.shape:
+    if k_pre is None or k_pre.shape != value.shape:
         raise RuntimeError(
             f"kvpop: the pre-RoPE key of layer {layer.layer_idx} was not captured (expected the output of "
-            f"k_norm of shape [B, S, Hkv, D] = {(B, S, Hkv, D)}); was the model patched by kvpop.patch?"
+            f"k_norm, [B, Hkv, S, D] = {(B, Hkv, S, D)} after transposing; got "
+            f"{None if k_pre is None else tuple(k_pre.shape)}); was the model patched by kvpop.patch?"
         )
-    k_pre = k_pre.transpose(1, 2)
     k_long = cfg.k
     streaming = streaming_policy(cfg)
-    need_loss = (module.training and torch.is_grad_enabled() and cfg.compute_loss and cfg.policy == "kvpop"
-                 and S > cfg.budget)
+    need_loss = training and cfg.compute_loss and cfg.policy == "kvpop" and S > cfg.budget
     log_gamma = layer.log_gamma()
     tpos = torch.arange(S, device=query.device, dtype=torch.float32)
 
@@ -268,7 +293,7 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                                             tau=cfg.tau, tie_margin=cfg.tie_margin, balance=cfg.balance)
     layer.last_priority = prio.detach()
     layer.last_evict_at = evict_at
-    return out.transpose(1, 2).contiguous(), None
+    return out, lse
 
 
 def streaming_policy(cfg: KVpopConfig) -> bool:

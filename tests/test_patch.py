@@ -179,6 +179,30 @@ def test_padding_and_decode_paths_are_refused(ids):
         logits(m, ids)
 
 
+def test_decode_fn_hook_gets_pre_rope_keys(ids):
+    """A cache's decode_fn receives every call with the pre-RoPE keys; sequence_attention reproduces the
+    plain forward (what a prefill would reuse)."""
+    from kvpop.patch import sequence_attention
+
+    m = kvpop.patch(tiny_model(), **SMALL)
+    ref = logits(m, ids)
+    seen = []
+
+    def decode_fn(module, query, key, value, attention_mask, *, scaling, k_pre, **kw):
+        seen.append((module.layer_idx, tuple(k_pre.shape)))
+        # the pre-RoPE key is k_norm(k_proj(x)); RoPE at position 0 is the identity
+        assert torch.allclose(k_pre[:, :, 0], key[:, :, 0], atol=1e-6)
+        out, lse = sequence_attention(module.kvpop, query, key, value, k_pre, scaling=scaling)
+        return out.transpose(1, 2), None
+
+    for layer in kvpop.kvpop_layers(m):
+        layer.decode_fn = decode_fn
+    torch.testing.assert_close(logits(m, ids), ref, atol=0, rtol=0)
+    assert seen == [(0, (2, 2, S, 32)), (1, (2, 2, S, 32))]
+    for layer in kvpop.kvpop_layers(m):
+        layer.decode_fn = None
+
+
 def test_deepcopy_and_make_teacher(ids):
     m = kvpop.patch(tiny_model(), **SMALL)
     ref_dense = None
