@@ -38,7 +38,8 @@ The patched forward (one call of the attention function per layer)
     ``last_priority`` / ``last_evict_at``, for a cache's prefill.
 
 Activation checkpointing: use the non-reentrant form
-(``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``):
+(``model.activation_checkpointing_enable({"use_reentrant": False})``, or
+``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})`` before 5.2x):
 the reentrant form runs the first forward under ``no_grad``, so no layer would record ``L_score``.
 With the non-reentrant form the recomputation in backward repeats the layer's loss work too (the
 target pass and the decisions), the price of not keeping the layer's activations.
