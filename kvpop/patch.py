@@ -329,17 +329,29 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"{type(model).__name__} has no Qwen3Attention module to patch")
 
 
+def _patched_owner(model: nn.Module) -> nn.Module | None:
+    """The module carrying the patch state: ``model`` itself or, for a wrapper (DDP, FSDP, a
+    ``torch.compile`` module), the first submodule that does."""
+    if getattr(model, _STATE_ATTR, None) is not None:
+        return model
+    if isinstance(model, nn.Module):
+        for m in model.modules():
+            if getattr(m, _STATE_ATTR, None) is not None:
+                return m
+    return None
+
+
 def is_patched(model: nn.Module) -> bool:
-    """True when ``model`` carries kvpop's patch."""
-    return getattr(model, _STATE_ATTR, None) is not None
+    """True when ``model`` (or the model it wraps) carries kvpop's patch."""
+    return _patched_owner(model) is not None
 
 
 def get_config(model: nn.Module) -> KVpopConfig:
     """The ``KVpopConfig`` of a patched model (ValueError when it is not patched)."""
-    st = getattr(model, _STATE_ATTR, None)
-    if st is None:
+    owner = _patched_owner(model)
+    if owner is None:
         raise ValueError(f"{type(model).__name__} is not patched: call kvpop.patch(model) first")
-    return st["config"]
+    return getattr(owner, _STATE_ATTR)["config"]
 
 
 def kvpop_layers(model: nn.Module) -> list[KVpopLayer]:
@@ -410,15 +422,16 @@ def unpatch(model: nn.Module) -> nn.Module:
 
     A model that is not patched is returned unchanged.
     """
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
+    owner = _patched_owner(model)
+    if owner is None:
         return model
-    for attn in _attention_modules(model):
+    state = getattr(owner, _STATE_ATTR)
+    for attn in _attention_modules(owner):
         _remove_hooks(attn)
         if "kvpop" in attn._modules:
             del attn._modules["kvpop"]
-    model.config._attn_implementation = state["orig_attn"]
-    delattr(model, _STATE_ATTR)
+    owner.config._attn_implementation = state["orig_attn"]
+    delattr(owner, _STATE_ATTR)
     return model
 
 
@@ -430,11 +443,12 @@ def disabled(model: nn.Module) -> Iterator[nn.Module]:
     with itself, or as the teacher while the model itself is frozen).  When the model is fine-tuned,
     the teacher must be the frozen original: use :func:`make_teacher` before training.
     """
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
+    owner = _patched_owner(model)
+    if owner is None:
         yield model
         return
-    mc = model.config
+    state = getattr(owner, _STATE_ATTR)
+    mc = owner.config
     prev = mc._attn_implementation
     mc._attn_implementation = state["orig_attn"]
     try:

@@ -201,7 +201,9 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 topk = None
                 if cfg.train_model:
                     with torch.no_grad():
-                        topk = teacher_topk(teacher(ids).logits, cfg.top_k)
+                        t_dev = next(teacher.parameters()).device
+                        vals, idx = teacher_topk(teacher(ids.to(t_dev)).logits, cfg.top_k)
+                        topk = (vals.to(dev), idx.to(dev))
                 out = model(ids, use_cache=False)
                 st = score_stats(model)
                 ls = score_loss(model)

@@ -220,6 +220,11 @@ def test_deepcopy_and_make_teacher(ids):
     teacher = kvpop.make_teacher(m)
     assert kvpop.is_patched(m) and not kvpop.is_patched(teacher)
     assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+    assert not any(".kvpop." in n for n in teacher.state_dict())
+    assert all(len(mod.k_norm._forward_hooks) == 0 for mod in teacher.modules() if hasattr(mod, "k_norm"))
+    assert all(len(mod.k_norm._forward_hooks) == 1 for mod in c.modules() if hasattr(mod, "k_norm"))
+    wrapper = torch.nn.Sequential(c)  # a wrapper (as DDP) still reports the patch
+    assert kvpop.is_patched(wrapper) and kvpop.get_config(wrapper) == kvpop.get_config(m)
     torch.testing.assert_close(logits(teacher, ids), ref_dense, atol=0, rtol=0)
     with torch.no_grad():  # changing the student leaves the teacher alone
         m.lm_head.weight.add_(1.0)
