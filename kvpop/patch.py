@@ -215,6 +215,12 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         k_pre = k_pre.transpose(1, 2)  # [B, S_new, Hkv, D] -> [B, Hkv, S_new, D]
     if layer.decode_fn is not None:
         return layer.decode_fn(module, query, key, value, attention_mask, scaling=scaling, k_pre=k_pre, **kwargs)
+    cache_attention = _cache_attention()
+    if cache_attention is not None:  # a pending kvpop.KVpopCache takes the call (prefill or decode)
+        hooks = ScorerHooks(layer, k_pre, kwargs.get("position_ids"))
+        out = cache_attention(module, query, key, value, scaling=scaling, hooks=hooks)
+        if out is not None:
+            return out, None
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(
             "kvpop attention got fewer queries than keys (decoding with a growing cache); decode with "
@@ -295,6 +301,111 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     layer.last_priority = prio.detach()
     layer.last_evict_at = evict_at
     return out, lse
+
+
+_CACHE_ATTENTION: list = []
+
+
+def _cache_attention() -> Callable | None:
+    """``kvpop.cache.cache_attention`` once the decoding cache exists in the package, else None."""
+    if not _CACHE_ATTENTION:
+        import importlib.util
+
+        fn = None
+        if importlib.util.find_spec("kvpop.cache") is not None:
+            from . import cache as _cache
+
+            fn = getattr(_cache, "cache_attention", None)
+        _CACHE_ATTENTION.append(fn)
+    return _CACHE_ATTENTION[0]
+
+
+class ScorerHooks:
+    """The learned scorer's priorities for ``kvpop.KVpopCache`` (its ``PriorityHooks`` protocol).
+
+    Built per attention call from the layer and the pre-RoPE keys of the call's new tokens
+    (``k_pre [1, Hkv, S_new, D]``; the cache passes rotated keys, the scorer reads pre-RoPE ones);
+    ``position_ids [1, S_new]`` map a position to its index among the new tokens.
+
+    * ``prompt(module, cache_layer, key, value) -> [1, Hkv, S]``: ``r_hat - t log(gamma)`` of the whole
+      prompt, exactly as in a full-sequence forward.  The mLSTM scorer also leaves in
+      ``cache_layer.scorer_state`` the tuple ``(C, n, m, k_ring)``: its recurrent state after the prompt
+      and a ring ``[1, Hkv, w, D]`` of the pre-RoPE keys of the last ``w`` tokens (token ``t`` at
+      ``t % w``), which it needs to score a token when it leaves the window.
+    * ``token(module, cache_layer, key_new, value_new, pos) -> [Hkv]`` (MLP scorer): the priority of the
+      new token, known at entry.
+    * ``leaving(module, cache_layer, key_new, value_new, pos) -> [Hkv]`` (mLSTM scorer): absorbs the
+      new token into the state, then scores ``t = pos - w`` (value read from the cache's window slot,
+      pre-RoPE key from the ring): the state has then absorbed exactly the tokens up to ``t + w``, as
+      in training.
+    """
+
+    def __init__(self, layer: KVpopLayer, k_pre: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
+        self.layer = layer
+        self.k_pre = k_pre
+        self.pos0 = int(position_ids.reshape(-1)[0]) if isinstance(position_ids, torch.Tensor) else None
+        recurrent = getattr(layer.scorer, "lookahead_uses_window", False)
+        self.token = None if recurrent else self._token
+        self.leaving = self._leaving if recurrent else None
+
+    def _k_pre_at(self, pos: int) -> torch.Tensor:
+        if self.k_pre is None:
+            raise RuntimeError("kvpop: the pre-RoPE keys of this call were not captured")
+        n = self.k_pre.shape[2]
+        if self.pos0 is None:
+            if n != 1:
+                raise RuntimeError("kvpop: decoding several tokens per call needs position_ids")
+            return self.k_pre[:, :, 0]
+        i = pos - self.pos0
+        if not 0 <= i < n:
+            raise RuntimeError(f"kvpop: position {pos} is not among this call's tokens ({self.pos0}..{self.pos0 + n - 1})")
+        return self.k_pre[:, :, i]
+
+    def prompt(self, module: nn.Module, cache_layer: Any, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        with torch.no_grad():
+            if getattr(layer.scorer, "lookahead_uses_window", False):
+                r, (C, n, m) = layer.scorer(self.k_pre, value, return_state=True)
+                S, w = value.shape[2], layer.config.window
+                ring = torch.zeros(value.shape[0], value.shape[1], w, value.shape[3], dtype=self.k_pre.dtype,
+                                   device=value.device)
+                t = torch.arange(max(0, S - w), S, device=value.device)
+                ring[:, :, t % w] = self.k_pre[:, :, t]
+                cache_layer.scorer_state = (C, n, m, ring)
+            else:
+                r = layer.scorer(self.k_pre, value)
+            return layer.priority(r)
+
+    def _token(self, module: nn.Module, cache_layer: Any, key_new: torch.Tensor, value_new: torch.Tensor,
+               pos: int) -> torch.Tensor:
+        layer = self.layer
+        with torch.no_grad():
+            r = layer.scorer(self._k_pre_at(pos), value_new.unsqueeze(0))[0]  # [Hkv]
+            return r - pos * layer.log_gamma()
+
+    def _leaving(self, module: nn.Module, cache_layer: Any, key_new: torch.Tensor, value_new: torch.Tensor,
+                 pos: int) -> torch.Tensor | None:
+        layer = self.layer
+        sc = layer.scorer
+        w = layer.config.window
+        with torch.no_grad():
+            st = cache_layer.scorer_state
+            if st is None:  # decoding from an empty cache (no prompt pass)
+                C, n, m = sc.init_state(1, value_new.device)
+                ring = torch.zeros(1, value_new.shape[0], w, value_new.shape[1], device=value_new.device)
+            else:
+                C, n, m, ring = st
+            kp = self._k_pre_at(pos)
+            C, n, m = sc.step((C, n, m), kp, value_new.unsqueeze(0))
+            t = pos - w
+            out = None
+            if t >= 0:
+                v_t = cache_layer.values[:, cache_layer.slot_of(t)].unsqueeze(0)
+                r = sc.score_token((C, n, m), ring[:, :, t % w].to(kp.dtype), v_t)[0]
+                out = r - t * layer.log_gamma()
+            ring[:, :, pos % w] = kp.to(ring.dtype)
+            cache_layer.scorer_state = (C, n, m, ring)
+            return out
 
 
 def streaming_policy(cfg: KVpopConfig) -> bool:
@@ -393,6 +504,7 @@ def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any)
         for layer in kvpop_layers(model):
             layer.config = new
         state["config"] = new
+        model.kvpop_config = new
         return model
 
     attns = _attention_modules(model)
@@ -406,6 +518,7 @@ def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any)
     orig = mc._attn_implementation
     mc._attn_implementation = ATTN_NAME
     setattr(model, _STATE_ATTR, {"config": new, "orig_attn": orig})
+    model.kvpop_config = new  # read by kvpop.KVpopCache(model)
     return model
 
 
@@ -432,6 +545,8 @@ def unpatch(model: nn.Module) -> nn.Module:
             del attn._modules["kvpop"]
     owner.config._attn_implementation = state["orig_attn"]
     delattr(owner, _STATE_ATTR)
+    if "kvpop_config" in owner.__dict__:
+        del owner.__dict__["kvpop_config"]
     return model
 
 

@@ -177,8 +177,12 @@ class MLSTMScorer(nn.Module):
         return num / torch.maximum(den.abs(), torch.exp(-m)[..., None])[..., None]
 
     # ---------------------------------------------------------------- training (chunkwise)
-    def forward(self, k_pre: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Raw scores ``r_hat [B, Hkv, S]`` float32 from ``k_pre, v [B, Hkv, S, D]`` (chunkwise-parallel)."""
+    def forward(self, k_pre: torch.Tensor, v: torch.Tensor, *, return_state: bool = False):
+        """Raw scores ``r_hat [B, Hkv, S]`` float32 from ``k_pre, v [B, Hkv, S, D]`` (chunkwise-parallel).
+
+        With ``return_state=True`` returns ``(r_hat, state)``, ``state`` the recurrent state after the
+        last token (as :meth:`step` would leave it), to continue decoding after a prefill.
+        """
         _check_inputs("MLSTMScorer", k_pre, v, self.num_kv_heads, self.head_dim)
         if k_pre.dim() != 4:
             raise ValueError(f"MLSTMScorer.forward takes [B, Hkv, S, D], got {tuple(k_pre.shape)}; "
@@ -197,7 +201,8 @@ class MLSTMScorer(nn.Module):
             h[:, :, : S - w] = h_shift[:, :, w:]
         tail = max(0, S - w)  # tokens still in the window at the end read the last state
         h[:, :, tail:] = self._read(C, n, m, qf[:, :, tail:])
-        return self.out(torch.cat([x, h], dim=-1))
+        r = self.out(torch.cat([x, h], dim=-1))
+        return (r, (C, n, m)) if return_state else r
 
     def _chunkwise(self, q, kf, vf, ig, lf):
         B, H, S, d = kf.shape

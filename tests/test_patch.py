@@ -424,3 +424,29 @@ def test_load_mismatches_raise(tmp_path):
     save_file({"x": torch.zeros(2)}, str(other))
     with pytest.raises(ValueError, match="not a kvpop scorer file"):
         kvpop.load_scorers(tiny_model(), other)
+
+
+# ----------------------------------------------------------------------------- with the decoding cache
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+@pytest.mark.parametrize("prompt_len", [20, 5])
+def test_cache_prefill_and_decode_match_the_full_forward(scorer, prompt_len):
+    """Prefill + fixed-budget decoding through kvpop.KVpopCache with the learned scorer gives the
+    logits of one full-sequence forward (the scorer's pre-RoPE inputs and, for the mLSTM, its
+    recurrent state and key ring carried through the cache)."""
+    cache_mod = pytest.importorskip("kvpop.cache")
+    torch.manual_seed(5)
+    m = kvpop.patch(tiny_model(), scorer=scorer, **SMALL)
+    with torch.no_grad():  # make the scores matter
+        for n, p in m.named_parameters():
+            if ".kvpop." in n and not n.endswith("decay_logit"):
+                p.copy_(torch.randn_like(p))
+    ids = torch.randint(0, 128, (1, 48))
+    full = logits(m, ids)
+    cache = cache_mod.KVpopCache(m)
+    outs = []
+    with torch.no_grad():
+        outs.append(m(ids[:, :prompt_len], past_key_values=cache, use_cache=True).logits)
+        for t in range(prompt_len, 48):
+            outs.append(m(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=2e-4, rtol=2e-4)
