@@ -309,10 +309,11 @@ _CACHE_ATTENTION: list = []
 def _cache_attention() -> Callable | None:
     """``kvpop.cache.cache_attention`` once the decoding cache exists in the package, else None."""
     if not _CACHE_ATTENTION:
-        import importlib.util
+        import os
 
         fn = None
-        if importlib.util.find_spec("kvpop.cache") is not None:
+        # only a cache module of this very package (an editable install elsewhere must not leak in)
+        if os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache.py")):
             from . import cache as _cache
 
             fn = getattr(_cache, "cache_attention", None)
