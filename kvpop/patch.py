@@ -48,12 +48,16 @@ Limits: no padding (a 2D attention mask with zeros -> ValueError; use equal-leng
 no sliding-window layers, no attention dropout, no ``output_attentions`` (the weights returned are
 ``None``).
 
-Hook for the decoding cache: when ``KVpopLayer.decode_fn`` is set (by ``kvpop.KVpopCache``; whoever
-sets it clears it), the attention function hands every call of that layer to
-``decode_fn(module, query, key, value, attention_mask, scaling=..., k_pre=[B, Hkv, S_new, D], **kwargs)``
-(``k_pre``: the pre-RoPE keys of the new tokens) and returns what it returns; a prefill can reuse
-:func:`sequence_attention`.  Without a ``decode_fn``, a call with fewer queries than keys (decoding
-with a ``DynamicCache``) raises NotImplementedError.
+Decoding: when this package has ``kvpop.cache`` (issue 6), every call first offers itself to
+``kvpop.cache.cache_attention(module, query, key, value, scaling=..., hooks=ScorerHooks(...))``, which
+takes it when a ``KVpopCache`` is pending for the layer (prefill and decode steps; the hooks give the
+cache the learned priorities from the pre-RoPE keys, see :class:`ScorerHooks`).  A generic escape
+hatch: when ``KVpopLayer.decode_fn`` is set (whoever sets it clears it) every call of that layer goes
+to ``decode_fn(module, query, key, value, attention_mask, scaling=..., k_pre=[B, Hkv, S_new, D],
+**kwargs)``; a prefill can reuse :func:`sequence_attention`.  Otherwise a call with fewer queries than
+keys (decoding with a ``DynamicCache``) raises NotImplementedError.  Decoding always ranks by the
+scorer (policy ``"kvpop"``): ``mask_source`` is a training option.
+
 Scorers are created in float32 on the device of the attention weights; cast the model *before*
 patching (``model.to(torch.bfloat16)`` after ``patch`` casts the scorers too, which works but loses
 score precision).
