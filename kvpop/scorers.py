@@ -19,7 +19,7 @@ Inputs: pre-RoPE keys
     from ``L_score``.
 
 ``MLPScorer`` (``scorer="mlp"``)
-    ``r_hat[h,t] = w2[h] . silu(W1[h]^T [k_t; v_t] + b1[h]) + b2[h]``: scores a token from its own
+    ``r_hat[h,t] = w2[h] . silu(W1[h]^T [k_t; v_t] + b1[h])`` (no output bias: only score differences matter): scores a token from its own
     key and value; available as soon as the token exists (``lookahead = 0``).
 
 ``MLSTMScorer`` (``scorer="mlstm"``)
@@ -80,22 +80,26 @@ def _check_inputs(name: str, k_pre: torch.Tensor, v: torch.Tensor, heads: int, h
 
 
 class _HeadMLP(nn.Module):
-    """Per-head two-layer MLP ``[B, H, S, I] -> [B, H, S]`` (weights ``[H, I, hidden]``, ``[H, hidden]``)."""
+    """Per-head two-layer MLP ``[B, H, S, I] -> [B, H, S]`` (weights ``[H, I, hidden]``, ``[H, hidden]``).
+
+    No output bias: only differences of scores within a head matter (eviction ranks tokens of one head;
+    ``L_score`` compares two tokens of one head), so an output bias would get an exactly-zero gradient
+    and Adam would turn its rounding noise into random steps.
+    """
 
     def __init__(self, heads: int, d_in: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.randn(heads, d_in, hidden) / math.sqrt(d_in))
         self.b1 = nn.Parameter(torch.zeros(heads, hidden))
         self.w2 = nn.Parameter(torch.randn(heads, hidden) / math.sqrt(hidden))
-        self.b2 = nn.Parameter(torch.zeros(heads))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, H, ..., I]; contract the last axis per head
-        w1, b1, w2, b2 = self.w1.float(), self.b1.float(), self.w2.float(), self.b2.float()
+        w1, b1, w2 = self.w1.float(), self.b1.float(), self.w2.float()
         shape = x.shape
         xf = x.reshape(shape[0], shape[1], -1, shape[-1])
         hdn = F.silu(torch.einsum("bhsi,hio->bhso", xf, w1) + b1[None, :, None, :])
-        r = torch.einsum("bhso,ho->bhs", hdn, w2) + b2[None, :, None]
+        r = torch.einsum("bhso,ho->bhs", hdn, w2)
         return r.reshape(shape[:-1])
 
 

@@ -16,6 +16,17 @@
   ``resume=True`` loads ``last.pt`` and fast-forwards the data to where it stopped, so a resumed
   run repeats the next step of the uninterrupted run exactly (tests/test_train.py).
 
+Several processes (``torchrun``): when ``torch.distributed`` is initialised with more than one rank,
+the model is wrapped in ``DistributedDataParallel`` (``find_unused_parameters=True``: a forward with
+no eviction decision leaves the scorers unused), rank ``r`` takes the micro-batches ``r, r + W, ...``
+of ``data``, gradients are averaged over the ranks, the logged losses are averaged too, and rank 0
+alone writes checkpoints and draws the progress bar.  With ``balance=False`` in the ``KVpopConfig``
+two ranks compute exactly the step of one process on both batches (tests/test_train.py, gloo on the
+CPU); with class balancing each rank balances its own decisions.  FSDP is not wired here.
+
+``activation_checkpointing=True`` turns on transformers' non-reentrant activation checkpointing
+(see ``kvpop.patch`` for why the reentrant form cannot work).
+
 The teacher must hold the *original* weights: by default ``train`` makes it with
 ``kvpop.make_teacher(model)`` before loading a checkpoint, i.e. from the weights the model has when
 ``train`` is called -- call it on the original model, also when resuming.  Pass ``teacher=`` to reuse
@@ -57,6 +68,7 @@ class TrainConfig:
     top_k: int = 256
     score_weight: float = 1.0
     train_model: bool = True
+    activation_checkpointing: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     progress: bool = True
@@ -84,18 +96,40 @@ def _input_ids(batch: Any) -> torch.Tensor:
     return batch
 
 
-def _micro_batches(data: Iterable, skip: int):
-    """Cycle over ``data`` (re-iterable) forever, skipping the first ``skip`` micro-batches."""
-    seen = 0
+def _micro_batches(data: Iterable, skip: int, rank: int = 0, world: int = 1):
+    """Cycle over ``data`` (re-iterable) forever; this rank's share is every ``world``-th item from
+    ``rank``; the first ``skip`` items of that share are skipped (resume)."""
+    own = idx = 0
     while True:
-        empty = True
+        own_start = own
         for batch in data:
-            empty = False
-            if seen >= skip:
-                yield batch
-            seen += 1
-        if empty:
-            raise ValueError("the training data yielded no batch")
+            if idx % world == rank:
+                if own >= skip:
+                    yield batch
+                own += 1
+            idx += 1
+        if own == own_start:
+            raise ValueError(f"the training data yielded no batch for rank {rank} of {world} "
+                             f"(it needs at least {world} batches)")
+
+
+def _dist() -> tuple[int, int]:
+    """``(rank, world_size)`` of an initialised process group, else ``(0, 1)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _mean_over_ranks(values: list[float], world: int, device: torch.device) -> list[float]:
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / world).tolist()
 
 
 def _rng_state() -> dict[str, Any]:
@@ -113,10 +147,32 @@ def _set_rng_state(st: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+class _Step(nn.Module):
+    """One student forward returning ``(logits, L_score, stats)``: under DDP the score loss must be an
+    output of the wrapped forward, or DDP takes the scorers for unused parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor):
+        out = self.model(ids, use_cache=False)
+        stats = score_stats(self.model)
+        ls = score_loss(self.model)
+        return out.logits, ls.to(out.logits.device), stats
 
 
 def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *, teacher: nn.Module | None = None,
@@ -138,8 +194,14 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
         cfg = TrainConfig(**{**asdict(cfg), **overrides})
     kv_cfg = get_config(model)
     torch.manual_seed(cfg.seed)
+    rank, world = _dist()
     if cfg.train_model and teacher is None:
         teacher = make_teacher(model)
+    if cfg.activation_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     scorer_params = [(n, p) for n, p in model.named_parameters() if ".kvpop." in n or n.startswith("kvpop.")]
     scorer_ids = {id(p) for _, p in scorer_params}
     model_params = [p for p in model.parameters() if id(p) not in scorer_ids]
@@ -172,20 +234,32 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
         step, consumed = ck["step"], ck["consumed"]
         _set_rng_state(ck["rng"])
 
+    runner: nn.Module = _Step(model)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dev0 = next(model.parameters()).device
+        runner = DDP(runner, device_ids=[dev0.index] if dev0.type == "cuda" else None,
+                     find_unused_parameters=True)
+
     def save() -> None:
+        if rank != 0:
+            _barrier(world)
+            return
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                       "step": step, "consumed": consumed, "rng": _rng_state(), "kvpop_config": kv_cfg.to_json(),
                       "train_config": asdict(cfg)}, last)
         save_scorers(model, ckpt_dir / "scorers.safetensors")
+        _barrier(world)
 
     history: list[dict[str, float]] = []
     if step >= cfg.steps:
         return history
     model.train()
-    batches = _micro_batches(data, consumed)
+    batches = _micro_batches(data, consumed, rank, world)
     bar = None
-    if cfg.progress:
+    if cfg.progress and rank == 0:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="kvpop train", dynamic_ncols=True)
@@ -204,13 +278,11 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                         t_dev = next(teacher.parameters()).device
                         vals, idx = teacher_topk(teacher(ids.to(t_dev)).logits, cfg.top_k)
                         topk = (vals.to(dev), idx.to(dev))
-                out = model(ids, use_cache=False)
-                st = score_stats(model)
-                ls = score_loss(model)
-                loss = cfg.score_weight * ls.to(out.logits.device)
+                logits, ls, st = runner(ids)
+                loss = cfg.score_weight * ls.to(logits.device)
                 kl = torch.zeros(())
                 if cfg.train_model:
-                    kl = distill_loss(out.logits, topk, top_k=cfg.top_k)
+                    kl = distill_loss(logits, topk, top_k=cfg.top_k)
                     loss = loss + kl
                 if loss.requires_grad:
                     (loss / cfg.grad_accum).backward()
@@ -219,13 +291,15 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 for key in ("accuracy", "keep_frac"):
                     stats_acc[key] = stats_acc.get(key, 0.0) + st[key] / cfg.grad_accum
                 stats_acc["gamma_min"], stats_acc["gamma_max"] = st["gamma_min"], st["gamma_max"]
-                del out, loss
+                del logits, loss
             gnorm = {}
             if cfg.max_grad_norm is not None:
                 gnorm["gnorm_scorer"] = float(torch.nn.utils.clip_grad_norm_([p for _, p in scorer_params],
                                                                              cfg.max_grad_norm))
                 if cfg.train_model:
                     gnorm["gnorm_model"] = float(torch.nn.utils.clip_grad_norm_(model_params, cfg.max_grad_norm))
+            if world > 1:
+                kl_acc, ls_acc = _mean_over_ranks([kl_acc, ls_acc], world, dev)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)

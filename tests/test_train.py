@@ -90,3 +90,53 @@ def test_scorer_only_training_leaves_the_model_alone():
     for n, p in m.named_parameters():
         if ".kvpop." not in n:
             assert torch.equal(p, before[n]), n
+
+
+def _ddp_worker(rank, world, init_file, out_dir, steps):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["TRITON_INTERPRET"] = "0"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        m, teacher, data = _ddp_setup()
+        cfg = TrainConfig(steps=steps, lr_model=1e-3, lr_scorer=1e-2, progress=False,
+                          checkpoint_dir=out_dir, checkpoint_every=steps)
+        hist = train(m, data, cfg, teacher=teacher)
+        torch.save({"params": {n: p.detach() for n, p in m.named_parameters()}, "hist": hist},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_setup():
+    m = _student()
+    teacher = kvpop.make_teacher(m)
+    _perturb(m)
+    torch.manual_seed(11)
+    kvpop.patch(m, balance=False, **SMALL)
+    return m, teacher, _data(2)
+
+
+def test_ddp_two_gloo_processes_match_one_process(tmp_path):
+    """Two DDP ranks (gloo, CPU), each with one of two batches, take the same steps as one process on
+    both batches at once."""
+    import torch.multiprocessing as mp
+
+    steps = 2
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "pg"), str(tmp_path), steps), nprocs=2, join=True)
+    r0 = torch.load(tmp_path / "rank0.pt")
+    r1 = torch.load(tmp_path / "rank1.pt")
+    for n in r0["params"]:
+        assert torch.equal(r0["params"][n], r1["params"][n]), n
+    assert (tmp_path / "last.pt").exists() and (tmp_path / "scorers.safetensors").exists()
+    m, teacher, data = _ddp_setup()
+    hist = train(m, [torch.cat(data, dim=0)], TrainConfig(steps=steps, lr_model=1e-3, lr_scorer=1e-2,
+                                                          progress=False), teacher=teacher)
+    for h_ddp, h_one in zip(r0["hist"], hist):
+        assert h_ddp["kl"] == pytest.approx(h_one["kl"], rel=1e-4)
+        assert h_ddp["score"] == pytest.approx(h_one["score"], rel=1e-4)
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(r0["params"][n], p.detach(), atol=2e-5, rtol=1e-4, msg=n)
