@@ -210,6 +210,54 @@ def test_decode_fn_hook_gets_pre_rope_keys(ids):
         layer.decode_fn = None
 
 
+@pytest.mark.parametrize("mask_source,target_lse", [("scorer", "sparse"), ("scorer", "dense"), ("teacher", "sparse"),
+                                                    ("streaming", "dense")])
+def test_training_forward_follows_the_definitions(ids, mask_source, target_lse):
+    """Each layer's mask priorities and L_score terms against the references, from the layer's own q, k, v."""
+    from kvpop.patch import sequence_attention
+
+    m = kvpop.patch(tiny_model(), mask_source=mask_source, target_lse=target_lse, **SMALL).train()
+    cfg = kvpop.get_config(m)
+    checked = []
+
+    def decode_fn(module, query, key, value, attention_mask, *, scaling, k_pre, **kw):
+        layer = module.kvpop
+        out, lse = sequence_attention(layer, query, key, value, k_pre, scaling=scaling, training=True)
+        with torch.no_grad():
+            t = torch.arange(S, dtype=torch.float32)
+            lg = layer.log_gamma()
+            r_hat = layer.scorer(k_pre, value)
+            _, lse_dense = reference.dense_causal_attention(query, key, value, scale=scaling)
+            r_dense = reference.future_attention_target(query, key, lse_dense, window=8, eps=cfg.eps, scale=scaling)
+            if mask_source == "scorer":
+                prio = r_hat - t * lg[:, None]
+            elif mask_source == "teacher":
+                prio = r_dense - t * lg[:, None]
+            else:
+                prio = torch.zeros_like(r_hat)
+            torch.testing.assert_close(layer.last_priority, prio, atol=1e-5, rtol=1e-5)
+            ev = reference.eviction_schedule(prio, sinks=2, window=8, k=14)
+            assert torch.equal(layer.last_evict_at, ev)
+            o_ref, lse_ref = reference.sparse_attention(query, key, value, ev, sinks=2, window=8, scale=scaling)
+            torch.testing.assert_close(out, o_ref, atol=1e-5, rtol=1e-5)
+            if mask_source == "teacher" or target_lse == "dense":
+                r_tgt = r_dense
+            else:
+                r_tgt = reference.future_attention_target(query, key, lse_ref, window=8, eps=cfg.eps, scale=scaling)
+            exp = kvpop.score_loss_terms(r_hat, r_tgt, lg, sinks=2, window=8, k=14, tau=cfg.tau,
+                                         tie_margin=cfg.tie_margin, balance=cfg.balance)
+            got = layer.loss_terms
+            assert int(got["n"]) == int(exp["n"]) > 0 and int(got["n_keep"]) == int(exp["n_keep"])
+            torch.testing.assert_close(got["loss_sum"].detach(), exp["loss_sum"], atol=1e-5, rtol=1e-5)
+        checked.append(module.layer_idx)
+        return out.transpose(1, 2), None
+
+    for layer in kvpop.kvpop_layers(m):
+        layer.decode_fn = decode_fn
+    m(ids)
+    assert checked == [0, 1]
+
+
 def test_deepcopy_and_make_teacher(ids):
     m = kvpop.patch(tiny_model(), **SMALL)
     ref_dense = None
