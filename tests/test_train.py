@@ -140,3 +140,19 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path):
         assert h_ddp["score"] == pytest.approx(h_one["score"], rel=1e-4)
     for n, p in m.named_parameters():
         torch.testing.assert_close(r0["params"][n], p.detach(), atol=2e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_activation_checkpointing_takes_the_same_steps():
+    hists = []
+    for ac in (False, True):
+        m = _student()
+        t = kvpop.make_teacher(m)
+        _perturb(m)
+        torch.manual_seed(11)
+        kvpop.patch(m, **SMALL)
+        hists.append(train(m, _data(1), TrainConfig(steps=2, lr_model=1e-3, lr_scorer=1e-2, progress=False,
+                                                    activation_checkpointing=ac), teacher=t))
+    for a, b in zip(*hists):
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-5) and a["score"] == pytest.approx(b["score"], rel=1e-5)
+        assert a["score"] > 0
