@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import kvpop  # noqa: E402
 from kvpop import KVpopConfig  # noqa: E402
+from kvpop.patch import _attention_modules  # noqa: E402  (kvpop.patch the attribute is the function)
 from kvpop_kernels import NEVER, reference  # noqa: E402
 
 S = 64
@@ -70,7 +71,7 @@ def test_patch_unpatch_restores_exactly(ids):
     assert not kvpop.is_patched(m)
     assert m.config._attn_implementation == orig_impl
     assert list(m.state_dict()) == keys
-    assert all(len(a.k_norm._forward_hooks) == 0 for a in kvpop.patch.__globals__["_attention_modules"](m))
+    assert all(len(a.k_norm._forward_hooks) == 0 for a in _attention_modules(m))
     assert torch.equal(logits(m, ids), ref)
     kvpop.unpatch(m)  # unpatching an unpatched model is a no-op
     assert torch.equal(logits(m, ids), ref)
@@ -85,7 +86,7 @@ def test_patch_is_idempotent_and_repatch_rules(ids):
     kvpop.patch(m, **SMALL)
     assert {n: p for n, p in m.named_parameters() if ".kvpop." in n}.keys() == params.keys()
     assert all(p is params[n] for n, p in m.named_parameters() if ".kvpop." in n)
-    for a in kvpop.patch.__globals__["_attention_modules"](m):
+    for a in _attention_modules(m):
         assert len(a.k_norm._forward_hooks) == 1
     assert torch.equal(logits(m, ids), out)
     # a non-structural change keeps the scorers and takes effect
