@@ -58,6 +58,9 @@ to ``decode_fn(module, query, key, value, attention_mask, scaling=..., k_pre=[B,
 keys (decoding with a ``DynamicCache``) raises NotImplementedError.  Decoding always ranks by the
 scorer (policy ``"kvpop"``): ``mask_source`` is a training option.
 
+Note: ``kvpop.patch`` is this function, which shadows the module of the same name as an attribute of
+``kvpop``; import module-level names with ``from kvpop.patch import sequence_attention, ScorerHooks``.
+
 Scorers are created in float32 on the device of the attention weights; cast the model *before*
 patching (``model.to(torch.bfloat16)`` after ``patch`` casts the scorers too, which works but loses
 score precision).
