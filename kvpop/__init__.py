@@ -11,8 +11,7 @@ Typical use::
 
 Kernels live in ``kvpop_kernels`` (which never imports transformers).
 """
-import os as _os
-
+from .cache import KVpopCache
 from .checkpoint import load_scorers, read_scorer_config, save_scorers
 from .config import KVpopConfig
 from .loss import distill_loss, score_loss, score_loss_terms, score_stats, teacher_topk
@@ -22,6 +21,7 @@ from .scorers import MLPScorer, MLSTMScorer, build_scorer
 
 __all__ = [
     "KVpopConfig",
+    "KVpopCache",
     "patch",
     "unpatch",
     "is_patched",
@@ -42,8 +42,3 @@ __all__ = [
     "MLSTMScorer",
     "build_scorer",
 ]
-
-if _os.path.exists(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "cache.py")):  # issue 6
-    from .cache import KVpopCache  # noqa: F401
-
-    __all__.append("KVpopCache")

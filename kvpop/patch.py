@@ -48,7 +48,7 @@ Limits: no padding (a 2D attention mask with zeros -> ValueError; use equal-leng
 no sliding-window layers, no attention dropout, no ``output_attentions`` (the weights returned are
 ``None``).
 
-Decoding: when this package has ``kvpop.cache`` (issue 6), every call first offers itself to
+Decoding: every call first offers itself to
 ``kvpop.cache.cache_attention(module, query, key, value, scaling=..., hooks=ScorerHooks(...))``, which
 takes it when a ``KVpopCache`` is pending for the layer (prefill and decode steps; the hooks give the
 cache the learned priorities from the pre-RoPE keys, see :class:`ScorerHooks`).  A generic escape
@@ -78,6 +78,7 @@ from torch import nn
 import kvpop_kernels
 from kvpop_kernels import NEVER
 
+from .cache import cache_attention
 from .config import KVpopConfig
 from .loss import score_loss_terms
 from .scorers import build_scorer
@@ -222,12 +223,11 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         k_pre = k_pre.transpose(1, 2)  # [B, S_new, Hkv, D] -> [B, Hkv, S_new, D]
     if layer.decode_fn is not None:
         return layer.decode_fn(module, query, key, value, attention_mask, scaling=scaling, k_pre=k_pre, **kwargs)
-    cache_attention = _cache_attention()
-    if cache_attention is not None:  # a pending kvpop.KVpopCache takes the call (prefill or decode)
-        hooks = ScorerHooks(layer, k_pre, kwargs.get("position_ids"))
-        out = cache_attention(module, query, key, value, scaling=scaling, hooks=hooks)
-        if out is not None:
-            return out, None
+    # a pending kvpop.KVpopCache takes the call (prefill or decode step)
+    out = cache_attention(module, query, key, value, scaling=scaling,
+                          hooks=ScorerHooks(layer, k_pre, kwargs.get("position_ids")))
+    if out is not None:
+        return out, None
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(
             "kvpop attention got fewer queries than keys (decoding with a growing cache); decode with "
@@ -308,24 +308,6 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     layer.last_priority = prio.detach()
     layer.last_evict_at = evict_at
     return out, lse
-
-
-_CACHE_ATTENTION: list = []
-
-
-def _cache_attention() -> Callable | None:
-    """``kvpop.cache.cache_attention`` once the decoding cache exists in the package, else None."""
-    if not _CACHE_ATTENTION:
-        import os
-
-        fn = None
-        # only a cache module of this very package (an editable install elsewhere must not leak in)
-        if os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache.py")):
-            from . import cache as _cache
-
-            fn = getattr(_cache, "cache_attention", None)
-        _CACHE_ATTENTION.append(fn)
-    return _CACHE_ATTENTION[0]
 
 
 class ScorerHooks:

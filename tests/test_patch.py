@@ -483,11 +483,6 @@ def test_cache_prefill_and_decode_match_the_full_forward(scorer, prompt_len):
     """Prefill + fixed-budget decoding through kvpop.KVpopCache with the learned scorer gives the
     logits of one full-sequence forward (the scorer's pre-RoPE inputs and, for the mLSTM, its
     recurrent state and key ring carried through the cache)."""
-    import os
-
-    if not os.path.exists(os.path.join(os.path.dirname(kvpop.__file__), "cache.py")):
-        pytest.skip("kvpop.cache (the decoding cache) is not part of this checkout yet")
-    import kvpop.cache as cache_mod
     torch.manual_seed(5)
     m = kvpop.patch(tiny_model(), scorer=scorer, **SMALL)
     with torch.no_grad():  # make the scores matter
@@ -496,7 +491,7 @@ def test_cache_prefill_and_decode_match_the_full_forward(scorer, prompt_len):
                 p.copy_(torch.randn_like(p))
     ids = torch.randint(0, 128, (1, 48))
     full = logits(m, ids)
-    cache = cache_mod.KVpopCache(m)
+    cache = kvpop.KVpopCache(m)
     outs = []
     with torch.no_grad():
         outs.append(m(ids[:, :prompt_len], past_key_values=cache, use_cache=True).logits)
