@@ -25,14 +25,15 @@ Stage 1, grid ``(Hkv, num_splits)``, READS ONLY.  Program ``(h, i)``
    (``k_new, v_new``) and, when it is kept, the leaving token (read from its ring slot ``r``);
 4. writes a partial output (normalised) and its natural-log LSE per (query head, split).
 
-Stage 2, grid ``(Hkv,)``: one program per KV head merges the splits of its ``G`` query heads with
-an online-softmax LSE merge, writes ``out``/``lse``, and only then performs ALL cache writes of
-the head: copy the leaving token's key/value from ring slot ``r`` into ``dst`` and set
-``slot_pos[dst] = t_new``, ``slot_prio[dst - s - w] = leaving_prio`` (when kept), then write
-``k_new, v_new, pos`` into slot ``r`` (a barrier separates the read of ``r`` from its overwrite).
-Stage 1 never writes the cache and stage 2 writes only slots of its own head that no other
-program of the launch reads, so no program reads a location another one writes in the same
-launch; the two launches are ordered by the stream.
+Stage 2, grid ``(Hq,)``: one program per query head merges that head's splits with an online-
+softmax LSE merge (``BLOCK_S`` splits per vector step) and writes ``out``/``lse``; then the
+program of the first query head of each group performs ALL cache writes of its KV head: copy the
+leaving token's key/value from ring slot ``r`` into ``dst`` and set ``slot_pos[dst] = t_new``,
+``slot_prio[dst - s - w] = leaving_prio`` (when kept), then write ``k_new, v_new, pos`` into slot
+``r`` (a barrier separates the read of ``r`` from its overwrite).  Stage 1 never writes the cache
+and in stage 2 exactly one program writes a head's slots, which no other program of that launch
+reads, so no program reads a location that another one writes in the same launch; the two
+launches are ordered by the stream.
 
 So ONE decode step = two kernel launches that fuse: the eviction decision (argmin + compare),
 the attention of the new query over the ``B`` budget slots (new token included), the split
@@ -172,55 +173,56 @@ if triton is not None:
                        s_kc_h, s_kc_b, s_kc_d, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_h, s_sp_b, s_pr_h, s_pr_j,
                        D, NS, LR0, SLOT_NEW, T_NEW, POS,
-                       G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-        h = tl.program_id(0)
+                       G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        qh = tl.program_id(0)  # one program per query head
+        h = qh // G
         h64 = h.to(tl.int64)
-        g = tl.arange(0, G_PAD)
-        g_ok = g < G
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        qh = (h * G + g).to(tl.int64)
-        gd_ok = g_ok[:, None] & d_ok[None, :]
 
-        # -- LSE merge of the splits (natural log)
-        m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-        for i in range(0, NS):
-            row = qh * NS + i
-            lse_i = tl.load(MID_L + row, mask=g_ok, other=float("-inf"))
-            o_i = tl.load(MID_O + row[:, None] * D + d[None, :], mask=gd_ok, other=0.0)
-            m_new = tl.maximum(m_i, lse_i)
+        # -- LSE merge of the splits (natural log), BLOCK_S splits per vector step
+        row0 = qh.to(tl.int64) * NS
+        m_i = float("-inf")
+        l_i = 0.0
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for i0 in range(0, NS, BLOCK_S):
+            i = i0 + tl.arange(0, BLOCK_S)
+            i_ok = i < NS
+            lse_i = tl.load(MID_L + row0 + i, mask=i_ok, other=float("-inf"))
+            o_i = tl.load(MID_O + (row0 + i)[:, None] * D + d[None, :], mask=i_ok[:, None] & d_ok[None, :],
+                          other=0.0)
+            m_new = tl.maximum(m_i, tl.max(lse_i, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
-            beta = tl.exp(lse_i - m_safe)
-            acc = acc * alpha[:, None] + o_i * beta[:, None]
-            l_i = l_i * alpha + beta
+            beta = tl.exp(lse_i - m_safe)  # 0 for empty splits (lse = -inf)
+            acc = acc * alpha + tl.sum(o_i * beta[:, None], axis=0)
+            l_i = l_i * alpha + tl.sum(beta, axis=0)
             m_i = m_new
         l_div = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_div[:, None]
-        tl.store(OUT + qh[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=gd_ok)
-        tl.store(LSE + qh, m_i + tl.log(l_div), mask=g_ok)
+        tl.store(OUT + qh.to(tl.int64) * D + d, (acc / l_div).to(OUT.dtype.element_ty), mask=d_ok)
+        tl.store(LSE + qh, m_i + tl.log(l_div))
 
-        # -- the cache update of head h (no other program of any launch in flight touches it)
-        dst = tl.load(DST + h)
-        kept = dst >= 0
-        dst_c = tl.where(kept, dst, 0).to(tl.int64)
-        kd_ok = d < tl.where(kept, D, 0)  # d_ok & kept
-        ring_k = tl.load(KC + h64 * s_kc_h + SLOT_NEW * s_kc_b + d * s_kc_d, mask=kd_ok)
-        ring_v = tl.load(VC + h64 * s_vc_h + SLOT_NEW * s_vc_b + d * s_vc_d, mask=kd_ok)
-        tl.debug_barrier()  # every thread has read ring slot r before anyone overwrites it
-        tl.store(KC + h64 * s_kc_h + dst_c * s_kc_b + d * s_kc_d, ring_k, mask=kd_ok)
-        tl.store(VC + h64 * s_vc_h + dst_c * s_vc_b + d * s_vc_d, ring_v, mask=kd_ok)
-        lp = tl.load(LP + h)
-        lp = tl.where(lp != lp, float("-inf"), lp)
-        tl.store(SP + h64 * s_sp_h + dst_c * s_sp_b, T_NEW, mask=kept)
-        tl.store(PR + h64 * s_pr_h + (dst_c - LR0) * s_pr_j, lp, mask=kept)
-        kn = tl.load(KN + h64 * D + d, mask=d_ok)
-        vn = tl.load(VN + h64 * D + d, mask=d_ok)
-        tl.store(KC + h64 * s_kc_h + SLOT_NEW * s_kc_b + d * s_kc_d, kn, mask=d_ok)
-        tl.store(VC + h64 * s_vc_h + SLOT_NEW * s_vc_b + d * s_vc_d, vn, mask=d_ok)
-        tl.store(SP + h64 * s_sp_h + SLOT_NEW * s_sp_b, POS)
+        # -- the cache update of KV head h, by its first query head's program only: no other
+        #    program of this launch touches these slots, and stage 1 (which read them) is done
+        if qh % G == 0:
+            dst = tl.load(DST + h)
+            kept = dst >= 0
+            dst_c = tl.where(kept, dst, 0).to(tl.int64)
+            kd_ok = d < tl.where(kept, D, 0)  # d_ok & kept (the interpreter broadcasts int1 scalars badly)
+            ring_k = tl.load(KC + h64 * s_kc_h + SLOT_NEW * s_kc_b + d * s_kc_d, mask=kd_ok)
+            ring_v = tl.load(VC + h64 * s_vc_h + SLOT_NEW * s_vc_b + d * s_vc_d, mask=kd_ok)
+            tl.debug_barrier()  # every thread has read ring slot r before anyone overwrites it
+            tl.store(KC + h64 * s_kc_h + dst_c * s_kc_b + d * s_kc_d, ring_k, mask=kd_ok)
+            tl.store(VC + h64 * s_vc_h + dst_c * s_vc_b + d * s_vc_d, ring_v, mask=kd_ok)
+            lp = tl.load(LP + h)
+            lp = tl.where(lp != lp, float("-inf"), lp)
+            tl.store(SP + h64 * s_sp_h + dst_c * s_sp_b, T_NEW, mask=kept)
+            tl.store(PR + h64 * s_pr_h + (dst_c - LR0) * s_pr_j, lp, mask=kept)
+            kn = tl.load(KN + h64 * D + d, mask=d_ok)
+            vn = tl.load(VN + h64 * D + d, mask=d_ok)
+            tl.store(KC + h64 * s_kc_h + SLOT_NEW * s_kc_b + d * s_kc_d, kn, mask=d_ok)
+            tl.store(VC + h64 * s_vc_h + SLOT_NEW * s_vc_b + d * s_vc_d, vn, mask=d_ok)
+            tl.store(SP + h64 * s_sp_h + SLOT_NEW * s_sp_b, POS)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -286,10 +288,10 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
         G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
         num_warps=4, num_stages=2,
     )
-    _decode_stage2[(Hkv,)](
+    _decode_stage2[(Hq,)](
         mid_o, mid_l, out, lse, dst, lp, kn, vn, k_cache, v_cache, slot_pos, pr, *strides,
         D, ns, s + w, slot_new, t_new, pos,
-        G=G, G_PAD=g_pad, BLOCK_D=block_d, num_warps=4,
+        G=G, BLOCK_S=min(32, triton.next_power_of_2(ns)), BLOCK_D=block_d, num_warps=4,
     )
     return out, lse
 

@@ -128,6 +128,13 @@ def test_triton_split_layouts(num_splits, block_n):
     run_and_compare(1, 4, 20, 2, 9, 20, 44, num_splits=num_splits, block_n=block_n, seed=1)
 
 
+def test_triton_many_splits():
+    """More splits than the merge's vector width (32): stage 2 loops; most splits are empty."""
+    if not (HAS_CUDA or kutils.interpreting()):
+        pytest.skip("no Triton backend")
+    run_and_compare(1, 2, 16, 1, 3, 4, 12, num_splits=37, block_n=16, seed=4)
+
+
 def test_torch_path_long_run(monkeypatch):
     """The PyTorch path over many steps (several ring cycles, a full long-range part)."""
     monkeypatch.setattr(kutils, "interpreting", lambda: False)
