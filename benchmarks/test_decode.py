@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import kvpop_kernels._utils as kutils
 from kvpop_kernels import fixed_budget_decode
 
+from ._timing import best_time
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -65,6 +67,63 @@ def _kvpop_state(ctx: int, B: int, gen: torch.Generator):
     return [kc, vc, slot_pos.to(DEVICE), slot_prio.to(DEVICE)]
 
 
+def _make_sdpa(ctx: int, q, kn, vn, gen):
+    """Dense decoding: write the new key/value into a preallocated cache, attend over ``ctx + 1`` keys."""
+    cap = ctx + 8192  # room for the timed steps
+    kc = torch.randn(1, HKV, cap, D, generator=gen).to(DEVICE, DTYPE)
+    vc = torch.randn(1, HKV, cap, D, generator=gen).to(DEVICE, DTYPE)
+    q4 = q.view(1, HQ, 1, D)
+
+    def step_at(p: int):
+        kc[0, :, p] = kn
+        vc[0, :, p] = vn
+        return F.scaled_dot_product_attention(q4, kc[:, :, :p + 1], vc[:, :, :p + 1], enable_gqa=True)
+
+    return step_at, cap
+
+
+def _make_kvpop(ctx: int, B: int, q, kn, vn, gen):
+    state = _kvpop_state(ctx, B, gen)
+    lp = torch.randn(HKV, generator=gen).to(DEVICE)
+
+    def step_at(p: int):
+        return fixed_budget_decode(q, kn, vn, *state, lp, pos=p, sinks=SINKS, window=WINDOW)
+
+    return step_at, None
+
+
+def _stepper(step_at, ctx: int, cap: int | None):
+    """An eager step that advances the position at every call (as decoding does)."""
+    cur = {"pos": ctx}
+
+    def step():
+        p = cur["pos"] if cap is None else min(cur["pos"], cap - 1)
+        cur["pos"] += 1
+        return step_at(p)
+
+    return step
+
+
+def _cuda_timings(step_at, step, ctx: int) -> dict:
+    """CUDA-event timings: eager (launch overhead included) and a CUDA-graph replay (device time)."""
+    import triton.testing
+
+    info = {"eager_ms": triton.testing.do_bench(step, warmup=25, rep=200)}
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step_at(ctx + 4096)  # warm on the capture stream
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            step_at(ctx + 4097)  # one position baked in: fine for timing
+        info["graph_ms"] = triton.testing.do_bench(g.replay, warmup=25, rep=200)
+    except Exception as e:  # pragma: no cover - depends on the driver
+        info["graph_error"] = repr(e)[:200]
+    return info
+
+
 @pytest.mark.benchmark(group="decode-step")
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("ctx", CONTEXTS, ids=_ctx_label)
@@ -82,59 +141,69 @@ def test_decode_step(benchmark, monkeypatch, provider, ctx):
     q = torch.randn(HQ, D, generator=gen).to(DEVICE, DTYPE)
     kn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
     vn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
-
     if provider == "sdpa":
-        cap = ctx + 4096  # room for the timed steps
-        kc = torch.randn(1, HKV, cap, D, generator=gen).to(DEVICE, DTYPE)
-        vc = torch.randn(1, HKV, cap, D, generator=gen).to(DEVICE, DTYPE)
-        q4 = q.view(1, HQ, 1, D)
-        step = {"pos": ctx}
-
-        def run():
-            p = step["pos"] if step["pos"] < cap else cap - 1
-            kc[0, :, p] = kn
-            vc[0, :, p] = vn
-            out = F.scaled_dot_product_attention(q4, kc[:, :, :p + 1], vc[:, :, :p + 1], enable_gqa=True)
-            step["pos"] += 1
-            _sync()
-            return out
-
-        kv_bytes = 2 * HKV * (ctx + 1) * D * elt
-        cache_bytes = 2 * HKV * (ctx + 1) * D * elt
+        step_at, cap = _make_sdpa(ctx, q, kn, vn, gen)
         budget = ctx + 1
+        kv_bytes = 2 * HKV * budget * D * elt
     else:
-        B = int(provider.split("-B")[1])
-        state = _kvpop_state(ctx, B, gen)
-        lp = torch.randn(HKV, generator=gen).to(DEVICE)
-        step = {"pos": ctx}
+        budget = int(provider.split("-B")[1])
+        step_at, cap = _make_kvpop(ctx, budget, q, kn, vn, gen)
+        k = budget - SINKS - WINDOW
+        kv_bytes = 2 * HKV * budget * D * elt + HKV * budget * 4 + HKV * k * 4  # k, v, positions, priorities
+    step = _stepper(step_at, ctx, cap)
 
-        def run():
-            out = fixed_budget_decode(q, kn, vn, *state, lp, pos=step["pos"], sinks=SINKS, window=WINDOW)
-            step["pos"] += 1
-            _sync()
-            return out
+    def run():
+        out = step()
+        _sync()
+        return out
 
-        k = B - SINKS - WINDOW
-        kv_bytes = 2 * HKV * B * D * elt + HKV * B * 4 + HKV * k * 4  # keys, values, positions, priorities
-        cache_bytes = kv_bytes
-        budget = B
-
-    for _ in range(5):  # compile / autotune / allocator warm-up
+    for _ in range(5):  # compile / allocator warm-up
         run()
     _sync()
+    info = {"provider": provider, "context": ctx, "budget": budget, "Hq": HQ, "Hkv": HKV, "head_dim": D,
+            "dtype": str(DTYPE), "kv_bytes_read": kv_bytes, "cache_bytes": kv_bytes}
     if CUDA:
-        import triton.testing
-
-        benchmark.extra_info["do_bench_ms"] = triton.testing.do_bench(run, warmup=25, rep=100)
+        info.update(_cuda_timings(step_at, step, ctx))
+        for key in ("eager_ms", "graph_ms"):
+            if key in info:
+                info[f"bytes_per_s_{key[:-3]}"] = kv_bytes / (info[key] * 1e-3)
     benchmark(run)
-
-    mean_s = benchmark.stats.stats.mean if benchmark.stats is not None else float("nan")
-    benchmark.extra_info.update({
-        "provider": provider, "context": ctx, "budget": budget, "Hq": HQ, "Hkv": HKV, "head_dim": D,
-        "dtype": str(DTYPE), "kv_bytes_read": kv_bytes, "bytes_per_s": kv_bytes / mean_s,
-        "cache_bytes": cache_bytes,
-    })
+    if benchmark.stats is not None:
+        info["bytes_per_s"] = kv_bytes / benchmark.stats.stats.mean
     if CUDA:
-        benchmark.extra_info["peak_mem_bytes"] = torch.cuda.max_memory_allocated() - base_mem
-        if "do_bench_ms" in benchmark.extra_info:
-            benchmark.extra_info["bytes_per_s_do_bench"] = kv_bytes / (benchmark.extra_info["do_bench_ms"] * 1e-3)
+        info["peak_mem_bytes"] = torch.cuda.max_memory_allocated() - base_mem
+    benchmark.extra_info.update(info)
+
+
+@pytest.mark.benchmark(group="decode-step-speedup")
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_decode_step_speedup(benchmark, monkeypatch, budget):
+    """kvpop's step against dense SDPA at the longest context, timed side by side (target on
+    the GPU: >= 20x at 131K).  ``extra_info``: both times and their ratio (eager and, on CUDA,
+    CUDA-graph replays)."""
+    if not CUDA:
+        monkeypatch.setattr(kutils, "interpreting", lambda: False)
+    ctx = CONTEXTS[-1]
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(HQ, D, generator=gen).to(DEVICE, DTYPE)
+    kn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
+    vn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
+    kv_at, _ = _make_kvpop(ctx, budget, q, kn, vn, gen)
+    sd_at, cap = _make_sdpa(ctx, q, kn, vn, gen)
+    kv_step, sd_step = _stepper(kv_at, ctx, None), _stepper(sd_at, ctx, cap)
+    for _ in range(5):
+        kv_step(), sd_step()
+    _sync()
+    info = {"context": ctx, "budget": budget}
+    if CUDA:
+        kv, sd = _cuda_timings(kv_at, kv_step, ctx), _cuda_timings(sd_at, sd_step, ctx)
+        for key in ("eager_ms", "graph_ms"):
+            if key in kv and key in sd:
+                info[f"kvpop_{key}"], info[f"sdpa_{key}"] = kv[key], sd[key]
+                info[f"speedup_{key[:-3]}"] = sd[key] / kv[key]
+    else:
+        t_kv = best_time(kv_step, reps=30, warmup=0)
+        t_sd = best_time(sd_step, reps=30, warmup=0)
+        info.update(kvpop_s=t_kv, sdpa_s=t_sd, speedup=t_sd / t_kv)
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(kv_step, rounds=1, iterations=1, warmup_rounds=0)

@@ -332,21 +332,77 @@ def test_gpu_bf16_steps(G, D):
                     atol=2e-2, rtol=2e-2, rms=2e-2, seed=G)
 
 
+def full_state(Hkv, D, s, w, k, pos, dtype, gen):
+    """A consistent full cache just before the step at ``pos`` (``pos >= s + w + k``): sinks, the
+    last ``w`` tokens in the ring, ``k`` distinct older tokens with tied priorities in the
+    long-range slots (in random slot order)."""
+    B = s + w + k
+    kc = torch.randn(Hkv, B, D, generator=gen).to(dtype)
+    vc = torch.randn(Hkv, B, D, generator=gen).to(dtype)
+    slot_pos = torch.empty(Hkv, B, dtype=torch.int32)
+    slot_pos[:, :s] = torch.arange(s, dtype=torch.int32)
+    ring_t = torch.arange(pos - w, pos)
+    slot_pos[:, s + (ring_t - s) % w] = ring_t.to(torch.int32)
+    for h in range(Hkv):
+        slot_pos[h, s + w:] = (torch.randperm(pos - w - s, generator=gen)[:k] + s).to(torch.int32)
+    slot_prio = torch.randint(0, 50, (Hkv, k), generator=gen).float()
+    return [kc, vc, slot_pos, slot_prio]
+
+
+def _full_budget_steps(device, dtype, Hkv, G, D, s, w, k, tol, **kw):
+    """Four steps from a full cache (reference on CPU copies), keeping the leaving token every
+    other step (otherwise it competes with tied priorities)."""
+    gen = torch.Generator().manual_seed(0)
+    pos0 = 3 * (s + w + k)
+    ref_state = full_state(Hkv, D, s, w, k, pos0, dtype, gen)
+    state = clone_state(ref_state, device)
+    for i, pos in enumerate(range(pos0, pos0 + 4)):
+        q, kn, vn, _ = random_step_inputs(Hkv * G, Hkv, D, dtype, gen=gen)
+        lp = torch.randint(0, 50, (Hkv,), generator=gen).float() + 30.0 * (i % 2)
+        ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
+        o, l = fixed_budget_decode(q.to(device), kn.to(device), vn.to(device), *state, lp.to(device),
+                                   pos=pos, sinks=s, window=w, **kw)
+        assert_close_rms(o.cpu(), ro, tol, tol, tol)
+        assert_close_rms(l.cpu(), rl, tol, tol, tol)
+        assert_same_state(state, ref_state, pos)
+
+
+def test_full_budget_bf16_small(backend):
+    """The GPU test below at a small size: bf16, a full cache, the default split plan."""
+    _full_budget_steps("cpu", torch.bfloat16, 2, 4, 64, 4, 16, 300, 1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [2048 - 4 - 256, 4096 - 4 - 256])
 def test_gpu_bf16_qwen3_budget(k):
     """Qwen3-8B shapes (32 / 8 heads, D 128, bf16) at a full budget, default split plan."""
-    gen = torch.Generator().manual_seed(0)
-    Hkv, G, D, s, w = 8, 4, 128, 4, 256
-    B = s + w + k
-    state0 = _warm_state(Hkv, G, D, s, w, k, B + 300, torch.bfloat16, gen)
-    ref_state = clone_state(state0)
-    state = clone_state(state0, "cuda")
-    for pos in range(B + 300, B + 304):
-        q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, torch.bfloat16, ties=False, nan=False, gen=gen)
-        lp = lp + 3.0 * (pos % 2)
-        ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
-        o, l = fixed_budget_decode(q.cuda(), kn.cuda(), vn.cuda(), *state, lp.cuda(), pos=pos, sinks=s, window=w)
-        assert_close_rms(o.cpu(), ro, 2e-2, 2e-2, 2e-2)
-        assert_close_rms(l.cpu(), rl, 2e-2, 2e-2, 2e-2)
-        assert_same_state(state, ref_state, pos)
+    _full_budget_steps("cuda", torch.bfloat16, 8, 4, 128, 4, 256, k, 2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_full_budget():
+    """fp32 caches on the GPU go through the upcast path (``input_precision="ieee"``): tight tolerance."""
+    _full_budget_steps("cuda", torch.float32, 8, 4, 128, 4, 256, 2048 - 260, 1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    """The step has no host synchronisation: it can be captured in a CUDA graph and replayed."""
+    gen = torch.Generator().manual_seed(1)
+    Hkv, G, D, s, w, k = 8, 4, 128, 4, 64, 200
+    pos = 1000
+    st = full_state(Hkv, D, s, w, k, pos, torch.bfloat16, gen)
+    state, ref_state = clone_state(st, "cuda"), clone_state(st, "cuda")
+    q, kn, vn, lp = (t.cuda() for t in random_step_inputs(Hkv * G, Hkv, D, torch.bfloat16, nan=False, gen=gen))
+    fixed_budget_decode(q, kn, vn, *clone_state(st, "cuda"), lp, pos=pos, sinks=s, window=w)  # compile
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o, l = fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w)
+    for t, t0 in zip(state, st):  # capture does not run the kernels: restore the state, then replay
+        t.copy_(t0)
+    g.replay()
+    ro, rl = fixed_budget_decode(q, kn, vn, *ref_state, lp, pos=pos, sinks=s, window=w)
+    torch.cuda.synchronize()
+    assert torch.equal(o, ro) and torch.equal(l, rl)
+    assert_same_state(state, ref_state, pos)
