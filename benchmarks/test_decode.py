@@ -4,7 +4,7 @@ Groups ``decode-step-ctx*``: ONE layer's batch-1 decode step, ``kvpop_kernels.fi
 over a fixed budget of ``B`` slots per KV head (``kvpop-B2048``, ``kvpop-B4096``) against dense
 SDPA decoding over the whole cache (``sdpa``: the new key/value written into a preallocated cache,
 then one query against all ``ctx + 1`` keys with ``enable_gqa``), at contexts 8K / 32K / 131K on
-CUDA (Qwen3-8B: 32 query heads, 8 KV heads, head_dim 128, bf16), 1K / 8K on the CPU (4 / 2 heads,
+CUDA (Qwen3-8B: 32 query heads, 8 KV heads, head_dim 128, bf16), 1K / 8K / 32K on the CPU (4 / 2 heads,
 head_dim 64, float32, budgets 256 / 512, the PyTorch path).  ``extra_info``: KV bytes read per step
 over the time (``bytes_per_s``), the cache's size and, on CUDA, the peak allocated memory and a
 CUDA-event timing (``do_bench_ms``).
@@ -35,7 +35,7 @@ if CUDA:
 else:
     HQ, HKV, D, DTYPE = 4, 2, 64, torch.float32
     SINKS, WINDOW = 4, 64
-    CONTEXTS = [1024, 8 * 1024]
+    CONTEXTS = [1024, 8 * 1024, 32 * 1024]
     BUDGETS = [256, 512]
 
 PROVIDERS = [f"kvpop-B{b}" for b in BUDGETS] + ["sdpa"]
@@ -180,7 +180,8 @@ def test_decode_step(benchmark, monkeypatch, provider, ctx):
 def test_decode_step_speedup(benchmark, monkeypatch, budget):
     """kvpop's step against dense SDPA at the longest context, timed side by side (target on
     the GPU: >= 20x at 131K).  ``extra_info``: both times and their ratio (eager and, on CUDA,
-    CUDA-graph replays)."""
+    CUDA-graph replays); on the CPU also kvpop's step time at the shortest context beside the
+    longest (target: <= 1.3x)."""
     if not CUDA:
         monkeypatch.setattr(kutils, "interpreting", lambda: False)
     ctx = CONTEXTS[-1]
@@ -204,6 +205,10 @@ def test_decode_step_speedup(benchmark, monkeypatch, budget):
     else:
         t_kv = best_time(kv_step, reps=30, warmup=0)
         t_sd = best_time(sd_step, reps=30, warmup=0)
-        info.update(kvpop_s=t_kv, sdpa_s=t_sd, speedup=t_sd / t_kv)
+        # the step's cost must not grow with the context (target: time(32K) <= 1.3 x time(1K))
+        kv1_at, _ = _make_kvpop(CONTEXTS[0], budget, q, kn, vn, gen)
+        t_kv1 = best_time(_stepper(kv1_at, CONTEXTS[0], None), reps=30, warmup=3)
+        info.update(kvpop_s=t_kv, sdpa_s=t_sd, speedup=t_sd / t_kv, kvpop_s_first_ctx=t_kv1,
+                    ratio_longest_over_first_ctx=t_kv / t_kv1)
     benchmark.extra_info.update(info)
     benchmark.pedantic(kv_step, rounds=1, iterations=1, warmup_rounds=0)
