@@ -309,16 +309,15 @@ def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
     t_new = pos - w
     slot_new = pos if pos < s else s + (pos - s) % w
     if t_new >= s and K > 0:
-        lr_pos = slot_pos[:, s + w:]
-        low_p = slot_prio.min(dim=1).values  # lowest priority ...
-        cand = slot_prio == low_p[:, None]
-        low_t = torch.where(cand, lr_pos, torch.full_like(lr_pos, _INT32_MAX)).min(dim=1).values  # ... oldest
-        j = (cand & (lr_pos == low_t[:, None])).to(torch.uint8).argmax(dim=1)  # ... lowest slot index
-        lp = leaving_prio.to(torch.float32)
-        lp = torch.where(torch.isnan(lp), torch.full_like(lp, float("-inf")), lp)
-        keep = (lp > low_p) | ((lp == low_p) & (t_new > low_t))
-        hs = keep.nonzero().squeeze(1)
-        if hs.numel():
+        low_p = slot_prio.amin(dim=1)  # lowest priority ...
+        # ... then the oldest position; ``min`` returns the first index among equal values, which
+        # matters only for empty slots (all at -1): the lowest slot index, as in the reference
+        older = slot_pos[:, s + w:].masked_fill(slot_prio != low_p[:, None], _INT32_MAX)
+        low_t, j = older.min(dim=1)
+        lp = leaving_prio.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        keep = (lp > low_p) | ((lp == low_p) & (low_t < t_new))
+        if bool(keep.any()):
+            hs = keep.nonzero().squeeze(1)
             jk = j[hs]
             dst = s + w + jk
             k_cache[hs, dst] = k_cache[hs, slot_new]
@@ -329,16 +328,18 @@ def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
     v_cache[:, slot_new] = v_new
     slot_pos[:, slot_new] = pos
 
-    kc = k_cache.float()
+    kc = k_cache.float()  # no copy for float32 caches
     vc = v_cache.float()
-    scores = torch.matmul(q.float().view(Hkv, G, D), kc.transpose(1, 2)).mul_(scale)  # [Hkv, G, B]
+    scores = torch.bmm(q.float().view(Hkv, G, D), kc.transpose(1, 2))  # [Hkv, G, B], unscaled
     valid = slot_pos >= 0
     if not bool(valid.all()):  # empty slots: whatever they hold is ignored
         scores.masked_fill_(~valid[:, None, :], float("-inf"))
         vc = vc.masked_fill(~valid[:, :, None], 0.0)
-    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G]
-    probs = torch.exp(scores.sub_(lse[..., None]))
-    out = torch.matmul(probs, vc)
+    m = scores.amax(dim=-1, keepdim=True)  # finite: the new token is always visible
+    probs = scores.sub_(m).mul_(scale).exp_()  # scale > 0, so max(scale * x) = scale * max(x)
+    l = probs.sum(dim=-1, keepdim=True)
+    out = torch.bmm(probs, vc).div_(l)
+    lse = m.mul_(scale).add_(l.log_()).squeeze(-1)  # [Hkv, G]
     return out.reshape(Hq, D).to(q.dtype), lse.reshape(Hq)
 
 
