@@ -25,6 +25,14 @@ Stage 1, grid ``(Hkv, num_splits)``, READS ONLY.  Program ``(h, i)``
    (``k_new, v_new``) and, when it is kept, the leaving token (read from its ring slot ``r``);
 4. writes a partial output (normalised) and its natural-log LSE per (query head, split).
 
+The group's queries form one ``tl.dot`` tile rather than a broadcast-multiply-reduce: the step is
+bound by reading the keys/values, and the padding rows (zeros, never stored) cost tensor-core
+work only.  On the GPU 16-bit caches feed ``tl.dot`` natively (fp32 accumulation, probabilities
+cast to the cache dtype for ``P @ V``); float32 caches and the interpreter upcast right after the
+loads and use ``input_precision="ieee"``.  Scores use ``exp2`` with ``scale * log2(e)`` folded in;
+the LSEs written out are natural logs.  Default split plan: slots are cut into chunks of whole
+``block_n`` tiles so that ``Hkv * num_splits`` is about two programs per SM.
+
 Stage 2, grid ``(Hq,)``: one program per query head merges that head's splits with an online-
 softmax LSE merge (``BLOCK_S`` splits per vector step) and writes ``out``/``lse``; then the
 program of the first query head of each group performs ALL cache writes of its KV head: copy the
@@ -46,7 +54,7 @@ import math
 
 import torch
 
-from ._utils import FLOAT_DTYPES, check_gqa, check_int, check_tensor, default_scale, empty, interpreting, use_triton
+from ._utils import check_gqa, check_int, check_tensor, default_scale, empty, interpreting, use_triton
 
 try:
     import triton
