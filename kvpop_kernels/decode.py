@@ -70,6 +70,9 @@ __all__ = ["fixed_budget_decode"]
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT32_MAX = 2**31 - 1
 _LOG2E = 1.4426950408889634
+_NATIVE_DOT_IN_INTERPRETER = False
+"""Tests only: feed 16-bit operands to ``tl.dot`` under the interpreter as on the GPU (right for
+float16, whose numpy arithmetic is real; bfloat16 arithmetic is wrong in the interpreter)."""
 
 # ------------------------------------------------------------------------------ Triton
 if triton is not None:
@@ -271,7 +274,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
     slot_new = pos if pos < s else s + (pos - s) % w
     has_leaving = int(t_new >= s)
     dev = q.device
-    upcast = interpreting() or k_cache.dtype == torch.float32
+    upcast = k_cache.dtype == torch.float32 or (interpreting() and not _NATIVE_DOT_IN_INTERPRETER)
     if block_n is None:  # 32 on the GPU (no register spills at D <= 128, as SGLang's grouped decode)
         block_n = 32 if dev.type == "cuda" else 64
     # fp32 operands (ieee dot) and wide heads need 8 warps to stay clear of register spills (sm_90)

@@ -199,6 +199,15 @@ def test_half_caches(backend, dtype):
     run_and_compare(2, 2, 32, 2, 4, 5, 14, dtype=dtype, atol=1e-2, rtol=1e-2, rms=1e-2, **kw)
 
 
+def test_triton_native_fp16_dot(monkeypatch):
+    """The GPU's 16-bit ``tl.dot`` branch (no upcast, probabilities cast to the cache dtype),
+    run in the interpreter with float16 (its numpy arithmetic is real, unlike bfloat16's)."""
+    if HAS_CUDA or not kutils.interpreting():
+        pytest.skip("interpreter-only check (on CUDA the gpu tests run this branch)")
+    monkeypatch.setattr(decode_mod, "_NATIVE_DOT_IN_INTERPRETER", True)
+    run_and_compare(2, 4, 64, 2, 4, 5, 14, dtype=torch.float16, atol=1e-2, rtol=1e-2, rms=1e-2, block_n=16)
+
+
 def test_scale_argument(backend):
     gen = torch.Generator().manual_seed(2)
     Hkv, G, D, s, w, k = 1, 2, 16, 1, 3, 2
