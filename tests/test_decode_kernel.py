@@ -192,6 +192,30 @@ def test_empty_slots_are_ignored(backend):
         assert torch.equal(state[0][valid], ref_state[0][valid]) and torch.equal(state[1][valid], ref_state[1][valid])
 
 
+def test_strided_cache_views(backend):
+    """Caches that are views into larger buffers (any strides) are updated in place through the
+    views; nothing outside them is touched."""
+    gen = torch.Generator().manual_seed(13)
+    Hkv, G, D, s, w, k = 2, 2, 16, 2, 3, 4
+    B = s + w + k
+    kbuf = torch.zeros(Hkv, B, 2 * D)  # k_cache = kbuf[..., :D]: slot stride 2D
+    vbuf = torch.zeros(B, Hkv, D)  # v_cache = vbuf.transpose(0, 1): head stride D, slot stride Hkv*D
+    pbuf = torch.full((B, Hkv), -1, dtype=torch.int32)  # slot_pos = pbuf.t()
+    rbuf = torch.full((Hkv, 2 * k), float("-inf"))  # slot_prio = rbuf[:, ::2]
+    state = [kbuf[..., :D], vbuf.transpose(0, 1), pbuf.t(), rbuf[:, ::2]]
+    ref_state = empty_cache(Hkv, B, D, k)
+    kw = {"block_n": 16, "num_splits": 2} if backend == "triton" else {}
+    for pos in range(16):
+        q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, gen=gen)
+        ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
+        o, l = fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w, **kw)
+        assert_close_rms(o, ro)
+        assert_close_rms(l, rl)
+        assert_same_state([t.contiguous() for t in state], ref_state, pos)
+    assert torch.equal(kbuf[..., D:], torch.zeros(Hkv, B, D))
+    assert torch.isinf(rbuf[:, 1::2]).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_caches(backend, dtype):
     """16-bit caches: bit-exact cache updates, fp32 accumulation (upcast after the loads)."""
