@@ -509,7 +509,39 @@ def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any)
     mc._attn_implementation = ATTN_NAME
     setattr(model, _STATE_ATTR, {"config": new, "orig_attn": orig})
     model.kvpop_config = new  # read by kvpop.KVpopCache(model)
+    _install_default_cache(model)
     return model
+
+
+def _cache_kwarg_name() -> str:
+    """The name under which ``generate`` passes the cache: ``cache`` (transformers >= 5.24) or
+    ``past_key_values`` (5.17 .. 5.23)."""
+    from transformers.generation import utils as gen_utils
+
+    names = getattr(gen_utils, "ALL_CACHE_NAMES", None)
+    return "cache" if names and "cache" in names else "past_key_values"
+
+
+def _install_default_cache(model: nn.Module) -> None:
+    """Make plain ``model.generate(...)`` decode through a fresh ``KVpopCache``.
+
+    Wraps the instance's ``_prepare_cache_for_generation``: when the caller passed no cache (under
+    either keyword), asked for no ``cache_implementation`` and did not turn ``use_cache`` off, a
+    ``KVpopCache(model)`` is put where ``generate`` looks for a user's cache.  ``unpatch`` removes it.
+    """
+    orig = getattr(model, "_prepare_cache_for_generation", None)
+    if orig is None or "_prepare_cache_for_generation" in model.__dict__:
+        return
+    from .cache import KVpopCache
+
+    def prepare(generation_config, model_kwargs, *args, **kwargs):
+        given = any(model_kwargs.get(n) is not None for n in ("cache", "past_key_values"))
+        if (not given and generation_config.use_cache is not False
+                and generation_config.cache_implementation is None):
+            model_kwargs[_cache_kwarg_name()] = KVpopCache(model)
+        return orig(generation_config, model_kwargs, *args, **kwargs)
+
+    model._prepare_cache_for_generation = prepare
 
 
 def _remove_hooks(attn: nn.Module) -> None:
@@ -535,8 +567,8 @@ def unpatch(model: nn.Module) -> nn.Module:
             del attn._modules["kvpop"]
     owner.config._attn_implementation = state["orig_attn"]
     delattr(owner, _STATE_ATTR)
-    if "kvpop_config" in owner.__dict__:
-        del owner.__dict__["kvpop_config"]
+    for attr in ("kvpop_config", "_prepare_cache_for_generation"):
+        owner.__dict__.pop(attr, None)
     return model
 
 
