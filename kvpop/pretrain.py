@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from . import task as T
 
-__all__ = ["build_model", "main", "evaluate", "parse_curriculum"]
+__all__ = ["build_model", "main", "evaluate", "export_model", "parse_curriculum"]
 
 
 def build_model(task_cfg: T.TaskConfig = T.DEFAULT, *, hidden: int = 128, layers: int = 2,
@@ -47,7 +47,7 @@ def build_model(task_cfg: T.TaskConfig = T.DEFAULT, *, hidden: int = 128, layers
         head_dim=head_dim, max_position_embeddings=max_positions,
         rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
         tie_word_embeddings=True, bos_token_id=T.BOS_ID, eos_token_id=T.EOS_ID,
-        pad_token_id=T.PAD_ID, use_cache=False,
+        pad_token_id=T.PAD_ID,
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -71,7 +71,7 @@ def parse_curriculum(spec: str) -> list[tuple[int, int]]:
 
 def _loss_and_acc(model, batch: dict, task_cfg: T.TaskConfig, filler_weight: float):
     ids = batch["input_ids"]
-    hidden = model.model(input_ids=ids).last_hidden_state  # [B, L, H]
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [B, L, H]
     pos = batch["answer_positions"]
     ans = batch["answers"]
     h_ans = torch.gather(hidden, 1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -97,7 +97,7 @@ def evaluate(model, length: int, n: int = 32, batch_size: int = 8,
     for i in range(0, n, batch_size):
         seeds = [T.test_seed(first_seed + j) for j in range(i, min(n, i + batch_size))]
         b = T.make_batch(seeds, length, task_cfg)
-        hidden = model.model(input_ids=b["input_ids"]).last_hidden_state
+        hidden = model.model(input_ids=b["input_ids"], use_cache=False).last_hidden_state
         pos = b["answer_positions"]
         h = torch.gather(hidden, 1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
         pred = model.lm_head(h).argmax(-1)
@@ -130,6 +130,40 @@ def _save_model(model, path: Path, info: dict) -> None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, path)
+
+
+def export_model(src: str | os.PathLike, dst: str | os.PathLike, *, lengths: list[int],
+                 n: int = 32, command: str | None = None) -> dict:
+    """Copy a trained model (``save_pretrained`` dir ``src``) to ``dst`` as ``config.json`` +
+    ``model.safetensors`` and write ``dst/training.json`` with its test accuracy at ``lengths``.
+
+    Returns the dict written to ``training.json``.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    src, dst = Path(src), Path(dst)
+    model = Qwen3ForCausalLM.from_pretrained(src).eval()
+    model.config.use_cache = True
+    info = {}
+    if (src / "training_state.json").exists():
+        info = json.loads((src / "training_state.json").read_text())
+    acc = {str(L): round(evaluate(model, L, n=n, batch_size=4), 4) for L in lengths}
+    tmp = dst.with_name(dst.name + ".tmp")
+    import shutil
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        os.replace(tmp / name, dst / name)
+    shutil.rmtree(tmp)
+    record = {"task": T.describe(), "task_config": T.DEFAULT.to_dict(),
+              "test_accuracy": acc, "eval_sequences_per_length": n,
+              "test_seeds": f"test_seed(0..{n - 1})", "train_step": info.get("step"),
+              "train_wall_s": info.get("elapsed_s"), "train_args": info.get("args"),
+              "export_command": command, "n_params": sum(p.numel() for p in model.parameters())}
+    (dst / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
 def _lr_at(step: int, args) -> float:
@@ -168,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--intermediate", type=int, default=384)
     p.add_argument("--rope-theta", type=float, default=1e6)
+    p.add_argument("--export", metavar="DIR", default=None,
+                   help="do not train: copy OUT/model (or --export-from) to DIR with its accuracy")
+    p.add_argument("--export-from", default="model", help="subdirectory of OUT to export")
+    p.add_argument("--export-lengths", default=None,
+                   help="comma-separated lengths to evaluate on export (default L_train/2, L_train, 2 L_train)")
     p.add_argument("--no-progress", action="store_true", help="disable the tqdm bar")
     return p
 
@@ -181,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     task_cfg = T.DEFAULT
     L_train = stages[-1][0]
     ckpt_path = out / "ckpt.pt"
+    if args.export:
+        lengths = ([int(x) for x in args.export_lengths.split(",")] if args.export_lengths
+                   else [L_train // 2, L_train, 2 * L_train])
+        rec = export_model(out / args.export_from, args.export, lengths=lengths, n=args.eval_n,
+                           command="python -m kvpop.pretrain " + " ".join(argv if argv is not None
+                                                                         else sys.argv[1:]))
+        print(json.dumps(rec["test_accuracy"]))
+        return 0
 
     model = build_model(task_cfg, hidden=args.hidden, layers=args.layers, heads=args.heads,
                         kv_heads=args.kv_heads, head_dim=args.head_dim,
