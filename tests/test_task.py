@@ -157,3 +157,33 @@ def test_shipped_model_solves_short_examples():
     with torch.no_grad():
         logits = model(input_ids=b["input_ids"]).logits
     assert T.accuracy(logits, b) >= 0.9
+
+
+def test_pretrain_resume_is_exact(tmp_path):
+    """Stopping after a checkpoint and resuming gives the same weights as one uninterrupted run."""
+    from kvpop import pretrain
+
+    common = ["--steps", "6", "--eval-every", "3", "--ckpt-every", "100", "--curriculum",
+              "64:4,128:2", "--min-stage-steps", "2", "--advance-acc", "0.0", "--eval-n", "2",
+              "--hidden", "64", "--intermediate", "64", "--no-progress"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert pretrain.main(["--out", str(a), *common]) == 0
+    assert pretrain.main(["--out", str(b), *common, "--max-minutes", "0"]) == 0  # stops after 1 step
+    ck = torch.load(b / "ckpt.pt", weights_only=False)
+    assert 1 <= ck["state"]["step"] < 6
+    assert pretrain.main(["--out", str(b), *common, "--resume"]) == 0
+    wa = torch.load(a / "ckpt.pt", weights_only=False)
+    wb = torch.load(b / "ckpt.pt", weights_only=False)
+    assert wa["state"]["step"] == wb["state"]["step"] == 6
+    assert wa["state"]["stage"] == wb["state"]["stage"] == 1
+    for k in wa["model"]:
+        assert torch.equal(wa["model"][k], wb["model"][k]), k
+    assert (a / "model" / "model.safetensors").exists()
+
+
+def test_parse_curriculum():
+    from kvpop.pretrain import parse_curriculum
+
+    assert parse_curriculum("128:64,256:32") == [(128, 64), (256, 32)]
+    with pytest.raises(ValueError):
+        parse_curriculum("128-64")
