@@ -12,8 +12,10 @@ it moves to the next stage when the moving average of training accuracy passes
 graded answer tokens plus ``--filler-weight`` times the loss on predicting filler after filler.
 Every ``--eval-every`` steps it measures accuracy on held-out test seeds at the current length and
 at the final length (``L_train``); the best model at ``L_train`` is written with
-``save_pretrained`` to ``OUT/model``. ``OUT/ckpt.pt`` (written atomically) holds the model,
-optimiser, step, curriculum state and RNG states, so ``--resume`` continues exactly.
+``save_pretrained`` to ``OUT/model`` (the last one to ``OUT/model_final``). ``OUT/ckpt.pt`` (written atomically) holds the model,
+optimiser, step, curriculum state and RNG states, so ``--resume`` continues exactly
+(SIGTERM/SIGINT checkpoint and stop cleanly). ``--cooldown N`` decays the learning rate linearly
+to 0 over the last N steps; it and ``--steps`` may be changed when resuming.
 """
 from __future__ import annotations
 
@@ -167,8 +169,11 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike, *, lengths: lis
 
 
 def _lr_at(step: int, args) -> float:
+    """Linear warm-up, constant, then a linear cool-down to 0 over the last ``--cooldown`` steps."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
+    if args.cooldown > 0 and step >= args.steps - args.cooldown:
+        return args.lr * max(0.0, args.steps - step) / args.cooldown
     return args.lr
 
 
@@ -187,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--cooldown", type=int, default=0,
+                   help="decay the lr linearly to 0 over the last this many of --steps "
+                        "(may be set when resuming)")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--filler-weight", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=100)
@@ -268,6 +276,14 @@ def main(argv: list[str] | None = None) -> int:
                    mininterval=5.0, dynamic_ncols=True)
     except ImportError:  # pragma: no cover
         bar = None
+    import signal
+
+    stop_signal = []
+
+    def _on_term(signum, frame):  # checkpoint and exit cleanly on SIGTERM / SIGINT
+        stop_signal.append(signum)
+
+    old_handlers = {sig: signal.signal(sig, _on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
     t0 = time.time() - state["elapsed_s"]
     log = open(out / "log.jsonl", "a")
     max_batch = max(b for _, b in stages)
@@ -337,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = False
         if args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes:
             stop = True
-        if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc:
+        if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc or stop_signal:
             stop = True
         if state["step"] % args.ckpt_every == 0 or done or stop or advanced:
             checkpoint()
@@ -346,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     if bar is not None:
         bar.close()
     checkpoint()
+    if state["step"] >= args.steps:
+        _save_model(model, out / "model_final", {"step": state["step"], "L_train": L_train,
+                                                 "elapsed_s": state["elapsed_s"], "args": vars(args)})
+    for sig, h in old_handlers.items():
+        signal.signal(sig, h)
     log.close()
     print(json.dumps({"done": True, "step": state["step"], "best_test_acc_Ltrain": state["best_acc"],
                       "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
