@@ -42,6 +42,8 @@ import torch
 
 __all__ = [
     "TaskConfig",
+    "DEFAULT",
+    "VOCAB_SIZE",
     "PAD_ID",
     "BOS_ID",
     "EOS_ID",
@@ -146,6 +148,9 @@ class TaskConfig:
 
 
 DEFAULT = TaskConfig()
+"""The task configuration the shipped model was trained on."""
+VOCAB_SIZE = DEFAULT.vocab_size
+"""Vocabulary size of :data:`DEFAULT` (640)."""
 
 
 def train_seed(i: int) -> int:
