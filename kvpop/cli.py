@@ -13,6 +13,8 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("kvpop.cli_schedule", "show which tokens each head keeps for a priority sequence"),
+    "eval": ("kvpop.cli_eval", "accuracy of eviction policies at fixed cache budgets (kv-trace task)"),
+    "demo": ("kvpop.cli_demo", "retrofit the shipped tiny model, evaluate, write results.json and a plot"),
 }
 
 
