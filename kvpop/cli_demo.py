@@ -74,7 +74,7 @@ def _settings(args: argparse.Namespace) -> dict:
         "train_len": train_len,
         "lengths": _ints(args.lengths) or [train_len, 2 * train_len],
         "budgets": _ints(args.budgets),
-        "n_sequences": args.n_sequences or (1 if q else 3),
+        "n_sequences": args.n_sequences or (1 if q else 6),
         "sinks": (2 if q else 4) if args.sinks is None else args.sinks,
         "window": (4 if q else 32) if args.window is None else args.window,
         "steps": dict(zip(RETROFITS, steps)),

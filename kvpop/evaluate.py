@@ -40,9 +40,8 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
