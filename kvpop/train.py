@@ -309,6 +309,14 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
         if not include_scorers:
             sd = {k: v for k, v in sd.items() if not _is_scorer_param(k)}
         sd = {k: v.detach().cpu() for k, v in sd.items()}
+        if fsdp and getattr(model.config, "tie_word_embeddings", False):
+            # the gathered copies no longer share storage: re-tie them so save_pretrained drops the output one
+            names = {id(mod): n for n, mod in model.named_modules()}
+            emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
+            if emb_in is not None and emb_out is not None:
+                k_in, k_out = names[id(emb_in)] + ".weight", names[id(emb_out)] + ".weight"
+                if k_in in sd and k_out in sd:
+                    sd[k_out] = sd[k_in]
         model.save_pretrained(str(path), state_dict=sd)
         if fsdp:  # save_pretrained records the class name, which FSDP2 prefixed with "FSDP"
             import json
