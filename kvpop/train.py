@@ -455,7 +455,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 if cfg.train_model:
                     with torch.no_grad(), autocast():
                         t_dev = next(teacher.parameters()).device
-                        vals, idx = teacher_topk(teacher(ids.to(t_dev), use_cache=False).logits, cfg.top_k)
+                        vals, idx = teacher_topk(teacher(ids.to(t_dev)).logits, cfg.top_k)
                         topk = (vals.to(dev), idx.to(dev))
                 with autocast():
                     logits, ls, st = runner(ids)

@@ -260,8 +260,8 @@ def _fsdp_worker(rank, world, init_file, out_dir):
     try:
         # two steps with a checkpoint, then a fresh sharded model resumes for the third
         m, teacher, data = _fsdp_setup()
-        h1 = train(m, data, TrainConfig(steps=2, dist="fsdp", checkpoint_dir=out_dir, checkpoint_every=1, **_CFG),
-                   teacher=teacher)
+        h1 = train(m, data, TrainConfig(steps=2, dist="fsdp", checkpoint_dir=out_dir, checkpoint_every=1,
+                                        activation_checkpointing=True, **_CFG), teacher=teacher)
         assert type(m).__name__.startswith("FSDP")
         m, teacher, data = _fsdp_setup()
         h2 = train(m, data, TrainConfig(steps=3, dist="fsdp", checkpoint_dir=out_dir, **_CFG), teacher=teacher,
@@ -274,8 +274,9 @@ def _fsdp_worker(rank, world, init_file, out_dir):
 
 
 def test_fsdp_two_gloo_processes_match_one_process(tmp_path):
-    """FSDP2 on 2 gloo ranks (one batch each), with a checkpoint and a resume in between, takes the
-    steps of one process on both batches: the same losses, scorers and model weights."""
+    """FSDP2 on 2 gloo ranks (one batch each; activation checkpointing in the first two steps), with a
+    checkpoint and a resume in between, takes the steps of one process on both batches: the same
+    losses, scorers and model weights."""
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
