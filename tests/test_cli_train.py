@@ -117,11 +117,14 @@ def test_text_jsonl_uses_the_models_tokenizer(tmp_path):
         main(["train", "--tiny", "--data", str(data), "--steps", "1", "--out", str(tmp_path / "r3"), *FAST])
 
 
-def test_task_with_the_shipped_model_scorers_only(tmp_path):
+def test_task_with_the_shipped_model_scorers_only(tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["train", "--task", "--steps", "2", "--out", str(out), "--no-train-model", *FAST]
+    args = ["train", "--task", "--steps", "2", "--out", str(out), "--no-train-model",
+            *[a for a in FAST if a != "--no-progress"]]
     args[args.index("--seq-len") + 1] = "64"
     assert main(args) == 0
+    err = capsys.readouterr().err  # the tqdm bar shows the losses
+    assert "kvpop train" in err and "score=" in err and "kl=" in err and "acc=" in err
     hist = _history(out)
     assert len(hist) == 2 and all(h["kl"] == 0.0 and h["score"] > 0 for h in hist)
     assert not (out / "model").exists()  # scorers only: the model is unchanged, not written
@@ -172,6 +175,18 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     # a changed argument is refused
     with pytest.raises(SystemExit, match="--lr-scorer"):
         main(["train", *common, "--steps", "5", "--out", str(part), "--resume", "--lr-scorer", "0.5"])
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--tiny", "--task", "--bf16", "--device", "cuda", "--steps", "3", "--out", str(out), *FAST]
+    args[args.index("--seq-len") + 1] = "128"
+    assert main(args) == 0
+    hist = _history(out)
+    assert len(hist) == 3 and all(0 < h["kl"] < 10 and 0 < h["score"] < 10 for h in hist)
+    ck = torch.load(out / "last.pt", weights_only=False)
+    assert all(v.dtype == torch.float32 for k, v in ck["model"].items() if v.is_floating_point())
 
 
 def _err(tmp_path, *args):
