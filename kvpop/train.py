@@ -75,7 +75,11 @@ DIST_MODES = ("ddp", "fsdp")
 
 @dataclass
 class TrainConfig:
-    """Options of :func:`train` (steps count optimiser steps, each of ``grad_accum`` micro-batches)."""
+    """Options of :func:`train` (steps count optimiser steps, each of ``grad_accum`` micro-batches).
+
+    ``dist`` (``"ddp"`` or ``"fsdp"``) picks the wrapping when ``torch.distributed`` runs several ranks;
+    ``bf16`` turns on bf16 autocast (CUDA only); see the module docstring for both.
+    """
 
     steps: int = 100
     lr_model: float = 1e-5
