@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", type=str, default=None,
                    help="local model directory (from_pretrained, local files only); default: the shipped "
                         "tiny model kvpop/data/tiny_qwen3")
-    m.add_argument("--tiny", action="store_true", help="a built-in tiny Qwen3 (2 layers, vocab 640) with random weights")
+    m.add_argument("--tiny", action="store_true",
+                   help="a built-in tiny Qwen3 (2 layers, vocab 640) with random weights")
     dat = src.add_mutually_exclusive_group()
     dat.add_argument("--data", type=str, default=None,
                      help='JSONL file, one {"input_ids": [...]} or {"text": "..."} per line')
@@ -184,7 +185,7 @@ def _load_model(args: argparse.Namespace, device):
     return model.to(device), source
 
 
-def _data(args: argparse.Namespace, model, source: Path | None, rank: int):
+def _data(args: argparse.Namespace, model, source: Path | None):
     from . import data_io
 
     if args.task:
@@ -269,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         model, source = _load_model(args, device)
         try:
-            data = _data(args, model, source, rank)
+            data = _data(args, model, source)
         except ValueError as e:
             _fail(str(e))
         torch.manual_seed(args.seed)  # the scorers' initialisation
