@@ -13,6 +13,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("kvpop.cli_schedule", "show which tokens each head keeps for a priority sequence"),
+    "train": ("kvpop.cli_train", "train KVpop scorers (and fine-tune the model) on a JSONL data set or the synthetic task"),
 }
 
 # name -> (module with main(argv), one-line help)
