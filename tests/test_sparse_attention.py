@@ -58,6 +58,7 @@ def backend(request, monkeypatch):
     """'triton': the kernels (interpreter on CPU, CUDA on a GPU); 'torch': the PyTorch CPU path."""
     if request.param == "torch":
         monkeypatch.setattr(kutils, "interpreting", lambda: False)
+        monkeypatch.setattr(sa_mod, "_CPU_CHUNK_ELEMS", 1)  # chunks of 16 queries: boundaries get exercised
         return "cpu"
     return DEVICE
 
