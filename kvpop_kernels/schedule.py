@@ -115,12 +115,16 @@ if triton is not None:
             u = u0 + tl.arange(0, BLOCK_U)
             u_ok = u < S
             p_u = tl.load(P + u, mask=u_ok, other=float("-inf"))
-            above = _ranks_above(p_t[:, None], t[:, None], p_u[None, :], u[None, :]) & u_ok[None, :]
-            c = tl.cumsum(above.to(tl.int32), axis=1) + count[:, None]
-            hit = above & (c == k)  # the k-th higher-ranked token in position order
-            pos = tl.max(tl.where(hit, u[None, :], -1), axis=1)
-            found = tl.where((found < 0) & (pos >= 0), pos, found)
-            count += tl.sum(above.to(tl.int32), axis=1)
+            above = (_ranks_above(p_t[:, None], t[:, None], p_u[None, :], u[None, :]) & u_ok[None, :]).to(tl.int32)
+            blk = tl.sum(above, axis=1)
+            cross = (count < k) & (count + blk >= k)
+            # the prefix scan is only needed in the (rare) blocks where some row reaches k
+            if tl.sum(cross.to(tl.int32), axis=0) > 0:
+                c = tl.cumsum(above, axis=1) + count[:, None]
+                hit = (above > 0) & (c == k)  # the k-th higher-ranked token in position order
+                pos = tl.max(tl.where(hit, u[None, :], -1), axis=1)
+                found = tl.where((found < 0) & (pos >= 0), pos, found)
+            count += blk
             active = tl.sum((need & (found < 0)).to(tl.int32), axis=0)
             u0 += BLOCK_U
         ev = tl.maximum(t, found) + window
