@@ -33,8 +33,9 @@ priorities, S=16384, B=2048: block skipping leaves 1.00x of the dense causal wor
 
 The CPU path (no interpreter) is PyTorch, chunked over queries: each chunk gathers its live keys
 per KV head (the same union as above), so memory stays ``O(chunk * (B + chunk))`` per head and
-never ``S x S``; under autograd each chunk is wrapped in ``torch.utils.checkpoint`` so that the
-backward's memory stays bounded too.
+never ``S x S`` (chunks of at most 256 queries, fewer when B * Hq * S is large).  Its
+autograd function saves only q, k, v, out and lse; the backward recomputes the probabilities
+chunk by chunk (FlashAttention's recurrence in plain torch ops), so its memory stays bounded too.
 
 On the GPU, 16-bit inputs feed ``tl.dot`` in their own dtype with float32 accumulation; float32
 inputs (and every input under the interpreter) are upcast right after the load and multiplied in
@@ -46,7 +47,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.utils.checkpoint
 
 from ._utils import NEVER, check_gqa, check_int, check_tensor, default_scale, empty, interpreting, use_triton
 
@@ -92,56 +92,111 @@ def _check(q: object, k: object, v: object, evict_at: object, sinks: object, win
 
 
 # --------------------------------------------------------------------------------- CPU
-def _cpu_chunk(qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-               ev_t: torch.Tensor, c0: int, sinks: int, window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries ``[c0, c0+C)`` over the gathered keys ``idx [B,Hkv,L]``."""
-    Bsz, Hq, C, D = qc.shape
-    Hkv, L = idx.shape[1], idx.shape[2]
-    G = Hq // Hkv
+def _cpu_chunks(S: int, Bsz: int, Hq: int, chunk: int | None) -> list[tuple[int, int]]:
+    if chunk is None:
+        # C * (live keys <= S) logits per head: at most _CPU_CHUNK_ELEMS in all, at most 256 queries
+        chunk = max(16, min(256, _CPU_CHUNK_ELEMS // max(1, Bsz * Hq * S)))
+    return [(c0, min(S, c0 + chunk)) for c0 in range(0, S, chunk)]
+
+
+def _cpu_plan(ev64: torch.Tensor, c0: int, c1: int, sinks: int, window: int):
+    """Keys any query of ``[c0, c1)`` can see, per (b, KV head): sinks, the band ``(c0-w, c1)``, the set
+    kept at ``c0``; as ascending indices ``idx [B,Hkv,L]`` padded with invisible ones (``valid`` False)."""
+    t = torch.arange(c1, device=ev64.device)
+    live = (t < sinks) | (t > c0 - window) | (ev64[..., :c1] > c0)
+    L = int(live.sum(-1).max())
+    idx = torch.argsort((~live).to(torch.int8), dim=-1, stable=True)[..., :L]
+    return idx, torch.gather(live, 2, idx), torch.gather(ev64, 2, idx)
+
+
+def _cpu_probs(qc, k, v, idx, valid, ev_t, c0, sinks, window, scale, lse=None):
+    """Gathered K/V ``[B,Hkv,L,D]`` (float32) and the masked probabilities ``[B,Hkv,G,C,L]`` with their LSE."""
+    Bsz, Hkv, L = idx.shape
+    D = k.shape[-1]
+    C = qc.shape[-2]
     gidx = idx.unsqueeze(-1).expand(Bsz, Hkv, L, D)
     kk = torch.gather(k, 2, gidx).float()
     vv = torch.gather(v, 2, gidx).float()
-    qq = qc.float().reshape(Bsz, Hkv, G, C, D)
-    logits = torch.einsum("bhgcd,bhld->bhgcl", qq, kk) * scale
+    logits = torch.einsum("bhgcd,bhld->bhgcl", qc * scale, kk)
     tq = torch.arange(c0, c0 + C, device=qc.device).view(C, 1)
     tk = idx.view(Bsz, Hkv, 1, 1, L)
     vis = (valid.view(Bsz, Hkv, 1, 1, L) & (tk <= tq)
            & ((tk < sinks) | (tk > tq - window) | (tq < ev_t.view(Bsz, Hkv, 1, 1, L))))
-    logits = logits.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    p = torch.exp(logits - lse.unsqueeze(-1))
-    out = torch.einsum("bhgcl,bhld->bhgcd", p, vv)
-    return out.reshape(Bsz, Hq, C, D).to(qc.dtype), lse.reshape(Bsz, Hq, C).float()
+    logits.masked_fill_(~vis, float("-inf"))
+    if lse is None:  # one exp: p = exp(x - max) / sum, lse = max + log(sum); every row sees its query
+        mx = logits.amax(dim=-1, keepdim=True)
+        p = torch.exp_(logits.sub_(mx))
+        total = p.sum(dim=-1, keepdim=True)
+        p.div_(total)
+        return gidx, kk, vv, p, (mx + torch.log(total)).squeeze(-1)
+    return gidx, kk, vv, torch.exp_(logits.sub_(lse.unsqueeze(-1))), lse
+
+
+def _cpu_forward(q, k, v, ev, sinks, window, scale, chunk=None):
+    Bsz, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    ev64 = ev.to(torch.int64)
+    out = empty((Bsz, Hq, S, D), dtype=q.dtype, device=q.device)
+    lse = empty((Bsz, Hq, S), dtype=torch.float32, device=q.device)
+    for c0, c1 in _cpu_chunks(S, Bsz, Hq, chunk):
+        idx, valid, ev_t = _cpu_plan(ev64, c0, c1, sinks, window)
+        qc = q[:, :, c0:c1].float().reshape(Bsz, Hkv, G, c1 - c0, D)
+        _, _, vv, p, l = _cpu_probs(qc, k, v, idx, valid, ev_t, c0, sinks, window, scale)
+        out[:, :, c0:c1] = torch.einsum("bhgcl,bhld->bhgcd", p, vv).reshape(Bsz, Hq, c1 - c0, D)
+        lse[:, :, c0:c1] = l.reshape(Bsz, Hq, c1 - c0)
+    return out, lse
+
+
+def _cpu_backward(q, k, v, ev, out, lse, do, dlse, sinks, window, scale, chunk=None):
+    Bsz, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    ev64 = ev.to(torch.int64)
+    dq = empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for c0, c1 in _cpu_chunks(S, Bsz, Hq, chunk):
+        C = c1 - c0
+        idx, valid, ev_t = _cpu_plan(ev64, c0, c1, sinks, window)
+        qc = q[:, :, c0:c1].float().reshape(Bsz, Hkv, G, C, D)
+        lc = lse[:, :, c0:c1].reshape(Bsz, Hkv, G, C)
+        gidx, kk, vv, p, _ = _cpu_probs(qc, k, v, idx, valid, ev_t, c0, sinks, window, scale, lse=lc)
+        doc = do[:, :, c0:c1].float().reshape(Bsz, Hkv, G, C, D)
+        delta = (doc * out[:, :, c0:c1].float().reshape(Bsz, Hkv, G, C, D)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse[:, :, c0:c1].float().reshape(Bsz, Hkv, G, C)
+        dv.scatter_add_(2, gidx, torch.einsum("bhgcl,bhgcd->bhld", p, doc))
+        ds = torch.einsum("bhgcd,bhld->bhgcl", doc, vv).sub_(delta.unsqueeze(-1)).mul_(p)  # dS / scale
+        dq[:, :, c0:c1] = torch.einsum("bhgcl,bhld->bhgcd", ds, kk * scale).reshape(Bsz, Hq, C, D)
+        dk.scatter_add_(2, gidx, torch.einsum("bhgcl,bhgcd->bhld", ds, qc * scale))
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _CpuSparseAttention(torch.autograd.Function):
+    """PyTorch path: chunks of queries over their gathered live keys, backward recomputes per chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ev, sinks, window, scale, chunk):
+        out, lse = _cpu_forward(q, k, v, ev, sinks, window, scale, chunk)
+        ctx.save_for_backward(q, k, v, ev, out, lse)
+        ctx.cfg = (sinks, window, scale, chunk)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, ev, out, lse = ctx.saved_tensors
+        sinks, window, scale, chunk = ctx.cfg
+        if do is None:
+            do = torch.zeros_like(out)
+        dq, dk, dv = _cpu_backward(q, k, v, ev, out, lse, do, dlse, sinks, window, scale, chunk)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _torch_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ev: torch.Tensor, sinks: int,
                             window: int, scale: float, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch path: chunks of queries over their gathered live keys; differentiable by autograd."""
-    Bsz, Hq, S, D = q.shape
-    Hkv = k.shape[1]
-    if chunk is None:
-        chunk = max(16, _CPU_CHUNK_ELEMS // max(1, Bsz * Hq * S))
-    ev64 = ev.to(torch.int64)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    outs, lses = [], []
-    for c0 in range(0, S, chunk):
-        c1 = min(S, c0 + chunk)
-        t = torch.arange(c1, device=q.device)
-        # keys any query of [c0, c1) can see: sinks, the band (c0-w, c1), the set kept at c0
-        live = (t < sinks) | (t > c0 - window) | (ev64[..., :c1] > c0)
-        L = int(live.sum(-1).max())
-        idx = torch.argsort((~live).to(torch.int8), dim=-1, stable=True)[..., :L]
-        valid = torch.gather(live, 2, idx)
-        ev_t = torch.gather(ev64, 2, idx)
-        qc = q[:, :, c0:c1]
-        if grad:
-            o, l = torch.utils.checkpoint.checkpoint(_cpu_chunk, qc, k, v, idx, valid, ev_t, c0, sinks, window,
-                                                     scale, use_reentrant=False)
-        else:
-            o, l = _cpu_chunk(qc, k, v, idx, valid, ev_t, c0, sinks, window, scale)
-        outs.append(o)
-        lses.append(l)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    """PyTorch path (see the module docstring); ``ev`` int32 ``[B, Hkv, S]``."""
+    return _CpuSparseAttention.apply(q, k, v, ev, sinks, window, scale, chunk)
 
 
 # ------------------------------------------------------------------------------ Triton
