@@ -119,6 +119,20 @@ def test_gpu_block_sizes_in_interpreter(monkeypatch):
     check_against_reference(q, kk, v, ev, 4, 32)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU runs this path natively (test_gpu_low_precision)")
+def test_low_precision_code_path_in_interpreter(monkeypatch):
+    """The GPU's 16-bit branch (tl.dot on fp16 tiles, p cast to fp16) through the interpreter.
+
+    bf16 arithmetic is wrong in the interpreter, fp16 is not, so fp16 stands in for both here."""
+    monkeypatch.setattr(sa_mod, "_lowp", lambda q: q.dtype in (torch.float16, torch.bfloat16))
+    q, kk, v, ev = make_case(1, 4, 2, 90, 64, 2, 9, 16, dtype=torch.float16)
+    got = run_fwd_bwd(sparse_attention, q, kk, v, ev, 2, 9)
+    want = run_fwd_bwd(reference.sparse_attention, q.float(), kk.float(), v.float(), ev, 2, 9)
+    assert got[0].dtype == torch.float16 and got[2].dtype == torch.float16
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(name, a.float(), b.float(), atol=1e-2, rtol=1e-2, rms=5e-3)
+
+
 def test_strided_inputs_and_int64_evict_at(backend):
     Bsz, Hq, Hkv, S, D = 2, 4, 2, 37, 32
     gen = torch.Generator().manual_seed(3)
