@@ -129,3 +129,46 @@ def test_sparse_attention(benchmark, S, budget, provider, mode):
         t = benchmark.stats.stats.min
         extra.update(tflops_visible=per_pair * pairs / t / 1e12, tflops_own=per_pair * own / t / 1e12)
     benchmark.extra_info.update(extra)
+
+
+@pytest.mark.benchmark(group="sparse_attention-work")
+@pytest.mark.parametrize("S, budget", [(4096, 2048), (16384, 2048), (16384, 4096)])
+def test_visited_work(benchmark, S, budget):
+    """Tile work the kernels' plans visit, as a multiple of the visible pairs and of dense causal work.
+
+    Counted (not timed) on ``eviction_schedule`` of random priorities, [1, 8, S], s=4, w=256, k=B-260,
+    with the GPU tile shapes (forward/dq: 128-query blocks, 64-key tiles; dk/dv: 64-key tiles
+    of keys sorted by the end of their query interval in chunks of 1024).  ``block_skip`` is what
+    skipping 64-key blocks by their largest ``evict_at`` alone would visit.  The timed part is
+    building the dk/dv tile plan on this device.
+    """
+    sa = importlib.import_module("kvpop_kernels.sparse_attention")
+    s, w, BM, BN = 4, 256, 128, 64
+    prio = torch.randn(1, 8, S)
+    ev = eviction_schedule(prio, sinks=s, window=w, k=budget - s - w).to(DEV)
+    pairs = visible_pairs(ev, s, w)
+    dense = 8 * S * (S + 1) // 2
+    # forward / dq: per query block, the gathered list (rounded up to tiles) + the band [lo, q0 + BM)
+    q0 = torch.arange(0, S, BM, device=DEV)
+    lo = (q0 - w + 1).clamp(min=0)
+    t = torch.arange(S, device=DEV)
+    live = (t.view(1, -1) < lo.view(-1, 1)) & ((t < s).view(1, -1) | (ev.view(8, 1, S) > q0.view(1, -1, 1)))
+    n_list = live.sum(-1)  # [8, n_qb]
+    n_band = (q0 + BM).clamp(max=S) - lo
+    fwd = int((((n_list + BN - 1) // BN + (n_band + BN - 1) // BN) * BN * BM).sum())
+    # dk/dv: the permuted key tiles' query ranges
+    plan = lambda: sa._key_tiles(ev, s, w, BN)  # noqa: E731
+    perm, qlo, qhi, jobs, n_tiles, S_pad = plan()
+    dkdv = int(((qhi - qlo).to(torch.int64) * BN).sum())
+    # plain block skipping: 64-key block [t0, t1) iterates queries [t0, max e_t)
+    e = torch.maximum(t + w, ev.to(torch.int64)).clamp(max=S)
+    e = torch.where(t < s, torch.full_like(e, S), e)
+    pad = (-S) % BN
+    eb = F.pad(e, (0, pad)).view(8, -1, BN).amax(-1)
+    block = int(((eb - torch.arange(0, S + pad, BN, device=DEV)).clamp(min=0) * BN).sum())
+    benchmark.extra_info.update(
+        S=S, budget=budget, visible_over_dense=pairs / dense,
+        fwd_work_over_visible=fwd / pairs, fwd_work_over_dense=fwd / dense,
+        dkdv_work_over_visible=dkdv / pairs, dkdv_work_over_dense=dkdv / dense,
+        block_skip_work_over_dense=block / dense)
+    benchmark(timed(plan))
