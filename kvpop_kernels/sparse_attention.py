@@ -8,8 +8,9 @@ How the kernels visit only the live keys (the choice, and why)
 A query ``q`` sees at most ``B = s + w + k`` keys.  For KVpop's priorities the kept long-range
 keys are scattered: with random (or learned) priorities almost every block of 64 consecutive
 keys holds one key that survives to the end of the sequence, so skipping key *blocks* by their
-largest ``evict_at`` skips next to nothing (measured on ``eviction_schedule`` of random
-priorities, S=16384, B=2048: block skipping leaves 1.00x of the dense causal work).  So:
+largest ``evict_at`` skips next to nothing (counted on ``eviction_schedule`` of random
+priorities, S=16384, B=2048: block skipping leaves 1.00x of the dense causal work; all figures
+here come from ``benchmarks/test_sparse_attention.py::test_visited_work``).  So:
 
 * **Forward and dq: a compact list of live key indices per (batch, KV head, query block).**
   For queries ``[q0, q0+BLOCK_M)`` the keys are split into the dense band
@@ -19,8 +20,8 @@ priorities, S=16384, B=2048: block skipping leaves 1.00x of the dense causal wor
   lies in one of the two (a key ``t < lo <= q - w + 1`` with ``evict_at[t] <= q0 <= q`` is not
   visible to any of them), and the exact rule is applied per element on top, so the lists
   over-approximate and never drop a key.  A small Triton kernel builds the lists (a counting pass,
-  one host sync for the width, a writing pass).  Work: 1.07x the visible pairs, 0.25x dense at
-  S=16K, B=2048 (0.45x at B=4096).
+  one host sync for the width, a writing pass).  Tile work: 1.07x the visible pairs, 0.25x
+  dense at S=16K, B=2048 (1.04x and 0.45x at B=4096).
 * **dk/dv: key tiles of permuted keys, each iterating only the queries that can see them.**
   The queries that see key ``t`` form one interval ``[t, e_t)``, ``e_t = S`` for sinks and
   ``min(S, max(t + w, evict_at[t]))`` otherwise.  Keys are sorted by ``e_t`` inside chunks of
@@ -28,8 +29,8 @@ priorities, S=16384, B=2048: block skipping leaves 1.00x of the dense causal wor
   ``[min t, max e_t)``, for every query head of its group (GQA gradients summed in registers),
   and scatters dk/dv to its keys' rows: every key is in exactly one tile, so no atomics.  The
   chunk trades the spread of ``t`` in a tile against the spread of ``e_t`` (work / visible pairs
-  at S=16K, B=2048: chunk 64 (= plain block skipping) 4.3x, 256 1.5x, 1024 1.29x, 4096 1.76x).
-  Tiles run longest first.
+  at S=16K, B=2048: chunk 64 (= plain block skipping) 4.3x, 256 1.5x, 1024 1.28x, 4096 1.76x;
+  with 1024: 0.30x dense, and 1.16x / 0.51x at B=4096).  Tiles run longest first.
 
 The CPU path (no interpreter) is PyTorch, chunked over queries: each chunk gathers its live keys
 per KV head (the same union as above), so memory stays ``O(chunk * (B + chunk))`` per head and
@@ -43,8 +44,6 @@ IEEE float32.  Building the lists costs one host synchronisation per forward (th
 the op is not CUDA-graph capturable.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
