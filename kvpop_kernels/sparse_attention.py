@@ -2,6 +2,10 @@
 
 Mask (DESIGN.md, ``reference.visible_mask``), evaluated inside every kernel from ``evict_at``:
 key ``t`` is visible to query ``q`` iff ``t <= q and (t < s or t > q - w or q < evict_at[h, t])``.
+The kernels use the same rule in interval form, ``t <= q < e_t`` with ``e_t = max(t + w,
+evict_at[t])`` for ``t >= s`` and ``e_t = +inf`` for sinks: ``e_t`` is computed once per key
+column, so a tile's mask costs two comparisons per element (one on gathered tiles, where
+``t <= q`` always holds).
 
 How the kernels visit only the live keys (the choice, and why)
 -----------------------------------------------------------------
@@ -202,9 +206,11 @@ def _torch_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e
 if triton is not None:
 
     @triton.jit
-    def _visible(qpos, t, ev, sinks, window):
-        # the one rule: t <= q and (t < s or t > q - w or q < evict_at[t])
-        return (t <= qpos) & ((t < sinks) | (t > qpos - window) | (qpos < ev))
+    def _key_end(t, ev, ok, sinks, window):
+        # The rule "t <= q and (t < s or t > q - w or q < evict_at[t])" is "t <= q < e_t" with
+        # e_t = max(t + w, evict_at[t]) for t >= s and e_t = +inf for sinks; -1 (never) where not ok.
+        e = tl.where(t < sinks, 2147483647, tl.maximum(t + window, ev))
+        return tl.where(ok, e, -1)
 
     @triton.jit
     def _list_kernel(EV, LIST, CNT, S, sinks, window, n_qb, width,
@@ -231,16 +237,19 @@ if triton is not None:
     @triton.jit
     def _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
                   m_i, l_i, acc, sinks, window, qk_scale,
-                  LOWP: tl.constexpr, DOT_PREC: tl.constexpr):
+                  LOWP: tl.constexpr, DOT_PREC: tl.constexpr, IS_LIST: tl.constexpr):
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + t[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(V + t[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if not LOWP:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        ev = tl.load(EV + t, mask=n_ok, other=0)
+        e = _key_end(t, tl.load(EV + t, mask=n_ok, other=0), n_ok, sinks, window)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        vis = n_ok[None, :] & _visible(offs_m[:, None], t[None, :], ev[None, :], sinks, window)
+        if IS_LIST:  # list keys t < lo: causal holds and the window does not, for every row
+            vis = offs_m[:, None] < e[None, :]
+        else:
+            vis = (t[None, :] <= offs_m[:, None]) & (offs_m[:, None] < e[None, :])
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -296,7 +305,7 @@ if triton is not None:
             t = tl.load(lst + offs_j, mask=n_ok, other=0)
             m_i, l_i, acc = _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
                                       stride_vs, stride_vd, m_i, l_i, acc, sinks, window, qk_scale,
-                                      LOWP, DOT_PREC)
+                                      LOWP, DOT_PREC, True)
         # 2) the contiguous band [lo, hi): window and diagonal
         lo = tl.maximum(q0 - window + 1, 0)
         hi = tl.minimum(q0 + BLOCK_M, S)
@@ -305,7 +314,7 @@ if triton is not None:
             n_ok = t < hi
             m_i, l_i, acc = _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
                                       stride_vs, stride_vd, m_i, l_i, acc, sinks, window, qk_scale,
-                                      LOWP, DOT_PREC)
+                                      LOWP, DOT_PREC, False)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
         O += b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh
@@ -316,16 +325,20 @@ if triton is not None:
 
     @triton.jit
     def _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
-                 stride_vs, stride_vd, sinks, window, qk_scale, LOWP: tl.constexpr, DOT_PREC: tl.constexpr):
+                 stride_vs, stride_vd, sinks, window, qk_scale, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
+                 IS_LIST: tl.constexpr):
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + t[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(V + t[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if not LOWP:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        ev = tl.load(EV + t, mask=n_ok, other=0)
+        e = _key_end(t, tl.load(EV + t, mask=n_ok, other=0), n_ok, sinks, window)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        vis = n_ok[None, :] & _visible(offs_m[:, None], t[None, :], ev[None, :], sinks, window)
+        if IS_LIST:
+            vis = offs_m[:, None] < e[None, :]
+        else:
+            vis = (t[None, :] <= offs_m[:, None]) & (offs_m[:, None] < e[None, :])
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
@@ -383,14 +396,14 @@ if triton is not None:
             n_ok = offs_j < cnt
             t = tl.load(lst + offs_j, mask=n_ok, other=0)
             dq = _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
-                          stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC)
+                          stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, True)
         lo = tl.maximum(q0 - window + 1, 0)
         hi = tl.minimum(q0 + BLOCK_M, S)
         for t0 in range(lo, hi, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             n_ok = t < hi
             dq = _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
-                          stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC)
+                          stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, False)
         dq = dq * scale
         DQ += b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
         tl.store(DQ + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
@@ -425,7 +438,8 @@ if triton is not None:
         if not LOWP:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        ev = tl.load(EV + bkv.to(tl.int64) * S + t, mask=n_ok, other=0)
+        e = _key_end(t, tl.load(EV + bkv.to(tl.int64) * S + t, mask=n_ok, other=0), n_ok, sinks, window)
+        e = tl.minimum(e, S)  # rows past the sequence see nothing
         qlo = tl.load(QLO + bkv * n_tiles + tile)
         qhi = tl.load(QHI + bkv * n_tiles + tile)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -448,8 +462,7 @@ if triton is not None:
                 lse2 = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
                 delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
                 sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
-                visT = (n_ok[:, None] & m_ok[None, :]
-                        & _visible(offs_m[None, :], t[:, None], ev[:, None], sinks, window))
+                visT = (t[:, None] <= offs_m[None, :]) & (offs_m[None, :] < e[:, None])
                 pT = tl.where(visT, tl.exp2(sT - lse2[None, :]), 0.0)
                 dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
                 dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
