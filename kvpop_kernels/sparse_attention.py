@@ -264,7 +264,7 @@ if triton is not None:
             return [triton.Config({}, num_warps=4, num_stages=1)]
         return [triton.Config({}, num_warps=w, num_stages=st) for w in kernel_warps for st in (2, 3, 4)]
 
-    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_N", "BLOCK_D", "LOWP"])
+    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_Q", "BLOCK_N", "BLOCK_D", "LOWP"])
     @triton.jit
     def _fwd_kernel(Q, K, V, EV, LIST, CNT, O, LSE,
                     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -272,20 +272,24 @@ if triton is not None:
                     stride_vb, stride_vh, stride_vs, stride_vd,
                     stride_ob, stride_oh, stride_os, stride_od,
                     S, Hq, Hkv, G, D, sinks, window, n_qb, width, qk_scale,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    LOWP: tl.constexpr, DOT_PREC: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr):
+        # rows: BLOCK_M // BLOCK_Q query heads of one KV group x BLOCK_Q queries (one K/V load for all)
         pid_h = tl.program_id(0)
         pid_m = n_qb - 1 - tl.program_id(1)  # the longest rows first
-        b = pid_h // Hq
-        hq = pid_h % Hq
-        hkv = hq // G
+        n_hg = Hq // (BLOCK_M // BLOCK_Q)
+        b = pid_h // n_hg
+        hq0 = (pid_h % n_hg) * (BLOCK_M // BLOCK_Q)
+        hkv = hq0 // G
         bkv = b * Hkv + hkv
-        q0 = pid_m * BLOCK_M
-        offs_m = q0 + tl.arange(0, BLOCK_M)
+        q0 = pid_m * BLOCK_Q
+        r = tl.arange(0, BLOCK_M)
+        hq = hq0 + r // BLOCK_Q  # [BLOCK_M] query head of each row
+        offs_m = q0 + r % BLOCK_Q  # [BLOCK_M] query position of each row
         offs_d = tl.arange(0, BLOCK_D)
         m_ok = offs_m < S
         d_ok = offs_d < D
-        Q += b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
+        Q += b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
         K += b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
         EV += bkv.to(tl.int64) * S
@@ -308,7 +312,7 @@ if triton is not None:
                                       LOWP, DOT_PREC, True)
         # 2) the contiguous band [lo, hi): window and diagonal
         lo = tl.maximum(q0 - window + 1, 0)
-        hi = tl.minimum(q0 + BLOCK_M, S)
+        hi = tl.minimum(q0 + BLOCK_Q, S)
         for t0 in range(lo, hi, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             n_ok = t < hi
@@ -317,11 +321,11 @@ if triton is not None:
                                       LOWP, DOT_PREC, False)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
-        O += b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh
+        O += b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
         tl.store(O + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
                  mask=m_ok[:, None] & d_ok[None, :])
         lse = (m_i + tl.log2(l_safe)) / 1.4426950408889634
-        tl.store(LSE + pid_h.to(tl.int64) * S + offs_m, lse, mask=m_ok)
+        tl.store(LSE + (b * Hq + hq).to(tl.int64) * S + offs_m, lse, mask=m_ok)
 
     @triton.jit
     def _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
@@ -345,7 +349,7 @@ if triton is not None:
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
         return dq
 
-    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_N", "BLOCK_D", "LOWP", "HAS_DLSE"])
+    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_Q", "BLOCK_N", "BLOCK_D", "LOWP", "HAS_DLSE"])
     @triton.jit
     def _dq_kernel(Q, K, V, EV, LIST, CNT, O, DO, LSE, DLSE, DELTA, DQ,
                    stride_qb, stride_qh, stride_qs, stride_qd,
@@ -355,27 +359,30 @@ if triton is not None:
                    stride_dob, stride_doh, stride_dos, stride_dod,
                    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
                    S, Hq, Hkv, G, D, sinks, window, n_qb, width, qk_scale, scale,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   LOWP: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DLSE: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DLSE: tl.constexpr):
         pid_h = tl.program_id(0)
         pid_m = n_qb - 1 - tl.program_id(1)
-        b = pid_h // Hq
-        hq = pid_h % Hq
-        hkv = hq // G
+        n_hg = Hq // (BLOCK_M // BLOCK_Q)
+        b = pid_h // n_hg
+        hq0 = (pid_h % n_hg) * (BLOCK_M // BLOCK_Q)
+        hkv = hq0 // G
         bkv = b * Hkv + hkv
-        q0 = pid_m * BLOCK_M
-        offs_m = q0 + tl.arange(0, BLOCK_M)
+        q0 = pid_m * BLOCK_Q
+        r = tl.arange(0, BLOCK_M)
+        hq = hq0 + r // BLOCK_Q
+        offs_m = q0 + r % BLOCK_Q
         offs_d = tl.arange(0, BLOCK_D)
         m_ok = offs_m < S
         d_ok = offs_d < D
         md = m_ok[:, None] & d_ok[None, :]
-        Q += b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
-        O += b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh
-        DO += b.to(tl.int64) * stride_dob + hq.to(tl.int64) * stride_doh
+        Q += b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
+        O += b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
+        DO += b.to(tl.int64) * stride_dob + hq[:, None].to(tl.int64) * stride_doh
         K += b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
         EV += bkv.to(tl.int64) * S
-        row = pid_h.to(tl.int64) * S
+        row = (b * Hq + hq).to(tl.int64) * S  # [BLOCK_M]
         q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=md, other=0.0)
         do = tl.load(DO + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=md, other=0.0)
         o = tl.load(O + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=md, other=0.0)
@@ -398,14 +405,14 @@ if triton is not None:
             dq = _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
                           stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, True)
         lo = tl.maximum(q0 - window + 1, 0)
-        hi = tl.minimum(q0 + BLOCK_M, S)
+        hi = tl.minimum(q0 + BLOCK_Q, S)
         for t0 in range(lo, hi, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             n_ok = t < hi
             dq = _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
                           stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, False)
         dq = dq * scale
-        DQ += b.to(tl.int64) * stride_dqb + hq.to(tl.int64) * stride_dqh
+        DQ += b.to(tl.int64) * stride_dqb + hq[:, None].to(tl.int64) * stride_dqh
         tl.store(DQ + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
                  mask=md)
 
@@ -528,6 +535,14 @@ def _key_tiles(ev: torch.Tensor, sinks: int, window: int,
             jobs.contiguous(), n_tiles, S_pad)
 
 
+def _pack(G: int, BM: int) -> int:
+    """Query heads of one KV group per program (a power of 2 dividing G, at most 4, >= 8 queries each)."""
+    P = 1
+    while P < 4 and G % (2 * P) == 0 and BM // (2 * P) >= (8 if interpreting() else 32):
+        P *= 2
+    return P
+
+
 def _lowp(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
@@ -537,15 +552,17 @@ def _triton_forward(q, k, v, ev, sinks, window, scale):
     Hkv = k.shape[1]
     lowp = _lowp(q)
     BLOCK_D, BM, BN, _, _ = _blocks(D, lowp)
-    lst, cnt, width = _query_lists(ev, sinks, window, BM)
-    n_qb = triton.cdiv(S, BM)
+    P = _pack(Hq // Hkv, BM)
+    BQ = BM // P
+    lst, cnt, width = _query_lists(ev, sinks, window, BQ)
+    n_qb = triton.cdiv(S, BQ)
     o = empty((Bsz, Hq, S, D), dtype=q.dtype, device=q.device)
     lse = empty((Bsz, Hq, S), dtype=torch.float32, device=q.device)
-    grid = (Bsz * Hq, n_qb)
+    grid = (Bsz * Hq // P, n_qb)
     _fwd_kernel[grid](q, k, v, ev, lst, cnt, o, lse,
                       *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                       S, Hq, Hkv, Hq // Hkv, D, sinks, window, n_qb, width, scale * _LOG2E,
-                      BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp, DOT_PREC="tf32" if lowp else "ieee")
+                      BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp, DOT_PREC="tf32" if lowp else "ieee")
     return o, lse, lst, cnt, width
 
 
@@ -556,18 +573,20 @@ def _triton_backward(q, k, v, ev, o, lse, do, dlse, lst, cnt, width, sinks, wind
     lowp = _lowp(q)
     prec = "tf32" if lowp else "ieee"
     BLOCK_D, BM, BN, BM2, BN2 = _blocks(D, lowp)
-    n_qb = triton.cdiv(S, BM)
+    P = _pack(G, BM)
+    BQ = BM // P
+    n_qb = triton.cdiv(S, BQ)
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty((Bsz, Hq, S), dtype=torch.float32, device=q.device)
     has_dlse = dlse is not None
     dlse_arg = dlse.float().contiguous() if has_dlse else delta
-    _dq_kernel[(Bsz * Hq, n_qb)](q, k, v, ev, lst, cnt, o, do, lse, dlse_arg, delta, dq,
+    _dq_kernel[(Bsz * Hq // P, n_qb)](q, k, v, ev, lst, cnt, o, do, lse, dlse_arg, delta, dq,
                                  *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
                                  S, Hq, Hkv, G, D, sinks, window, n_qb, width, scale * _LOG2E, scale,
-                                 BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp, DOT_PREC=prec,
-                                 HAS_DLSE=has_dlse)
+                                 BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp,
+                                 DOT_PREC=prec, HAS_DLSE=has_dlse)
     perm, qlo, qhi, jobs, n_tiles, S_pad = _key_tiles(ev, sinks, window, BN2)
     _dkdv_kernel[(jobs.numel(),)](q, k, v, ev, perm, qlo, qhi, jobs, do, lse, delta, dk, dv,
                                   *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),

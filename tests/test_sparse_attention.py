@@ -94,6 +94,8 @@ CASES = {
     "S<sinks": (1, 2, 1, 5, 16, 8, 2, 1),
     "budget>=S": (1, 4, 2, 50, 64, 2, 8, 100),
     "no_sinks_w1": (1, 2, 1, 45, 16, 0, 1, 5),
+    "gqa6_batch2": (2, 12, 2, 70, 32, 2, 7, 9),  # G = 6: two heads per program, three programs per group
+    "gqa3": (1, 6, 2, 40, 16, 1, 6, 4),  # G = 3: one head per program
 }
 
 
