@@ -137,25 +137,26 @@ def test_visited_work(benchmark, S, budget):
     """Tile work the kernels' plans visit, as a multiple of the visible pairs and of dense causal work.
 
     Counted (not timed) on ``eviction_schedule`` of random priorities, [1, 8, S], s=4, w=256, k=B-260,
-    with the GPU tile shapes (forward/dq: 128-query blocks, 64-key tiles; dk/dv: 64-key tiles
+    with the GPU tile shapes (forward/dq: 128 rows = 4 query heads x 32 queries sharing one list,
+    64-key tiles; dk/dv: 64-key tiles
     of keys sorted by the end of their query interval in chunks of 1024).  ``block_skip`` is what
     skipping 64-key blocks by their largest ``evict_at`` alone would visit.  The timed part is
     building the dk/dv tile plan on this device.
     """
     sa = importlib.import_module("kvpop_kernels.sparse_attention")
-    s, w, BM, BN = 4, 256, 128, 64
+    s, w, BQ, BN = 4, 256, 32, 64
     prio = torch.randn(1, 8, S)
     ev = eviction_schedule(prio, sinks=s, window=w, k=budget - s - w).to(DEV)
     pairs = visible_pairs(ev, s, w)
     dense = 8 * S * (S + 1) // 2
-    # forward / dq: per query block, the gathered list (rounded up to tiles) + the band [lo, q0 + BM)
-    q0 = torch.arange(0, S, BM, device=DEV)
+    # forward / dq: per block of BQ queries, the gathered list (rounded up to tiles) + the band [lo, q0 + BQ)
+    q0 = torch.arange(0, S, BQ, device=DEV)
     lo = (q0 - w + 1).clamp(min=0)
     t = torch.arange(S, device=DEV)
     live = (t.view(1, -1) < lo.view(-1, 1)) & ((t < s).view(1, -1) | (ev.view(8, 1, S) > q0.view(1, -1, 1)))
     n_list = live.sum(-1)  # [8, n_qb]
-    n_band = (q0 + BM).clamp(max=S) - lo
-    fwd = int((((n_list + BN - 1) // BN + (n_band + BN - 1) // BN) * BN * BM).sum())
+    n_band = (q0 + BQ).clamp(max=S) - lo
+    fwd = int((((n_list + BN - 1) // BN + (n_band + BN - 1) // BN) * BN * BQ).sum())
     # dk/dv: the permuted key tiles' query ranges
     plan = lambda: sa._key_tiles(ev, s, w, BN)  # noqa: E731
     perm, qlo, qhi, jobs, n_tiles, S_pad = plan()

@@ -17,15 +17,17 @@ priorities, S=16384, B=2048: block skipping leaves 1.00x of the dense causal wor
 here come from ``benchmarks/test_sparse_attention.py::test_visited_work``).  So:
 
 * **Forward and dq: a compact list of live key indices per (batch, KV head, query block).**
-  For queries ``[q0, q0+BLOCK_M)`` the keys are split into the dense band
-  ``[lo, q0+BLOCK_M)`` with ``lo = max(q0-w+1, 0)`` (window and diagonal, contiguous loads) and
+  For queries ``[q0, q0+BLOCK_Q)`` the keys are split into the dense band
+  ``[lo, q0+BLOCK_Q)`` with ``lo = max(q0-w+1, 0)`` (window and diagonal, contiguous loads) and
   the list ``{t < lo : t < s or evict_at[t] > q0}`` (sinks + the long-range set kept at ``q0``,
   at most ``s + k`` entries; gathered row loads).  Every visible key of every query of the block
   lies in one of the two (a key ``t < lo <= q - w + 1`` with ``evict_at[t] <= q0 <= q`` is not
   visible to any of them), and the exact rule is applied per element on top, so the lists
   over-approximate and never drop a key.  A small Triton kernel builds the lists (a counting pass,
-  one host sync for the width, a writing pass).  Tile work: 1.07x the visible pairs, 0.25x
-  dense at S=16K, B=2048 (1.04x and 0.45x at B=4096).
+  one host sync for the width, a writing pass).  One program takes up to 4 query heads of one KV
+  group (a power of 2 dividing G) times ``BLOCK_Q`` queries as its 128 rows (GPU: 4 x 32 for
+  Qwen3's G = 4), so every gathered K/V tile is loaded once for all of them.  Tile work: 1.035x
+  the visible pairs, 0.24x dense at S=16K, B=2048 (1.02x and 0.45x at B=4096).
 * **dk/dv: key tiles of permuted keys, each iterating only the queries that can see them.**
   The queries that see key ``t`` form one interval ``[t, e_t)``, ``e_t = S`` for sinks and
   ``min(S, max(t + w, evict_at[t]))`` otherwise.  Keys are sorted by ``e_t`` inside chunks of
