@@ -35,8 +35,9 @@ here come from ``benchmarks/test_sparse_attention.py::test_visited_work``).  So:
   ``[min t, max e_t)``, for every query head of its group (GQA gradients summed in registers),
   and scatters dk/dv to its keys' rows: every key is in exactly one tile, so no atomics.  The
   chunk trades the spread of ``t`` in a tile against the spread of ``e_t`` (work / visible pairs
-  at S=16K, B=2048: chunk 64 (= plain block skipping) 4.3x, 256 1.5x, 1024 1.28x, 4096 1.76x;
-  with 1024: 0.30x dense, and 1.16x / 0.51x at B=4096).  Tiles run longest first.
+  at S=16K, B=2048, counted the same way for other chunk sizes: chunk 64 (= plain block
+  skipping) 4.3x, 256 1.5x, 1024 1.28x, 4096 1.76x; with 1024: 0.30x dense, and 1.16x / 0.51x
+  at B=4096).  Tiles run longest first.
 
 The CPU path (no interpreter) is PyTorch, chunked over queries: each chunk gathers its live keys
 per KV head (the same union as above), so memory stays ``O(chunk * (B + chunk))`` per head and
@@ -564,7 +565,8 @@ def _triton_forward(q, k, v, ev, sinks, window, scale):
     _fwd_kernel[grid](q, k, v, ev, lst, cnt, o, lse,
                       *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                       S, Hq, Hkv, Hq // Hkv, D, sinks, window, n_qb, width, scale * _LOG2E,
-                      BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp, DOT_PREC="tf32" if lowp else "ieee")
+                      BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp,
+                      DOT_PREC="tf32" if lowp else "ieee")
     return o, lse, lst, cnt, width
 
 
@@ -646,5 +648,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, evict_at
     if S == 0:
         return q.clone(), torch.zeros((Bsz, Hq, 0), dtype=torch.float32, device=q.device)
     if triton_path:
+        if D > 256:
+            raise ValueError(f"head_dim must be <= 256 on the Triton path, got {D}")
         return _SparseAttention.apply(q, k, v, ev, sinks, window, sc)
     return _torch_sparse_attention(q, k, v, ev, sinks, window, sc)

@@ -318,3 +318,12 @@ def test_gpu_low_precision(dtype, D, S, k):
 def test_gpu_float32_exact(D):
     q, kk, v, ev = make_case(1, 8, 2, 700, D, 4, 64, 200, device="cuda")
     check_against_reference(q, kk, v, ev, 4, 64, atol=1e-4, rtol=1e-4, rms=1e-5)
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not kutils.interpreting(), reason="Triton path only")
+def test_head_dim_limit_on_triton_path():
+    q = torch.randn(1, 2, 4, 260, device=DEVICE)
+    k = torch.randn(1, 1, 4, 260, device=DEVICE)
+    ev = torch.full((1, 1, 4), NEVER, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim"):
+        sparse_attention(q, k, k, ev, sinks=1, window=2)
