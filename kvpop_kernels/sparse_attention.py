@@ -216,6 +216,14 @@ if triton is not None:
         return tl.where(ok, e, -1)
 
     @triton.jit
+    def _d_mask(offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        # a constant-true mask when D fills BLOCK_D, so that row loads stay vectorised (and pipelined)
+        if D == BLOCK_D:
+            return tl.full([BLOCK_D], 1, tl.int1)
+        else:
+            return offs_d < D
+
+    @triton.jit
     def _list_kernel(EV, LIST, CNT, S, sinks, window, n_qb, width,
                      BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, WRITE: tl.constexpr):
         # keys t < lo = max(q0-w+1, 0) that a query of [q0, q0+BLOCK_M) may see: t < s or ev[t] > q0
@@ -267,14 +275,14 @@ if triton is not None:
             return [triton.Config({}, num_warps=4, num_stages=1)]
         return [triton.Config({}, num_warps=w, num_stages=st) for w in kernel_warps for st in (2, 3, 4)]
 
-    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_Q", "BLOCK_N", "BLOCK_D", "LOWP"])
+    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_Q", "BLOCK_N", "D", "LOWP"])
     @triton.jit
     def _fwd_kernel(Q, K, V, EV, LIST, CNT, O, LSE,
                     stride_qb, stride_qh, stride_qs, stride_qd,
                     stride_kb, stride_kh, stride_ks, stride_kd,
                     stride_vb, stride_vh, stride_vs, stride_vd,
                     stride_ob, stride_oh, stride_os, stride_od,
-                    S, Hq, Hkv, G, D, sinks, window, n_qb, width, qk_scale,
+                    S, Hq, Hkv, G, D: tl.constexpr, sinks, window, n_qb, width, qk_scale,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr):
         # rows: BLOCK_M // BLOCK_Q query heads of one KV group x BLOCK_Q queries (one K/V load for all)
@@ -291,7 +299,7 @@ if triton is not None:
         offs_m = q0 + r % BLOCK_Q  # [BLOCK_M] query position of each row
         offs_d = tl.arange(0, BLOCK_D)
         m_ok = offs_m < S
-        d_ok = offs_d < D
+        d_ok = _d_mask(offs_d, D, BLOCK_D)
         Q += b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
         K += b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
@@ -352,7 +360,7 @@ if triton is not None:
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
         return dq
 
-    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_Q", "BLOCK_N", "BLOCK_D", "LOWP", "HAS_DLSE"])
+    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_Q", "BLOCK_N", "D", "LOWP", "HAS_DLSE"])
     @triton.jit
     def _dq_kernel(Q, K, V, EV, LIST, CNT, O, DO, LSE, DLSE, DELTA, DQ,
                    stride_qb, stride_qh, stride_qs, stride_qd,
@@ -361,7 +369,7 @@ if triton is not None:
                    stride_ob, stride_oh, stride_os, stride_od,
                    stride_dob, stride_doh, stride_dos, stride_dod,
                    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
-                   S, Hq, Hkv, G, D, sinks, window, n_qb, width, qk_scale, scale,
+                   S, Hq, Hkv, G, D: tl.constexpr, sinks, window, n_qb, width, qk_scale, scale,
                    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, LOWP: tl.constexpr, DOT_PREC: tl.constexpr, HAS_DLSE: tl.constexpr):
         pid_h = tl.program_id(0)
@@ -377,7 +385,7 @@ if triton is not None:
         offs_m = q0 + r % BLOCK_Q
         offs_d = tl.arange(0, BLOCK_D)
         m_ok = offs_m < S
-        d_ok = offs_d < D
+        d_ok = _d_mask(offs_d, D, BLOCK_D)
         md = m_ok[:, None] & d_ok[None, :]
         Q += b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
         O += b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
@@ -419,7 +427,7 @@ if triton is not None:
         tl.store(DQ + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
                  mask=md)
 
-    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_N", "BLOCK_D", "LOWP"])
+    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_N", "D", "LOWP"])
     @triton.jit
     def _dkdv_kernel(Q, K, V, EV, PERM, QLO, QHI, ORDER, DO, LSE, DELTA, DK, DV,
                      stride_qb, stride_qh, stride_qs, stride_qd,
@@ -428,7 +436,7 @@ if triton is not None:
                      stride_dob, stride_doh, stride_dos, stride_dod,
                      stride_dkb, stride_dkh, stride_dks, stride_dkd,
                      stride_dvb, stride_dvh, stride_dvs, stride_dvd,
-                     S, S_pad, Hq, Hkv, G, D, sinks, window, n_tiles, qk_scale, scale,
+                     S, S_pad, Hq, Hkv, G, D: tl.constexpr, sinks, window, n_tiles, qk_scale, scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      LOWP: tl.constexpr, DOT_PREC: tl.constexpr):
         job = tl.load(ORDER + tl.program_id(0))  # (bkv, tile) pairs, the longest first
@@ -439,7 +447,7 @@ if triton is not None:
         t = tl.load(PERM + bkv.to(tl.int64) * S_pad + tile * BLOCK_N + tl.arange(0, BLOCK_N))
         n_ok = t < S
         offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
+        d_ok = _d_mask(offs_d, D, BLOCK_D)
         nd = n_ok[:, None] & d_ok[None, :]
         K += b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
