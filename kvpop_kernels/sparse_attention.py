@@ -46,8 +46,8 @@ autograd function saves only q, k, v, out and lse; the backward recomputes the p
 chunk by chunk (FlashAttention's recurrence in plain torch ops), so its memory stays bounded too.
 
 On the GPU, 16-bit inputs feed ``tl.dot`` in their own dtype with float32 accumulation; float32
-inputs (and every input under the interpreter) are upcast right after the load and multiplied in
-IEEE float32.  Building the lists costs one host synchronisation per forward (their width), so
+inputs are multiplied as three TF32 products (``tf32x3``, about float32 accuracy); under the
+interpreter every input is upcast to float32 right after the load.  Building the lists costs one host synchronisation per forward (their width), so
 the op is not CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -494,13 +494,24 @@ if triton is not None:
 
 
 def _blocks(D: int, lowp: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_D, fwd/dq BLOCK_M, fwd/dq BLOCK_N, dkdv BLOCK_M, dkdv BLOCK_N)."""
+    """(BLOCK_D, fwd/dq BLOCK_M, fwd/dq BLOCK_N, dkdv BLOCK_M, dkdv BLOCK_N).
+
+    GPU tiles for 16-bit inputs up to D = 128 (the Qwen3 case) are FlashAttention's; float32 tiles are
+    half as tall, since they take twice the shared memory per element."""
     BLOCK_D = max(16, triton.next_power_of_2(D))
     if interpreting():
         return BLOCK_D, 32, 32, 32, 32
-    if BLOCK_D <= 128:
+    if lowp and BLOCK_D <= 128:
         return BLOCK_D, 128, 64, 64, 64
-    return BLOCK_D, 64, 32, 32, 32
+    if lowp or BLOCK_D <= 128:
+        return BLOCK_D, 64, 32, 32, 32
+    return BLOCK_D, 32, 32, 32, 32
+
+
+def _dot_precision(lowp: bool) -> str:
+    # float32 inputs: three TF32 products (about float32 accuracy, on tensor cores); "ieee" compiles
+    # for minutes at these tile sizes and overflows shared memory
+    return "tf32" if lowp else "tf32x3"
 
 
 def _query_lists(ev: torch.Tensor, sinks: int, window: int, BLOCK_M: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -574,7 +585,7 @@ def _triton_forward(q, k, v, ev, sinks, window, scale):
                       *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                       S, Hq, Hkv, Hq // Hkv, D, sinks, window, n_qb, width, scale * _LOG2E,
                       BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp,
-                      DOT_PREC="tf32" if lowp else "ieee")
+                      DOT_PREC=_dot_precision(lowp))
     return o, lse, lst, cnt, width
 
 
@@ -583,7 +594,7 @@ def _triton_backward(q, k, v, ev, o, lse, do, dlse, lst, cnt, width, sinks, wind
     Hkv = k.shape[1]
     G = Hq // Hkv
     lowp = _lowp(q)
-    prec = "tf32" if lowp else "ieee"
+    prec = _dot_precision(lowp)
     BLOCK_D, BM, BN, BM2, BN2 = _blocks(D, lowp)
     P = _pack(G, BM)
     BQ = BM // P
