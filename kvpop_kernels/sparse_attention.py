@@ -270,12 +270,15 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         return m_new, l_i, acc
 
-    def _configs(kernel_warps: list[int]) -> list:
+    def _configs(tile: str) -> list:
+        """Autotuned: the tile that does not shape the plan (the key step of the forward/dq, the query
+        step of dk/dv), warps and stages.  At D = 128, bf16, 4 warps spill and 8 do not (sm_90 build)."""
         if interpreting():
-            return [triton.Config({}, num_warps=4, num_stages=1)]
-        return [triton.Config({}, num_warps=w, num_stages=st) for w in kernel_warps for st in (2, 3, 4)]
+            return [triton.Config({tile: 32}, num_warps=4, num_stages=1)]
+        return [triton.Config({tile: size}, num_warps=w, num_stages=st)
+                for size in (32, 64) for w, st in ((8, 2), (8, 3), (4, 3))]
 
-    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_Q", "BLOCK_N", "D", "LOWP"])
+    @triton.autotune(configs=_configs("BLOCK_N"), key=["BLOCK_M", "BLOCK_Q", "D", "LOWP"])
     @triton.jit
     def _fwd_kernel(Q, K, V, EV, LIST, CNT, O, LSE,
                     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -360,7 +363,7 @@ if triton is not None:
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
         return dq
 
-    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_Q", "BLOCK_N", "D", "LOWP", "HAS_DLSE"])
+    @triton.autotune(configs=_configs("BLOCK_N"), key=["BLOCK_M", "BLOCK_Q", "D", "LOWP", "HAS_DLSE"])
     @triton.jit
     def _dq_kernel(Q, K, V, EV, LIST, CNT, O, DO, LSE, DLSE, DELTA, DQ,
                    stride_qb, stride_qh, stride_qs, stride_qd,
@@ -427,7 +430,7 @@ if triton is not None:
         tl.store(DQ + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
                  mask=md)
 
-    @triton.autotune(configs=_configs([4, 8]), key=["BLOCK_M", "BLOCK_N", "D", "LOWP"])
+    @triton.autotune(configs=_configs("BLOCK_M"), key=["BLOCK_N", "D", "LOWP"])
     @triton.jit
     def _dkdv_kernel(Q, K, V, EV, PERM, QLO, QHI, ORDER, DO, LSE, DELTA, DK, DV,
                      stride_qb, stride_qh, stride_qs, stride_qd,
@@ -493,19 +496,19 @@ if triton is not None:
         tl.store(DV + t[:, None] * stride_dvs + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=nd)
 
 
-def _blocks(D: int, lowp: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_D, fwd/dq BLOCK_M, fwd/dq BLOCK_N, dkdv BLOCK_M, dkdv BLOCK_N).
+def _blocks(D: int, lowp: bool) -> tuple[int, int, int]:
+    """(BLOCK_D, rows of a forward/dq program, keys of a dk/dv tile): the tiles that shape the plan.
 
     GPU tiles for 16-bit inputs up to D = 128 (the Qwen3 case) are FlashAttention's; float32 tiles are
     half as tall, since they take twice the shared memory per element."""
     BLOCK_D = max(16, triton.next_power_of_2(D))
     if interpreting():
-        return BLOCK_D, 32, 32, 32, 32
+        return BLOCK_D, 32, 32
     if lowp and BLOCK_D <= 128:
-        return BLOCK_D, 128, 64, 64, 64
+        return BLOCK_D, 128, 64
     if lowp or BLOCK_D <= 128:
-        return BLOCK_D, 64, 32, 32, 32
-    return BLOCK_D, 32, 32, 32, 32
+        return BLOCK_D, 64, 32
+    return BLOCK_D, 32, 32
 
 
 def _dot_precision(lowp: bool) -> str:
@@ -573,7 +576,7 @@ def _triton_forward(q, k, v, ev, sinks, window, scale):
     Bsz, Hq, S, D = q.shape
     Hkv = k.shape[1]
     lowp = _lowp(q)
-    BLOCK_D, BM, BN, _, _ = _blocks(D, lowp)
+    BLOCK_D, BM, _ = _blocks(D, lowp)
     P = _pack(Hq // Hkv, BM)
     BQ = BM // P
     lst, cnt, width = _query_lists(ev, sinks, window, BQ)
@@ -584,8 +587,7 @@ def _triton_forward(q, k, v, ev, sinks, window, scale):
     _fwd_kernel[grid](q, k, v, ev, lst, cnt, o, lse,
                       *q.stride(), *k.stride(), *v.stride(), *o.stride(),
                       S, Hq, Hkv, Hq // Hkv, D, sinks, window, n_qb, width, scale * _LOG2E,
-                      BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp,
-                      DOT_PREC=_dot_precision(lowp))
+                      BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_D=BLOCK_D, LOWP=lowp, DOT_PREC=_dot_precision(lowp))
     return o, lse, lst, cnt, width
 
 
@@ -595,7 +597,7 @@ def _triton_backward(q, k, v, ev, o, lse, do, dlse, lst, cnt, width, sinks, wind
     G = Hq // Hkv
     lowp = _lowp(q)
     prec = _dot_precision(lowp)
-    BLOCK_D, BM, BN, BM2, BN2 = _blocks(D, lowp)
+    BLOCK_D, BM, BN2 = _blocks(D, lowp)
     P = _pack(G, BM)
     BQ = BM // P
     n_qb = triton.cdiv(S, BQ)
@@ -608,13 +610,13 @@ def _triton_backward(q, k, v, ev, o, lse, do, dlse, lst, cnt, width, sinks, wind
     _dq_kernel[(Bsz * Hq // P, n_qb)](q, k, v, ev, lst, cnt, o, do, lse, dlse_arg, delta, dq,
                                  *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
                                  S, Hq, Hkv, G, D, sinks, window, n_qb, width, scale * _LOG2E, scale,
-                                 BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, BLOCK_D=BLOCK_D, LOWP=lowp,
+                                 BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_D=BLOCK_D, LOWP=lowp,
                                  DOT_PREC=prec, HAS_DLSE=has_dlse)
     perm, qlo, qhi, jobs, n_tiles, S_pad = _key_tiles(ev, sinks, window, BN2)
     _dkdv_kernel[(jobs.numel(),)](q, k, v, ev, perm, qlo, qhi, jobs, do, lse, delta, dk, dv,
                                   *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
                                   S, S_pad, Hq, Hkv, G, D, sinks, window, n_tiles, scale * _LOG2E, scale,
-                                  BLOCK_M=BM2, BLOCK_N=BN2, BLOCK_D=BLOCK_D, LOWP=lowp, DOT_PREC=prec)
+                                  BLOCK_N=BN2, BLOCK_D=BLOCK_D, LOWP=lowp, DOT_PREC=prec)
     return dq, dk, dv
 
 

@@ -115,7 +115,7 @@ def test_matches_reference_other_schedules(kind, S, backend):
 
 def test_gpu_block_sizes_in_interpreter(monkeypatch):
     """The GPU tile shapes (128-query lists, 64-key tiles) through the interpreter, several blocks."""
-    monkeypatch.setattr(sa_mod, "_blocks", lambda D, lowp: (max(16, 1 << (D - 1).bit_length()), 128, 64, 64, 64))
+    monkeypatch.setattr(sa_mod, "_blocks", lambda D, lowp: (max(16, 1 << (D - 1).bit_length()), 128, 64))
     monkeypatch.setattr(sa_mod, "_DKDV_CHUNK", 128)
     q, kk, v, ev = make_case(1, 4, 2, 300, 60, 4, 32, 40, device=DEVICE)
     check_against_reference(q, kk, v, ev, 4, 32)
@@ -340,8 +340,9 @@ except Exception as exc:
 sa = importlib.import_module("kvpop_kernels.sparse_attention")
 D, P = int(sys.argv[1]), "*" + sys.argv[2]
 lowp = P != "*fp32"
-BLOCK_D, BM, BN, BM2, BN2 = sa._blocks(D, lowp)  # the GPU tiles: this process does not interpret
+BLOCK_D, BM, BN2 = sa._blocks(D, lowp)  # the GPU tiles: this process does not interpret
 BQ = BM // sa._pack(4, BM)  # Qwen3's G = 4
+TUNED = 64 if lowp else 32  # the autotuned tile: the larger one (float32: the one that fits at 3 stages)
 
 
 def compile_kernel(kernel, ptrs, constexprs):
@@ -360,13 +361,13 @@ def compile_kernel(kernel, ptrs, constexprs):
 common = dict(D=D, BLOCK_D=BLOCK_D, LOWP=lowp, DOT_PREC=sa._dot_precision(lowp))
 kernels = {
     "fwd": compile_kernel(sa._fwd_kernel, dict(Q=P, K=P, V=P, EV="*i32", LIST="*i32", CNT="*i32", O=P, LSE="*fp32"),
-                          dict(BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, **common)),
+                          dict(BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=TUNED, **common)),
     "dq": compile_kernel(sa._dq_kernel, dict(Q=P, K=P, V=P, EV="*i32", LIST="*i32", CNT="*i32", O=P, DO=P,
                                              LSE="*fp32", DLSE="*fp32", DELTA="*fp32", DQ=P),
-                         dict(BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=BN, HAS_DLSE=True, **common)),
+                         dict(BLOCK_M=BM, BLOCK_Q=BQ, BLOCK_N=TUNED, HAS_DLSE=True, **common)),
     "dkdv": compile_kernel(sa._dkdv_kernel, dict(Q=P, K=P, V=P, EV="*i32", PERM="*i32", QLO="*i32", QHI="*i32",
                                                  ORDER="*i32", DO=P, LSE="*fp32", DELTA="*fp32", DK=P, DV=P),
-                           dict(BLOCK_M=BM2, BLOCK_N=BN2, **common)),
+                           dict(BLOCK_M=TUNED, BLOCK_N=BN2, **common)),
 }
 out = {}
 for name, k in kernels.items():
