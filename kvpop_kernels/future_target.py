@@ -1,15 +1,302 @@
 """``future_attention_target``: the transposed LSE-shifted column-sum attention (training target).
 
-STUB: the CPU path calls the dense reference; the Triton kernel is not written yet.
+For every key ``t`` of KV head ``h`` and every query head ``g`` of its group (query head
+``h*G + g``), the mean attention ``t`` receives once it has left the window::
+
+    m[h,g,t] = (1/N_t) * sum_{u=t+w}^{S-1} exp(scale * q_u . k_t - lse_u),   N_t = max(1, S-t-w)
+    r_tgt[h,t] = max_g log(eps + m[h,g,t])
+
+This is a log-sum-exp over queries for a fixed key, i.e. attention with the roles of queries
+and keys swapped: the key block is the "query" of the kernel, the queries are streamed, the
+score subtracts ``lse_u`` and the mask keeps ``u >= t + w``.  No running maximum is needed:
+``lse_u`` already is the normaliser of row ``u``, so every term is a probability (at most
+about 1; with the ``lse`` of a sparse attention a key hidden from ``u`` can exceed it, which
+float32 accumulation absorbs).
+
+Backends (DESIGN.md dispatch):
+
+* Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``): one program per (block of ``BLOCK_T``
+  keys, batch, KV head).  It keeps its key tile in registers, loops over the ``G`` query heads
+  of the group and, for each, over the query blocks ``u >= t_min + w`` only (the blocks left of
+  the ``u >= t + w`` triangle are never visited); the sum of ``exp2`` is kept per key in fp32;
+  the mean, ``log(eps + m)`` and the max over ``g`` are taken in the program.  Extra memory:
+  none besides the ``[B, Hkv, S]`` output.
+* PyTorch (CPU without the interpreter): chunks of queries, ``[B, Hq, chunk, S]`` floats at
+  most per step (the ``S x S`` matrix is never formed), matmul + in-place ``exp``.
+
+The op is a label: its inputs are detached and the output carries no gradient.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from . import reference
+from ._utils import check_gqa, check_int, check_tensor, default_scale, empty, interpreting, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+
+__all__ = ["future_attention_target"]
+
+_LOG2E = 1.4426950408889634
 
 
+# ---------------------------------------------------------------------------- guards
+def _check(q: object, k: object, lse: object, window: object, eps: object,
+           scale: object) -> tuple[int, float, float]:
+    """Validate the arguments; return ``(G, eps, scale)``."""
+    check_tensor("q", q, 4, floating=True)
+    check_tensor("k", k, 4, floating=True)
+    check_tensor("lse", lse, 3, floating=True)
+    Bsz, Hq, S, D = q.shape
+    if k.shape[0] != Bsz or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(
+            f"k must be [B, Hkv, S, D] with B, S, D of q {tuple(q.shape)} (q is [B, Hq, S, D]), "
+            f"got k of shape {tuple(k.shape)}"
+        )
+    if D < 1:
+        raise ValueError(f"head_dim (last dim of q and k) must be >= 1, got {D}")
+    G = check_gqa(Hq, k.shape[1])
+    if tuple(lse.shape) != (Bsz, Hq, S):
+        raise ValueError(f"lse must be [B, Hq, S] = {[Bsz, Hq, S]} (one natural-log normaliser per "
+                         f"query row), got shape {tuple(lse.shape)}")
+    check_int("window", window, minimum=1)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__} ({eps!r})")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+    return G, float(eps), default_scale(scale, D)
+
+
+# ------------------------------------------------------------------------------ CPU
+_CPU_CHUNK_ELEMS = 1 << 24  # floats of one [B, Hq, chunk, keys] logits block (64 MiB)
+
+
+def _cpu_chunk(Bsz: int, Hq: int, S: int) -> int:
+    per_query = max(1, Bsz * Hq * S)
+    return int(min(1024, max(16, _CPU_CHUNK_ELEMS // per_query)))
+
+
+def _cpu_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, window: int, eps: float,
+                scale: float, chunk: int | None = None) -> torch.Tensor:
+    """PyTorch path: float32, chunks of ``chunk`` queries, never an ``S x S`` matrix."""
+    Bsz, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    w = window
+    out = empty((Bsz, Hkv, S), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    C = _cpu_chunk(Bsz, Hq, S) if chunk is None else int(chunk)
+    with torch.no_grad():
+        msum = torch.zeros((Bsz, Hkv, G, S), dtype=torch.float32, device=q.device)
+        if S > w:
+            BH = Bsz * Hkv
+            # keys as [B*Hkv, D, S]: one batched GEMM per chunk with the G heads of a group stacked
+            kT = k.detach().to(torch.float32).reshape(BH, S, D).transpose(1, 2)
+            neg_lse = lse.detach().to(torch.float32).neg().reshape(BH, G, S)
+            for u0 in range(w, S, C):  # only queries u >= w see any key at distance >= w
+                u1 = min(u0 + C, S)
+                n_u = u1 - u0
+                t_hi = u1 - w  # keys t <= u1 - 1 - w are seen by some query of the chunk
+                qc = q[:, :, u0:u1].detach().to(torch.float32).reshape(BH, G * n_u, D) * scale
+                # p[bh, g*n_u + i, t] = exp(scale * q_{u0+i} . k_t - lse_{u0+i})
+                p = torch.baddbmm(neg_lse[:, :, u0:u1].reshape(BH, G * n_u, 1), qc, kT[:, :, :t_hi])
+                p.exp_()
+                p = p.view(BH, G, n_u, t_hi)
+                t_full = u0 - w + 1  # keys t < t_full are seen by every query of the chunk
+                if t_full < t_hi:
+                    uu = torch.arange(u0, u1, device=q.device).view(n_u, 1)
+                    tt = torch.arange(t_full, t_hi, device=q.device).view(1, t_hi - t_full)
+                    p[..., t_full:t_hi].masked_fill_(uu < tt + w, 0.0)
+                msum.view(BH, G, S)[..., :t_hi] += p.sum(dim=2)
+        n = torch.clamp(S - torch.arange(S, device=q.device) - w, min=1).to(torch.float32)
+        r = torch.log(msum.div_(n).add_(eps)).amax(dim=2)
+        out.copy_(r)
+    return out
+
+
+# --------------------------------------------------------------------------- Triton
+if triton is not None:
+
+    @triton.jit
+    def _accumulate(acc, kt, Qh, Lh, u0, t, S, window, stride_qs, stride_qd, stride_ls, d, D,
+                    qk_scale, MASK_T: tl.constexpr, MASK_S: tl.constexpr, EVEN_D: tl.constexpr,
+                    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_U: tl.constexpr):
+        """``acc[t] += sum_u exp(scale * k_t . q_u - lse_u)`` over one block of queries ``u``."""
+        u = u0 + tl.arange(0, BLOCK_U)
+        q_ptrs = Qh + u[None, :] * stride_qs + d[:, None] * stride_qd  # [BLOCK_D, BLOCK_U]
+        if MASK_S:
+            u_ok = u < S
+            if EVEN_D:
+                qt = tl.load(q_ptrs, mask=u_ok[None, :], other=0.0)
+            else:
+                qt = tl.load(q_ptrs, mask=u_ok[None, :] & (d[:, None] < D), other=0.0)
+            lse = tl.load(Lh + u * stride_ls, mask=u_ok, other=0.0)
+        else:
+            if EVEN_D:
+                qt = tl.load(q_ptrs)
+            else:
+                qt = tl.load(q_ptrs, mask=d[:, None] < D, other=0.0)
+            lse = tl.load(Lh + u * stride_ls)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+        s = tl.dot(kt, qt, input_precision=DOT_PREC)  # [BLOCK_T, BLOCK_U], fp32
+        x = s * qk_scale - lse.to(tl.float32)[None, :] * 1.4426950408889634  # log2 domain
+        if MASK_T:
+            keep = u[None, :] >= t[:, None] + window
+            if MASK_S:
+                keep = keep & (u < S)[None, :]
+            x = tl.where(keep, x, float("-inf"))
+        elif MASK_S:
+            x = tl.where((u < S)[None, :], x, float("-inf"))
+        return acc + tl.sum(tl.exp2(x), axis=1)
+
+    @triton.jit
+    def _target_kernel(Q, K, L, OUT,
+                       stride_qb, stride_qh, stride_qs, stride_qd,
+                       stride_kb, stride_kh, stride_ks, stride_kd,
+                       stride_lb, stride_lh, stride_ls,
+                       S, HKV, BH, G, D, window, qk_scale, eps,
+                       BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr,
+                       EVEN_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+        # heaviest key blocks (t near 0, the longest run of queries) of every head first
+        pid = tl.program_id(0)
+        head = pid % BH
+        t0 = (pid // BH) * BLOCK_T
+        b = head // HKV
+        h = head % HKV
+        t = t0 + tl.arange(0, BLOCK_T)
+        d = tl.arange(0, BLOCK_D)
+        t_ok = t < S
+        k_ptrs = (K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+                  + t[:, None] * stride_ks + d[None, :] * stride_kd)
+        if EVEN_D:
+            kt = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(k_ptrs, mask=t_ok[:, None] & (d[None, :] < D), other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+
+        # query blocks: [u_lo, u_diag) straddle the u = t + w diagonal of this key block;
+        # after it every u >= t + w, and only the last block can run past S.
+        u_lo = t0 + window
+        DIAG = (BLOCK_T - 1 + BLOCK_U - 1) // BLOCK_U  # constexpr
+        u_diag = tl.minimum(u_lo + DIAG * BLOCK_U, S)
+        n_full = tl.maximum(S - (u_lo + DIAG * BLOCK_U), 0) // BLOCK_U
+        u_tail = u_lo + DIAG * BLOCK_U + n_full * BLOCK_U
+        n_t = tl.maximum(S - t - window, 1).to(tl.float32)
+
+        r = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+        for g in range(0, G):
+            hq = h * G + g
+            Qh = Q + b.to(tl.int64) * stride_qb + hq.to(tl.int64) * stride_qh
+            Lh = L + b.to(tl.int64) * stride_lb + hq.to(tl.int64) * stride_lh
+            acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for u0 in range(u_lo, u_diag, BLOCK_U):
+                acc = _accumulate(acc, kt, Qh, Lh, u0, t, S, window, stride_qs, stride_qd, stride_ls,
+                                  d, D, qk_scale, True, True, EVEN_D, UPCAST, DOT_PREC, BLOCK_U)
+            for i in range(0, n_full):
+                u0 = u_lo + DIAG * BLOCK_U + i * BLOCK_U
+                acc = _accumulate(acc, kt, Qh, Lh, u0, t, S, window, stride_qs, stride_qd, stride_ls,
+                                  d, D, qk_scale, False, False, EVEN_D, UPCAST, DOT_PREC, BLOCK_U)
+            if u_tail < S:
+                acc = _accumulate(acc, kt, Qh, Lh, u_tail, t, S, window, stride_qs, stride_qd,
+                                  stride_ls, d, D, qk_scale, False, True, EVEN_D, UPCAST, DOT_PREC,
+                                  BLOCK_U)
+            r = tl.maximum(r, tl.log(eps + acc / n_t))
+        tl.store(OUT + head.to(tl.int64) * S + t, r, mask=t_ok)
+
+    def _gpu_configs() -> list:
+        cfgs = []
+        # bf16, D=128 on sm_90 (ptxas): (128, 64, 8, 2) 181 registers, 1 CTA/SM; (128, 64, 8, 1) and
+        # (128, 32, 8, 2) ~120 registers, 2 CTAs/SM; none of these spills.  fp32 inputs (tf32x3) need
+        # the small tiles (64, 32) to stay free of spills.
+        for bt, bu, nw, ns in [(128, 64, 8, 2), (128, 64, 8, 1), (128, 32, 8, 2), (128, 128, 8, 2),
+                               (128, 128, 8, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2)]:
+            cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_U": bu}, num_warps=nw, num_stages=ns))
+        return cfgs
+
+    _target_kernel_tuned = triton.autotune(configs=_gpu_configs(),
+                                           key=["S", "G", "BLOCK_D", "window", "EVEN_D"])(_target_kernel)
+
+# block sizes under the interpreter (a single config: autotuning needs a GPU)
+_INTERP_BLOCK_T, _INTERP_BLOCK_U = 32, 32
+
+
+def _triton_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, window: int, eps: float,
+                   scale: float, block_t: int | None = None, block_u: int | None = None) -> torch.Tensor:
+    """Launch the Triton kernel.  ``block_t/block_u`` pin the tile sizes (tests); else tuned/fixed."""
+    Bsz, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    out = empty((Bsz, Hkv, S), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    q, k, lse = q.detach(), k.detach(), lse.detach()
+    dt = torch.promote_types(q.dtype, k.dtype)
+    if dt == torch.float64:
+        dt = torch.float32
+    q, k = q.to(dt), k.to(dt)
+    if lse.dtype != torch.float32:
+        lse = lse.to(torch.float32)
+    interp = q.device.type == "cpu" or interpreting()
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    even_d = BLOCK_D == D
+    # bf16/fp16 tiles go to the tensor cores as they are on the GPU; the interpreter computes
+    # bf16 arithmetic on raw bits, so it upcasts right after the loads.
+    upcast = interp or dt == torch.float32
+    dot_prec = "ieee" if interp else ("tf32x3" if dt == torch.float32 else "tf32")
+    args = (q, k, lse, out, *q.stride(), *k.stride(), *lse.stride(), S, Hkv, Bsz * Hkv, G, D, window,
+            scale * _LOG2E, eps)
+    if interp or block_t is not None or block_u is not None:
+        bt = block_t or (_INTERP_BLOCK_T if interp else 128)
+        bu = block_u or (_INTERP_BLOCK_U if interp else 64)
+        grid = (triton.cdiv(S, bt) * Bsz * Hkv,)
+        _target_kernel[grid](*args, BLOCK_T=bt, BLOCK_U=bu, BLOCK_D=BLOCK_D, EVEN_D=even_d,
+                             UPCAST=upcast, DOT_PREC=dot_prec)
+    else:
+        def grid(meta):
+            return (triton.cdiv(S, meta["BLOCK_T"]) * Bsz * Hkv,)
+
+        _target_kernel_tuned[grid](*args, BLOCK_D=BLOCK_D, EVEN_D=even_d, UPCAST=upcast,
+                                   DOT_PREC=dot_prec)
+    return out
+
+
+# ----------------------------------------------------------------------------- public
 def future_attention_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, window: int,
                             eps: float = 1e-6, scale: float | None = None) -> torch.Tensor:
-    """Training target ``r_tgt [B, Hkv, S]`` float32; see ``reference.future_attention_target``."""
-    return reference.future_attention_target(q, k, lse, window=window, eps=eps, scale=scale)
+    """Training target ``r_tgt [B, Hkv, S]`` float32 of KVpop: how much each key is attended later.
+
+    ``r_tgt[b,h,t] = max_g log(eps + m[b,h,g,t])`` with
+    ``m[b,h,g,t] = (1/N_t) sum_{u=t+w}^{S-1} exp(scale * q[b,h*G+g,u] . k[b,h,t] - lse[b,h*G+g,u])``
+    and ``N_t = max(1, S - t - w)``; keys with no query ``u >= t + w`` get ``log(eps)``.
+
+    Args:
+        q: queries ``[B, Hq, S, D]`` (float16/bfloat16/float32/float64; RoPE already applied).
+        k: keys ``[B, Hkv, S, D]``, ``Hq = G * Hkv``; query head ``h*G + g`` reads KV head ``h``.
+        lse: ``[B, Hq, S]`` natural-log softmax normaliser of each query row, from the dense causal
+            attention (exact target) or from ``sparse_attention`` (the paper's cheaper choice).
+        window: ``w >= 1``; only queries at least ``w`` positions after the key count.
+        eps: ``> 0``, added to the mean before the log.
+        scale: logit scale, default ``D ** -0.5``.
+
+    Returns:
+        float32 ``[B, Hkv, S]`` on the inputs' device; not differentiable (inputs are detached).
+        Computation is in float32 (bf16/fp16 products on the tensor cores with fp32 accumulation
+        on the GPU; float64 inputs are computed in float32).  No ``S x S`` matrix is formed.
+
+    Raises:
+        TypeError: a non-tensor input or a non-numeric ``eps``/``window``.
+        ValueError: shapes that do not match, ``Hq`` not a multiple of ``Hkv``, non-float dtypes,
+            ``window < 1``, ``eps <= 0``, tensors on different devices.
+    """
+    _, eps, scale = _check(q, k, lse, window, eps, scale)
+    if use_triton(q, k, lse):
+        return _triton_target(q, k, lse, window, eps, scale)
+    return _cpu_target(q, k, lse, window, eps, scale)

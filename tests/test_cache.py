@@ -42,6 +42,18 @@ AttentionInterface.register("kvpop_cache_test", _attention)
 AttentionMaskInterface.register("kvpop_cache_test", lambda *args, **kwargs: None)
 
 
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch, request):
+    """The model-level tests take the PyTorch CPU path (the kernels have their own tests, and the
+    interpreter would make these take minutes), except one case of the central invariant that runs
+    the package's default dispatch (the Triton kernels, interpreted on a CPU-only machine)."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    default = (request.node.originalname == "test_prefill_plus_decode_equals_teacher_forced"
+               and params.get("policy") == "kvpop" and params.get("prompt") == 7 and params.get("budget") == 10)
+    if not default:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -212,3 +224,47 @@ def test_later_chunks_are_decoded_token_by_token(model, policy):
         cache = KVpopCache(config=cfg, num_layers=2)
         parts = [model(ids[:, a:b], past_key_values=cache).logits for a, b in [(0, 7), (7, 19), (19, 20), (20, 40)]]
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-4, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- through kvpop.patch + generate
+def _patched_tiny(**overrides):
+    import kvpop
+
+    torch.manual_seed(3)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    m = Qwen3ForCausalLM(cfg).eval()
+    dense = m.generate(torch.arange(3, 15).view(1, 12), max_new_tokens=30, do_sample=False)
+    return kvpop.patch(m, **overrides), dense
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_patched_generate_uses_the_cache(scorer):
+    import kvpop
+
+    ids = torch.arange(3, 15).view(1, 12)
+    m, dense = _patched_tiny(scorer=scorer, sinks=2, window=8, budget=64)
+    # budget >= every length: exactly the unpatched model's greedy generation
+    assert torch.equal(m.generate(ids, max_new_tokens=30, do_sample=False), dense)
+    kvpop.patch(m, budget=14)
+    plain = m.generate(ids, max_new_tokens=30, do_sample=False)  # a KVpopCache is made by default
+    explicit = m.generate(ids, past_key_values=kvpop.KVpopCache(m), max_new_tokens=30, do_sample=False)
+    assert torch.equal(plain, explicit) and plain.shape == (1, 42)
+    kvpop.unpatch(m)
+    assert torch.equal(m.generate(ids, max_new_tokens=30, do_sample=False), dense)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_both_cache_keywords():
+    import inspect
+
+    import kvpop
+
+    m, _ = _patched_tiny(sinks=2, window=8, budget=14)
+    ids = torch.randint(0, 128, (1, 20))
+    with torch.no_grad():
+        ref = m(ids, past_key_values=kvpop.KVpopCache(m)).logits
+        if "cache" in inspect.signature(type(m).forward).parameters:  # transformers >= 5.24
+            torch.testing.assert_close(m(ids, cache=kvpop.KVpopCache(m)).logits, ref, atol=0, rtol=0)
+        torch.testing.assert_close(m(ids).logits, ref, atol=1e-5, rtol=1e-5)  # prefill == full forward

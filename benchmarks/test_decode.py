@@ -1,0 +1,275 @@
+"""Decode benchmarks.
+
+Groups ``decode-step-ctx*``: ONE layer's batch-1 decode step, ``kvpop_kernels.fixed_budget_decode``
+over a fixed budget of ``B`` slots per KV head (``kvpop-B2048``, ``kvpop-B4096``) against dense
+SDPA decoding over the whole cache (``sdpa``: the new key/value written into a preallocated cache,
+then one query against all ``ctx + 1`` keys with ``enable_gqa``), at contexts 8K / 32K / 131K on
+CUDA (Qwen3-8B: 32 query heads, 8 KV heads, head_dim 128, bf16), 1K / 8K / 32K on the CPU (4 / 2 heads,
+head_dim 64, float32, budgets 256 / 512, the PyTorch path).  ``extra_info``: KV bytes read per step
+over the time (``bytes_per_s``), the cache's size and, on CUDA, the peak allocated memory and a
+CUDA-event timing (``do_bench_ms``).
+
+Groups ``decode-generate-*``: whole-model batch-1 generation of a Qwen3-8B-shaped model with random
+weights and fewer layers (hidden 4096, 32 / 8 heads, head_dim 128, 2 layers, bf16) on CUDA, a tiny
+Qwen3 on the CPU: a prompt of ``ctx`` tokens is prefilled, then ``GEN_TOKENS`` tokens are decoded
+greedily, dense (``DynamicCache``, SDPA) against ``kvpop.patch`` + ``KVpopCache`` (budget 2048).
+``extra_info``: decode tokens/s and the peak allocated memory of the whole run (CUDA), which stays
+flat for kvpop while dense grows with the context.
+
+Run: ``pytest benchmarks/test_decode.py --benchmark-only`` (``--benchmark-disable`` in CI).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvpop_kernels._utils as kutils
+from kvpop_kernels import fixed_budget_decode
+
+from ._timing import best_time
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+if CUDA:
+    HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
+    SINKS, WINDOW = 4, 256
+    CONTEXTS = [8 * 1024, 32 * 1024, 131072]
+    BUDGETS = [2048, 4096]
+else:
+    HQ, HKV, D, DTYPE = 4, 2, 64, torch.float32
+    SINKS, WINDOW = 4, 64
+    CONTEXTS = [1024, 8 * 1024, 32 * 1024]
+    BUDGETS = [256, 512]
+
+PROVIDERS = [f"kvpop-B{b}" for b in BUDGETS] + ["sdpa"]
+
+
+def _sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _ctx_label(ctx: int) -> str:
+    return f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
+
+
+def _kvpop_state(ctx: int, B: int, gen: torch.Generator):
+    """A consistent full cache at position ``ctx``: sinks, the last ``w`` tokens in the ring, ``k``
+    distinct older tokens with random priorities in the long-range slots."""
+    s, w = SINKS, WINDOW
+    k = B - s - w
+    kc = torch.randn(HKV, B, D, generator=gen).to(DEVICE, DTYPE)
+    vc = torch.randn(HKV, B, D, generator=gen).to(DEVICE, DTYPE)
+    slot_pos = torch.empty(HKV, B, dtype=torch.int32)
+    slot_pos[:, :s] = torch.arange(s, dtype=torch.int32)
+    ring_t = torch.arange(ctx - w, ctx)
+    slot_pos[:, s + (ring_t - s) % w] = ring_t.to(torch.int32)
+    for h in range(HKV):
+        slot_pos[h, s + w:] = (torch.randperm(ctx - w - s, generator=gen)[:k] + s).to(torch.int32)
+    slot_prio = torch.randn(HKV, k, generator=gen)
+    return [kc, vc, slot_pos.to(DEVICE), slot_prio.to(DEVICE)]
+
+
+def _make_sdpa(ctx: int, q, kn, vn, gen):
+    """Dense decoding: write the new key/value into a preallocated cache, attend over ``ctx + 1`` keys."""
+    cap = ctx + 8192  # room for the timed steps
+    kc = torch.randn(1, HKV, cap, D, generator=gen).to(DEVICE, DTYPE)
+    vc = torch.randn(1, HKV, cap, D, generator=gen).to(DEVICE, DTYPE)
+    q4 = q.view(1, HQ, 1, D)
+
+    def step_at(p: int):
+        kc[0, :, p] = kn
+        vc[0, :, p] = vn
+        return F.scaled_dot_product_attention(q4, kc[:, :, :p + 1], vc[:, :, :p + 1], enable_gqa=True)
+
+    return step_at, cap
+
+
+def _make_kvpop(ctx: int, B: int, q, kn, vn, gen):
+    state = _kvpop_state(ctx, B, gen)
+    lp = torch.randn(HKV, generator=gen).to(DEVICE)
+
+    def step_at(p: int):
+        return fixed_budget_decode(q, kn, vn, *state, lp, pos=p, sinks=SINKS, window=WINDOW)
+
+    return step_at, None
+
+
+def _stepper(step_at, ctx: int, cap: int | None):
+    """An eager step that advances the position at every call (as decoding does)."""
+    cur = {"pos": ctx}
+
+    def step():
+        p = cur["pos"] if cap is None else min(cur["pos"], cap - 1)
+        cur["pos"] += 1
+        return step_at(p)
+
+    return step
+
+
+def _cuda_timings(step_at, step, ctx: int) -> dict:
+    """CUDA-event timings: eager (launch overhead included) and a CUDA-graph replay (device time)."""
+    import triton.testing
+
+    info = {"eager_ms": triton.testing.do_bench(step, warmup=25, rep=200)}
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step_at(ctx + 4096)  # warm on the capture stream
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            step_at(ctx + 4097)  # one position baked in: fine for timing
+        info["graph_ms"] = triton.testing.do_bench(g.replay, warmup=25, rep=200)
+    except Exception as e:  # pragma: no cover - depends on the driver
+        info["graph_error"] = repr(e)[:200]
+    return info
+
+
+@pytest.mark.benchmark(group="decode-step")
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("ctx", CONTEXTS, ids=_ctx_label)
+def test_decode_step(benchmark, monkeypatch, provider, ctx):
+    benchmark.group = f"decode-step-ctx{_ctx_label(ctx)}"
+    if not CUDA:  # the CPU benchmark measures the PyTorch path, never the interpreter
+        monkeypatch.setattr(kutils, "interpreting", lambda: False)
+    gen = torch.Generator().manual_seed(0)
+    elt = torch.empty((), dtype=DTYPE).element_size()
+    if CUDA:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base_mem = torch.cuda.memory_allocated() if CUDA else 0
+
+    q = torch.randn(HQ, D, generator=gen).to(DEVICE, DTYPE)
+    kn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
+    vn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
+    if provider == "sdpa":
+        step_at, cap = _make_sdpa(ctx, q, kn, vn, gen)
+        budget = ctx + 1
+        kv_bytes = 2 * HKV * budget * D * elt
+    else:
+        budget = int(provider.split("-B")[1])
+        step_at, cap = _make_kvpop(ctx, budget, q, kn, vn, gen)
+        k = budget - SINKS - WINDOW
+        kv_bytes = 2 * HKV * budget * D * elt + HKV * budget * 4 + HKV * k * 4  # k, v, positions, priorities
+    step = _stepper(step_at, ctx, cap)
+
+    def run():
+        out = step()
+        _sync()
+        return out
+
+    for _ in range(5):  # compile / allocator warm-up
+        run()
+    _sync()
+    info = {"provider": provider, "context": ctx, "budget": budget, "Hq": HQ, "Hkv": HKV, "head_dim": D,
+            "dtype": str(DTYPE), "kv_bytes_read": kv_bytes, "cache_bytes": kv_bytes}
+    if CUDA:
+        info.update(_cuda_timings(step_at, step, ctx))
+        for key in ("eager_ms", "graph_ms"):
+            if key in info:
+                info[f"bytes_per_s_{key[:-3]}"] = kv_bytes / (info[key] * 1e-3)
+    benchmark(run)
+    if benchmark.stats is not None:
+        info["bytes_per_s"] = kv_bytes / benchmark.stats.stats.mean
+    if CUDA:
+        info["peak_mem_bytes"] = torch.cuda.max_memory_allocated() - base_mem
+    benchmark.extra_info.update(info)
+
+
+@pytest.mark.benchmark(group="decode-step-speedup")
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_decode_step_speedup(benchmark, monkeypatch, budget):
+    """kvpop's step against dense SDPA at the longest context, timed side by side (target on
+    the GPU: >= 20x at 131K).  ``extra_info``: both times and their ratio (eager and, on CUDA,
+    CUDA-graph replays); on the CPU also kvpop's step time at the shortest context beside the
+    longest (target: <= 1.3x)."""
+    if not CUDA:
+        monkeypatch.setattr(kutils, "interpreting", lambda: False)
+    ctx = CONTEXTS[-1]
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(HQ, D, generator=gen).to(DEVICE, DTYPE)
+    kn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
+    vn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
+    kv_at, _ = _make_kvpop(ctx, budget, q, kn, vn, gen)
+    sd_at, cap = _make_sdpa(ctx, q, kn, vn, gen)
+    kv_step, sd_step = _stepper(kv_at, ctx, None), _stepper(sd_at, ctx, cap)
+    for _ in range(5):
+        kv_step(), sd_step()
+    _sync()
+    info = {"context": ctx, "budget": budget}
+    if CUDA:
+        kv, sd = _cuda_timings(kv_at, kv_step, ctx), _cuda_timings(sd_at, sd_step, ctx)
+        for key in ("eager_ms", "graph_ms"):
+            if key in kv and key in sd:
+                info[f"kvpop_{key}"], info[f"sdpa_{key}"] = kv[key], sd[key]
+                info[f"speedup_{key[:-3]}"] = sd[key] / kv[key]
+    else:
+        t_kv = best_time(kv_step, reps=30, warmup=0)
+        t_sd = best_time(sd_step, reps=30, warmup=0)
+        # the step's cost must not grow with the context (target: time(32K) <= 1.3 x time(1K))
+        kv1_at, _ = _make_kvpop(CONTEXTS[0], budget, q, kn, vn, gen)
+        t_kv1 = best_time(_stepper(kv1_at, CONTEXTS[0], None), reps=30, warmup=3)
+        info.update(kvpop_s=t_kv, sdpa_s=t_sd, speedup=t_sd / t_kv, kvpop_s_first_ctx=t_kv1,
+                    ratio_longest_over_first_ctx=t_kv / t_kv1)
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(kv_step, rounds=1, iterations=1, warmup_rounds=0)
+
+
+# ----------------------------------------------------------------------------- whole-model generation
+if CUDA:
+    GEN_CFG = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=2, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    GEN_CONTEXTS, GEN_BUDGET, GEN_WINDOW, GEN_TOKENS = [8 * 1024, 32 * 1024, 131072], 2048, 256, 32
+else:
+    GEN_CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=256)
+    GEN_CONTEXTS, GEN_BUDGET, GEN_WINDOW, GEN_TOKENS = [256, 1024], 128, 32, 16
+
+
+def _gen_model(kvpop_patched: bool):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import kvpop
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(max_position_embeddings=max(GEN_CONTEXTS) + 2 * GEN_TOKENS, **GEN_CFG)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(DEVICE):
+        model = Qwen3ForCausalLM(cfg).to(DTYPE).eval()
+    if kvpop_patched:
+        kvpop.patch(model, sinks=SINKS, window=GEN_WINDOW, budget=GEN_BUDGET)
+    return model
+
+
+@pytest.mark.parametrize("provider", ["kvpop", "dense"])
+@pytest.mark.parametrize("ctx", GEN_CONTEXTS, ids=_ctx_label)
+def test_decode_generate(benchmark, monkeypatch, provider, ctx):
+    if not CUDA:
+        monkeypatch.setattr(kutils, "interpreting", lambda: False)
+    benchmark.group = f"decode-generate-ctx{_ctx_label(ctx)}"
+    model = _gen_model(provider == "kvpop")
+    prompt = torch.randint(0, GEN_CFG["vocab_size"], (1, ctx), device=DEVICE)
+
+    def run():
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False)
+        _sync()
+        return out
+
+    run()  # warm-up: compiles and autotunes every kernel
+    with torch.no_grad():  # the prefill alone (kvpop: a forward through a fresh KVpopCache, as generate does)
+        t_prefill = best_time(lambda: model(prompt, use_cache=True), reps=1, warmup=0)
+    out = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
+    assert out.shape == (1, ctx + GEN_TOKENS)
+    total = benchmark.stats.stats.min
+    info = dict(ctx=ctx, new_tokens=GEN_TOKENS, total_s=total, prefill_s=t_prefill,
+                decode_tokens_per_s=GEN_TOKENS / max(total - t_prefill, 1e-9))
+    if CUDA:
+        info.update(peak_mem_bytes=torch.cuda.max_memory_allocated())
+    benchmark.extra_info.update(info)
