@@ -24,7 +24,9 @@ here come from ``benchmarks/test_sparse_attention.py::test_visited_work``).  So:
   lies in one of the two (a key ``t < lo <= q - w + 1`` with ``evict_at[t] <= q0 <= q`` is not
   visible to any of them), and the exact rule is applied per element on top, so the lists
   over-approximate and never drop a key.  A small Triton kernel builds the lists (a counting pass,
-  one host sync for the width, a writing pass).  One program takes up to 4 query heads of one KV
+  one host sync for the width, a writing pass).  A full list (nothing before the band evicted yet:
+  early blocks, ``B >= S``, dense teacher passes with ``evict_at = NEVER``) is not stored: the
+  kernels read ``[0, lo)`` with contiguous loads instead.  One program takes up to 4 query heads of one KV
   group (a power of 2 dividing G) times ``BLOCK_Q`` queries as its 128 rows (GPU: 4 x 32 for
   Qwen3's G = 4), so every gathered K/V tile is loaded once for all of them.  Tile work: 1.035x
   the visible pairs, 0.24x dense at S=16K, B=2048 (1.02x and 0.45x at B=4096).
@@ -52,7 +54,7 @@ are fixed (128 rows per forward/dq program, 64-key dk/dv tiles for 16-bit inputs
 the forward/dq, the query step of dk/dv, warps and stages are autotuned.  Checked without a GPU by
 building for sm_90 (``tests/test_sparse_attention.py::test_kernels_compile_for_sm90``): shared
 memory fits and the K/V and Q/dO streams are pipelined (cp.async).  Registers (bf16, D=128, read
-off the sm_90 cubins): 8-warp forward/dq builds do not spill (164-254 registers), the 4-warp ones
+off the sm_90 cubins): 8-warp forward/dq builds do not spill (170-255 registers), the 4-warp ones
 do; dk/dv does not spill at a 32-query step, and spills 48 bytes at 64 with 3 stages.  Building the lists costs one host synchronisation per forward (their width), so
 the op is not CUDA-graph capturable.
 """
@@ -240,7 +242,10 @@ if triton is not None:
         EV += bkv.to(tl.int64) * S
         lst = LIST + (bkv.to(tl.int64) * n_qb + pid_m) * width
         count = tl.full([], 0, tl.int32)
-        for t0 in range(0, lo, BLOCK_T):
+        t_end = lo
+        if WRITE:  # a full list (every key before lo) is not written: the kernels read [0, lo) directly
+            t_end = tl.where(tl.load(CNT + bkv * n_qb + pid_m) == lo, 0, lo)
+        for t0 in range(0, t_end, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             ok = t < lo
             ev = tl.load(EV + t, mask=ok, other=0)
@@ -249,7 +254,8 @@ if triton is not None:
                 pos = count + tl.cumsum(live.to(tl.int32), axis=0) - 1
                 tl.store(lst + pos, t, mask=live)
             count += tl.sum(live.to(tl.int32), axis=0)
-        tl.store(CNT + bkv * n_qb + pid_m, count)
+        if not WRITE:
+            tl.store(CNT + bkv * n_qb + pid_m, count)
 
     @triton.jit
     def _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
@@ -320,19 +326,27 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # 1) the gathered list: sinks and the long-range keys kept at q0
-        lst = LIST + (bkv.to(tl.int64) * n_qb + pid_m) * width
-        cnt = tl.load(CNT + bkv * n_qb + pid_m)
-        for j0 in range(0, cnt, BLOCK_N):
-            offs_j = j0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_j < cnt
-            t = tl.load(lst + offs_j, mask=n_ok, other=0)
-            m_i, l_i, acc = _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
-                                      stride_vs, stride_vd, m_i, l_i, acc, sinks, window, qk_scale,
-                                      LOWP, DOT_PREC, True)
-        # 2) the contiguous band [lo, hi): window and diagonal
+        # 1) the keys before the band: sinks and the long-range keys kept at q0
         lo = tl.maximum(q0 - window + 1, 0)
         hi = tl.minimum(q0 + BLOCK_Q, S)
+        cnt = tl.load(CNT + bkv * n_qb + pid_m)
+        if cnt == lo:  # all of [0, lo) may be visible (nothing evicted yet, dense): contiguous loads
+            for t0 in range(0, lo, BLOCK_N):
+                t = t0 + tl.arange(0, BLOCK_N)
+                n_ok = t < lo
+                m_i, l_i, acc = _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
+                                          stride_vs, stride_vd, m_i, l_i, acc, sinks, window, qk_scale,
+                                          LOWP, DOT_PREC, True)
+        else:  # the gathered list
+            lst = LIST + (bkv.to(tl.int64) * n_qb + pid_m) * width
+            for j0 in range(0, cnt, BLOCK_N):
+                offs_j = j0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_j < cnt
+                t = tl.load(lst + offs_j, mask=n_ok, other=0)
+                m_i, l_i, acc = _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
+                                          stride_vs, stride_vd, m_i, l_i, acc, sinks, window, qk_scale,
+                                          LOWP, DOT_PREC, True)
+        # 2) the contiguous band [lo, hi): window and diagonal
         for t0 in range(lo, hi, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             n_ok = t < hi
@@ -416,16 +430,23 @@ if triton is not None:
             do = do.to(tl.float32)
         lse2 = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        lst = LIST + (bkv.to(tl.int64) * n_qb + pid_m) * width
-        cnt = tl.load(CNT + bkv * n_qb + pid_m)
-        for j0 in range(0, cnt, BLOCK_N):
-            offs_j = j0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_j < cnt
-            t = tl.load(lst + offs_j, mask=n_ok, other=0)
-            dq = _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
-                          stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, True)
         lo = tl.maximum(q0 - window + 1, 0)
         hi = tl.minimum(q0 + BLOCK_Q, S)
+        cnt = tl.load(CNT + bkv * n_qb + pid_m)
+        if cnt == lo:  # the whole prefix, contiguous (see the forward)
+            for t0 in range(0, lo, BLOCK_N):
+                t = t0 + tl.arange(0, BLOCK_N)
+                n_ok = t < lo
+                dq = _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks,
+                              stride_kd, stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, True)
+        else:
+            lst = LIST + (bkv.to(tl.int64) * n_qb + pid_m) * width
+            for j0 in range(0, cnt, BLOCK_N):
+                offs_j = j0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_j < cnt
+                t = tl.load(lst + offs_j, mask=n_ok, other=0)
+                dq = _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks,
+                              stride_kd, stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, True)
         for t0 in range(lo, hi, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             n_ok = t < hi
@@ -532,7 +553,9 @@ def _query_lists(ev: torch.Tensor, sinks: int, window: int, BLOCK_M: int) -> tup
     BLOCK_T = 256 if interpreting() else 1024
     grid = (n_qb, BKV)
     _list_kernel[grid](ev, dummy, cnt, S, sinks, window, n_qb, 0, BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T, WRITE=False)
-    width = max(1, int(cnt.max()))  # one host sync
+    lo = (torch.arange(n_qb, device=ev.device) * BLOCK_M - window + 1).clamp(min=0)
+    # full lists (cnt == lo: nothing before the band evicted, e.g. B >= S) are read as [0, lo) directly
+    width = max(1, int(torch.where(cnt == lo, 0, cnt).max()))  # one host sync
     lst = torch.empty((BKV, n_qb, width), dtype=torch.int32, device=ev.device)
     _list_kernel[grid](ev, lst, cnt, S, sinks, window, n_qb, width, BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T, WRITE=True)
     return lst, cnt, width
