@@ -98,6 +98,7 @@ def _cpu_takes_the_pytorch_path(monkeypatch):
         monkeypatch.setattr(kutils, "interpreting", lambda: False)
 
 
+@pytest.mark.benchmark(group="sparse_attention")  # refined per mode and shape below
 @pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("S, budget", SHAPES, ids=[f"S{S}-B{B}" for S, B in SHAPES])
