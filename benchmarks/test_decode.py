@@ -9,7 +9,12 @@ head_dim 64, float32, budgets 256 / 512, the PyTorch path).  ``extra_info``: KV 
 over the time (``bytes_per_s``), the cache's size and, on CUDA, the peak allocated memory and a
 CUDA-event timing (``do_bench_ms``).
 
-(Whole-model generation belongs in this file under its own groups, ``decode-generate-*``.)
+Groups ``decode-generate-*``: whole-model batch-1 generation of a Qwen3-8B-shaped model with random
+weights and fewer layers (hidden 4096, 32 / 8 heads, head_dim 128, 2 layers, bf16) on CUDA, a tiny
+Qwen3 on the CPU: a prompt of ``ctx`` tokens is prefilled, then ``GEN_TOKENS`` tokens are decoded
+greedily, dense (``DynamicCache``, SDPA) against ``kvpop.patch`` + ``KVpopCache`` (budget 2048).
+``extra_info``: decode tokens/s and the peak allocated memory of the whole run (CUDA), which stays
+flat for kvpop while dense grows with the context.
 
 Run: ``pytest benchmarks/test_decode.py --benchmark-only`` (``--benchmark-disable`` in CI).
 """
@@ -212,3 +217,59 @@ def test_decode_step_speedup(benchmark, monkeypatch, budget):
                     ratio_longest_over_first_ctx=t_kv / t_kv1)
     benchmark.extra_info.update(info)
     benchmark.pedantic(kv_step, rounds=1, iterations=1, warmup_rounds=0)
+
+
+# ----------------------------------------------------------------------------- whole-model generation
+if CUDA:
+    GEN_CFG = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=2, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    GEN_CONTEXTS, GEN_BUDGET, GEN_WINDOW, GEN_TOKENS = [8 * 1024, 32 * 1024, 131072], 2048, 256, 32
+else:
+    GEN_CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=256)
+    GEN_CONTEXTS, GEN_BUDGET, GEN_WINDOW, GEN_TOKENS = [256, 1024], 128, 32, 16
+
+
+def _gen_model(kvpop_patched: bool):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import kvpop
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(max_position_embeddings=max(GEN_CONTEXTS) + 2 * GEN_TOKENS, **GEN_CFG)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(DEVICE):
+        model = Qwen3ForCausalLM(cfg).to(DTYPE).eval()
+    if kvpop_patched:
+        kvpop.patch(model, sinks=SINKS, window=GEN_WINDOW, budget=GEN_BUDGET)
+    return model
+
+
+@pytest.mark.parametrize("provider", ["kvpop", "dense"])
+@pytest.mark.parametrize("ctx", GEN_CONTEXTS, ids=_ctx_label)
+def test_decode_generate(benchmark, monkeypatch, provider, ctx):
+    if not CUDA:
+        monkeypatch.setattr(kutils, "interpreting", lambda: False)
+    benchmark.group = f"decode-generate-ctx{_ctx_label(ctx)}"
+    model = _gen_model(provider == "kvpop")
+    prompt = torch.randint(0, GEN_CFG["vocab_size"], (1, ctx), device=DEVICE)
+
+    def run():
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False)
+        _sync()
+        return out
+
+    run()  # warm-up: compiles and autotunes every kernel
+    with torch.no_grad():  # the prefill alone (kvpop: a forward through a fresh KVpopCache, as generate does)
+        t_prefill = best_time(lambda: model(prompt, use_cache=True), reps=1, warmup=0)
+    out = benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
+    assert out.shape == (1, ctx + GEN_TOKENS)
+    total = benchmark.stats.stats.min
+    info = dict(ctx=ctx, new_tokens=GEN_TOKENS, total_s=total, prefill_s=t_prefill,
+                decode_tokens_per_s=GEN_TOKENS / max(total - t_prefill, 1e-9))
+    if CUDA:
+        info.update(peak_mem_bytes=torch.cuda.max_memory_allocated())
+    benchmark.extra_info.update(info)

@@ -35,3 +35,10 @@ def test_schedule_json(capsys):
 def test_schedule_bad_budget():
     with pytest.raises(SystemExit, match="--budget"):
         main(["schedule", "--budget", "3", "--window", "8"])
+
+
+def test_pretrain_is_passed_through(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", "--help"])
+    assert e.value.code == 0
+    assert "--curriculum" in capsys.readouterr().out
