@@ -251,9 +251,10 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
         done: rows already measured (key ``"policy|budget|length"`` -> row), reused as they are.
         on_row: called with each new row as soon as it is measured (e.g. to save progress).
 
-    Subnormal floats are flushed to zero while it runs (``torch.set_flush_denormal``, switched off
-    again at the end): the TOVA/H2O slot scores otherwise underflow into subnormals on long sequences
-    and slow the CPU decode step down about tenfold.
+    Speed: run it with ``torch.set_num_threads(1)`` on a CPU.  The tiny model's ops are far too small
+    for intra-op threads, and TOVA/H2O decode token by token (tens of small ops per token and layer):
+    measured on a busy 2-core machine, one 2048-token TOVA sequence took 2.0 s with 1 thread and
+    6-29 s with 2 threads (the threads wait for each other at every op).
 
     Returns:
         :func:`results_dict`'s dict (``rows`` with ``accuracy``, ``relative_accuracy``, ``correct``,
@@ -278,10 +279,6 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
         bar = tqdm(total=len(jobs) * cfg.n_sequences, desc="kvpop eval", dynamic_ncols=True)
     rows = dict(done)
     examples: dict[int, list[dict]] = {}
-    # TOVA/H2O scores (attention probabilities kept per slot) underflow to subnormal floats on long
-    # sequences, and subnormal arithmetic makes the CPU decode step ~10x slower (a 4096-token TOVA
-    # sequence: 99 s instead of 9 s); flushing them to zero changes nothing measurable.
-    flush = torch.set_flush_denormal(True)
     try:
         for p, b, L in jobs:
             if L not in examples:
@@ -303,8 +300,6 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
     finally:
         if bar is not None:
             bar.close()
-        if flush:
-            torch.set_flush_denormal(False)
     return results_dict(list(rows.values()), cfg, task_cfg)
 
 
