@@ -38,7 +38,7 @@ import json
 import os
 from pathlib import Path
 
-SHIPPED_MODEL = Path(__file__).resolve().parent / "data" / "tiny_qwen3"
+from .task import SHIPPED_MODEL
 
 # arguments that may change between a run and its --resume
 _RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume"}

@@ -85,7 +85,7 @@ SCORER_OF = {"kvpop-mlp": "mlp", "kvpop-mlstm": "mlstm"}
 BUDGET_FRACTIONS = (0.0625, 0.125, 0.25)
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32
-SHIPPED_MODEL = Path(__file__).resolve().parent / "data" / "tiny_qwen3"
+SHIPPED_MODEL = T.SHIPPED_MODEL
 
 
 def _check_policies(policies: Iterable[str]) -> list[str]:

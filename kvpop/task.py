@@ -35,12 +35,14 @@ deterministic and independent across lengths.
 from __future__ import annotations
 
 from dataclasses import dataclass, asdict
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 __all__ = [
+    "SHIPPED_MODEL",
     "TaskConfig",
     "DEFAULT",
     "VOCAB_SIZE",
@@ -60,6 +62,9 @@ PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2
 N_SPECIAL = 4  # ids 0..3 are special (3 is reserved)
+
+SHIPPED_MODEL = Path(__file__).resolve().parent / "data" / "tiny_qwen3"
+"""The tiny Qwen3 trained densely on this task (``kvpop pretrain``), shipped with the package."""
 
 TEST_SEED_BASE = 1_000_000_000
 """Seeds ``>= TEST_SEED_BASE`` are test seeds; training uses seeds below it."""
