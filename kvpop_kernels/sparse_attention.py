@@ -258,9 +258,11 @@ if triton is not None:
             tl.store(CNT + bkv * n_qb + pid_m, count)
 
     @triton.jit
-    def _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
-                  m_i, l_i, acc, sinks, window, qk_scale,
-                  LOWP: tl.constexpr, DOT_PREC: tl.constexpr, IS_LIST: tl.constexpr):
+    def _load_tile_scores(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
+                          sinks, window, qk_scale,
+                          LOWP: tl.constexpr, DOT_PREC: tl.constexpr, IS_LIST: tl.constexpr):
+        """Keys/values of the key tile ``t``, the scaled (base-2) scores of ``q`` against it and the
+        visibility of each (query row, key) pair: the part the forward and dq tiles share."""
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + t[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(V + t[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
@@ -273,6 +275,14 @@ if triton is not None:
             vis = offs_m[:, None] < e[None, :]
         else:
             vis = (t[None, :] <= offs_m[:, None]) & (offs_m[:, None] < e[None, :])
+        return k, v, s, vis
+
+    @triton.jit
+    def _fwd_tile(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd,
+                  m_i, l_i, acc, sinks, window, qk_scale,
+                  LOWP: tl.constexpr, DOT_PREC: tl.constexpr, IS_LIST: tl.constexpr):
+        k, v, s, vis = _load_tile_scores(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
+                                         stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, IS_LIST)
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -365,18 +375,8 @@ if triton is not None:
     def _dq_tile(q, do, lse2, delta, dq, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
                  stride_vs, stride_vd, sinks, window, qk_scale, LOWP: tl.constexpr, DOT_PREC: tl.constexpr,
                  IS_LIST: tl.constexpr):
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + t[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + t[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if not LOWP:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        e = _key_end(t, tl.load(EV + t, mask=n_ok, other=0), n_ok, sinks, window)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if IS_LIST:
-            vis = offs_m[:, None] < e[None, :]
-        else:
-            vis = (t[None, :] <= offs_m[:, None]) & (offs_m[:, None] < e[None, :])
+        k, v, s, vis = _load_tile_scores(q, K, V, EV, t, n_ok, offs_m, offs_d, d_ok, stride_ks, stride_kd,
+                                         stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, IS_LIST)
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
