@@ -333,7 +333,8 @@ class ScorerHooks:
     def __init__(self, layer: KVpopLayer, k_pre: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
         self.layer = layer
         self.k_pre = k_pre
-        self.pos0 = int(position_ids.reshape(-1)[0]) if isinstance(position_ids, torch.Tensor) else None
+        self.position_ids = position_ids if isinstance(position_ids, torch.Tensor) else None
+        self._pos0: int | None = None
         recurrent = getattr(layer.scorer, "lookahead_uses_window", False)
         self.token = None if recurrent else self._token
         self.leaving = self._leaving if recurrent else None
@@ -342,13 +343,15 @@ class ScorerHooks:
         if self.k_pre is None:
             raise RuntimeError("kvpop: the pre-RoPE keys of this call were not captured")
         n = self.k_pre.shape[2]
-        if self.pos0 is None:
+        if self.position_ids is None:
             if n != 1:
                 raise RuntimeError("kvpop: decoding several tokens per call needs position_ids")
             return self.k_pre[:, :, 0]
-        i = pos - self.pos0
+        if self._pos0 is None:  # read lazily: a training forward builds the hooks but never calls them
+            self._pos0 = int(self.position_ids.reshape(-1)[0])
+        i = pos - self._pos0
         if not 0 <= i < n:
-            raise RuntimeError(f"kvpop: position {pos} is not among this call's tokens ({self.pos0}..{self.pos0 + n - 1})")
+            raise RuntimeError(f"kvpop: position {pos} is not among this call's tokens ({self._pos0}..{self._pos0 + n - 1})")
         return self.k_pre[:, :, i]
 
     def prompt(self, module: nn.Module, cache_layer: Any, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
