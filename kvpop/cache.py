@@ -48,6 +48,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop_kernels import eviction_schedule, fixed_budget_decode, sparse_attention
+from kvpop_kernels.decode import slot_of
 
 POLICIES = ("kvpop", "streaming", "tova", "h2o")
 _STATIC = ("kvpop", "streaming")
@@ -126,7 +127,7 @@ class KVpopCacheLayer(CacheLayerMixin):
     # -- helpers -----------------------------------------------------------------------
     def slot_of(self, pos: int) -> int:
         """Slot of the token at ``pos`` while it is a sink or in the window."""
-        return pos if pos < self.sinks else self.sinks + (pos - self.sinks) % self.window
+        return slot_of(pos, sinks=self.sinks, window=self.window)
 
     def nbytes(self) -> int:
         """Bytes held by this layer (constant once initialised)."""
@@ -242,7 +243,9 @@ def cache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if found is None:
         return None
     cache, layer = found
-    layer.pending = None
+    pending, layer.pending = layer.pending, None
+    if pending is None or pending[0] is not key:  # stale: left by a forward that failed in between
+        return None
     if layer.policy == "streaming":
         hooks = STREAMING_HOOKS
     elif layer.policy == "kvpop" and hooks is None:
@@ -298,7 +301,7 @@ def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: Priority
     pos = layer.seen
     q, kn, vn = q1[0], k1[0], v1[0]
     hkv = kn.shape[0]
-    leaving_slot = s + (pos - s) % w
+    leaving_slot = layer.slot_of(max(pos, s))  # the ring slot token pos - w leaves (and pos takes)
     attention_scored = layer.policy in ("tova", "h2o")
     if attention_scored:
         leaving = layer.score[:, leaving_slot].clone()
@@ -307,11 +310,11 @@ def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: Priority
         leaving = hooks.leaving(module, layer, kn, vn, pos)
         leaving = torch.zeros(hkv, device=kn.device) if leaving is None else leaving.float()
     else:
-        leaving = layer.ring_prio[:, (pos - s) % w].clone() if pos >= s else torch.zeros(hkv, device=kn.device)
+        leaving = layer.ring_prio[:, leaving_slot - s].clone() if pos >= s else torch.zeros(hkv, device=kn.device)
     out, lse = fixed_budget_decode(q, kn, vn, layer.keys, layer.values, layer.slot_pos, layer.slot_prio,
                                    leaving, pos=pos, sinks=s, window=w, scale=scaling)
     if pos >= s and hooks is not None and hooks.token is not None and not attention_scored:
-        layer.ring_prio[:, (pos - s) % w] = hooks.token(module, layer, kn, vn, pos).float()
+        layer.ring_prio[:, leaving_slot - s] = hooks.token(module, layer, kn, vn, pos).float()
     if attention_scored:
         new_slot = layer.slot_of(pos)
         layer.score[:, s + w:] = layer.slot_prio

@@ -65,7 +65,13 @@ try:
 except Exception:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["fixed_budget_decode"]
+__all__ = ["fixed_budget_decode", "slot_of"]
+
+
+def slot_of(pos: int, *, sinks: int, window: int) -> int:
+    """Slot of the token at ``pos`` while it is a sink or in the window: ``pos`` for a sink,
+    ``s + (pos - s) % w`` in the ring otherwise (the layout of ``reference.fixed_budget_decode``)."""
+    return pos if pos < sinks else sinks + (pos - sinks) % window
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT32_MAX = 2**31 - 1
@@ -271,7 +277,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
     s, w = sinks, window
     K = B - s - w
     t_new = pos - w
-    slot_new = pos if pos < s else s + (pos - s) % w
+    slot_new = slot_of(pos, sinks=s, window=w)
     has_leaving = int(t_new >= s)
     dev = q.device
     upcast = k_cache.dtype == torch.float32 or (interpreting() and not _NATIVE_DOT_IN_INTERPRETER)
@@ -323,7 +329,7 @@ def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
     s, w = sinks, window
     K = B - s - w
     t_new = pos - w
-    slot_new = pos if pos < s else s + (pos - s) % w
+    slot_new = slot_of(pos, sinks=s, window=w)
     if t_new >= s and K > 0:
         low_p = slot_prio.amin(dim=1)  # lowest priority ...
         # ... then the oldest position; ``min`` returns the first index among equal values, which

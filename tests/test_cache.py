@@ -268,3 +268,17 @@ def test_both_cache_keywords():
         if "cache" in inspect.signature(type(m).forward).parameters:  # transformers >= 5.24
             torch.testing.assert_close(m(ids, cache=kvpop.KVpopCache(m)).logits, ref, atol=0, rtol=0)
         torch.testing.assert_close(m(ids).logits, ref, atol=1e-5, rtol=1e-5)  # prefill == full forward
+
+
+def test_stale_pending_update_is_not_taken():
+    """keys stashed by a forward that failed before its attention call never feed a later call"""
+    cache = KVpopCache(config=_cfg(2, 4, 10, "streaming"), num_layers=1)
+    module = SimpleNamespace(layer_idx=0)
+    stale = torch.randn(1, 2, 3, 8)
+    cache.update(stale, stale, 0)  # ... and the forward raised here
+    fresh = torch.randn(1, 2, 3, 8)
+    assert cache_attention(module, torch.randn(1, 4, 3, 8), fresh, fresh, scaling=1.0) is None
+    assert cache.get_seq_length() == 0
+    cache.update(fresh, fresh, 0)
+    out = cache_attention(module, torch.randn(1, 4, 3, 8), fresh, fresh, scaling=1.0)
+    assert out.shape == (1, 3, 4, 8) and cache.get_seq_length() == 3
