@@ -1,7 +1,7 @@
 """kvpop: learned fixed-budget KV-cache eviction (KVpop) for Qwen3, with Triton kernels."""
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 README = (HERE / "README.md").read_text(encoding="utf-8") if (HERE / "README.md").exists() else ""
@@ -9,10 +9,10 @@ README = (HERE / "README.md").read_text(encoding="utf-8") if (HERE / "README.md"
 setup(
     name="kvpop",
     version="0.1.0",
-    description="Learned fixed-budget KV-cache eviction (KVpop) for Qwen3 models, with Triton kernels",
+    description="Learned fixed-budget KV-cache eviction (KVpop) for Qwen3, Qwen2 and Llama models, with Triton kernels",
     long_description=README,
     long_description_content_type="text/markdown",
-    packages=["kvpop", "kvpop_kernels"],
+    packages=find_packages(include=["kvpop", "kvpop.*", "kvpop_kernels", "kvpop_kernels.*"]),
     package_data={"kvpop": ["data/*", "data/**/*"]},
     include_package_data=True,
     python_requires=">=3.10",
@@ -28,7 +28,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis"],
+        # ruff: the linter CI runs (configured in pyproject.toml)
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff"],
     },
     entry_points={"console_scripts": ["kvpop=kvpop.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""kvpop: learned fixed-budget KV-cache eviction (KVpop) for transformers' Qwen3 models.
+"""kvpop: learned fixed-budget KV-cache eviction (KVpop) for transformers' Qwen3, Qwen2 and Llama models.
 
 Typical use::
 
@@ -9,36 +9,39 @@ Typical use::
     loss = kvpop.distill_loss(out.logits, teacher(input_ids).logits) + kvpop.score_loss(model)
     kvpop.save_scorers(model, "scorers.safetensors")
 
-Kernels live in ``kvpop_kernels`` (which never imports transformers).
+The package is layered (imports flow one way): ``kvpop.cli`` -> ``kvpop.demo`` / ``kvpop.training``
+-> ``kvpop.core`` (everything re-exported here) -> ``kvpop.models`` (one adapter per model family)
+-> ``kvpop_kernels`` (Triton kernels, never imports transformers).  See ``docs/DESIGN.md``.
 """
-from .cache import KVpopCache
-from .checkpoint import load_scorers, read_scorer_config, save_scorers
-from .config import KVpopConfig
-from .loss import distill_loss, score_loss, score_loss_terms, score_stats, teacher_topk
-from .patch import (KVpopLayer, disabled, get_config, is_patched, kvpop_layers, make_teacher, patch,
-                    unpatch)
-from .scorers import MLPScorer, MLSTMScorer, build_scorer
+from .core import (
+                   SUPPORTED_MODEL_TYPES,
+                   KVpopCache,
+                   KVpopConfig,
+                   KVpopLayer,
+                   MLPScorer,
+                   MLSTMScorer,
+                   build_scorer,
+                   disabled,
+                   distill_loss,
+                   get_config,
+                   is_patched,
+                   kvpop_layers,
+                   load_scorers,
+                   make_teacher,
+                   patch,
+                   patched,
+                   read_scorer_config,
+                   save_scorers,
+                   score_loss,
+                   score_loss_terms,
+                   score_stats,
+                   teacher_topk,
+                   unpatch,
+)
 
 __all__ = [
-    "KVpopConfig",
-    "KVpopCache",
-    "patch",
-    "unpatch",
-    "is_patched",
-    "get_config",
-    "kvpop_layers",
-    "disabled",
-    "make_teacher",
-    "score_loss",
-    "score_loss_terms",
-    "score_stats",
-    "distill_loss",
-    "teacher_topk",
-    "save_scorers",
-    "load_scorers",
-    "read_scorer_config",
-    "KVpopLayer",
-    "MLPScorer",
-    "MLSTMScorer",
-    "build_scorer",
+    "KVpopConfig", "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
+    "disabled", "make_teacher", "score_loss", "score_loss_terms", "score_stats", "distill_loss", "teacher_topk",
+    "save_scorers", "load_scorers", "read_scorer_config", "KVpopLayer", "MLPScorer", "MLSTMScorer",
+    "build_scorer", "SUPPORTED_MODEL_TYPES",
 ]

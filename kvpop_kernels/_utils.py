@@ -1,6 +1,6 @@
 """Shared plumbing of the kernel package: backend dispatch, input guards, allocation.
 
-Dispatch rule (DESIGN.md): CUDA tensors run the Triton kernels; CPU tensors run the
+Dispatch rule (docs/DESIGN.md): CUDA tensors run the Triton kernels; CPU tensors run the
 same Triton kernels through the interpreter when ``TRITON_INTERPRET=1`` is set; CPU
 tensors otherwise take a PyTorch/NumPy path.  ``TRITON_INTERPRET`` is read when a
 ``@triton.jit`` function is first run, so it must be set before the kernel modules
@@ -9,7 +9,7 @@ are imported (``tests/conftest.py`` does this when CUDA is absent).
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

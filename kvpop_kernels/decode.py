@@ -1,7 +1,7 @@
 """``fixed_budget_decode``: the fused batch-1 decode step over a fixed budget of ``B`` slots per KV head.
 
 Semantics: ``reference.fixed_budget_decode`` (slot layout, eviction rule, in-place updates) and
-DESIGN.md "Eviction semantics".  This file holds
+docs/DESIGN.md "Eviction semantics".  This file holds
 
 * a Triton split-K kernel pair (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
 * a PyTorch path for CPU tensors (vectorised over heads, no Python loop over heads or slots).
@@ -256,7 +256,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _plan_splits(B: int, Hkv: int, block_n: int, num_splits: int | None, device: torch.device) -> tuple[int, int]:
-    """``(num_splits, chunk)``: chunk is a multiple of ``block_n``; split ``i`` takes slots ``[i*chunk, (i+1)*chunk)``."""
+    """``(num_splits, chunk)``: chunk is a multiple of ``block_n``; split ``i`` takes slots
+    ``[i*chunk, (i+1)*chunk)``."""
     n_blocks = triton.cdiv(B, block_n)
     if num_splits is None:
         # enough programs to cover the GPU about twice; a few in the interpreter
@@ -439,7 +440,7 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
             programs per SM on CUDA).  block_n: Triton only: slots per tile, a power of two >= 16
             (default 32 on CUDA, 64 in the interpreter).
 
-    The step, per KV head (DESIGN.md: "the token leaving the window replaces the long-range slot
+    The step, per KV head (docs/DESIGN.md: "the token leaving the window replaces the long-range slot
     of lowest priority if it ranks above it, else it is dropped"):
 
     1. if ``t_new = pos - w >= s`` and ``k > 0``: find the lowest-ranked long-range slot (lowest

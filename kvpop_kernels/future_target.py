@@ -13,7 +13,7 @@ score subtracts ``lse_u`` and the mask keeps ``u >= t + w``.  No running maximum
 about 1; with the ``lse`` of a sparse attention a key hidden from ``u`` can exceed it, which
 float32 accumulation absorbs).
 
-Backends (DESIGN.md dispatch):
+Backends (docs/DESIGN.md dispatch):
 
 * Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``): one program per (block of ``BLOCK_T``
   keys, batch, KV head).  It keeps its key tile in registers, loops over the ``G`` query heads

@@ -1,13 +1,13 @@
 """Dense float references of every public op, written for clarity, not speed.
 
 These are the oracles of the test-suite (``tests/``): each function follows the
-definitions of ``DESIGN.md`` literally, forms full ``S x S`` matrices and loops over
+definitions of ``docs/DESIGN.md`` literally, forms full ``S x S`` matrices and loops over
 queries where that is the plainest statement of the rule.  They run in float64 for
 ranking and float32 (or the input's wider dtype) for attention, on any device.
 
 Names match the public ops of ``kvpop_kernels`` one to one.
 
-Eviction semantics (DESIGN.md), repeated here because every function below uses them:
+Eviction semantics (docs/DESIGN.md), repeated here because every function below uses them:
 
 * window at query ``q``: positions ``q-w+1 .. q``;
 * eligible set ``E(q) = {t : s <= t <= q-w}``; ``t_new = q - w`` joins it at step ``q``;
@@ -184,7 +184,7 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     position ``pos`` (keys already rotated), ``leaving_prio [Hkv]`` float32: the priority of the
     token ``t_new = pos - w`` that leaves the window now (ignored when ``pos - w < s``).
 
-    The step, per KV head (DESIGN.md "in decoding this is literally ..."):
+    The step, per KV head (docs/DESIGN.md "in decoding this is literally ..."):
 
     1. if ``t_new = pos - w >= s``: find the lowest-ranked long-range slot (lowest priority, ties
        to the oldest position; an empty slot ranks below every token); if ``t_new`` ranks above it,

@@ -1,6 +1,6 @@
 """``eviction_schedule`` and ``eviction_decisions``: when each token loses its long-range slot.
 
-Semantics: DESIGN.md "Eviction semantics" (restated in ``reference.py``).  NaN priorities
+Semantics: docs/DESIGN.md "Eviction semantics" (restated in ``reference.py``).  NaN priorities
 rank as ``-inf`` (below every number, ties to the newer token as always).
 
 CPU path (O(S log k) per head): a min-heap of the kept long-range set, run over the
@@ -145,7 +145,6 @@ if triton is not None:
         BND += head.to(tl.int64) * S
         t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < S
-        p_t = tl.load(P + t, mask=t_ok, other=0.0)
         ev_t = tl.load(EV + t, mask=t_ok, other=0)
         decide = t_ok & (k > 0) & (t >= sinks) & (t + window <= S - 1) & (t - sinks >= k)
         # lowest-ranked member of {u in [s, t-1] : evict_at[u] >= t + w}

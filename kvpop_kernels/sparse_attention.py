@@ -1,6 +1,6 @@
 """``sparse_attention``: sink + window + top-k masked attention, forward and backward.
 
-Mask (DESIGN.md, ``reference.visible_mask``), evaluated inside every kernel from ``evict_at``:
+Mask (docs/DESIGN.md, ``reference.visible_mask``), evaluated inside every kernel from ``evict_at``:
 key ``t`` is visible to query ``q`` iff ``t <= q and (t < s or t > q - w or q < evict_at[h, t])``.
 The kernels use the same rule in interval form, ``t <= q < e_t`` with ``e_t = max(t + w,
 evict_at[t])`` for ``t >= s`` and ``e_t = +inf`` for sinks: ``e_t`` is computed once per key
@@ -52,11 +52,11 @@ inputs are multiplied as three TF32 products (``tf32x3``, about float32 accuracy
 interpreter every input is upcast to float32 right after the load.  The tiles that shape the plan
 are fixed (128 rows per forward/dq program, 64-key dk/dv tiles for 16-bit inputs); the key step of
 the forward/dq, the query step of dk/dv, warps and stages are autotuned.  Checked without a GPU by
-building for sm_90 (``tests/test_sparse_attention.py::test_kernels_compile_for_sm90``): shared
+building for sm_90 (``tests/kernels/test_sparse_attention.py::test_kernels_compile_for_sm90``): shared
 memory fits and the K/V and Q/dO streams are pipelined (cp.async).  Registers (bf16, D=128, read
 off the sm_90 cubins): 8-warp forward/dq builds do not spill (170-255 registers), the 4-warp ones
-do; dk/dv does not spill at a 32-query step, and spills 48 bytes at 64 with 3 stages.  Building the lists costs one host synchronisation per forward (their width), so
-the op is not CUDA-graph capturable.
+do; dk/dv does not spill at a 32-query step, and spills 48 bytes at 64 with 3 stages.  Building the
+lists costs one host synchronisation per forward (their width), so the op is not CUDA-graph capturable.
 """
 from __future__ import annotations
 

@@ -1,0 +1,56 @@
+"""The ``kvpop`` console command.
+
+Subcommands are registered in ``SUBCOMMANDS``: each entry names a module with
+``add_arguments(parser)`` and ``run(args) -> int``.  Entries of ``PASSTHROUGH`` name a
+module with its own ``main(argv)``; their arguments go to it unparsed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "schedule": ("kvpop.cli.schedule", "show which tokens each head keeps for a priority sequence"),
+    "train": ("kvpop.cli.train",
+              "train KVpop scorers (and fine-tune the model) on a JSONL data set or the synthetic task"),
+    "eval": ("kvpop.cli.eval", "accuracy of eviction policies at fixed cache budgets (kv-trace task)"),
+    "demo": ("kvpop.cli.demo", "retrofit the shipped tiny model, evaluate, write results.json and a plot"),
+}
+
+# name -> (module with main(argv), one-line help)
+PASSTHROUGH: dict[str, tuple[str, str]] = {
+    "pretrain": ("kvpop.demo.pretrain", "dense pre-training of the shipped tiny model on the synthetic task"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpop",
+        description="Learned fixed-budget KV-cache eviction (KVpop) for Qwen3 models.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    for name, (module, help_text) in PASSTHROUGH.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:
+        return int(importlib.import_module(PASSTHROUGH[argv[0]][0]).main(argv[1:]) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

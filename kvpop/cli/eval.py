@@ -1,0 +1,135 @@
+"""``kvpop eval``: accuracy of eviction policies at fixed budgets on the key-value trace task.
+
+Example (after ``kvpop demo --out demo``, which writes the retrofitted parts)::
+
+    kvpop eval --scorers kvpop-mlp=demo/kvpop-mlp/scorers.safetensors \\
+               --scorers kvpop-mlstm=demo/kvpop-mlstm/scorers.safetensors \\
+               --finetuned fixed-finetune=demo/fixed-finetune/model --out eval-out
+
+Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.evaluate``).
+Policies without what they need (scorers, a fine-tuned model) are skipped unless named in
+``--policies``, which then raises a clear error.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
+    from kvpop.demo.evaluate import POLICIES
+
+    out = {}
+    for v in values or []:
+        if "=" not in v:
+            raise ValueError(f"--{what} takes POLICY=PATH, got {v!r}")
+        p, path = v.split("=", 1)
+        if p not in POLICIES or p == "dense":
+            raise ValueError(f"--{what}: unknown policy {p!r}; allowed: {[x for x in POLICIES if x != 'dense']}")
+        out[p] = path
+    return out
+
+
+def _ints(s: str | None) -> list[int] | None:
+    if s is None:
+        return None
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``kvpop eval`` and ``kvpop demo``."""
+    p.add_argument("--model", default=None, help="base model directory (default: the shipped tiny_qwen3)")
+    p.add_argument("--train-len", type=int, default=None, help="L_train of the model (default 2048)")
+    p.add_argument("--lengths", default=None, help="test lengths, comma-separated (default L_train,2*L_train)")
+    p.add_argument("--budgets", default=None,
+                   help="budgets, comma-separated (default 6.25%%,12.5%%,25%% of L_train: 128,256,512)")
+    p.add_argument("--n-sequences", type=int, default=None, help="test sequences per length")
+    p.add_argument("--sinks", type=int, default=None, help="sink tokens (default 4)")
+    p.add_argument("--window", type=int, default=None,
+                   help="recent window (default 32: the package default 256 does not fit a 128-entry budget)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: the tiny model's ops are too small for more; "
+                        "2 threads made token-by-token decoding 3-15x slower on a busy 2-core machine)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG plot")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common(p)
+    p.add_argument("--scorers", action="append", metavar="POLICY=FILE",
+                   help="scorer file for kvpop-mlp / kvpop-mlstm (repeatable)")
+    p.add_argument("--finetuned", action="append", metavar="POLICY=DIR",
+                   help="fine-tuned model directory for fixed-finetune (or to serve kvpop-* scorers; repeatable)")
+    p.add_argument("--policies", default=None, help="comma-separated policies (default: all that can run)")
+    p.add_argument("--out", default=None, help="directory for results.json, table.md and accuracy_vs_budget.png")
+
+
+def finish(results: dict, out: Path | None, plot: bool) -> None:
+    from kvpop.demo.evaluate import format_table, plot_results, write_results
+
+    table = format_table(results)
+    print(table)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_results(results, out / "results.json")
+        (out / "table.md").write_text(table + "\n")
+        if plot:
+            plot_results(results, out / "accuracy_vs_budget.png")
+        print(f"wrote {out / 'results.json'}" + (f" and {out / 'accuracy_vs_budget.png'}" if plot else ""))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvpop.demo import evaluate as E
+
+    try:
+        torch.set_num_threads(max(1, args.threads))
+        scorers = _pairs(args.scorers, "scorers")
+        finetuned = _pairs(args.finetuned, "finetuned")
+        for p in scorers:
+            if p not in E.SCORER_OF:
+                raise ValueError(f"--scorers is for kvpop-mlp / kvpop-mlstm, got {p!r}")
+        wanted = None if args.policies is None else [x.strip() for x in args.policies.split(",") if x.strip()]
+        if wanted is not None:
+            E._check_policies(wanted)
+        cfg = E.EvalConfig(train_len=args.train_len or 2048, lengths=_ints(args.lengths),
+                           budgets=_ints(args.budgets), n_sequences=args.n_sequences or 4,
+                           sinks=E.DEFAULT_SINKS if args.sinks is None else args.sinks,
+                           window=E.DEFAULT_WINDOW if args.window is None else args.window,
+                           policies=wanted or E.POLICIES, progress=not args.no_progress)
+        base = E.load_base_model(args.model)
+        models = {"dense": base}
+        shared = None
+        for p in cfg.policies:
+            if p == "dense":
+                continue
+            ft = E.load_base_model(finetuned[p]) if p in finetuned else None
+            if p in E.SCORER_OF and p not in scorers:
+                if wanted is not None:
+                    raise ValueError(f"policy {p!r} needs --scorers {p}=FILE")
+                continue
+            if p == "fixed-finetune" and ft is None:
+                if wanted is not None:
+                    raise ValueError("policy 'fixed-finetune' needs --finetuned fixed-finetune=DIR")
+                continue
+            if p in ("streaming", "tova", "h2o") and ft is None:
+                shared = shared or E.policy_model(base, "streaming", sinks=cfg.sinks, window=cfg.window,
+                                                  budget=cfg.budgets[0])
+                models[p] = shared
+                continue
+            models[p] = E.policy_model(base, p, scorers=scorers.get(p), finetuned=ft, sinks=cfg.sinks,
+                                       window=cfg.window, budget=cfg.budgets[0])
+        t0 = time.time()
+        results = E.evaluate(models, cfg)
+        results["eval_seconds"] = round(time.time() - t0, 1)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"kvpop eval: error: {e}", file=sys.stderr)
+        return 2
+    finish(results, Path(args.out) if args.out else None, not args.no_plot)
+    return 0

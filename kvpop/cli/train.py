@@ -1,0 +1,313 @@
+"""``kvpop train``: retrofit KVpop onto a Qwen3 model (scorers + distillation fine-tune).
+
+Examples (CPU, the shipped tiny model)::
+
+    kvpop train --task --seq-len 256 --budget 96 --window 32 --steps 20 --out runs/kv
+    kvpop train --data data.jsonl --seq-len 128 --budget 48 --window 16 --steps 20 --out runs/kv
+    kvpop train --task --seq-len 256 --budget 96 --window 32 --steps 40 --out runs/kv --resume
+
+Several GPUs::
+
+    torchrun --nproc_per_node 8 -m kvpop train --model /models/Qwen3-8B --data data.jsonl \\
+        --seq-len 8192 --budget 2048 --bf16 --dist fsdp --activation-checkpointing --out runs/q8
+
+The model: ``--model DIR`` (``from_pretrained``, local files only), ``--tiny`` (a built-in tiny Qwen3
+with random weights, seeded by ``--seed``) or, by default, the shipped ``kvpop/data/tiny_qwen3``.
+The teacher is a frozen copy of that model as loaded.  The data: ``--data FILE.jsonl``
+(``kvpop.training.data``: ``{"input_ids": [...]}`` or ``{"text": "..."}`` per line, texts tokenised with the
+model directory's tokenizer) cut into sequences of ``--seq-len`` tokens, or ``--task`` (the synthetic
+trace task of ``kvpop.task``, generated on the fly at ``--seq-len``).
+
+What ``--out DIR`` receives: ``last.pt`` (the full training state, written atomically every
+``--checkpoint-every`` steps and at the end), ``scorers.safetensors`` (``kvpop.save_scorers``; load with
+``kvpop.load_scorers``), ``model/`` (the fine-tuned model, ``save_pretrained`` without the scorer
+tensors; not with ``--no-train-model``), ``args.json`` (the arguments) and ``history.jsonl`` (one line
+of losses per step; a resumed run appends).  ``--resume`` continues from ``last.pt`` exactly (a resumed run
+repeats the steps of an uninterrupted one); every argument but ``--steps``, ``--checkpoint-every`` and
+``--no-progress`` must be the same as in the first run (checked against ``args.json``).
+
+Under ``torchrun`` (``WORLD_SIZE > 1``) each process joins the process group (NCCL on CUDA, gloo on the
+CPU), uses ``cuda:LOCAL_RANK`` when CUDA is available, and takes every ``WORLD_SIZE``-th batch; the model
+is replicated (``--dist ddp``) or sharded with FSDP2 (``--dist fsdp``, see ``kvpop.train``).  With
+``--batch-size B`` on ``W`` processes a step sees ``W * B * --grad-accum`` sequences.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from kvpop.demo.task import SHIPPED_MODEL
+
+# arguments that may change between a run and its --resume
+_RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvpop.core.config import MASK_SOURCES, SCORERS, TARGET_LSES, KVpopConfig
+    from kvpop.training.train import DIST_MODES
+
+    d = KVpopConfig()
+    src = p.add_argument_group("model and data")
+    m = src.add_mutually_exclusive_group()
+    m.add_argument("--model", type=str, default=None,
+                   help="local model directory (from_pretrained, local files only); default: the shipped "
+                        "tiny model kvpop/data/tiny_qwen3")
+    m.add_argument("--tiny", action="store_true",
+                   help="a built-in tiny Qwen3 (2 layers, vocab 640) with random weights")
+    dat = src.add_mutually_exclusive_group()
+    dat.add_argument("--data", type=str, default=None,
+                     help='JSONL file, one {"input_ids": [...]} or {"text": "..."} per line')
+    dat.add_argument("--task", action="store_true", help="train on the synthetic trace task (kvpop.task), on the fly")
+    src.add_argument("--seq-len", type=int, default=4096,
+                     help="tokens per sequence: records are cut into pieces of this length (default 4096)")
+    src.add_argument("--pack", action="store_true",
+                     help="concatenate the records (separated by the tokenizer's EOS when known) before cutting")
+
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--steps", type=int, default=100, help="optimiser steps (default 100)")
+    opt.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch and process (default 1)")
+    opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step (default 1)")
+    opt.add_argument("--lr-model", type=float, default=1e-5, help="AdamW learning rate of the model (default 1e-5)")
+    opt.add_argument("--lr-scorer", type=float, default=1e-3,
+                     help="AdamW learning rate of the scorers and decays (default 1e-3)")
+    opt.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps (default 0)")
+    opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    opt.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, <= 0 for none (default 1)")
+    opt.add_argument("--top-k", type=int, default=256, help="teacher logits kept for the KL (default 256)")
+    opt.add_argument("--score-weight", type=float, default=1.0, help="weight of L_score (default 1)")
+    opt.add_argument("--no-train-model", action="store_true", help="train the scorers only (the model is frozen)")
+    opt.add_argument("--seed", type=int, default=0, help="seed of the scorers, --tiny weights and data order")
+
+    kv = p.add_argument_group("KVpop (kvpop.KVpopConfig)")
+    kv.add_argument("--budget", type=int, default=d.budget, help=f"entries per KV head B (default {d.budget})")
+    kv.add_argument("--sinks", type=int, default=d.sinks, help=f"sink tokens (default {d.sinks})")
+    kv.add_argument("--window", type=int, default=d.window, help=f"recent window (default {d.window})")
+    kv.add_argument("--scorer", choices=SCORERS, default=d.scorer, help=f"scorer (default {d.scorer})")
+    kv.add_argument("--scorer-hidden", type=int, default=d.scorer_hidden, help="scorer MLP width")
+    kv.add_argument("--mlstm-dim", type=int, default=d.mlstm_dim, help="mLSTM feature width")
+    kv.add_argument("--mask-source", choices=MASK_SOURCES, default=d.mask_source,
+                    help=f"priorities of the training mask (default {d.mask_source})")
+    kv.add_argument("--target-lse", choices=TARGET_LSES, default=d.target_lse,
+                    help=f"normaliser of the target (default {d.target_lse})")
+    kv.add_argument("--tau", type=float, default=d.tau, help=f"temperature of L_score (default {d.tau})")
+    kv.add_argument("--no-balance", action="store_true",
+                    help="do not balance keep/drop decisions in L_score (then several processes take "
+                         "exactly the steps of one)")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--out", type=str, required=True, help="output directory (checkpoints, scorers, model)")
+    run.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+    run.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (default 50; "
+                                                                      "0: only at the end)")
+    run.add_argument("--bf16", action="store_true", help="bf16 autocast with float32 weights (CUDA only)")
+    run.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    run.add_argument("--dist", choices=DIST_MODES, default="ddp",
+                     help="with several processes (torchrun): ddp or fsdp (FSDP2) (default ddp)")
+    run.add_argument("--device", type=str, default=None,
+                     help="device (default: cuda[:LOCAL_RANK] when available, else cpu)")
+    run.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+class _UserError(Exception):
+    pass
+
+
+def _fail(msg: str) -> None:
+    raise _UserError(msg)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "grad_accum", "seq_len", "top_k"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("warmup_steps", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("lr_model", "lr_scorer"):
+        if not getattr(args, name) > 0:
+            _fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.data and not args.task:
+        _fail("give the training data: --data FILE.jsonl or --task")
+    if args.seq_len <= args.budget:
+        _fail(f"--seq-len ({args.seq_len}) must be larger than --budget ({args.budget}): a sequence of at most "
+              f"budget tokens evicts nothing, so the scorers get no training signal")
+    if args.model is not None:
+        d = Path(args.model)
+        if not d.is_dir():
+            _fail(f"--model {d}: no such directory")
+        if not (d / "config.json").is_file():
+            _fail(f"--model {d}: not a model directory (no config.json)")
+
+
+def _setup_dist(args: argparse.Namespace):
+    """Join the torchrun process group when WORLD_SIZE > 1; returns ``(rank, world, device, started)``."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device:
+        device = torch.device(args.device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", local if world > 1 else torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    started = False
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        started = True
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, world, device, started
+
+
+def _load_model(args: argparse.Namespace, device):
+    import torch
+
+    if args.tiny:
+        from kvpop.demo.pretrain import build_model
+
+        model = build_model(seed=args.seed)
+        source = None
+    else:
+        from transformers import AutoModelForCausalLM
+
+        source = Path(args.model) if args.model else SHIPPED_MODEL
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True, dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as e:
+            _fail(f"cannot load the model from {source}: {type(e).__name__}: {e}")
+    if getattr(model.config, "attention_dropout", 0.0):
+        model.config.attention_dropout = 0.0
+    return model.to(device), source
+
+
+def _data(args: argparse.Namespace, model, source: Path | None):
+    from kvpop.training import data as data_io
+
+    if args.task:
+        from kvpop.demo import task as T
+
+        if model.config.vocab_size < T.VOCAB_SIZE:
+            _fail(f"--task needs a vocabulary of >= {T.VOCAB_SIZE} tokens; the model has {model.config.vocab_size}")
+        return T.TaskBatches(args.seq_len, args.batch_size)
+    tok_holder: dict = {}
+
+    def tokenizer():
+        if source is None:
+            _fail(f"{args.data} has text records but --tiny has no tokenizer; give token ids or --model DIR")
+        tok_holder["tok"] = data_io.load_tokenizer(source)
+        return tok_holder["tok"]
+
+    records = data_io.read_jsonl(args.data, vocab_size=model.config.vocab_size, tokenizer=tokenizer,
+                                 tokenizer_source=str(source))
+    sep = None
+    if args.pack:
+        tok = tok_holder.get("tok")
+        sep = getattr(tok, "eos_token_id", None) if tok is not None else getattr(model.config, "eos_token_id", None)
+        if isinstance(sep, list):
+            sep = sep[0] if sep else None
+    seqs = data_io.chunk(records, args.seq_len, pack=args.pack, sep_id=sep, source=args.data)
+    return data_io.make_batches(seqs, args.batch_size, seed=args.seed, source=args.data)
+
+
+def _check_resume_args(args: argparse.Namespace, out: Path) -> None:
+    saved_path = out / "args.json"
+    if not (out / "last.pt").exists():
+        _fail(f"--resume: {out / 'last.pt'} does not exist (nothing to resume; drop --resume to start)")
+    if not saved_path.exists():
+        return
+    saved = json.loads(saved_path.read_text())
+    now = _arg_dict(args)
+    diff = [k for k in sorted(set(saved) | set(now)) if k not in _RESUMABLE and saved.get(k) != now.get(k)]
+    if diff:
+        _fail("--resume needs the arguments of the first run; these differ: "
+              + ", ".join(f"--{k.replace('_', '-')} (was {saved.get(k)!r}, now {now.get(k)!r})" for k in diff))
+
+
+def _arg_dict(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except _UserError as e:
+        raise SystemExit(f"kvpop train: {e}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out} exists and is not a directory")
+    if args.resume:
+        _check_resume_args(args, out)
+    elif (out / "last.pt").exists():
+        _fail(f"--out {out} already holds a run (last.pt); add --resume to continue it or choose another --out")
+
+    import torch
+    import torch.distributed as dist
+
+    from kvpop.core.config import KVpopConfig
+    from kvpop.core.patching import patch
+    from kvpop.training.train import TrainConfig, save_model, train
+
+    try:
+        kv_cfg = KVpopConfig(budget=args.budget, sinks=args.sinks, window=args.window, scorer=args.scorer,
+                             scorer_hidden=args.scorer_hidden, mlstm_dim=args.mlstm_dim,
+                             mask_source=args.mask_source, target_lse=args.target_lse, tau=args.tau,
+                             balance=not args.no_balance)
+    except (TypeError, ValueError) as e:
+        _fail(str(e))
+    rank, world, device, started = _setup_dist(args)
+    try:
+        if args.bf16 and device.type != "cuda":
+            _fail(f"--bf16 needs a CUDA device (this run is on {device}); leave it out on the CPU")
+        torch.manual_seed(args.seed)
+        model, source = _load_model(args, device)
+        try:
+            data = _data(args, model, source)
+        except ValueError as e:
+            _fail(str(e))
+        torch.manual_seed(args.seed)  # the scorers' initialisation
+        try:
+            patch(model, kv_cfg)
+        except (TypeError, ValueError) as e:
+            _fail(f"cannot patch {source or 'the --tiny model'}: {e}")
+        tcfg = TrainConfig(steps=args.steps, lr_model=args.lr_model, lr_scorer=args.lr_scorer,
+                           weight_decay=args.weight_decay, grad_accum=args.grad_accum,
+                           max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
+                           warmup_steps=args.warmup_steps, top_k=args.top_k, score_weight=args.score_weight,
+                           train_model=not args.no_train_model,
+                           activation_checkpointing=args.activation_checkpointing, checkpoint_dir=str(out),
+                           checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
+                           seed=args.seed, dist=args.dist, bf16=args.bf16)
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            if not args.resume or not (out / "args.json").exists():
+                tmp = out / "args.json.tmp"
+                tmp.write_text(json.dumps(_arg_dict(args), indent=2, sort_keys=True) + "\n")
+                os.replace(tmp, out / "args.json")
+        hist = train(model, data, tcfg, resume=args.resume)
+        if args.no_train_model:
+            pass
+        else:
+            save_model(model, out / "model")
+        if rank == 0:
+            with open(out / "history.jsonl", "a" if args.resume else "w") as f:
+                for h in hist:
+                    f.write(json.dumps(h) + "\n")
+            if hist:
+                h = hist[-1]
+                print(f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, score {h['score']:.4f}, "
+                      f"accuracy {h.get('accuracy', float('nan')):.3f}; wrote {out}")
+            else:
+                print(f"kvpop train: nothing to do, {out / 'last.pt'} is at step >= --steps {args.steps}")
+        return 0
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,22 @@
+"""The kvpop library core: what a user imports to patch, train with and decode through KVpop.
+
+``config`` (KVpopConfig), ``scorers`` (MLP / mLSTM), ``layer`` (KVpopLayer), ``attention`` (the
+``"kvpop"`` attention function), ``hooks`` (the scorer's priorities while decoding), ``cache``
+(KVpopCache), ``patching`` (patch / unpatch / patched), ``checkpoint`` (save / load scorers),
+``loss`` (L_score and the distillation KL).  The core imports ``kvpop.models`` (the family seam) and
+``kvpop_kernels``, never ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``.
+"""
+from .cache import KVpopCache
+from .checkpoint import load_scorers, read_scorer_config, save_scorers
+from .config import KVpopConfig
+from .layer import KVpopLayer, kvpop_layers
+from .loss import distill_loss, score_loss, score_loss_terms, score_stats, teacher_topk
+from .patching import SUPPORTED_MODEL_TYPES, disabled, get_config, is_patched, make_teacher, patch, patched, unpatch
+from .scorers import MLPScorer, MLSTMScorer, build_scorer
+
+__all__ = [
+    "KVpopConfig", "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
+    "disabled", "make_teacher", "score_loss", "score_loss_terms", "score_stats", "distill_loss", "teacher_topk",
+    "save_scorers", "load_scorers", "read_scorer_config", "KVpopLayer", "MLPScorer", "MLSTMScorer",
+    "build_scorer", "SUPPORTED_MODEL_TYPES",
+]

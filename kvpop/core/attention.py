@@ -1,0 +1,183 @@
+"""The ``"kvpop"`` attention function: sparse sink + window + top-k attention of a patched layer.
+
+Registered once per process in transformers' ``AttentionInterface`` (and a mask function of the
+same name in ``AttentionMaskInterface``), it is called by every supported family's attention
+layer with rotated ``query [B, Hq, S, D]`` and ``key/value [B, Hkv, S, D]``.
+
+A full-sequence call (training, evaluation, a cache's prefill) runs :func:`sequence_attention`:
+``r_hat = scorer(k_pre, v)`` on detached inputs, ``p = r_hat - t log(gamma_h)``,
+``evict_at = eviction_schedule(p)`` (no grad), ``out, lse = sparse_attention(q, k, v, evict_at)``;
+in a training forward also the layer's ``L_score`` terms (``kvpop.core.loss.score_loss_terms``)
+from the target ``future_attention_target(q, k, lse)``.  While a ``KVpopCache`` is passed to the
+model, the call goes to the cache (:func:`kvpop.core.cache.cache_attention`): prefill, then the
+fused fixed-budget decode step.  See ``docs/DESIGN.md``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import kvpop_kernels
+from kvpop_kernels import NEVER
+
+from .cache import KVpopCache, cache_attention
+from .config import KVpopConfig
+from .hooks import ScorerHooks
+from .layer import KVpopLayer
+from .loss import score_loss_terms
+
+__all__ = ["ATTN_NAME", "register", "kvpop_mask", "kvpop_attention_forward", "sequence_attention",
+           "streaming_policy"]
+
+ATTN_NAME = "kvpop"
+_REGISTERED = False
+
+
+def register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, kvpop_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, kvpop_mask)
+    _REGISTERED = True
+
+
+def kvpop_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """Mask function of the ``"kvpop"`` implementation: no 4D mask is ever built.
+
+    Returns ``None`` (plain causal; the eviction mask is applied inside the kernels) unless the 2D
+    padding mask has a zero, in which case it is passed on and the attention function refuses it.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2 and bool(attention_mask.bool().all()):
+        return None
+    return attention_mask
+
+
+def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``"kvpop"`` attention function (transformers' attention interface).
+
+    ``query [B, Hq, S, D]``, ``key, value [B, Hkv, S, D]`` (after the family's norms and RoPE) ->
+    ``(attn_output [B, S, Hq, D], None)``.  See the module docstring.
+    """
+    layer: KVpopLayer | None = getattr(module, "kvpop", None)
+    if not isinstance(layer, KVpopLayer):
+        raise RuntimeError(
+            f"attention implementation {ATTN_NAME!r} is set but {type(module).__name__} "
+            f"(layer {getattr(module, 'layer_idx', '?')}) carries no KVpopLayer: use kvpop.patch(model)"
+        )
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
+            raise ValueError(
+                f"kvpop attention supports no padding or custom masks (got an attention mask of shape "
+                f"{tuple(attention_mask.shape)} with masked positions); pass equal-length rows or batch 1"
+            )
+    if dropout:
+        raise ValueError(f"kvpop attention has no attention dropout; got dropout={dropout} "
+                         f"(set config.attention_dropout = 0)")
+    k_pre = layer.k_pre
+    layer.k_pre = None
+    if k_pre is not None:
+        k_pre = k_pre.transpose(1, 2)  # [B, S_new, Hkv, D] -> [B, Hkv, S_new, D]
+    if layer.decode_fn is not None:
+        return layer.decode_fn(module, query, key, value, attention_mask, scaling=scaling, k_pre=k_pre, **kwargs)
+    # a KVpopCache passed to this attention module takes the call (prefill or decode step)
+    cache, layer.active_cache = layer.active_cache, None
+    if isinstance(cache, KVpopCache):
+        out = cache_attention(cache, module, query, key, value, scaling=scaling,
+                              hooks=ScorerHooks(layer, k_pre, kwargs.get("position_ids")))
+        if out is not None:
+            return out, None
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError(
+            "kvpop attention got fewer queries than keys (decoding with a growing cache); decode with "
+            "kvpop.KVpopCache instead of a DynamicCache"
+        )
+    out, _ = sequence_attention(layer, query, key, value, k_pre, scaling=scaling,
+                                training=module.training and torch.is_grad_enabled())
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       k_pre: torch.Tensor | None, *, scaling: float | None = None,
+                       training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVpop attention over one whole sequence (training, evaluation, or a cache's prefill).
+
+    ``query [B, Hq, S, D]``, ``key, value, k_pre [B, Hkv, S, D]`` (``k_pre``: the pre-RoPE key) ->
+    ``(out [B, Hq, S, D], lse float32 [B, Hq, S])``.  Sets ``layer.last_priority`` (float32) and
+    ``layer.last_evict_at`` (int32), each ``[B, Hkv, S]``, and, when ``training`` (and
+    ``config.compute_loss``, policy ``"kvpop"``, ``S > budget``), ``layer.loss_terms``.
+    """
+    cfg = layer.config
+    if cfg.policy in ("tova", "h2o"):
+        raise NotImplementedError(
+            f"policy={cfg.policy!r} is defined only while decoding through kvpop.KVpopCache; a full-sequence "
+            f"forward supports policy='kvpop' or 'streaming'"
+        )
+    B, Hq, S, D = query.shape
+    Hkv = key.shape[1]
+    if k_pre is None or k_pre.shape != value.shape:
+        raise RuntimeError(
+            f"kvpop: the pre-RoPE key of layer {layer.layer_idx} was not captured (expected the output of "
+            f"k_norm, [B, Hkv, S, D] = {(B, Hkv, S, D)} after transposing; got "
+            f"{None if k_pre is None else tuple(k_pre.shape)}); was the model patched by kvpop.patch?"
+        )
+    k_long = cfg.k
+    streaming = streaming_policy(cfg)
+    need_loss = training and cfg.compute_loss and cfg.policy == "kvpop" and S > cfg.budget
+    log_gamma = layer.log_gamma()
+    tpos = torch.arange(S, device=query.device, dtype=torch.float32)
+
+    r_hat = None
+    if need_loss or (cfg.mask_source == "scorer" and not streaming):
+        with torch.set_grad_enabled(need_loss):
+            r_hat = layer.scorer(k_pre.detach(), value.detach())
+
+    def dense_lse() -> torch.Tensor:
+        with torch.no_grad():
+            never = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=query.device)
+            return kvpop_kernels.sparse_attention(query.detach(), key.detach(), value.detach(), never,
+                                                  sinks=cfg.sinks, window=cfg.window, scale=scaling)[1]
+
+    r_tgt = None
+    with torch.no_grad():
+        if streaming:
+            prio = torch.zeros(B, Hkv, S, device=query.device, dtype=torch.float32)
+        elif cfg.mask_source == "teacher":
+            r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), dense_lse(),
+                                                          window=cfg.window, eps=cfg.eps, scale=scaling)
+            prio = r_tgt - tpos * log_gamma.detach()[:, None]
+        else:
+            prio = r_hat.detach().float() - tpos * log_gamma.detach()[:, None]
+        if S <= cfg.budget:  # at most s + w + k tokens: nothing can be evicted
+            evict_at = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=query.device)
+        else:
+            evict_at = kvpop_kernels.eviction_schedule(prio.contiguous(), sinks=cfg.sinks, window=cfg.window,
+                                                       k=k_long)
+    out, lse = kvpop_kernels.sparse_attention(query, key, value, evict_at, sinks=cfg.sinks, window=cfg.window,
+                                              scale=scaling)
+    layer.loss_terms = None
+    if need_loss:
+        with torch.no_grad():
+            if r_tgt is None:
+                lse_t = dense_lse() if cfg.target_lse == "dense" else lse.detach()
+                r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), lse_t,
+                                                              window=cfg.window, eps=cfg.eps, scale=scaling)
+        layer.loss_terms = score_loss_terms(r_hat, r_tgt, log_gamma, sinks=cfg.sinks, window=cfg.window, k=k_long,
+                                            tau=cfg.tau, tie_margin=cfg.tie_margin, balance=cfg.balance)
+    layer.last_priority = prio.detach()
+    layer.last_evict_at = evict_at
+    return out, lse
+
+
+def streaming_policy(cfg: KVpopConfig) -> bool:
+    """True when the mask is the constant-priority StreamingLLM pattern (no scorer involved)."""
+    return cfg.mask_source == "streaming" or cfg.policy == "streaming"

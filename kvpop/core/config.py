@@ -1,0 +1,176 @@
+"""``KVpopConfig``: every knob of a patched model, validated once.
+
+The config is a frozen dataclass: change a patched model's settings with
+``kvpop.patch(model, budget=4096)`` (which re-validates and swaps the config in) rather
+than by mutating it.  ``to_dict`` / ``from_dict`` give the JSON form stored in scorer
+checkpoints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["KVpopConfig", "SCORERS", "MASK_SOURCES", "TARGET_LSES", "POLICIES", "STRUCTURAL_FIELDS"]
+
+SCORERS = ("mlp", "mlstm")
+MASK_SOURCES = ("scorer", "teacher", "streaming")
+TARGET_LSES = ("sparse", "dense")
+POLICIES = ("kvpop", "streaming", "tova", "h2o")
+
+STRUCTURAL_FIELDS = ("scorer", "scorer_hidden", "mlstm_dim", "gamma_min", "gamma_max")
+"""Fields that fix the scorer's parameter shapes or meaning: they must agree between a
+patched model and a scorer checkpoint (``window`` too for the ``mlstm`` scorer, whose
+readout position is ``t + window``)."""
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _pos_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVpopConfig:
+    """Settings of KVpop (docs/DESIGN.md notation: ``s`` sinks, ``w`` window, ``B`` budget, ``k = B - s - w``).
+
+    Cache shape
+        sinks: ``s`` first tokens kept forever (default 4).
+        window: ``w`` most recent tokens, the query included (default 256).
+        budget: ``B = s + w + k`` entries per layer and KV head (default 2048).  A learned
+            policy needs at least one long-range slot, so ``budget >= sinks + window + 1``
+            (``k >= 1``); a smaller budget raises ``ValueError``.  ``budget >= S`` evicts nothing.
+
+    Scorer
+        scorer: ``"mlp"`` (two-layer MLP per KV head on the token's pre-RoPE key and value) or
+            ``"mlstm"`` (an mLSTM cell per KV head that has read up to ``t + w`` when it scores ``t``);
+            see ``kvpop.scorers``.
+        scorer_hidden: hidden width of the scorer MLPs (default 128).
+        mlstm_dim: key/value feature width ``d`` of the mLSTM memory ``C [d, d]`` (default 64).
+        gamma_min, gamma_max: range of the learned per-KV-head decay ``gamma_h`` (default
+            [0.999, 0.999999]); ``gamma_init`` its initial value (default 0.9999), strictly inside.
+
+    Training (see ``kvpop.loss`` and ``kvpop.patch``)
+        eps: ``epsilon`` of the target ``log(eps + m)`` (default 1e-6).
+        tau: temperature of the logistic score loss ``softplus(-y * delta / tau)`` (default 1.0).
+        tie_margin: scale of the near-tie discount ``1 - exp(-|p_tgt[t] - p_tgt[bnd]| / tie_margin)``
+            (default 0.5, in natural-log units of mean attention; ``0`` switches the discount off).
+        balance: weight keep and drop decisions so that each class carries half the loss of a
+            layer (default True).
+        mask_source: which priorities build the training mask: ``"scorer"`` (default, the
+            learned policy), ``"teacher"`` (oracle: the exact dense target of the same layer in the
+            same pass; costs one extra no-grad dense attention per layer) or ``"streaming"`` (a
+            constant priority: sinks + a window of ``w + k`` tokens, the fine-tune-only ablation).
+        target_lse: normaliser used by the target: ``"sparse"`` (the LSE of the sparse attention
+            already computed, the paper's cheap choice, default) or ``"dense"`` (exact; one extra
+            no-grad dense attention per layer).
+        compute_loss: compute ``L_score`` in training forwards (default True).  Off, a training
+            forward only runs sparse attention (fine-tune the model with a fixed scorer).
+
+    Decoding
+        policy: ``"kvpop"`` (default); ``"streaming"``, ``"tova"``, ``"h2o"`` are baselines served by
+            ``kvpop.KVpopCache`` (issue 6).  In a full-sequence forward ``"streaming"`` uses the
+            constant-priority mask; ``"tova"`` and ``"h2o"`` are defined only while decoding and a
+            full-sequence forward under them raises ``NotImplementedError``.
+    """
+
+    sinks: int = 4
+    window: int = 256
+    budget: int = 2048
+    scorer: str = "mlp"
+    scorer_hidden: int = 128
+    mlstm_dim: int = 64
+    eps: float = 1e-6
+    tau: float = 1.0
+    tie_margin: float = 0.5
+    balance: bool = True
+    gamma_min: float = 0.999
+    gamma_max: float = 0.999999
+    gamma_init: float = 0.9999
+    mask_source: str = "scorer"
+    target_lse: str = "sparse"
+    compute_loss: bool = True
+    policy: str = "kvpop"
+
+    def __post_init__(self) -> None:
+        _int("sinks", self.sinks, 0)
+        _int("window", self.window, 1)
+        _int("budget", self.budget, -(2**63))  # type only; the range check follows
+        if self.budget < self.sinks + self.window + 1:
+            raise ValueError(
+                f"budget={self.budget} leaves no long-range slot: it must be >= sinks + window + 1 = "
+                f"{self.sinks} + {self.window} + 1 = {self.sinks + self.window + 1} (k = budget - sinks - window "
+                f"must be >= 1 for a learned policy); raise budget or lower window/sinks"
+            )
+        _choice("scorer", self.scorer, SCORERS)
+        _choice("mask_source", self.mask_source, MASK_SOURCES)
+        _choice("target_lse", self.target_lse, TARGET_LSES)
+        _choice("policy", self.policy, POLICIES)
+        _int("scorer_hidden", self.scorer_hidden, 1)
+        _int("mlstm_dim", self.mlstm_dim, 1)
+        _pos_float("eps", self.eps)
+        _pos_float("tau", self.tau)
+        if isinstance(self.tie_margin, bool) or not isinstance(self.tie_margin, (int, float)) \
+                or not math.isfinite(self.tie_margin) or self.tie_margin < 0:
+            raise ValueError(f"tie_margin must be a finite number >= 0, got {self.tie_margin!r}")
+        if not (0.0 < self.gamma_min < self.gamma_max < 1.0):
+            raise ValueError(
+                f"need 0 < gamma_min < gamma_max < 1, got gamma_min={self.gamma_min}, gamma_max={self.gamma_max}"
+            )
+        if not (self.gamma_min < self.gamma_init < self.gamma_max):
+            raise ValueError(
+                f"gamma_init must lie strictly inside ({self.gamma_min}, {self.gamma_max}), got {self.gamma_init}"
+            )
+
+    @property
+    def k(self) -> int:
+        """Long-range slots ``k = budget - sinks - window`` (>= 1)."""
+        return self.budget - self.sinks - self.window
+
+    def replace(self, **overrides: Any) -> KVpopConfig:
+        """A validated copy with ``overrides`` applied (unknown names -> TypeError listing the fields)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        bad = sorted(set(overrides) - names)
+        if bad:
+            raise TypeError(f"unknown KVpopConfig field(s) {bad}; valid fields: {sorted(names)}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVpopConfig:
+        """Inverse of ``to_dict``; unknown keys -> ValueError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"unknown KVpopConfig field(s) {bad} (written by a newer kvpop?)")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> KVpopConfig:
+        return cls.from_dict(json.loads(s))
+
+    def structural_mismatch(self, other: KVpopConfig) -> list[str]:
+        """Names of the fields that make scorer weights of ``self`` and ``other`` incompatible."""
+        names = list(STRUCTURAL_FIELDS)
+        if self.scorer == "mlstm" or other.scorer == "mlstm":
+            names.append("window")
+        return [n for n in names if getattr(self, n) != getattr(other, n)]

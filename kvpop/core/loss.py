@@ -1,0 +1,185 @@
+"""The two losses of KVpop training: the scorer's ``L_score`` and the model's top-k KL to the teacher.
+
+``L_score`` (docs/DESIGN.md "Training target and loss")
+    Per layer, with the teacher's priorities ``p_tgt = r_tgt - t log(gamma_h)`` (gamma detached) the
+    teacher decisions ``(y, bnd) = eviction_decisions(p_tgt)``; for every decided token ``t``
+    (``y != 0``)::
+
+        delta[t] = (r_hat[t] - r_hat[bnd]) + (bnd - t) * log(gamma_h)       # grads to r_hat and gamma
+        loss[t]  = omega[t] * softplus(-y[t] * delta[t] / tau)
+
+    ``omega = tie * balance``:
+
+    * ``tie = 1 - exp(-|p_tgt[t] - p_tgt[bnd]| / tie_margin)``: near-ties of the teacher (whose label
+      is noise) weigh ~0, clear decisions ~1.  ``p_tgt`` is a log of mean attention, so the margin is
+      a ratio: with the default ``tie_margin = 0.5`` a decision between tokens whose mean future
+      attention differs by a factor 1.2 gets weight 0.3, by a factor 2.7 weight 0.86.
+      ``tie_margin = 0`` switches the discount off (``tie = 1``).
+    * ``balance``: keep (``y = +1``) and drop (``y = -1``) decisions of a layer are reweighted so that
+      each class carries half of the layer's total weight: ``N / (2 N_keep)`` and ``N / (2 N_drop)``
+      (pooled over the batch and the KV heads of the layer; ``1`` when one class is absent).  With
+      ``k << S`` most decisions are drops, and an unweighted loss would learn "drop everything".
+
+    The layer's loss is ``sum(omega * softplus(...)) / N`` (``N`` = number of decisions, which is the
+    same in every layer); :func:`score_loss` averages the layers pooled over decisions.
+
+Distillation (:func:`distill_loss`)
+    ``KL(p_T || p_S)`` over the teacher's top-``k`` vocabulary entries (default 256), both
+    distributions renormalised over that set, averaged over token positions.  Renormalising the
+    student too makes the loss 0 exactly when the student's logits on the set equal the teacher's
+    up to a constant (a patched model that evicts nothing gets 0), and keeps it non-negative.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import kvpop_kernels
+
+from .layer import kvpop_layers
+
+__all__ = ["score_loss_terms", "score_loss", "score_stats", "distill_loss", "teacher_topk"]
+
+
+def score_loss_terms(r_hat: torch.Tensor, r_tgt: torch.Tensor, log_gamma: torch.Tensor, *, sinks: int,
+                     window: int, k: int, tau: float = 1.0, tie_margin: float = 0.5,
+                     balance: bool = True) -> dict[str, torch.Tensor]:
+    """One layer's ``L_score`` terms.
+
+    Args:
+        r_hat: scorer output ``[B, Hkv, S]`` (float, with grad).
+        r_tgt: target ``[B, Hkv, S]`` float32 (``future_attention_target``; no grad).
+        log_gamma: ``log(gamma_h)`` ``[Hkv]`` float32 (with grad).
+        sinks, window, k: the cache shape; tau, tie_margin, balance: see the module docstring.
+
+    Returns a dict of 0-d tensors: ``loss_sum`` (``sum omega * softplus``, differentiable),
+    ``n`` (decisions), ``n_keep`` (``y = +1``), ``n_correct`` (decisions where ``sign(delta) == y``)
+    and ``weight_sum`` (``sum omega``).
+    """
+    if r_hat.shape != r_tgt.shape or r_hat.dim() != 3 or log_gamma.shape != (r_hat.shape[1],):
+        raise ValueError(f"need r_hat, r_tgt [B, Hkv, S] and log_gamma [Hkv]; got {tuple(r_hat.shape)}, "
+                         f"{tuple(r_tgt.shape)}, {tuple(log_gamma.shape)}")
+    S = r_hat.shape[-1]
+    dev = r_hat.device
+    t = torch.arange(S, device=dev)
+    lg_d = log_gamma.detach().float()[:, None]
+    with torch.no_grad():
+        p_tgt = r_tgt.float() - t.float() * lg_d
+        y, bnd = kvpop_kernels.eviction_decisions(p_tgt.contiguous(), sinks=sinks, window=window, k=k)
+        dec = y != 0
+        yf = y.float()
+        bnd_c = bnd.long().clamp(min=0)
+        n = dec.sum()
+        n_keep = (y > 0).sum()
+        if tie_margin > 0:
+            margin = (p_tgt - p_tgt.gather(-1, bnd_c)).abs()
+            tie = -torch.expm1(-margin / tie_margin)
+        else:
+            tie = torch.ones_like(p_tgt)
+        if balance:
+            n_drop = n - n_keep
+            nf = n.float()
+            w_keep = torch.where(n_keep > 0, nf / (2 * n_keep.clamp(min=1).float()), nf.new_ones(()))
+            w_drop = torch.where(n_drop > 0, nf / (2 * n_drop.clamp(min=1).float()), nf.new_ones(()))
+            if bool(n_keep == 0) or bool(n_drop == 0):
+                w_keep = w_drop = nf.new_ones(())
+            bal = torch.where(y > 0, w_keep, w_drop)
+        else:
+            bal = torch.ones_like(p_tgt)
+        omega = torch.where(dec, tie * bal, torch.zeros_like(p_tgt))
+    r = r_hat.float()
+    delta = (r - r.gather(-1, bnd_c)) + (bnd_c - t).float() * log_gamma.float()[:, None]
+    per = F.softplus(-yf * delta / tau)
+    loss_sum = (omega * per).sum()
+    with torch.no_grad():
+        n_correct = (dec & (torch.sign(delta) == yf)).sum()
+    return {"loss_sum": loss_sum, "n": n, "n_keep": n_keep, "n_correct": n_correct, "weight_sum": omega.sum()}
+
+
+def _layers(model: torch.nn.Module):
+    return kvpop_layers(model)
+
+
+def score_loss(model: torch.nn.Module, *, reset: bool = True) -> torch.Tensor:
+    """``L_score`` of the last training forward of a patched model: pooled mean over every layer's decisions.
+
+    Returns a 0-d float32 tensor (``0`` without grad when no layer made a decision, e.g. ``S <= budget``
+    or an eval/no-grad forward).  ``reset=True`` drops the stored terms (and their graphs) afterwards,
+    so call it once per forward, after the forward and before the next one.
+    """
+    total, n = None, 0
+    for layer in _layers(model):
+        terms = layer.loss_terms
+        if terms is None:
+            continue
+        total = terms["loss_sum"] if total is None else total + terms["loss_sum"]
+        n += int(terms["n"])
+        if reset:
+            layer.loss_terms = None
+    if total is None or n == 0:
+        return torch.zeros((), dtype=torch.float32)
+    return total / n
+
+
+def score_stats(model: torch.nn.Module) -> dict[str, Any]:
+    """Diagnostics of the last training forward (call before ``score_loss(reset=True)``).
+
+    ``decisions``, ``keep_frac`` (share of teacher keeps), ``accuracy`` (the scorer's ranking agrees
+    with the teacher's decision), ``gamma_min``/``gamma_max`` over all KV heads of all layers.
+    """
+    n = keep = corr = 0
+    gam = []
+    for layer in _layers(model):
+        gam.append(layer.gamma().detach())
+        if layer.loss_terms is None:
+            continue
+        n += int(layer.loss_terms["n"])
+        keep += int(layer.loss_terms["n_keep"])
+        corr += int(layer.loss_terms["n_correct"])
+    g = torch.cat(gam) if gam else torch.zeros(1)
+    return {"decisions": n, "keep_frac": keep / n if n else float("nan"),
+            "accuracy": corr / n if n else float("nan"),
+            "gamma_min": float(g.min()), "gamma_max": float(g.max())}
+
+
+def teacher_topk(teacher_logits: torch.Tensor, top_k: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of the teacher's top-``k`` logits ``[..., min(k, V)]`` (values in float32)."""
+    kk = min(int(top_k), teacher_logits.shape[-1])
+    vals, idx = torch.topk(teacher_logits.detach(), kk, dim=-1)
+    return vals.float(), idx
+
+
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                 top_k: int = 256, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """KL from the teacher to the student on the teacher's top-``k`` logits (see the module docstring).
+
+    Args:
+        student_logits: ``[B, S, V]`` (any float dtype; computed in float32).
+        teacher_logits: ``[B, S, V]`` dense teacher logits, or ``(values, indices)`` ``[B, S, K]`` from
+            :func:`teacher_topk` (e.g. precomputed); no gradient flows to it.
+        top_k: ``K`` (default 256; clipped to ``V``).
+        mask: optional bool ``[B, S]``: positions that count (e.g. not padding).
+
+    Returns the mean KL over (counted) positions, a 0-d float32 tensor.
+    """
+    if isinstance(teacher_logits, (tuple, list)):
+        t_val, t_idx = teacher_logits
+        t_val = t_val.detach().float()
+    else:
+        if teacher_logits.shape != student_logits.shape:
+            raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} and student logits "
+                             f"{tuple(student_logits.shape)} must have one shape")
+        t_val, t_idx = teacher_topk(teacher_logits, top_k)
+    if t_idx.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(f"teacher top-k {tuple(t_idx.shape)} does not match student logits "
+                         f"{tuple(student_logits.shape)}")
+    s_val = student_logits.gather(-1, t_idx).float()
+    log_pt = torch.log_softmax(t_val, dim=-1)
+    log_ps = torch.log_softmax(s_val, dim=-1)
+    kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1)  # [B, S]
+    if mask is not None:
+        m = mask.to(kl.dtype)
+        return (kl * m).sum() / m.sum().clamp(min=1)
+    return kl.mean()

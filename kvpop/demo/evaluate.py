@@ -1,0 +1,521 @@
+"""Accuracy of eviction policies at fixed cache budgets on the key-value trace task (``kvpop.task``).
+
+Every non-dense number is measured **through the code a user runs**: each test sequence (batch 1)
+goes through a ``kvpop.patch``-ed model with a fresh :class:`kvpop.KVpopCache` in one call
+``model(input_ids, past_key_values=cache)``, and the task's accuracy is read from the logits at the
+graded positions (greedy argmax, :func:`kvpop.task.accuracy`).
+
+* Static policies (``streaming``, ``fixed-finetune``, ``kvpop-mlp``, ``kvpop-mlstm``): the cache's
+  prefill is the teacher-forced ``sparse_attention`` forward with the policy's priorities, which
+  ``tests/core/test_cache.py`` shows equal to prefill + token-by-token decoding.
+* Attention-scored policies (``tova``, ``h2o``): the cache decodes the whole sequence token by token
+  (``fixed_budget_decode`` per token and layer), as it would during generation.
+* ``dense``: the unpatched model's plain forward.
+
+Policies (names of issue 7):
+
+===================  ===============================================  ==================
+policy               model                                            cache policy
+===================  ===============================================  ==================
+``dense``            base model, unpatched                            (none: full cache)
+``streaming``        base model                                       ``"streaming"``
+``tova``             base model                                       ``"tova"``
+``h2o``              base model                                       ``"h2o"``
+``fixed-finetune``   model fine-tuned with ``mask_source="streaming"``  ``"streaming"``
+``kvpop-mlp``        base (or fine-tuned) model + trained MLP scorers ``"kvpop"``
+``kvpop-mlstm``      base (or fine-tuned) model + trained mLSTM scorers ``"kvpop"``
+===================  ===============================================  ==================
+
+Budgets default to 6.25 %, 12.5 % and 25 % of the training length (128/256/512 at 2048) with
+``sinks=4`` and ``window=32``: the package default window of 256 does not fit a 128-entry budget
+(``budget >= sinks + window + 1``), and a small window leaves most of the budget to the long-range
+slots, where the policies differ.  All policies share the same sinks and window, so they hold the
+same ``B`` entries per layer and KV head.
+
+:func:`retrofit` is the short training of the demo (``kvpop.train.train``): scorers with
+``mask_source="scorer"`` (by default the model frozen, scorers only), or the model with the fixed
+StreamingLLM mask (``fixed-finetune``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpop.core.cache import KVpopCache
+from kvpop.core.checkpoint import load_scorers, read_scorer_config, save_scorers
+from kvpop.core.config import KVpopConfig
+from kvpop.core.patching import get_config, is_patched, make_teacher, patch, unpatch
+from kvpop.models import cache_kwarg_name
+
+from . import task as T
+
+__all__ = [
+    "POLICIES",
+    "CACHE_POLICY",
+    "BUDGET_FRACTIONS",
+    "DEFAULT_SINKS",
+    "DEFAULT_WINDOW",
+    "SHIPPED_MODEL",
+    "EvalConfig",
+    "budgets_for",
+    "load_base_model",
+    "policy_model",
+    "sequence_predictions",
+    "sequence_correct",
+    "evaluate",
+    "results_dict",
+    "format_table",
+    "write_results",
+    "plot_results",
+    "retrofit",
+    "RetrofitConfig",
+]
+
+POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm")
+"""Policy names, in table order."""
+CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
+                "kvpop-mlp": "kvpop", "kvpop-mlstm": "kvpop"}
+"""The ``KVpopCache`` policy that serves each non-dense policy."""
+SCORER_OF = {"kvpop-mlp": "mlp", "kvpop-mlstm": "mlstm"}
+BUDGET_FRACTIONS = (0.0625, 0.125, 0.25)
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 32
+SHIPPED_MODEL = T.SHIPPED_MODEL
+
+
+def _check_policies(policies: Iterable[str]) -> list[str]:
+    out = []
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; allowed: {list(POLICIES)}")
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def budgets_for(train_len: int, fractions: Sequence[float] = BUDGET_FRACTIONS) -> list[int]:
+    """Budgets ``round(f * train_len)`` for each fraction ``f`` (e.g. 128, 256, 512 at 2048)."""
+    return [int(round(f * train_len)) for f in fractions]
+
+
+@dataclass
+class EvalConfig:
+    """What :func:`evaluate` measures.
+
+    Attributes:
+        train_len: the model's training length ``L_train`` (budgets default to fractions of it).
+        lengths: test sequence lengths (default ``L_train`` and ``2 L_train``).
+        budgets: cache budgets ``B`` (entries per layer and KV head); default
+            :data:`BUDGET_FRACTIONS` of ``train_len``.
+        n_sequences: test sequences per length (``task.test_seed(0 .. n-1)``).
+        sinks, window: shared by every policy (``budget >= sinks + window + 1``).
+        policies: which policies to run (default all that have a model).
+        progress: show a tqdm bar.
+    """
+
+    train_len: int = 2048
+    lengths: Sequence[int] | None = None
+    budgets: Sequence[int] | None = None
+    n_sequences: int = 4
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
+    policies: Sequence[str] = POLICIES
+    progress: bool = True
+    first_seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("train_len", "n_sequences"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.lengths is None:
+            self.lengths = [self.train_len, 2 * self.train_len]
+        if self.budgets is None:
+            self.budgets = budgets_for(self.train_len)
+        self.lengths = [int(x) for x in self.lengths]
+        self.budgets = [int(x) for x in self.budgets]
+        for L in self.lengths:
+            if L < 64:
+                raise ValueError(f"test lengths must be >= 64 (the task's minimum), got {L}")
+        if not self.lengths or not self.budgets:
+            raise ValueError("lengths and budgets must not be empty")
+        least = self.sinks + self.window + 1
+        small = [b for b in self.budgets if b < least]
+        if small:
+            raise ValueError(f"budget(s) {small} too small: every budget must be >= sinks + window + 1 = "
+                             f"{self.sinks} + {self.window} + 1 = {least}; raise the budget or lower "
+                             f"--window/--sinks")
+        self.policies = _check_policies(self.policies)
+
+
+def load_base_model(path: str | os.PathLike | None = None) -> nn.Module:
+    """A ``Qwen3ForCausalLM`` from a local directory (default: the shipped ``tiny_qwen3``), fp32, eval mode."""
+    from transformers import Qwen3ForCausalLM
+
+    path = Path(path) if path is not None else SHIPPED_MODEL
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no model directory at {path} (expected config.json and model.safetensors)")
+    return Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | None = None,
+                 finetuned: nn.Module | None = None, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
+                 budget: int = 256) -> nn.Module:
+    """The model that serves ``policy`` (a patched copy; ``dense`` -> ``base`` itself, unpatched).
+
+    ``scorers``: a scorer file (``kvpop.save_scorers``) for ``kvpop-mlp``/``kvpop-mlstm``;
+    ``finetuned``: a fine-tuned model to use instead of ``base`` (``fixed-finetune`` needs one).
+    """
+    _check_policies([policy])
+    if policy == "dense":
+        return base
+    if policy == "fixed-finetune" and finetuned is None:
+        raise ValueError("policy 'fixed-finetune' needs the model fine-tuned with mask_source='streaming'")
+    model = copy.deepcopy(finetuned if finetuned is not None else base)
+    if is_patched(model):
+        unpatch(model)
+    if policy in SCORER_OF:
+        if scorers is None:
+            raise ValueError(f"policy {policy!r} needs trained scorers (a scorer file)")
+        cfg = read_scorer_config(scorers)
+        if cfg.scorer != SCORER_OF[policy]:
+            raise ValueError(f"policy {policy!r} needs a {SCORER_OF[policy]!r} scorer, but {scorers} holds a "
+                             f"{cfg.scorer!r} scorer")
+        if cfg.scorer == "mlstm" and cfg.window != window:
+            raise ValueError(f"the mLSTM scorers in {scorers} were trained with window={cfg.window}; "
+                             f"evaluate with the same window (got window={window})")
+        patch(model, cfg, sinks=sinks, window=window, budget=budget)
+        load_scorers(model, scorers)
+    else:
+        patch(model, sinks=sinks, window=window, budget=budget, scorer="mlp")  # scorer unused
+    return model.eval()
+
+
+@torch.no_grad()
+def sequence_predictions(model: nn.Module, example: dict, policy: str, budget: int | None = None) -> torch.Tensor:
+    """Greedy predictions (int64 ``[n]``) at the graded positions of one example under ``policy``.
+
+    Batch 1, one call ``model(input_ids, past_key_values=KVpopCache(model, policy=...))`` (``dense``:
+    the unpatched model's plain forward).  ``model`` is :func:`policy_model`'s model for ``policy``;
+    ``budget`` re-budgets it with ``kvpop.patch(model, budget=...)`` first.
+    """
+    ids = example["input_ids"]
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.shape[0] != 1:
+        raise ValueError(f"one example at a time (batch 1), got input_ids of shape {tuple(ids.shape)}")
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
+    if policy == "dense":
+        if is_patched(model):
+            raise ValueError("the dense policy runs the unpatched model")
+        logits = model(ids, use_cache=False).logits
+    else:
+        if policy not in CACHE_POLICY:
+            raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
+        if not is_patched(model):
+            raise ValueError(f"policy {policy!r} needs a kvpop-patched model (see policy_model)")
+        if budget is not None and get_config(model).budget != budget:
+            patch(model, budget=int(budget))
+        cache = KVpopCache(model, policy=CACHE_POLICY[policy])
+        logits = model(ids, **{cache_kwarg_name(): cache}).logits
+    pos = example["answer_positions"].reshape(-1).to(dev)
+    return logits[0, pos].argmax(-1)
+
+
+def sequence_correct(model: nn.Module, example: dict, policy: str, budget: int | None = None) -> tuple[int, int]:
+    """``(correct, graded)`` of one example under ``policy`` (see :func:`sequence_predictions`)."""
+    pred = sequence_predictions(model, example, policy, budget)
+    ans = example["answers"].reshape(-1).to(pred.device)
+    return int((pred == ans).sum()), int(ans.numel())
+
+
+def _row_key(policy: str, budget: int, length: int) -> str:
+    return f"{policy}|{budget}|{length}"
+
+
+def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, *,
+             task_cfg: T.TaskConfig = T.DEFAULT, done: Mapping[str, dict] | None = None,
+             on_row: Any = None) -> dict:
+    """Accuracy of every policy in ``models`` at every (budget, length) of ``config``.
+
+    Args:
+        models: policy name -> model from :func:`policy_model` (``"dense"`` -> the unpatched base).
+            Policies of ``config.policies`` missing here are skipped; ``dense`` is required.
+        config: :class:`EvalConfig`.
+        done: rows already measured (key ``"policy|budget|length"`` -> row), reused as they are.
+        on_row: called with each new row as soon as it is measured (e.g. to save progress).
+
+    Speed: run it with ``torch.set_num_threads(1)`` on a CPU.  The tiny model's ops are far too small
+    for intra-op threads, and TOVA/H2O decode token by token (tens of small ops per token and layer):
+    measured on a busy 2-core machine, one 2048-token TOVA sequence took 2.0 s with 1 thread and
+    6-29 s with 2 threads (the threads wait for each other at every op).
+
+    Returns:
+        :func:`results_dict`'s dict (``rows`` with ``accuracy``, ``relative_accuracy``, ``correct``,
+        ``graded``, ``n_sequences``).
+    """
+    cfg = config or EvalConfig()
+    if "dense" not in models:
+        raise ValueError("evaluate needs the dense model (models['dense']) for the relative accuracy")
+    policies = [p for p in cfg.policies if p in models]
+    _check_policies(models)
+    done = dict(done or {})
+    jobs = []
+    for L in cfg.lengths:
+        for p in policies:
+            for b in ([L] if p == "dense" else cfg.budgets):
+                if _row_key(p, b, L) not in done:
+                    jobs.append((p, b, L))
+    bar = None
+    if cfg.progress and jobs:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(jobs) * cfg.n_sequences, desc="kvpop eval", dynamic_ncols=True)
+    rows = dict(done)
+    examples: dict[int, list[dict]] = {}
+    try:
+        for p, b, L in jobs:
+            if L not in examples:
+                examples[L] = [T.make_example(T.test_seed(cfg.first_seed + i), L, task_cfg)
+                               for i in range(cfg.n_sequences)]
+            if bar is not None:
+                bar.set_postfix_str(f"{p} B={b} L={L}")
+            correct = graded = 0
+            for ex in examples[L]:
+                c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b)
+                correct, graded = correct + c, graded + g
+                if bar is not None:
+                    bar.update(1)
+            row = {"policy": p, "budget": int(b), "length": int(L), "accuracy": correct / graded,
+                   "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences}
+            rows[_row_key(p, b, L)] = row
+            if on_row is not None:
+                on_row(row)
+    finally:
+        if bar is not None:
+            bar.close()
+    return results_dict(list(rows.values()), cfg, task_cfg)
+
+
+def results_dict(rows: list[dict], cfg: EvalConfig, task_cfg: T.TaskConfig = T.DEFAULT,
+                 extra: Mapping[str, Any] | None = None) -> dict:
+    """The ``results.json`` object: ``task``, ``train_len``, ``dense_accuracy`` (at ``train_len``, or at
+    the first length when ``train_len`` is not among them), ``rows`` (sorted; each with
+    ``relative_accuracy`` = accuracy / dense accuracy at the same length), plus settings."""
+    dense = {r["length"]: r["accuracy"] for r in rows if r["policy"] == "dense"}
+    order = {p: i for i, p in enumerate(POLICIES)}
+    out_rows = []
+    for r in sorted(rows, key=lambda r: (r["length"], order[r["policy"]], r["budget"])):
+        r = dict(r)
+        d = dense.get(r["length"])
+        r["relative_accuracy"] = (r["accuracy"] / d) if d else None
+        out_rows.append(r)
+    ref_len = cfg.train_len if cfg.train_len in dense else (cfg.lengths[0] if cfg.lengths else None)
+    res = {
+        "task": T.describe(task_cfg),
+        "train_len": int(cfg.train_len),
+        "dense_accuracy": float(dense.get(ref_len, float("nan"))),
+        "dense_accuracy_by_length": {str(k): v for k, v in sorted(dense.items())},
+        "budgets": list(cfg.budgets),
+        "lengths": list(cfg.lengths),
+        "sinks": cfg.sinks,
+        "window": cfg.window,
+        "n_sequences": cfg.n_sequences,
+        "task_config": task_cfg.to_dict(),
+        "rows": out_rows,
+    }
+    if extra:
+        res.update(extra)
+    return res
+
+
+def format_table(results: dict) -> str:
+    """A markdown table: one row per policy, one column per (length, budget); cells ``acc (rel %)``."""
+    rows = results["rows"]
+    lengths = sorted({r["length"] for r in rows})
+    budgets = sorted({r["budget"] for r in rows if r["policy"] != "dense"})
+    cell = {(r["policy"], r["budget"], r["length"]): r for r in rows}
+    train_len = results.get("train_len")
+    head = ["policy"]
+    for L in lengths:
+        for b in budgets:
+            frac = f" ({100 * b / train_len:g}%)" if train_len else ""
+            head.append(f"L={L} B={b}{frac}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    pols = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    for p in pols:
+        line = [p]
+        for L in lengths:
+            for b in budgets:
+                r = cell.get((p, L if p == "dense" else b, L))
+                if r is None:
+                    line.append("-")
+                elif p == "dense":
+                    line.append(f"{r['accuracy']:.3f}")
+                else:
+                    rel = r.get("relative_accuracy")
+                    line.append(f"{r['accuracy']:.3f} ({rel:.0%})" if rel is not None else f"{r['accuracy']:.3f}")
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines)
+
+
+def write_results(results: dict, path: str | os.PathLike) -> None:
+    """Write ``results`` as JSON (atomically: temporary file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def plot_results(results: dict, path: str | os.PathLike) -> None:
+    """Accuracy vs budget PNG: one panel per length, one line per policy, dense as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.6 * len(lengths), 4.6), squeeze=False)
+    train_len = results.get("train_len") or 1
+    for ax, L in zip(axes[0], lengths):
+        for p in POLICIES:
+            pts = sorted((r["budget"], r["accuracy"]) for r in rows if r["policy"] == p and r["length"] == L)
+            if not pts:
+                continue
+            if p == "dense":
+                ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label="dense")
+                continue
+            style = "-" if p.startswith("kvpop") else ":" if p in ("tova", "h2o") else "-."
+            ax.plot([b for b, _ in pts], [a for _, a in pts], style, marker="o", label=p)
+        bs = sorted({r["budget"] for r in rows if r["policy"] != "dense"})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(bs)
+        ax.set_xticklabels([f"{b}\n{100 * b / train_len:g}%" for b in bs])
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("cache budget B (entries per KV head; % of L_train)")
+        ax.set_ylabel("accuracy")
+        ax.set_title(f"length {L}" + (" (L_train)" if L == results.get("train_len") else
+                                      f" ({L / train_len:g}x L_train)"))
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ retrofit
+@dataclass
+class RetrofitConfig:
+    """A short retrofit run (:func:`retrofit`).
+
+    Attributes:
+        steps: optimiser steps; length/batch: training sequences (train seeds ``task.train_seed``).
+        budget: the training budget (the demo uses 12.5 % of the length trained at).
+        sinks, window: as in evaluation (the mLSTM scorer's readout depends on the window).
+        lr_scorer, tau: scorer learning rate and score-loss temperature.
+        train_model: also fine-tune the model (KL to the frozen original) with ``lr_model``.
+        checkpoint_every: steps between checkpoints (resume after an interruption).
+    """
+
+    steps: int = 200
+    length: int = 1024
+    batch: int = 1
+    budget: int = 128
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
+    lr_scorer: float = 1e-2
+    lr_model: float = 1e-4
+    tau: float = 1.0
+    train_model: bool = False
+    checkpoint_every: int = 25
+    seed: int = 0
+
+
+def _train_data(cfg: RetrofitConfig, n: int, task_cfg: T.TaskConfig) -> list[torch.Tensor]:
+    return [T.make_batch([T.train_seed(cfg.seed * 1_000_003 + i * cfg.batch + j) for j in range(cfg.batch)],
+                         cfg.length, task_cfg)["input_ids"] for i in range(n)]
+
+
+def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: RetrofitConfig | None = None, *,
+             resume: bool = True, progress: bool = True, task_cfg: T.TaskConfig = T.DEFAULT) -> Path:
+    """Train what ``policy`` needs from ``base`` (left untouched) and save it into ``out_dir``.
+
+    * ``kvpop-mlp`` / ``kvpop-mlstm``: a copy of ``base`` patched with that scorer
+      (``mask_source="scorer"``) trained by ``kvpop.train.train``; writes ``scorers.safetensors``
+      (and ``model/`` when ``cfg.train_model``).
+    * ``fixed-finetune``: the model fine-tuned with the fixed StreamingLLM mask
+      (``mask_source="streaming"``, no score loss, KL to the frozen original); writes ``model/``.
+
+    A finished run leaves ``done.json`` (settings and last losses); with ``resume`` an existing
+    ``done.json`` with the same settings is reused as it is, and an interrupted run continues from
+    its last checkpoint (``train.pt/last.pt``).  Returns ``out_dir``.
+    """
+    from kvpop.training.train import TrainConfig, train
+
+    cfg = cfg or RetrofitConfig()
+    if policy not in ("kvpop-mlp", "kvpop-mlstm", "fixed-finetune"):
+        raise ValueError(f"retrofit trains 'kvpop-mlp', 'kvpop-mlstm' or 'fixed-finetune', got {policy!r}")
+    out = Path(out_dir)
+    settings = {"policy": policy, **asdict(cfg), "task_config": task_cfg.to_dict()}
+    done_file = out / "done.json"
+    if resume and done_file.exists():
+        prev = json.loads(done_file.read_text())
+        if prev.get("settings") == settings:
+            return out
+    out.mkdir(parents=True, exist_ok=True)
+    if done_file.exists():
+        done_file.unlink()
+    model = copy.deepcopy(base)
+    if is_patched(model):
+        unpatch(model)
+    model.eval()
+    teacher = make_teacher(model)
+    train_model = cfg.train_model or policy == "fixed-finetune"
+    if policy == "fixed-finetune":
+        kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, mask_source="streaming",
+                         compute_loss=False, tau=cfg.tau)
+    else:
+        kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
+                         mask_source="scorer", tau=cfg.tau)
+    patch(model, kv)
+    ckpt = out / "train.pt"
+    stamp = ckpt / "settings.json"
+    if ckpt.exists() and (not resume or not stamp.exists() or json.loads(stamp.read_text()) != settings):
+        for f in ckpt.iterdir():
+            f.unlink()
+    ckpt.mkdir(exist_ok=True)
+    stamp.write_text(json.dumps(settings))
+    data = _train_data(cfg, min(cfg.steps, 1000), task_cfg)
+    tc = TrainConfig(steps=cfg.steps, lr_scorer=cfg.lr_scorer, lr_model=cfg.lr_model, train_model=train_model,
+                     checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress,
+                     seed=cfg.seed)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tqdm/torch noise about the tiny model
+        hist = train(model, data, tc, teacher=teacher if train_model else None, resume=resume)
+    if policy != "fixed-finetune":
+        save_scorers(model, out / "scorers.safetensors")
+    if train_model:
+        plain = copy.deepcopy(model)
+        unpatch(plain)
+        plain.save_pretrained(str(out / "model"))
+    last = hist[-1] if hist else {}
+    tmp = done_file.with_name("done.json.tmp")
+    tmp.write_text(json.dumps({"settings": settings, "last": last}, indent=1))
+    os.replace(tmp, done_file)
+    return out

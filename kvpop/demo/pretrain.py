@@ -1,0 +1,376 @@
+"""Dense pre-training of the tiny Qwen3 model on the key-value trace task (:mod:`kvpop.task`).
+
+Usage (the lead wires this as ``kvpop pretrain``)::
+
+    python -m kvpop.pretrain --out runs/tiny --steps 6000 --threads 1
+    python -m kvpop.pretrain --out runs/tiny --resume          # continue exactly where it stopped
+
+The model is a ``transformers`` ``Qwen3ForCausalLM`` (GQA, head_dim 32). Training follows a
+curriculum over sequence lengths (``--curriculum 128:64,256:32,512:16,1024:8,2048:4`` = length:batch);
+it moves to the next stage when the moving average of training accuracy passes
+``--advance-acc`` (after at least ``--min-stage-steps`` steps). The loss is cross-entropy on the
+graded answer tokens plus ``--filler-weight`` times the loss on predicting filler after filler.
+Every ``--eval-every`` steps it measures accuracy on held-out test seeds at the current length and
+at the final length (``L_train``); the best model at ``L_train`` is written with
+``save_pretrained`` to ``OUT/model`` (the last one to ``OUT/model_final``). ``OUT/ckpt.pt``
+(written atomically) holds the model, optimiser, step, curriculum state and RNG states, so
+``--resume`` continues exactly (SIGTERM/SIGINT checkpoint and stop cleanly). ``--cooldown N``
+decays the learning rate linearly to 0 over the last N steps; it and ``--steps`` may be changed when resuming.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import task as T
+
+__all__ = ["build_model", "main", "evaluate", "export_model", "parse_curriculum"]
+
+
+def build_model(task_cfg: T.TaskConfig = T.DEFAULT, *, hidden: int = 128, layers: int = 2,
+                heads: int = 4, kv_heads: int = 2, head_dim: int = 32, intermediate: int = 384,
+                max_positions: int = 8192, rope_theta: float = 1e6, seed: int = 0):
+    """A freshly initialised tiny ``Qwen3ForCausalLM`` for the task's vocabulary (fp32)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=task_cfg.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        tie_word_embeddings=True, bos_token_id=T.BOS_ID, eos_token_id=T.EOS_ID,
+        pad_token_id=T.PAD_ID,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg)
+    return model
+
+
+def parse_curriculum(spec: str) -> list[tuple[int, int]]:
+    """``"128:64,256:32"`` -> ``[(128, 64), (256, 32)]`` (length, batch size)."""
+    stages = []
+    for part in spec.split(","):
+        try:
+            length, batch = part.split(":")
+            stages.append((int(length), int(batch)))
+        except ValueError:
+            raise ValueError(f"bad curriculum stage {part!r}; expected LENGTH:BATCH") from None
+    if not stages:
+        raise ValueError("empty curriculum")
+    return stages
+
+
+def _loss_and_acc(model, batch: dict, task_cfg: T.TaskConfig, filler_weight: float):
+    ids = batch["input_ids"]
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [B, L, H]
+    pos = batch["answer_positions"]
+    ans = batch["answers"]
+    h_ans = torch.gather(hidden, 1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
+    logits = model.lm_head(h_ans)  # [B, n, V]
+    loss = F.cross_entropy(logits.flatten(0, 1), ans.flatten())
+    acc = (logits.argmax(-1) == ans).float().mean()
+    if filler_weight > 0:
+        fb = task_cfg.filler_base
+        cur_f = ids[:, :-1] >= fb
+        nxt_f = ids[:, 1:] >= fb
+        m = cur_f & nxt_f
+        lf = model.lm_head(hidden[:, :-1][m])
+        loss = loss + filler_weight * F.cross_entropy(lf, ids[:, 1:][m])
+    return loss, acc
+
+
+@torch.no_grad()
+def evaluate(model, length: int, n: int = 32, batch_size: int = 8,
+             task_cfg: T.TaskConfig = T.DEFAULT, first_seed: int = 0) -> float:
+    """Dense accuracy on test seeds ``test_seed(first_seed .. first_seed + n - 1)`` at ``length``."""
+    model.eval()
+    correct = total = 0
+    for i in range(0, n, batch_size):
+        seeds = [T.test_seed(first_seed + j) for j in range(i, min(n, i + batch_size))]
+        b = T.make_batch(seeds, length, task_cfg)
+        hidden = model.model(input_ids=b["input_ids"], use_cache=False).last_hidden_state
+        pos = b["answer_positions"]
+        h = torch.gather(hidden, 1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
+        pred = model.lm_head(h).argmax(-1)
+        correct += int((pred == b["answers"]).sum())
+        total += pred.numel()
+    model.train()
+    return correct / max(1, total)
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _save_model(model, path: Path, info: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        import shutil
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    (tmp / "training_state.json").write_text(json.dumps(info, indent=2))
+    if path.exists():
+        import shutil
+        old = path.with_name(path.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
+
+
+def export_model(src: str | os.PathLike, dst: str | os.PathLike, *, lengths: list[int],
+                 n: int = 32, command: str | None = None) -> dict:
+    """Copy a trained model (``save_pretrained`` dir ``src``) to ``dst`` as ``config.json`` +
+    ``model.safetensors`` and write ``dst/training.json`` with its test accuracy at ``lengths``.
+
+    Returns the dict written to ``training.json``.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    src, dst = Path(src), Path(dst)
+    model = Qwen3ForCausalLM.from_pretrained(src).eval()
+    model.config.use_cache = True
+    info = {}
+    if (src / "training_state.json").exists():
+        info = json.loads((src / "training_state.json").read_text())
+    acc = {str(L): round(evaluate(model, L, n=n, batch_size=4), 4) for L in lengths}
+    tmp = dst.with_name(dst.name + ".tmp")
+    import shutil
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        os.replace(tmp / name, dst / name)
+    shutil.rmtree(tmp)
+    record = {"task": T.describe(), "task_config": T.DEFAULT.to_dict(),
+              "test_accuracy": acc, "eval_sequences_per_length": n,
+              "test_seeds": f"test_seed(0..{n - 1})", "train_step": info.get("step"),
+              "train_wall_s": info.get("elapsed_s"), "train_args": info.get("args"),
+              "export_command": command, "n_params": sum(p.numel() for p in model.parameters())}
+    (dst / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _lr_at(step: int, args) -> float:
+    """Linear warm-up, constant, then a linear cool-down to 0 over the last ``--cooldown`` steps."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    if args.cooldown > 0 and step >= args.steps - args.cooldown:
+        return args.lr * max(0.0, args.steps - step) / args.cooldown
+    return args.lr
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpop pretrain", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="run directory (checkpoints, log, model)")
+    p.add_argument("--steps", type=int, default=6000, help="total optimiser steps")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--curriculum", default="128:64,256:32,512:16,1024:8,2048:4",
+                   help="comma-separated LENGTH:BATCH stages; the last length is L_train")
+    p.add_argument("--advance-acc", type=float, default=0.9,
+                   help="move to the next stage when the train-accuracy EMA passes this")
+    p.add_argument("--min-stage-steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--cooldown", type=int, default=0,
+                   help="decay the lr linearly to 0 over the last this many of --steps "
+                        "(may be set when resuming)")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--filler-weight", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-n", type=int, default=32, help="test sequences per evaluation")
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (with a checkpoint) after this")
+    p.add_argument("--stop-acc", type=float, default=1.01,
+                   help="stop once test accuracy at L_train reaches this")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--intermediate", type=int, default=384)
+    p.add_argument("--rope-theta", type=float, default=1e6)
+    p.add_argument("--export", metavar="DIR", default=None,
+                   help="do not train: copy OUT/model (or --export-from) to DIR with its accuracy")
+    p.add_argument("--export-from", default="model", help="subdirectory of OUT to export")
+    p.add_argument("--export-lengths", default=None,
+                   help="comma-separated lengths to evaluate on export (default L_train/2, L_train, 2 L_train)")
+    p.add_argument("--no-progress", action="store_true", help="disable the tqdm bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stages = parse_curriculum(args.curriculum)
+    task_cfg = T.DEFAULT
+    L_train = stages[-1][0]
+    ckpt_path = out / "ckpt.pt"
+    if args.export:
+        lengths = ([int(x) for x in args.export_lengths.split(",")] if args.export_lengths
+                   else [L_train // 2, L_train, 2 * L_train])
+        rec = export_model(out / args.export_from, args.export, lengths=lengths, n=args.eval_n,
+                           command="python -m kvpop.pretrain " + " ".join(argv if argv is not None
+                                                                         else sys.argv[1:]))
+        print(json.dumps(rec["test_accuracy"]))
+        return 0
+
+    model = build_model(task_cfg, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                        kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        intermediate=args.intermediate,
+                        max_positions=max(8192, 4 * L_train), rope_theta=args.rope_theta,
+                        seed=args.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98))
+    state = {"step": 0, "stage": 0, "stage_step": 0, "ema_acc": 0.0, "best_acc": -1.0,
+             "elapsed_s": 0.0, "history": []}
+    if args.resume:
+        if not ckpt_path.exists():
+            print(f"no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
+        else:
+            ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optim"])
+            state = ck["state"]
+            torch.set_rng_state(ck["rng"]["torch"])
+            np.random.set_state(ck["rng"]["numpy"])
+            random.setstate(ck["rng"]["python"])
+            print(f"resumed at step {state['step']} stage {state['stage']}", file=sys.stderr)
+    model.train()
+    (out / "args.json").write_text(json.dumps({**vars(args), "task": task_cfg.to_dict()}, indent=2))
+
+    def checkpoint():
+        _atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
+                      "args": vars(args), "task": task_cfg.to_dict(),
+                      "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                              "python": random.getstate()}}, ckpt_path)
+
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, initial=state["step"], disable=args.no_progress,
+                   mininterval=5.0, dynamic_ncols=True)
+    except ImportError:  # pragma: no cover
+        bar = None
+    import signal
+
+    stop_signal = []
+
+    def _on_term(signum, frame):  # checkpoint and exit cleanly on SIGTERM / SIGINT
+        stop_signal.append(signum)
+
+    old_handlers = {sig: signal.signal(sig, _on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
+    t0 = time.time() - state["elapsed_s"]
+    log = open(out / "log.jsonl", "a")
+    max_batch = max(b for _, b in stages)
+    while state["step"] < args.steps:
+        step = state["step"]
+        length, bsz = stages[state["stage"]]
+        seeds = [T.train_seed(step * max_batch + i) for i in range(bsz)]
+        batch = T.make_batch(seeds, length, task_cfg)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, args)
+        loss, acc = _loss_and_acc(model, batch, task_cfg, args.filler_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        a = float(acc)
+        loss = loss.detach()
+        state["ema_acc"] = a if state["stage_step"] == 0 else 0.95 * state["ema_acc"] + 0.05 * a
+        state["step"] += 1
+        state["stage_step"] += 1
+        state["elapsed_s"] = time.time() - t0
+        rec = {"step": state["step"], "L": length, "loss": round(float(loss), 4), "acc": round(a, 4),
+               "ema": round(state["ema_acc"], 4), "gn": round(float(gn), 3),
+               "t": round(state["elapsed_s"], 1)}
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(L=length, loss=f"{float(loss):.3f}", acc=f"{state['ema_acc']:.3f}")
+        advanced = False
+        if (state["stage"] + 1 < len(stages) and state["stage_step"] >= args.min_stage_steps
+                and state["ema_acc"] >= args.advance_acc):
+            state["stage"] += 1
+            state["stage_step"] = 0
+            advanced = True
+            rec["advance_to"] = stages[state["stage"]][0]
+        done = state["step"] >= args.steps
+        if state["step"] % args.eval_every == 0 or done or advanced:
+            acc_cur = evaluate(model, length, n=args.eval_n, task_cfg=task_cfg)
+            rec["test_acc_cur"] = round(acc_cur, 4)
+            best_len = state.setdefault("best_by_length", {})
+            if acc_cur > best_len.get(str(length), -1.0):
+                best_len[str(length)] = acc_cur
+                _save_model(model, out / f"model_L{length}", {"step": state["step"], "length": length,
+                                                             "test_acc": acc_cur,
+                                                             "elapsed_s": state["elapsed_s"],
+                                                             "args": vars(args)})
+            if length == L_train:
+                acc_tr = acc_cur
+            elif state["step"] % (args.eval_every * 5) == 0 or done:
+                acc_tr = evaluate(model, L_train, n=args.eval_n, task_cfg=task_cfg)
+            else:
+                acc_tr = None
+            if acc_tr is not None:
+                rec["test_acc_Ltrain"] = round(acc_tr, 4)
+                if acc_tr > state["best_acc"]:
+                    state["best_acc"] = acc_tr
+                    _save_model(model, out / "model", {"step": state["step"], "L_train": L_train,
+                                                       "test_acc_Ltrain": acc_tr,
+                                                       "elapsed_s": state["elapsed_s"],
+                                                       "args": vars(args)})
+                    rec["saved"] = True
+            state["history"].append(rec)
+            msg = json.dumps(rec)
+            (bar.write(msg) if bar is not None else print(msg, flush=True))
+            sys.stdout.flush()
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        stop = False
+        if args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes:
+            stop = True
+        if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc or stop_signal:
+            stop = True
+        if state["step"] % args.ckpt_every == 0 or done or stop or advanced:
+            checkpoint()
+        if stop:
+            break
+    if bar is not None:
+        bar.close()
+    checkpoint()
+    if state["step"] >= args.steps:
+        _save_model(model, out / "model_final", {"step": state["step"], "L_train": L_train,
+                                                 "elapsed_s": state["elapsed_s"], "args": vars(args)})
+    for sig, h in old_handlers.items():
+        signal.signal(sig, h)
+    log.close()
+    print(json.dumps({"done": True, "step": state["step"], "best_test_acc_Ltrain": state["best_acc"],
+                      "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Training data for ``kvpop train``: JSONL files of token ids or texts, and the synthetic task.
+
+A JSONL data set has one JSON object per line, either ``{"input_ids": [int, ...]}`` or
+``{"text": "..."}`` (both kinds may be mixed; blank lines are skipped).  Texts are tokenised with the
+model's own tokenizer (:func:`load_tokenizer`, local files only).  :func:`chunk` cuts every record into
+sequences of exactly ``seq_len`` tokens (a shorter tail is dropped; with ``pack=True`` the records are
+first concatenated, separated by ``sep_id`` when given), and :func:`make_batches` stacks them into
+``[B, seq_len]`` batches (kvpop attention takes no padding, so every row has the full length).
+
+(The synthetic task's endless batches are in :mod:`kvpop.demo.task`: training never imports the demo.)
+
+Every user mistake raises ``ValueError`` naming the file and line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["read_jsonl", "load_tokenizer", "chunk", "make_batches"]
+
+
+def load_tokenizer(model_dir: str | os.PathLike) -> Any:
+    """The tokenizer saved in ``model_dir`` (``AutoTokenizer``, local files only); ValueError if there is none."""
+    from transformers import AutoTokenizer
+
+    d = Path(model_dir)
+    if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                            "tokenizer.model")):
+        raise ValueError(f"the data has text records but the model directory {d} holds no tokenizer "
+                         f"(no tokenizer.json / tokenizer_config.json): give token ids "
+                         f'({{"input_ids": [...]}}) or a model directory with its tokenizer files')
+    try:
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, ... for a broken tokenizer
+        raise ValueError(f"cannot load the tokenizer of {d}: {type(e).__name__}: {e}") from e
+
+
+def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None, tokenizer: Any = None,
+               tokenizer_source: str | None = None) -> list[list[int]]:
+    """Token-id lists of the records of a JSONL file (see the module docstring).
+
+    Args:
+        path: the JSONL file.
+        vocab_size: when given, every token id must lie in ``[0, vocab_size)``.
+        tokenizer: a tokenizer for ``text`` records, or a zero-argument callable returning one (called at
+            the first text record); without one a text record raises ValueError.
+        tokenizer_source: named in the error raised for a text record without a tokenizer.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"data file {p} does not exist" if not p.exists() else f"data path {p} is not a file")
+    records: list[list[int]] = []
+    tok = tokenizer
+    with p.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict) or ("input_ids" in obj) == ("text" in obj):
+                got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise ValueError(f'{where}: expected an object with exactly one of "input_ids" (a list of ints) '
+                                 f'or "text" (a string), got {got}')
+            if "input_ids" in obj:
+                ids = obj["input_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError(f'{where}: "input_ids" must be a list of ints, got '
+                                     f"{type(ids).__name__} {str(ids)[:60]}")
+            else:
+                text = obj["text"]
+                if not isinstance(text, str):
+                    raise ValueError(f'{where}: "text" must be a string, got {type(text).__name__}')
+                if tok is None:
+                    raise ValueError(f"{where}: a text record needs a tokenizer, and "
+                                     f"{tokenizer_source or 'the model'} has none; give token ids instead")
+                if callable(tok) and not hasattr(tok, "encode"):
+                    tok = tok()
+                ids = list(tok(text)["input_ids"])
+            if vocab_size is not None and ids:
+                lo, hi = min(ids), max(ids)
+                if lo < 0 or hi >= vocab_size:
+                    bad = lo if lo < 0 else hi
+                    raise ValueError(f"{where}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+            records.append(ids)
+    if not records:
+        raise ValueError(f"data file {p} holds no records")
+    return records
+
+
+def chunk(records: list[list[int]], seq_len: int, *, pack: bool = False, sep_id: int | None = None,
+          source: str = "the data") -> list[torch.Tensor]:
+    """Cut records into int64 ``[seq_len]`` sequences (shorter tails are dropped; see the module docstring)."""
+    if pack:
+        stream: list[int] = []
+        for r in records:
+            stream.extend(r)
+            if sep_id is not None:
+                stream.append(sep_id)
+        records = [stream]
+    out = []
+    for r in records:
+        for start in range(0, len(r) - seq_len + 1, seq_len):
+            out.append(torch.tensor(r[start:start + seq_len], dtype=torch.int64))
+    if not out:
+        longest = max(len(r) for r in records)
+        hint = "" if pack else ", or --pack to concatenate the records"
+        raise ValueError(f"no sequence of --seq-len {seq_len} tokens can be cut from {source}: its longest "
+                         f"{'stream' if pack else 'record'} has {longest} tokens; lower --seq-len{hint}")
+    return out
+
+
+def make_batches(seqs: list[torch.Tensor], batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 source: str = "the data") -> list[torch.Tensor]:
+    """``[batch_size, L]`` batches of the sequences (shuffled once with ``seed``; an incomplete last batch
+    is dropped).  ValueError when there are fewer sequences than ``batch_size``."""
+    if len(seqs) < batch_size:
+        raise ValueError(f"{source} gives {len(seqs)} sequence(s), fewer than --batch-size {batch_size}")
+    order = list(range(len(seqs)))
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    n = len(order) // batch_size * batch_size
+    return [torch.stack([seqs[j] for j in order[i:i + batch_size]]) for i in range(0, n, batch_size)]

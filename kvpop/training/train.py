@@ -1,0 +1,544 @@
+"""A KVpop training loop: the model distils from its frozen original, the scorers learn ``L_score``.
+
+:func:`train` runs optimiser steps over a re-iterable of token batches on a *patched* model:
+
+* per micro-batch: the teacher's top-``k`` logits (no grad), the patched student's forward (sparse
+  attention with the scorer's mask; every layer records its ``L_score`` terms), then
+  ``loss = KL_topk(teacher || student) + score_weight * L_score``, divided by ``grad_accum``;
+  the two terms touch disjoint parameters (scorer inputs are detached), so one backward serves both;
+* every ``grad_accum`` micro-batches: gradient clipping (model and scorers separately), one AdamW step
+  with two parameter groups (``lr_model`` for the model, ``lr_scorer`` for scorers and decays; no weight
+  decay on the decays), a linear warm-up of ``warmup_steps``;
+* a tqdm bar with ``kl``, ``score``, the scorer's decision accuracy and the gamma range;
+* checkpoints every ``checkpoint_every`` steps (and at the end) into ``checkpoint_dir``:
+  ``last.pt`` (model and scorer state, optimiser, scheduler, step, micro-batches consumed, RNG states)
+  written to a temporary file and renamed, plus ``scorers.safetensors`` (``kvpop.save_scorers``).
+  ``resume=True`` loads ``last.pt`` and fast-forwards the data to where it stopped, so a resumed
+  run repeats the next step of the uninterrupted run exactly (tests/training/test_train.py).
+
+Several processes (``torchrun``): when ``torch.distributed`` is initialised with more than one rank,
+the model is wrapped in ``DistributedDataParallel`` (``find_unused_parameters=True``: a forward with
+no eviction decision leaves the scorers unused), rank ``r`` takes the micro-batches ``r, r + W, ...``
+of ``data``, gradients are averaged over the ranks, the logged losses are averaged too, and rank 0
+alone writes checkpoints and draws the progress bar.  With ``balance=False`` in the ``KVpopConfig``
+two ranks compute exactly the step of one process on both batches (tests/training/test_train.py, gloo on the
+CPU); with class balancing each rank balances its own decisions.
+
+``dist="fsdp"`` shards the model with FSDP2 instead (``torch.distributed.fsdp.fully_shard``, one unit
+per decoder layer, then the root; a 1-D device mesh over all ranks).  The scorers and decays are
+*not* sharded (``ignored_params``): they are small, stay replicated, and their gradients are
+averaged over the ranks by hand after the backward (their loss does not pass through the decoder
+layers' outputs, so FSDP's backward hooks would not see them).  Parameters and buffers are broadcast
+from rank 0 before sharding.  The teacher is sharded too, in place (its own FSDP units, forward only),
+unless it already is or lies on another kind of device than the model.  Checkpoints gather full state dicts on rank 0
+(``get_model_state_dict`` / ``get_optimizer_state_dict`` with ``full_state_dict=True,
+cpu_offload=True``), so ``last.pt`` holds the same model keys as without FSDP; its optimiser state is
+keyed by parameter names (``optimizer_fqn``) and resuming it needs ``dist="fsdp"`` again (with any
+number of ranks).  :func:`save_model` writes the fine-tuned model with ``save_pretrained``.
+
+``bf16=True`` (CUDA only) runs the student's and the teacher's forwards under
+``torch.autocast("cuda", torch.bfloat16)`` with float32 master weights and optimiser state (pure
+bf16 weights would round away updates of ``lr_model ~ 1e-5``); a teacher made by ``train`` is stored
+in bf16.
+
+``activation_checkpointing=True`` turns on transformers' non-reentrant activation checkpointing
+(see ``kvpop.patch`` for why the reentrant form cannot work).
+
+The teacher must hold the *original* weights: by default ``train`` makes it with
+``kvpop.make_teacher(model)`` before loading a checkpoint, i.e. from the weights the model has when
+``train`` is called -- call it on the original model, also when resuming.  Pass ``teacher=`` to reuse
+one (e.g. a teacher on another device).  ``train_model=False`` freezes the model and trains the
+scorers only (then the teacher is not needed and no KL is computed).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvpop.core.checkpoint import save_scorers
+from kvpop.core.loss import distill_loss, score_loss, score_stats, teacher_topk
+from kvpop.core.patching import get_config, is_patched, make_teacher
+
+__all__ = ["TrainConfig", "train", "save_model", "DIST_MODES"]
+
+DIST_MODES = ("ddp", "fsdp")
+
+
+@dataclass
+class TrainConfig:
+    """Options of :func:`train` (steps count optimiser steps, each of ``grad_accum`` micro-batches).
+
+    ``dist`` (``"ddp"`` or ``"fsdp"``) picks the wrapping when ``torch.distributed`` runs several ranks;
+    ``bf16`` turns on bf16 autocast (CUDA only); see the module docstring for both.
+    """
+
+    steps: int = 100
+    lr_model: float = 1e-5
+    lr_scorer: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_accum: int = 1
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = 0
+    top_k: int = 256
+    score_weight: float = 1.0
+    train_model: bool = True
+    activation_checkpointing: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    progress: bool = True
+    seed: int = 0
+    dist: str = "ddp"
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "grad_accum", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        for name in ("warmup_steps", "checkpoint_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
+        if self.dist not in DIST_MODES:
+            raise ValueError(f"dist must be one of {list(DIST_MODES)}, got {self.dist!r}")
+
+
+def _input_ids(batch: Any) -> torch.Tensor:
+    if isinstance(batch, dict):
+        batch = batch["input_ids"]
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 2:
+        raise ValueError(f"a batch must be a [B, S] tensor of token ids (or a dict with 'input_ids'), got "
+                         f"{type(batch).__name__}{tuple(batch.shape) if isinstance(batch, torch.Tensor) else ''}")
+    return batch
+
+
+def _micro_batches(data: Iterable, skip: int, rank: int = 0, world: int = 1):
+    """Cycle over ``data`` (re-iterable) forever; this rank's share is every ``world``-th item from
+    ``rank``; the first ``skip`` items of that share are skipped (resume)."""
+    own = idx = 0
+    while True:
+        own_start = own
+        for batch in data:
+            if idx % world == rank:
+                if own >= skip:
+                    yield batch
+                own += 1
+            idx += 1
+        if own == own_start:
+            raise ValueError(f"the training data yielded no batch for rank {rank} of {world} "
+                             f"(it needs at least {world} batches)")
+
+
+def _dist() -> tuple[int, int]:
+    """``(rank, world_size)`` of an initialised process group, else ``(0, 1)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _mean_over_ranks(values: list[float], world: int, device: torch.device) -> list[float]:
+    if world == 1:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / world).tolist()
+
+
+def _rng_state() -> dict[str, Any]:
+    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class _Step(nn.Module):
+    """One student forward returning ``(logits, L_score, stats)``: under DDP the score loss must be an
+    output of the wrapped forward, or DDP takes the scorers for unused parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor):
+        out = self.model(ids, use_cache=False)
+        stats = score_stats(self.model)
+        ls = score_loss(self.model)
+        return out.logits, ls.to(out.logits.device), stats
+
+
+def _is_scorer_param(name: str) -> bool:
+    return ".kvpop." in name or name.startswith("kvpop.")
+
+
+def _split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[nn.Parameter]]:
+    scorer_params = [(n, p) for n, p in model.named_parameters() if _is_scorer_param(n)]
+    scorer_ids = {id(p) for _, p in scorer_params}
+    return scorer_params, [p for p in model.parameters() if id(p) not in scorer_ids]
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a transformers causal LM (``model.model.layers`` for Qwen3)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"FSDP: cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
+    return list(layers)
+
+
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+def _fully_shard(model: nn.Module, ignored: set[nn.Parameter] | None) -> None:
+    """FSDP2: one unit per decoder layer, then the root (in place), on a 1-D mesh over all ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dev = next(model.parameters()).device
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    kw = {"mesh": mesh}
+    if ignored:
+        kw["ignored_params"] = ignored
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+
+
+def _average_grads(params: list[nn.Parameter], world: int) -> None:
+    """Average the gradients of replicated (unsharded) parameters over the ranks; a parameter whose
+    gradient is ``None`` on every rank keeps ``None`` (as under DDP with unused parameters)."""
+    import torch.distributed as dist
+
+    if not params:
+        return
+    dev = params[0].device
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=dev)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p in params])
+    dist.all_reduce(has)
+    dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for p, h in zip(params, has.tolist()):
+        n = p.numel()
+        if h > 0:
+            g = flat[off:off + n].view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+        off += n
+
+
+def _full_norm(norm: torch.Tensor) -> float:
+    if hasattr(norm, "full_tensor"):  # a DTensor (FSDP2 gradients)
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _full_state_dicts(model: nn.Module, opt: torch.optim.Optimizer | None = None):
+    """Full (unsharded) model and optimiser state dicts on rank 0 (collective; other ranks get ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=opts)
+    osd = get_optimizer_state_dict(model, opt, options=opts) if opt is not None else None
+    return msd, osd
+
+
+def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bool = False) -> None:
+    """Write a (possibly FSDP2-sharded, patched) model with ``save_pretrained`` to the folder ``path``.
+
+    The scorer tensors are left out unless ``include_scorers`` (save them with ``kvpop.save_scorers``),
+    so ``from_pretrained(path)`` gives a plain transformers model.  Collective under FSDP2 (every rank
+    must call it); with several ranks only rank 0 writes.
+    """
+    rank, world = _dist()
+    fsdp = _is_fsdp(model)
+    sd = _full_state_dicts(model)[0] if fsdp else None
+    if rank == 0:
+        if sd is None:
+            sd = model.state_dict()
+        if not include_scorers:
+            sd = {k: v for k, v in sd.items() if not _is_scorer_param(k)}
+        sd = {k: v.detach().cpu() for k, v in sd.items()}
+        if fsdp and getattr(model.config, "tie_word_embeddings", False):
+            # the gathered copies no longer share storage: re-tie them so save_pretrained drops the output one
+            names = {id(mod): n for n, mod in model.named_modules()}
+            emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
+            if emb_in is not None and emb_out is not None:
+                k_in, k_out = names[id(emb_in)] + ".weight", names[id(emb_out)] + ".weight"
+                if k_in in sd and k_out in sd:
+                    sd[k_out] = sd[k_in]
+        model.save_pretrained(str(path), state_dict=sd)
+        if fsdp:  # save_pretrained records the class name, which FSDP2 prefixed with "FSDP"
+            import json
+
+            cfg_path = Path(path) / "config.json"
+            conf = json.loads(cfg_path.read_text())
+            conf["architectures"] = [a[4:] if a.startswith("FSDP") else a for a in conf.get("architectures") or []]
+            tmp = cfg_path.with_name("config.json.tmp")
+            tmp.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, cfg_path)
+    _barrier(world)
+
+
+def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *, teacher: nn.Module | None = None,
+          resume: bool = False, **overrides: Any) -> list[dict[str, float]]:
+    """Train a patched Qwen3 ``model`` in place; returns one dict of losses/statistics per optimiser step.
+
+    Args:
+        model: a model patched by ``kvpop.patch`` (its ``KVpopConfig`` decides the mask and the loss).
+        data: a re-iterable (list, DataLoader) of ``[B, S]`` token-id tensors or dicts with
+            ``input_ids``; cycled over as long as needed.  Rows of one batch have one length.
+        config: a :class:`TrainConfig`; ``**overrides`` replace its fields.
+        teacher: the frozen dense teacher; default ``kvpop.make_teacher(model)`` (see the module docstring).
+        resume: continue from ``checkpoint_dir/last.pt`` when it exists.
+
+    With ``dist="fsdp"`` and several ranks the model is sharded in place (FSDP2) and stays so.
+    """
+    if not is_patched(model):
+        raise ValueError("train needs a patched model: call kvpop.patch(model, ...) first")
+    cfg = config or TrainConfig()
+    if overrides:
+        cfg = TrainConfig(**{**asdict(cfg), **overrides})
+    kv_cfg = get_config(model)
+    torch.manual_seed(cfg.seed)
+    rank, world = _dist()
+    fsdp = world > 1 and cfg.dist == "fsdp"
+    dev = next(model.parameters()).device
+    if cfg.bf16 and dev.type != "cuda":
+        raise ValueError(f"bf16=True needs the model on a CUDA device (it is on {dev}); train in float32 on the CPU")
+    if cfg.train_model and teacher is None:
+        teacher = make_teacher(model, dtype=torch.bfloat16 if cfg.bf16 else None)
+    if cfg.activation_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    scorer_params, model_params = _split_params(model)
+    for p in model_params:
+        p.requires_grad_(cfg.train_model)
+    for _, p in scorer_params:
+        p.requires_grad_(True)
+    if fsdp:
+        if _is_fsdp(model):
+            raise ValueError("the model is already sharded with FSDP2; pass the unsharded patched model")
+        _broadcast_from_rank0(model)
+        _fully_shard(model, {p for _, p in scorer_params})
+        if teacher is not None and not _is_fsdp(teacher) and next(teacher.parameters()).device.type == dev.type:
+            _broadcast_from_rank0(teacher)
+            _fully_shard(teacher, None)
+        scorer_params, model_params = _split_params(model)  # fully_shard replaced the model's parameters
+    groups = [
+        {"params": [p for n, p in scorer_params if not n.endswith("decay_logit")], "lr": cfg.lr_scorer,
+         "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in scorer_params if n.endswith("decay_logit")], "lr": cfg.lr_scorer,
+         "weight_decay": 0.0},
+    ]
+    if cfg.train_model:
+        groups.append({"params": model_params, "lr": cfg.lr_model, "weight_decay": cfg.weight_decay})
+    opt = torch.optim.AdamW(groups, betas=cfg.betas)
+    warm = cfg.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+
+    step, consumed = 0, 0
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    last = ckpt_dir / "last.pt" if ckpt_dir else None
+    if resume and last is not None and last.exists():
+        if fsdp:
+            step, consumed = _load_fsdp_checkpoint(model, opt, sched, last, kv_cfg, rank)
+        else:
+            ck = torch.load(last, map_location="cpu", weights_only=False)
+            _check_checkpoint(ck, last, kv_cfg)
+            if "optimizer" not in ck:
+                raise ValueError(f"checkpoint {last} was written by an FSDP run (its optimiser state is keyed by "
+                                 f"parameter names): resume it with dist='fsdp' (--dist fsdp)")
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            sched.load_state_dict(ck["scheduler"])
+            step, consumed = ck["step"], ck["consumed"]
+            _set_rng_state(ck["rng"])
+
+    runner: nn.Module = _Step(model)
+    if world > 1 and not fsdp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        runner = DDP(runner, device_ids=[dev.index] if dev.type == "cuda" else None,
+                     find_unused_parameters=True)
+
+    def save() -> None:
+        msd = osd = None
+        if fsdp:
+            msd, osd = _full_state_dicts(model, opt)
+        if rank != 0:
+            _barrier(world)
+            return
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = {"model": msd if fsdp else model.state_dict(), "scheduler": sched.state_dict(),
+                 "step": step, "consumed": consumed, "rng": _rng_state(), "kvpop_config": kv_cfg.to_json(),
+                 "train_config": asdict(cfg), "world_size": world}
+        state["optimizer_fqn" if fsdp else "optimizer"] = osd if fsdp else opt.state_dict()
+        _atomic_save(state, last)
+        save_scorers(model, ckpt_dir / "scorers.safetensors")
+        _barrier(world)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
+
+    history: list[dict[str, float]] = []
+    if step >= cfg.steps:
+        return history
+    model.train()
+    batches = _micro_batches(data, consumed, rank, world)
+    bar = None
+    if cfg.progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc="kvpop train", dynamic_ncols=True)
+    try:
+        while step < cfg.steps:
+            kl_acc = ls_acc = 0.0
+            stats_acc: dict[str, float] = {}
+            for _ in range(cfg.grad_accum):
+                ids = _input_ids(next(batches))
+                consumed += 1
+                ids = ids.to(dev)
+                topk = None
+                if cfg.train_model:
+                    with torch.no_grad(), autocast():
+                        t_dev = next(teacher.parameters()).device
+                        vals, idx = teacher_topk(teacher(ids.to(t_dev)).logits, cfg.top_k)
+                        topk = (vals.to(dev), idx.to(dev))
+                with autocast():
+                    logits, ls, st = runner(ids)
+                loss = cfg.score_weight * ls.to(logits.device)
+                kl = torch.zeros(())
+                if cfg.train_model:
+                    kl = distill_loss(logits, topk, top_k=cfg.top_k)
+                    loss = loss + kl
+                if loss.requires_grad:
+                    (loss / cfg.grad_accum).backward()
+                kl_acc += float(kl.detach()) / cfg.grad_accum
+                ls_acc += float(ls.detach()) / cfg.grad_accum
+                for key in ("accuracy", "keep_frac"):
+                    stats_acc[key] = stats_acc.get(key, 0.0) + st[key] / cfg.grad_accum
+                stats_acc["gamma_min"], stats_acc["gamma_max"] = st["gamma_min"], st["gamma_max"]
+                del logits, loss
+            if fsdp:
+                _average_grads([p for _, p in scorer_params], world)
+            gnorm = {}
+            if cfg.max_grad_norm is not None:
+                gnorm["gnorm_scorer"] = _full_norm(torch.nn.utils.clip_grad_norm_([p for _, p in scorer_params],
+                                                                                  cfg.max_grad_norm))
+                if cfg.train_model:
+                    gnorm["gnorm_model"] = _full_norm(torch.nn.utils.clip_grad_norm_(model_params,
+                                                                                     cfg.max_grad_norm))
+            if world > 1:
+                kl_acc, ls_acc = _mean_over_ranks([kl_acc, ls_acc], world, dev)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            rec = {"step": step, "kl": kl_acc, "score": ls_acc, **stats_acc, **gnorm}
+            history.append(rec)
+            if bar is not None:
+                bar.update(1)
+                acc = rec.get("accuracy", math.nan)
+                bar.set_postfix(kl=f"{kl_acc:.4f}", score=f"{ls_acc:.4f}", acc=f"{acc:.3f}",
+                                gamma=f"{rec['gamma_min']:.6f}..{rec['gamma_max']:.6f}")
+            if ckpt_dir is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                save()
+        if ckpt_dir is not None:
+            save()
+    finally:
+        if bar is not None:
+            bar.close()
+    return history
+
+
+def _check_checkpoint(ck: dict, path: Path, kv_cfg) -> None:
+    if ck.get("kvpop_config") != kv_cfg.to_json():
+        raise ValueError(f"checkpoint {path} was written with another KVpopConfig: {ck.get('kvpop_config')}")
+
+
+def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: Path, kv_cfg,
+                          rank: int) -> tuple[int, int]:
+    """Rank 0 reads ``last.pt`` and broadcasts it into the sharded model and optimiser (collective)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    ck: dict = {}
+    err = None
+    if rank == 0:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            _check_checkpoint(ck, path, kv_cfg)
+            if "optimizer_fqn" not in ck:
+                raise ValueError(f"checkpoint {path} was written without FSDP: resume it with dist='ddp' "
+                                 f"(--dist ddp) or in one process")
+        except ValueError as e:
+            err = str(e)
+    small = [{"err": err, **({k: ck[k] for k in ("scheduler", "step", "consumed", "rng")} if err is None and rank == 0
+                             else {})}]
+    dist.broadcast_object_list(small, src=0)
+    meta = small[0]
+    if meta["err"]:
+        raise ValueError(meta["err"])
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, ck.get("model", {}), options=opts)
+    set_optimizer_state_dict(model, opt, ck.get("optimizer_fqn", {}), options=opts)
+    sched.load_state_dict(meta["scheduler"])
+    _set_rng_state(meta["rng"])
+    return meta["step"], meta["consumed"]

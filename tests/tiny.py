@@ -1,0 +1,27 @@
+"""Tiny random models of every supported family, shared by the model-level tests."""
+import torch
+
+SMALL = dict(sinks=2, window=8, budget=24)  # k = 14: S = 64 has 40 decisions per head
+FAMILIES = ("qwen3", "qwen2", "llama")
+
+
+def tiny_config(family="qwen3", **kw):
+    """A 2-layer config (hidden 64, 4 query / 2 KV heads, head_dim 32) of ``family``."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                attention_dropout=0.0)
+    base.update(kw)
+    if family == "qwen2":
+        base.pop("head_dim")  # Qwen2 derives it: hidden_size / num_attention_heads
+        base["hidden_size"] = 128
+    cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[family]
+    return cls(**base)
+
+
+def tiny_model(seed=0, family="qwen3", **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family, **kw)).eval()
