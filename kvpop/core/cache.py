@@ -123,6 +123,12 @@ class KVpopCacheLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("KVpopCache does not support beam search (batch size 1 only)")
 
+    def crop(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "KVpopCache cannot be cropped: it holds a fixed budget of entries and the tokens it evicted are gone. "
+            "Start again from a fresh kvpop.KVpopCache(model), or call cache.reset() to empty this one."
+        )
+
     # -- helpers -----------------------------------------------------------------------
     def slot_of(self, pos: int) -> int:
         """Slot of the token at ``pos`` while it is a sink or in the window."""
@@ -234,11 +240,27 @@ def cache_attention(cache: KVpopCache, module: torch.nn.Module, query: torch.Ten
         hooks = STREAMING_HOOKS
     elif layer.policy == "kvpop" and hooks is None:
         raise RuntimeError("the kvpop policy needs the model's scorer: patch the model with kvpop.patch(model)")
+    _check_continues(layer, hooks)
     S = query.shape[2]
     if layer.seen == 0 and S > 1 and layer.policy in _STATIC:
         return _prefill(layer, module, query, key, value, scaling, hooks)
     outs = [_decode(layer, module, query[:, :, i], key[:, :, i], value[:, :, i], scaling, hooks) for i in range(S)]
     return torch.stack(outs, dim=0).unsqueeze(0)  # [1, S, Hq, D]
+
+
+def _check_continues(layer: KVpopCacheLayer, hooks: Any) -> None:
+    """Refuse a call whose first position is not the next one of this cache (e.g. a second ``generate``
+    with the same prompt on a used cache): a fixed-budget cache cannot go back."""
+    position_ids = getattr(hooks, "position_ids", None)
+    if not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
+        return
+    first = int(position_ids.reshape(-1)[0])
+    if first != layer.seen:
+        raise ValueError(
+            f"this KVpopCache has seen {layer.seen} tokens, so the next call must start at position {layer.seen}, "
+            f"but it starts at position {first}. A fixed-budget cache cannot go back (evicted tokens are gone): "
+            "use a fresh kvpop.KVpopCache(model) for a new prompt, or call cache.reset() first."
+        )
 
 
 def _prefill(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks: PriorityHooks) -> torch.Tensor:
@@ -254,7 +276,7 @@ def _prefill(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks: 
     layer.keys[:, :n_sink] = kk[:, :n_sink]
     layer.values[:, :n_sink] = vv[:, :n_sink]
     layer.slot_pos[:, :n_sink] = torch.arange(n_sink, dtype=torch.int32, device=kk.device)
-    win = torch.arange(max(s, S - w), S, device=kk.device)
+    win = torch.arange(max(s, S - w), max(s, S), device=kk.device)  # empty while the prompt is all sinks
     if win.numel():
         slots = s + (win - s) % w
         layer.keys[:, slots] = kk[:, win]
