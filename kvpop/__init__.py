@@ -20,9 +20,13 @@ from .core import (
                    KVpopLayer,
                    MLPScorer,
                    MLSTMScorer,
+                   TeacherTopK,
                    build_scorer,
                    disabled,
                    distill_loss,
+                   fused_distill_loss,
+                   fused_output_head,
+                   fused_teacher_topk,
                    get_config,
                    is_patched,
                    kvpop_layers,
@@ -42,6 +46,7 @@ from .core import (
 __all__ = [
     "KVpopConfig", "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
     "disabled", "make_teacher", "score_loss", "score_loss_terms", "score_stats", "distill_loss", "teacher_topk",
+    "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head",
     "save_scorers", "load_scorers", "read_scorer_config", "KVpopLayer", "MLPScorer", "MLSTMScorer",
     "build_scorer", "SUPPORTED_MODEL_TYPES",
 ]

@@ -10,13 +10,24 @@ from .cache import KVpopCache
 from .checkpoint import load_scorers, read_scorer_config, save_scorers
 from .config import KVpopConfig
 from .layer import KVpopLayer, kvpop_layers
-from .loss import distill_loss, score_loss, score_loss_terms, score_stats, teacher_topk
+from .loss import (
+    TeacherTopK,
+    distill_loss,
+    fused_distill_loss,
+    fused_output_head,
+    fused_teacher_topk,
+    score_loss,
+    score_loss_terms,
+    score_stats,
+    teacher_topk,
+)
 from .patching import SUPPORTED_MODEL_TYPES, disabled, get_config, is_patched, make_teacher, patch, patched, unpatch
 from .scorers import MLPScorer, MLSTMScorer, build_scorer
 
 __all__ = [
     "KVpopConfig", "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
     "disabled", "make_teacher", "score_loss", "score_loss_terms", "score_stats", "distill_loss", "teacher_topk",
+    "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head",
     "save_scorers", "load_scorers", "read_scorer_config", "KVpopLayer", "MLPScorer", "MLSTMScorer",
     "build_scorer", "SUPPORTED_MODEL_TYPES",
 ]

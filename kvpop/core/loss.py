@@ -23,11 +23,10 @@
     The layer's loss is ``sum(omega * softplus(...)) / N`` (``N`` = number of decisions, which is the
     same in every layer); :func:`score_loss` averages the layers pooled over decisions.
 
-Distillation (:func:`distill_loss`)
-    ``KL(p_T || p_S)`` over the teacher's top-``k`` vocabulary entries (default 256), both
-    distributions renormalised over that set, averaged over token positions.  Renormalising the
-    student too makes the loss 0 exactly when the student's logits on the set equal the teacher's
-    up to a constant (a patched model that evicts nothing gets 0), and keeps it non-negative.
+Distillation
+    The KL to the frozen teacher's top-``k`` log-probabilities with a rest bucket lives in
+    ``kvpop.core.distill`` (``distill_loss`` on dense logits, ``fused_distill_loss`` /
+    ``fused_teacher_topk`` on hidden states without ``[S, V]`` logits); it is re-exported here.
 """
 from __future__ import annotations
 
@@ -38,9 +37,18 @@ import torch.nn.functional as F
 
 import kvpop_kernels
 
+from .distill import (
+    TeacherTopK,
+    distill_loss,
+    fused_distill_loss,
+    fused_output_head,
+    fused_teacher_topk,
+    teacher_topk,
+)
 from .layer import kvpop_layers
 
-__all__ = ["score_loss_terms", "score_loss", "score_stats", "distill_loss", "teacher_topk"]
+__all__ = ["score_loss_terms", "score_loss", "score_stats", "distill_loss", "teacher_topk", "TeacherTopK",
+           "fused_distill_loss", "fused_teacher_topk", "fused_output_head"]
 
 
 def score_loss_terms(r_hat: torch.Tensor, r_tgt: torch.Tensor, log_gamma: torch.Tensor, *, sinks: int,
@@ -142,44 +150,3 @@ def score_stats(model: torch.nn.Module) -> dict[str, Any]:
     return {"decisions": n, "keep_frac": keep / n if n else float("nan"),
             "accuracy": corr / n if n else float("nan"),
             "gamma_min": float(g.min()), "gamma_max": float(g.max())}
-
-
-def teacher_topk(teacher_logits: torch.Tensor, top_k: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, indices)`` of the teacher's top-``k`` logits ``[..., min(k, V)]`` (values in float32)."""
-    kk = min(int(top_k), teacher_logits.shape[-1])
-    vals, idx = torch.topk(teacher_logits.detach(), kk, dim=-1)
-    return vals.float(), idx
-
-
-def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                 top_k: int = 256, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """KL from the teacher to the student on the teacher's top-``k`` logits (see the module docstring).
-
-    Args:
-        student_logits: ``[B, S, V]`` (any float dtype; computed in float32).
-        teacher_logits: ``[B, S, V]`` dense teacher logits, or ``(values, indices)`` ``[B, S, K]`` from
-            :func:`teacher_topk` (e.g. precomputed); no gradient flows to it.
-        top_k: ``K`` (default 256; clipped to ``V``).
-        mask: optional bool ``[B, S]``: positions that count (e.g. not padding).
-
-    Returns the mean KL over (counted) positions, a 0-d float32 tensor.
-    """
-    if isinstance(teacher_logits, (tuple, list)):
-        t_val, t_idx = teacher_logits
-        t_val = t_val.detach().float()
-    else:
-        if teacher_logits.shape != student_logits.shape:
-            raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} and student logits "
-                             f"{tuple(student_logits.shape)} must have one shape")
-        t_val, t_idx = teacher_topk(teacher_logits, top_k)
-    if t_idx.shape[:-1] != student_logits.shape[:-1]:
-        raise ValueError(f"teacher top-k {tuple(t_idx.shape)} does not match student logits "
-                         f"{tuple(student_logits.shape)}")
-    s_val = student_logits.gather(-1, t_idx).float()
-    log_pt = torch.log_softmax(t_val, dim=-1)
-    log_ps = torch.log_softmax(s_val, dim=-1)
-    kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1)  # [B, S]
-    if mask is not None:
-        m = mask.to(kl.dtype)
-        return (kl * m).sum() / m.sum().clamp(min=1)
-    return kl.mean()

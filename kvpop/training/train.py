@@ -2,9 +2,11 @@
 
 :func:`train` runs optimiser steps over a re-iterable of token batches on a *patched* model:
 
-* per micro-batch: the teacher's top-``k`` logits (no grad), the patched student's forward (sparse
-  attention with the scorer's mask; every layer records its ``L_score`` terms), then
-  ``loss = KL_topk(teacher || student) + score_weight * L_score``, divided by ``grad_accum``;
+* per micro-batch: the teacher's top-``k`` log-probabilities and rest mass (no grad), the patched
+  student's forward (sparse attention with the scorer's mask; every layer records its ``L_score``
+  terms), then ``loss = KL_topk(teacher || student) + score_weight * L_score``, divided by ``grad_accum``;
+  neither model's ``[S, V]`` logits are ever formed: both LM heads run chunked and fused with the top-k
+  and the KL (``kvpop.core.distill``), the student's recomputed in the backward;
   the two terms touch disjoint parameters (scorer inputs are detached), so one backward serves both;
 * every ``grad_accum`` micro-batches: gradient clipping (model and scorers separately), one AdamW step
   with two parameter groups (``lr_model`` for the model, ``lr_scorer`` for scorers and decays; no weight
@@ -66,7 +68,14 @@ import torch
 from torch import nn
 
 from kvpop.core.checkpoint import save_scorers
-from kvpop.core.loss import distill_loss, score_loss, score_stats, teacher_topk
+from kvpop.core.loss import (
+    TeacherTopK,
+    fused_distill_loss,
+    fused_output_head,
+    fused_teacher_topk,
+    score_loss,
+    score_stats,
+)
 from kvpop.core.patching import get_config, is_patched, make_teacher
 
 __all__ = ["TrainConfig", "train", "save_model", "DIST_MODES"]
@@ -79,7 +88,8 @@ class TrainConfig:
     """Options of :func:`train` (steps count optimiser steps, each of ``grad_accum`` micro-batches).
 
     ``dist`` (``"ddp"`` or ``"fsdp"``) picks the wrapping when ``torch.distributed`` runs several ranks;
-    ``bf16`` turns on bf16 autocast (CUDA only); see the module docstring for both.
+    ``bf16`` turns on bf16 autocast (CUDA only); see the module docstring for both.  ``loss_chunk``:
+    positions per chunk of the fused LM head + KL (default: a ``[chunk, V]`` float32 buffer of ~128 MiB).
     """
 
     steps: int = 100
@@ -100,6 +110,7 @@ class TrainConfig:
     seed: int = 0
     dist: str = "ddp"
     bf16: bool = False
+    loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "grad_accum", "top_k"):
@@ -110,6 +121,9 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.loss_chunk is not None and (isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int)
+                                            or self.loss_chunk < 1):
+            raise ValueError(f"loss_chunk must be an int >= 1 or None (automatic), got {self.loss_chunk!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
         if self.dist not in DIST_MODES:
@@ -190,18 +204,38 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 class _Step(nn.Module):
-    """One student forward returning ``(logits, L_score, stats)``: under DDP the score loss must be an
-    output of the wrapped forward, or DDP takes the scorers for unused parameters."""
+    """One student forward returning ``(kl, L_score, stats)``.
 
-    def __init__(self, model: nn.Module) -> None:
+    The KL is computed where the model applies its LM head (:func:`kvpop.core.loss.fused_output_head`):
+    chunked, fused with the head, never holding ``[S, V]`` logits.  Under DDP both losses must be outputs
+    of the wrapped forward (or DDP takes the scorers and the head for unused parameters); under FSDP2 the
+    head's weight is unsharded only inside the root module's forward.
+    """
+
+    def __init__(self, model: nn.Module, chunk_size: int | None = None) -> None:
         super().__init__()
         self.model = model
+        self.chunk_size = chunk_size
 
-    def forward(self, ids: torch.Tensor):
-        out = self.model(ids, use_cache=False)
+    def forward(self, ids: torch.Tensor, teacher: TeacherTopK | None = None):
+        if teacher is None:  # scorers only: no head at all
+            fn = lambda h, w, b: h.new_zeros((), dtype=torch.float32)  # noqa: E731
+        else:
+            fn = lambda h, w, b: fused_distill_loss(h, w, teacher, bias=b, chunk_size=self.chunk_size)  # noqa: E731
+        with fused_output_head(self.model, fn) as res:
+            self.model(ids, use_cache=False)
+        kl = res["value"]
         stats = score_stats(self.model)
         ls = score_loss(self.model)
-        return out.logits, ls.to(out.logits.device), stats
+        return kl, ls.to(kl.device), stats
+
+
+def teacher_step(teacher: nn.Module, ids: torch.Tensor, top_k: int, *, chunk_size: int | None = None) -> TeacherTopK:
+    """The teacher's :class:`~kvpop.core.loss.TeacherTopK` of ``ids`` (no grad, no ``[S, V]`` logits)."""
+    fn = lambda h, w, b: fused_teacher_topk(h, w, top_k, bias=b, chunk_size=chunk_size)  # noqa: E731
+    with torch.no_grad(), fused_output_head(teacher, fn) as res:
+        teacher(ids, use_cache=False)
+    return res["value"]
 
 
 def _is_scorer_param(name: str) -> bool:
@@ -411,7 +445,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             step, consumed = ck["step"], ck["consumed"]
             _set_rng_state(ck["rng"])
 
-    runner: nn.Module = _Step(model)
+    runner: nn.Module = _Step(model, cfg.loss_chunk)
     if world > 1 and not fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -457,17 +491,12 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 ids = ids.to(dev)
                 topk = None
                 if cfg.train_model:
-                    with torch.no_grad(), autocast():
+                    with autocast():
                         t_dev = next(teacher.parameters()).device
-                        vals, idx = teacher_topk(teacher(ids.to(t_dev)).logits, cfg.top_k)
-                        topk = (vals.to(dev), idx.to(dev))
+                        topk = teacher_step(teacher, ids.to(t_dev), cfg.top_k, chunk_size=cfg.loss_chunk).to(dev)
                 with autocast():
-                    logits, ls, st = runner(ids)
-                loss = cfg.score_weight * ls.to(logits.device)
-                kl = torch.zeros(())
-                if cfg.train_model:
-                    kl = distill_loss(logits, topk, top_k=cfg.top_k)
-                    loss = loss + kl
+                    kl, ls, st = runner(ids, topk)
+                loss = cfg.score_weight * ls + kl
                 if loss.requires_grad:
                     (loss / cfg.grad_accum).backward()
                 kl_acc += float(kl.detach()) / cfg.grad_accum
@@ -475,7 +504,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 for key in ("accuracy", "keep_frac"):
                     stats_acc[key] = stats_acc.get(key, 0.0) + st[key] / cfg.grad_accum
                 stats_acc["gamma_min"], stats_acc["gamma_max"] = st["gamma_min"], st["gamma_max"]
-                del logits, loss
+                del kl, loss, topk
             if fsdp:
                 _average_grads([p for _, p in scorer_params], world)
             gnorm = {}
