@@ -15,7 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("kvpop.cli.schedule", "show which tokens each head keeps for a priority sequence"),
     "train": ("kvpop.cli.train",
               "train KVpop scorers (and fine-tune the model) on a JSONL data set or the synthetic task"),
-    "eval": ("kvpop.cli.eval", "accuracy of eviction policies at fixed cache budgets (kv-trace task)"),
+    "eval": ("kvpop.cli.eval", "eviction policies at fixed cache budgets: accuracy on the synthetic task, or "
+                               "NLL / top-1 agreement with dense on your model's own traces (--data)"),
     "demo": ("kvpop.cli.demo", "retrofit the shipped tiny model, evaluate, write results.json and a plot"),
 }
 

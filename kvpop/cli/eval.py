@@ -6,9 +6,21 @@ Example (after ``kvpop demo --out demo``, which writes the retrofitted parts)::
                --scorers kvpop-mlstm=demo/kvpop-mlstm/scorers.safetensors \\
                --finetuned fixed-finetune=demo/fixed-finetune/model --out eval-out
 
-Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.evaluate``).
+Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.demo.evaluate``).
 Policies without what they need (scorers, a fine-tuned model) are skipped unless named in
 ``--policies``, which then raises a clear error.
+
+On your own model and traces (``--data``; see ``kvpop.demo.trace_eval``)::
+
+    kvpop eval --model my-model --data traces.jsonl --scorers kvpop-mlstm=run/scorers.safetensors \
+               --out eval-out
+
+``--model`` is any local directory saved with ``save_pretrained`` (a family ``kvpop.patch``
+supports); ``--data`` is JSONL of ``{"input_ids": [...]}`` or ``{"text": "..."}`` (tokenized with the
+model directory's tokenizer).  Each trace is run teacher-forced under every policy and budget; the
+table gives, over the positions past the budget, the mean next-token NLL's increase over the dense
+model and the top-1 agreement with the dense model's predictions (``results.json``, ``table.md``,
+``nll_vs_budget.png``).
 """
 from __future__ import annotations
 
@@ -67,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fine-tuned model directory for fixed-finetune (or to serve kvpop-* scorers; repeatable)")
     p.add_argument("--policies", default=None, help="comma-separated policies (default: all that can run)")
     p.add_argument("--out", default=None, help="directory for results.json, table.md and accuracy_vs_budget.png")
+    p.add_argument("--data", default=None, metavar="JSONL",
+                   help='your own traces: JSONL of {"input_ids": [...]} or {"text": ...} (tokenized with --model\'s '
+                        "tokenizer); measures teacher-forced NLL and top-1 agreement with dense past the budget "
+                        "(default budgets 6.25/12.5/25%% of the longest trace)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="with --data: cut every record into sequences of this many tokens (default: records whole)")
 
 
 def finish(results: dict, out: Path | None, plot: bool) -> None:
@@ -81,6 +99,90 @@ def finish(results: dict, out: Path | None, plot: bool) -> None:
         if plot:
             plot_results(results, out / "accuracy_vs_budget.png")
         print(f"wrote {out / 'results.json'}" + (f" and {out / 'accuracy_vs_budget.png'}" if plot else ""))
+
+
+def _policy_models(E, base, cfg_policies, wanted, scorers: dict, finetuned: dict, *, sinks: int, window: int,
+                   budget: int, load) -> dict:
+    """policy -> model for every policy of ``cfg_policies`` that has what it needs."""
+    models = {"dense": base}
+    shared = None
+    for p in cfg_policies:
+        if p == "dense":
+            continue
+        ft = load(finetuned[p]) if p in finetuned else None
+        if p in E.SCORER_OF and p not in scorers:
+            if wanted is not None:
+                raise ValueError(f"policy {p!r} needs --scorers {p}=FILE")
+            continue
+        if p == "fixed-finetune" and ft is None:
+            if wanted is not None:
+                raise ValueError("policy 'fixed-finetune' needs --finetuned fixed-finetune=DIR")
+            continue
+        if p in ("streaming", "tova", "h2o") and ft is None:
+            shared = shared or E.policy_model(base, "streaming", sinks=sinks, window=window, budget=budget)
+            models[p] = shared
+            continue
+        models[p] = E.policy_model(base, p, scorers=scorers.get(p), finetuned=ft, sinks=sinks, window=window,
+                                   budget=budget)
+    return models
+
+
+def _run_traces(args: argparse.Namespace, scorers: dict, finetuned: dict, wanted) -> int:
+    import torch
+
+    from kvpop.demo import evaluate as E
+    from kvpop.demo import trace_eval as TE
+    from kvpop.training import data as data_io
+
+    t0 = time.time()
+    try:
+        if args.model is None:
+            raise ValueError("--data needs --model DIR (the model whose traces these are)")
+        for name in ("lengths", "train_len"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} is for the synthetic task, not --data "
+                                 f"(use --seq-len / --budgets)")
+        base = TE.load_model(args.model)
+        records = data_io.read_jsonl(args.data, vocab_size=base.config.vocab_size,
+                                     tokenizer=lambda: data_io.load_tokenizer(args.model),
+                                     tokenizer_source=str(args.model))
+        if args.seq_len is not None:
+            if args.seq_len < 2:
+                raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
+            traces = data_io.chunk(records, args.seq_len, source=str(args.data))
+        else:
+            traces = [torch.tensor(r, dtype=torch.int64) for r in records if len(r) >= 2]
+        if args.n_sequences is not None:
+            if args.n_sequences < 1:
+                raise ValueError(f"--n-sequences must be >= 1, got {args.n_sequences}")
+            traces = traces[:args.n_sequences]
+        cfg = TE.TraceEvalConfig(budgets=_ints(args.budgets),
+                                 sinks=E.DEFAULT_SINKS if args.sinks is None else args.sinks,
+                                 window=E.DEFAULT_WINDOW if args.window is None else args.window,
+                                 policies=wanted or E.POLICIES, progress=not args.no_progress)
+        lengths = [int(t.numel()) for t in traces]
+        cfg.resolve(lengths)
+        models = _policy_models(E, base, cfg.policies, wanted, scorers, finetuned, sinks=cfg.sinks,
+                                window=cfg.window, budget=cfg.budgets[0], load=TE.load_model)
+        rows = TE.evaluate_traces(models, traces, cfg)
+    except (ValueError, FileNotFoundError, TypeError, NotImplementedError) as e:
+        print(f"kvpop eval: error: {e}", file=sys.stderr)
+        return 2
+    results = TE.trace_results(rows, cfg, lengths=lengths, extra={
+        "model": str(args.model), "data": str(args.data), "seq_len": args.seq_len,
+        "scorers": scorers, "finetuned": finetuned, "threads": torch.get_num_threads(),
+        "eval_seconds": round(time.time() - t0, 1)})
+    table = TE.format_trace_table(results)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        E.write_results(results, out / "results.json")
+        (out / "table.md").write_text(table + "\n")
+        if not args.no_plot:
+            TE.plot_trace_results(results, out / "nll_vs_budget.png")
+        print(f"wrote {out / 'results.json'}" + ("" if args.no_plot else f" and {out / 'nll_vs_budget.png'}"))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,33 +200,22 @@ def run(args: argparse.Namespace) -> int:
         wanted = None if args.policies is None else [x.strip() for x in args.policies.split(",") if x.strip()]
         if wanted is not None:
             E._check_policies(wanted)
+        if args.data is None and args.seq_len is not None:
+            raise ValueError("--seq-len is for --data")
+    except ValueError as e:
+        print(f"kvpop eval: error: {e}", file=sys.stderr)
+        return 2
+    if args.data is not None:
+        return _run_traces(args, scorers, finetuned, wanted)
+    try:
         cfg = E.EvalConfig(train_len=args.train_len or 2048, lengths=_ints(args.lengths),
                            budgets=_ints(args.budgets), n_sequences=args.n_sequences or 4,
                            sinks=E.DEFAULT_SINKS if args.sinks is None else args.sinks,
                            window=E.DEFAULT_WINDOW if args.window is None else args.window,
                            policies=wanted or E.POLICIES, progress=not args.no_progress)
         base = E.load_base_model(args.model)
-        models = {"dense": base}
-        shared = None
-        for p in cfg.policies:
-            if p == "dense":
-                continue
-            ft = E.load_base_model(finetuned[p]) if p in finetuned else None
-            if p in E.SCORER_OF and p not in scorers:
-                if wanted is not None:
-                    raise ValueError(f"policy {p!r} needs --scorers {p}=FILE")
-                continue
-            if p == "fixed-finetune" and ft is None:
-                if wanted is not None:
-                    raise ValueError("policy 'fixed-finetune' needs --finetuned fixed-finetune=DIR")
-                continue
-            if p in ("streaming", "tova", "h2o") and ft is None:
-                shared = shared or E.policy_model(base, "streaming", sinks=cfg.sinks, window=cfg.window,
-                                                  budget=cfg.budgets[0])
-                models[p] = shared
-                continue
-            models[p] = E.policy_model(base, p, scorers=scorers.get(p), finetuned=ft, sinks=cfg.sinks,
-                                       window=cfg.window, budget=cfg.budgets[0])
+        models = _policy_models(E, base, cfg.policies, wanted, scorers, finetuned, sinks=cfg.sinks,
+                                window=cfg.window, budget=cfg.budgets[0], load=E.load_base_model)
         t0 = time.time()
         results = E.evaluate(models, cfg)
         results["eval_seconds"] = round(time.time() - t0, 1)

@@ -68,6 +68,7 @@ __all__ = [
     "budgets_for",
     "load_base_model",
     "policy_model",
+    "policy_logits",
     "sequence_predictions",
     "sequence_correct",
     "evaluate",
@@ -200,34 +201,42 @@ def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | N
 
 
 @torch.no_grad()
-def sequence_predictions(model: nn.Module, example: dict, policy: str, budget: int | None = None) -> torch.Tensor:
-    """Greedy predictions (int64 ``[n]``) at the graded positions of one example under ``policy``.
+def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget: int | None = None) -> torch.Tensor:
+    """Logits ``[1, L, V]`` of one sequence (``input_ids`` ``[L]`` or ``[1, L]``) under ``policy``, teacher-forced.
 
-    Batch 1, one call ``model(input_ids, past_key_values=KVpopCache(model, policy=...))`` (``dense``:
-    the unpatched model's plain forward).  ``model`` is :func:`policy_model`'s model for ``policy``;
-    ``budget`` re-budgets it with ``kvpop.patch(model, budget=...)`` first.
+    Batch 1, one call ``model(input_ids, past_key_values=KVpopCache(model, policy=...))`` (``dense``: the
+    unpatched model's plain forward): the static policies prefill through the patched model's
+    ``sparse_attention`` forward with the policy's eviction schedule, ``tova``/``h2o`` decode token by token.
+    ``model`` is :func:`policy_model`'s model for ``policy``; ``budget`` re-budgets it with
+    ``kvpop.patch(model, budget=...)`` first.
     """
-    ids = example["input_ids"]
+    ids = input_ids
     if ids.dim() == 1:
         ids = ids[None]
-    if ids.shape[0] != 1:
-        raise ValueError(f"one example at a time (batch 1), got input_ids of shape {tuple(ids.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"one sequence at a time (batch 1), got input_ids of shape {tuple(input_ids.shape)}")
     dev = next(model.parameters()).device
     ids = ids.to(dev)
     if policy == "dense":
         if is_patched(model):
             raise ValueError("the dense policy runs the unpatched model")
-        logits = model(ids, use_cache=False).logits
-    else:
-        if policy not in CACHE_POLICY:
-            raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
-        if not is_patched(model):
-            raise ValueError(f"policy {policy!r} needs a kvpop-patched model (see policy_model)")
-        if budget is not None and get_config(model).budget != budget:
-            patch(model, budget=int(budget))
-        cache = KVpopCache(model, policy=CACHE_POLICY[policy])
-        logits = model(ids, **{cache_kwarg_name(): cache}).logits
-    pos = example["answer_positions"].reshape(-1).to(dev)
+        return model(ids, use_cache=False).logits
+    if policy not in CACHE_POLICY:
+        raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
+    if not is_patched(model):
+        raise ValueError(f"policy {policy!r} needs a kvpop-patched model (see policy_model)")
+    if budget is not None and get_config(model).budget != budget:
+        patch(model, budget=int(budget))
+    cache = KVpopCache(model, policy=CACHE_POLICY[policy])
+    return model(ids, **{cache_kwarg_name(): cache}).logits
+
+
+@torch.no_grad()
+def sequence_predictions(model: nn.Module, example: dict, policy: str, budget: int | None = None) -> torch.Tensor:
+    """Greedy predictions (int64 ``[n]``) at the graded positions of one example under ``policy``
+    (logits from :func:`policy_logits`)."""
+    logits = policy_logits(model, example["input_ids"], policy, budget)
+    pos = example["answer_positions"].reshape(-1).to(logits.device)
     return logits[0, pos].argmax(-1)
 
 

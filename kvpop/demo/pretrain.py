@@ -1,4 +1,4 @@
-"""Dense pre-training of the tiny Qwen3 model on the key-value trace task (:mod:`kvpop.task`).
+"""Dense pre-training of the tiny Qwen3 model on the key-value trace task (:mod:`kvpop.demo.task`).
 
 Usage (the lead wires this as ``kvpop pretrain``)::
 
@@ -33,7 +33,21 @@ import torch.nn.functional as F
 
 from . import task as T
 
-__all__ = ["build_model", "main", "evaluate", "export_model", "parse_curriculum"]
+__all__ = ["TASKS", "get_task", "build_model", "main", "evaluate", "export_model", "parse_curriculum"]
+
+TASKS = {"kvtrace": ("kvpop.demo.task", "128:64,256:32,512:16,1024:8,2048:4"),
+         "lookahead": ("kvpop.demo.lookahead_task", "128:64,256:32,512:16,1024:8")}
+"""Task name -> (module, default curriculum).  A task module has ``TaskConfig``, ``DEFAULT``,
+``make_batch``, ``train_seed``, ``test_seed`` and ``describe`` (see ``kvpop.demo.task``)."""
+
+
+def get_task(name: str):
+    """The task module called ``name`` (a key of :data:`TASKS`)."""
+    import importlib
+
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; allowed: {sorted(TASKS)}")
+    return importlib.import_module(TASKS[name][0])
 
 
 def build_model(task_cfg: T.TaskConfig = T.DEFAULT, *, hidden: int = 128, layers: int = 2,
@@ -91,8 +105,11 @@ def _loss_and_acc(model, batch: dict, task_cfg: T.TaskConfig, filler_weight: flo
 
 @torch.no_grad()
 def evaluate(model, length: int, n: int = 32, batch_size: int = 8,
-             task_cfg: T.TaskConfig = T.DEFAULT, first_seed: int = 0) -> float:
-    """Dense accuracy on test seeds ``test_seed(first_seed .. first_seed + n - 1)`` at ``length``."""
+             task_cfg=None, first_seed: int = 0, task=T) -> float:
+    """Dense accuracy on test seeds ``test_seed(first_seed .. first_seed + n - 1)`` of the task module
+    ``task`` (default :mod:`kvpop.demo.task`) at ``length``."""
+    T = task
+    task_cfg = task_cfg if task_cfg is not None else T.DEFAULT
     model.eval()
     correct = total = 0
     for i in range(0, n, batch_size):
@@ -134,7 +151,7 @@ def _save_model(model, path: Path, info: dict) -> None:
 
 
 def export_model(src: str | os.PathLike, dst: str | os.PathLike, *, lengths: list[int],
-                 n: int = 32, command: str | None = None) -> dict:
+                 n: int = 32, command: str | None = None, task=T) -> dict:
     """Copy a trained model (``save_pretrained`` dir ``src``) to ``dst`` as ``config.json`` +
     ``model.safetensors`` and write ``dst/training.json`` with its test accuracy at ``lengths``.
 
@@ -148,7 +165,7 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike, *, lengths: lis
     info = {}
     if (src / "training_state.json").exists():
         info = json.loads((src / "training_state.json").read_text())
-    acc = {str(L): round(evaluate(model, L, n=n, batch_size=4), 4) for L in lengths}
+    acc = {str(L): round(evaluate(model, L, n=n, batch_size=4, task=task), 4) for L in lengths}
     tmp = dst.with_name(dst.name + ".tmp")
     import shutil
     if tmp.exists():
@@ -158,7 +175,7 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike, *, lengths: lis
     for name in ("config.json", "model.safetensors"):
         os.replace(tmp / name, dst / name)
     shutil.rmtree(tmp)
-    record = {"task": T.describe(), "task_config": T.DEFAULT.to_dict(),
+    record = {"task": task.describe(), "task_config": task.DEFAULT.to_dict(),
               "test_accuracy": acc, "eval_sequences_per_length": n,
               "test_seeds": f"test_seed(0..{n - 1})", "train_step": info.get("step"),
               "train_wall_s": info.get("elapsed_s"), "train_args": info.get("args"),
@@ -183,8 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
     p.add_argument("--seed", type=int, default=0, help="initialisation seed")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--curriculum", default="128:64,256:32,512:16,1024:8,2048:4",
-                   help="comma-separated LENGTH:BATCH stages; the last length is L_train")
+    p.add_argument("--task", default="kvtrace", choices=sorted(TASKS),
+                   help="the synthetic task: kvtrace (kvpop.demo.task, the default) or lookahead "
+                        "(kvpop.demo.lookahead_task)")
+    p.add_argument("--curriculum", default=None,
+                   help="comma-separated LENGTH:BATCH stages; the last length is L_train (default "
+                        "128:64,256:32,512:16,1024:8,2048:4 for kvtrace, 128:64,256:32,512:16,1024:8 "
+                        "for lookahead)")
     p.add_argument("--advance-acc", type=float, default=0.9,
                    help="move to the next stage when the train-accuracy EMA passes this")
     p.add_argument("--min-stage-steps", type=int, default=50)
@@ -223,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, args.threads))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stages = parse_curriculum(args.curriculum)
-    task_cfg = T.DEFAULT
+    task = get_task(args.task)
+    stages = parse_curriculum(args.curriculum or TASKS[args.task][1])
+    task_cfg = task.DEFAULT
     L_train = stages[-1][0]
     ckpt_path = out / "ckpt.pt"
     if args.export:
@@ -232,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                    else [L_train // 2, L_train, 2 * L_train])
         rec = export_model(out / args.export_from, args.export, lengths=lengths, n=args.eval_n,
                            command="python -m kvpop.pretrain " + " ".join(argv if argv is not None
-                                                                         else sys.argv[1:]))
+                                                                         else sys.argv[1:]),
+                           task=task)
         print(json.dumps(rec["test_accuracy"]))
         return 0
 
@@ -289,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     while state["step"] < args.steps:
         step = state["step"]
         length, bsz = stages[state["stage"]]
-        seeds = [T.train_seed(step * max_batch + i) for i in range(bsz)]
-        batch = T.make_batch(seeds, length, task_cfg)
+        seeds = [task.train_seed(step * max_batch + i) for i in range(bsz)]
+        batch = task.make_batch(seeds, length, task_cfg)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, args)
         loss, acc = _loss_and_acc(model, batch, task_cfg, args.filler_weight)
@@ -319,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             rec["advance_to"] = stages[state["stage"]][0]
         done = state["step"] >= args.steps
         if state["step"] % args.eval_every == 0 or done or advanced:
-            acc_cur = evaluate(model, length, n=args.eval_n, task_cfg=task_cfg)
+            acc_cur = evaluate(model, length, n=args.eval_n, task_cfg=task_cfg, task=task)
             rec["test_acc_cur"] = round(acc_cur, 4)
             best_len = state.setdefault("best_by_length", {})
             if acc_cur > best_len.get(str(length), -1.0):
@@ -331,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             if length == L_train:
                 acc_tr = acc_cur
             elif state["step"] % (args.eval_every * 5) == 0 or done:
-                acc_tr = evaluate(model, L_train, n=args.eval_n, task_cfg=task_cfg)
+                acc_tr = evaluate(model, L_train, n=args.eval_n, task_cfg=task_cfg, task=task)
             else:
                 acc_tr = None
             if acc_tr is not None:

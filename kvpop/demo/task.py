@@ -28,9 +28,10 @@ The graded positions are the KEY tokens of the reads: ``answer_positions[i] = p`
 logits at position ``p`` predict ``input_ids[p + 1]`` (a VALUE token). Accuracy is the fraction of
 graded positions whose greedy argmax over the whole vocabulary equals that token.
 
-Train and test examples come from disjoint seed ranges: train seeds are ``[0, TEST_SEED_BASE)``
-and test seeds are ``TEST_SEED_BASE + i``. The generator is seeded by ``(seed, length)``, so it is
-deterministic and independent across lengths.
+Train, test and validation examples come from disjoint seed ranges: train seeds are
+``[0, TEST_SEED_BASE)``, test seeds ``TEST_SEED_BASE + i`` and validation seeds
+``VALID_SEED_BASE + i``. The generator is seeded by ``(seed, length)``, so it is deterministic and
+independent across lengths.
 """
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ __all__ = [
     "BOS_ID",
     "EOS_ID",
     "TEST_SEED_BASE",
+    "VALID_SEED_BASE",
+    "NAME",
+    "TRAIN_LEN",
+    "valid_seed",
     "make_example",
     "make_batch",
     "accuracy",
@@ -68,12 +73,63 @@ N_SPECIAL = 4  # ids 0..3 are special (3 is reserved)
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "data" / "tiny_qwen3"
 """The tiny Qwen3 trained densely on this task (``kvpop pretrain``), shipped with the package."""
 
+NAME = "kvtrace"
+TRAIN_LEN = 2048
+"""The training length ``L_train`` of the shipped model."""
+
 TEST_SEED_BASE = 1_000_000_000
 """Seeds ``>= TEST_SEED_BASE`` are test seeds; training uses seeds below it."""
+VALID_SEED_BASE = 1_500_000_000
+"""Validation seeds are ``VALID_SEED_BASE + i``: disjoint from the training and the test seeds."""
+
+
+class TokenIds:
+    """Token ids shared by the synthetic tasks: specials, then ``n_keys`` KEY ids, ``n_values`` VALUE ids,
+    ``n_keys * n_values`` FACT ids; a task puts its other ids from :attr:`extra_base` on, the filler last."""
+
+    n_keys: int
+    n_values: int
+    n_filler: int
+
+    # ---- token ids -------------------------------------------------------------------------
+    @property
+    def key_base(self) -> int:
+        return N_SPECIAL
+
+    @property
+    def value_base(self) -> int:
+        return self.key_base + self.n_keys
+
+    @property
+    def fact_base(self) -> int:
+        return self.value_base + self.n_values
+
+    @property
+    def extra_base(self) -> int:
+        return self.fact_base + self.n_keys * self.n_values
+
+    @property
+    def filler_base(self) -> int:
+        return self.extra_base
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids used, rounded up to a multiple of 64."""
+        n = self.filler_base + self.n_filler
+        return (n + 63) // 64 * 64
+
+    def key_id(self, k: int) -> int:
+        return self.key_base + k
+
+    def value_id(self, v: int) -> int:
+        return self.value_base + v
+
+    def fact_id(self, k: int, v: int) -> int:
+        return self.fact_base + k * self.n_values + v
 
 
 @dataclass(frozen=True)
-class TaskConfig:
+class TaskConfig(TokenIds):
     """Parameters of the key-value trace task.
 
     Attributes:
@@ -99,38 +155,6 @@ class TaskConfig:
     fact_frac: float = 0.4
     read_frac: float = 0.5
     restart_prob: float = 0.1
-
-    # ---- token ids -------------------------------------------------------------------------
-    @property
-    def key_base(self) -> int:
-        return N_SPECIAL
-
-    @property
-    def value_base(self) -> int:
-        return self.key_base + self.n_keys
-
-    @property
-    def fact_base(self) -> int:
-        return self.value_base + self.n_values
-
-    @property
-    def filler_base(self) -> int:
-        return self.fact_base + self.n_keys * self.n_values
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids used, rounded up to a multiple of 64."""
-        n = self.filler_base + self.n_filler
-        return (n + 63) // 64 * 64
-
-    def key_id(self, k: int) -> int:
-        return self.key_base + k
-
-    def value_id(self, v: int) -> int:
-        return self.value_base + v
-
-    def fact_id(self, k: int, v: int) -> int:
-        return self.fact_base + k * self.n_values + v
 
     def is_fact(self, ids: torch.Tensor) -> torch.Tensor:
         """Bool mask of FACT tokens in ``ids`` (any shape)."""
@@ -170,6 +194,49 @@ def test_seed(i: int) -> int:
     return TEST_SEED_BASE + int(i)
 
 
+def check_seed_length(seed: int, length: int, min_length: int) -> int:
+    """``length`` as an int after checking it and ``seed`` (TypeError / ValueError naming the value)."""
+    if not isinstance(length, (int, np.integer)) or isinstance(length, bool):
+        raise TypeError(f"length must be an int, got {type(length).__name__}")
+    if length < min_length:
+        raise ValueError(f"length must be >= {min_length}, got {length}")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    return int(length)
+
+
+def filler(rng: np.random.Generator, length: int, n_filler: int, restart_prob: float) -> np.ndarray:
+    """Filler ids ``0 .. n_filler - 1`` (int64 ``[length]``): counting runs that restart at a random id
+    with probability ``restart_prob`` per position."""
+    restarts = rng.random(length) < restart_prob
+    starts = rng.integers(0, n_filler, size=length)
+    fill = np.empty(length, dtype=np.int64)
+    cur = int(starts[0])
+    for i in range(length):
+        if restarts[i]:
+            cur = int(starts[i])
+        fill[i] = cur
+        cur = (cur + 1) % n_filler
+    return fill
+
+
+def graded_fields(ids: np.ndarray, read_positions: np.ndarray) -> dict:
+    """``input_ids``, ``answer_positions`` (the reads' KEY tokens), ``answers`` (the tokens after them)
+    and ``labels`` (``-100`` except at the answers) of a sequence ``ids``."""
+    input_ids = torch.from_numpy(ids)
+    answer_positions = torch.from_numpy(read_positions.astype(np.int64))
+    labels = torch.full((len(ids),), -100, dtype=torch.int64)
+    labels[answer_positions + 1] = input_ids[answer_positions + 1]
+    return {"input_ids": input_ids, "answer_positions": answer_positions,
+            "answers": input_ids[answer_positions + 1].clone(), "labels": labels}
+
+
+def valid_seed(i: int) -> int:
+    """The ``i``-th validation seed (for choosing training settings); disjoint from the training seeds
+    and from ``test_seed(0 .. 5e8 - 1)``."""
+    return VALID_SEED_BASE + int(i)
+
+
 def make_example(seed: int, length: int, cfg: TaskConfig = DEFAULT) -> dict:
     """Generate one trace.
 
@@ -191,26 +258,9 @@ def make_example(seed: int, length: int, cfg: TaskConfig = DEFAULT) -> dict:
             i.e. ``model(input_ids, labels=labels)`` trains on the answers only.
           - ``seed``, ``length``: the arguments.
     """
-    if not isinstance(length, (int, np.integer)) or isinstance(length, bool):
-        raise TypeError(f"length must be an int, got {type(length).__name__}")
-    if length < cfg.min_length():
-        raise ValueError(f"length must be >= {cfg.min_length()}, got {length}")
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    L = int(length)
+    L = check_seed_length(seed, length, cfg.min_length())
     rng = np.random.default_rng([int(seed), L, 0x6B7670])
-
-    # Filler: counting runs with random restarts.
-    restarts = rng.random(L) < cfg.restart_prob
-    starts = rng.integers(0, cfg.n_filler, size=L)
-    fill = np.empty(L, dtype=np.int64)
-    cur = int(starts[0])
-    for i in range(L):
-        if restarts[i]:
-            cur = int(starts[i])
-        fill[i] = cur
-        cur = (cur + 1) % cfg.n_filler
-    ids = fill + cfg.filler_base
+    ids = filler(rng, L, cfg.n_filler, cfg.restart_prob) + cfg.filler_base
     ids[0] = BOS_ID
 
     # Facts.
@@ -231,17 +281,10 @@ def make_example(seed: int, length: int, cfg: TaskConfig = DEFAULT) -> dict:
     ids[rpos] = cfg.key_base + keys[which]
     ids[rpos + 1] = cfg.value_base + vals[which]
 
-    input_ids = torch.from_numpy(ids)
-    answer_positions = torch.from_numpy(rpos.astype(np.int64))
-    labels = torch.full((L,), -100, dtype=torch.int64)
-    labels[answer_positions + 1] = input_ids[answer_positions + 1]
     return {
-        "input_ids": input_ids,
-        "answer_positions": answer_positions,
-        "answers": input_ids[answer_positions + 1].clone(),
+        **graded_fields(ids, rpos),
         "fact_positions": torch.from_numpy(fpos.astype(np.int64)),
         "read_fact_positions": torch.from_numpy(fpos[which].astype(np.int64)),
-        "labels": labels,
         "seed": int(seed),
         "length": L,
     }

@@ -1,0 +1,231 @@
+"""Teacher-forced quality of eviction policies on a user's own model and traces (``kvpop eval --data``).
+
+For each trace (token ids, batch 1) and each (policy, budget ``B``), the model runs teacher-forced
+over the whole trace through the code a user runs (:func:`kvpop.demo.evaluate.policy_logits`): the static
+policies (``streaming``, ``fixed-finetune``, ``kvpop-*``) through the patched model's sparse-attention
+prefill with the policy's eviction schedule, ``tova``/``h2o`` through a ``KVpopCache`` that decodes
+token by token, ``dense`` through the unpatched model.  Only positions ``p >= B`` are scored (there
+the cache holds ``p + 1 > B`` tokens, so eviction has happened); at each such position the logits
+predict ``input_ids[p + 1]``.  Per (policy, budget):
+
+* ``nll``: mean next-token negative log-likelihood (nats) over those positions of all traces;
+* ``dense_nll`` and ``delta_nll = nll - dense_nll``: the dense model on the same positions;
+* ``top1_agreement``: fraction of those positions where the policy's greedy prediction equals the
+  dense model's.
+
+Results: :func:`trace_results` (``results.json``), :func:`format_trace_table`,
+:func:`plot_trace_results`.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .evaluate import DEFAULT_SINKS, DEFAULT_WINDOW, POLICIES, _check_policies, policy_logits
+
+__all__ = ["TraceEvalConfig", "load_model", "sequence_scores", "evaluate_traces", "trace_results",
+           "format_trace_table", "plot_trace_results"]
+
+FRACTIONS = (0.0625, 0.125, 0.25)
+
+
+@dataclass
+class TraceEvalConfig:
+    """What :func:`evaluate_traces` measures.
+
+    Attributes:
+        budgets: cache budgets (entries per layer and KV head); default 6.25 %, 12.5 % and 25 % of
+            the longest trace.
+        sinks, window: shared by every policy (``budget >= sinks + window + 1``).
+        policies: policies to run (``dense`` is always measured, as the reference).
+        progress: show a tqdm bar.
+    """
+
+    budgets: Sequence[int] | None = None
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
+    policies: Sequence[str] = POLICIES
+    progress: bool = True
+
+    def resolve(self, lengths: Sequence[int]) -> None:
+        """Fill in the default budgets for traces of ``lengths`` tokens and check them."""
+        if not lengths:
+            raise ValueError("no traces to evaluate")
+        longest = max(lengths)
+        budgets = (list(self.budgets) if self.budgets is not None
+                   else [int(round(f * longest)) for f in FRACTIONS])
+        least = self.sinks + self.window + 1
+        small = [b for b in budgets if b < least]
+        if small:
+            how = "" if self.budgets is not None else (f" (the defaults are 6.25/12.5/25% of the longest trace, "
+                                                       f"{longest} tokens)")
+            raise ValueError(f"budget(s) {small}{how} below sinks + window + 1 = {self.sinks} + {self.window} + 1 "
+                             f"= {least}: give --budgets, or lower --window/--sinks")
+        useless = [b for b in budgets if b >= longest - 1]
+        if useless:
+            raise ValueError(f"budget(s) {useless} leave no position past the budget in traces of at most "
+                             f"{longest} tokens; give smaller --budgets")
+        self.budgets = sorted({int(b) for b in budgets})
+        self.policies = _check_policies(self.policies)
+
+
+def load_model(path: str | os.PathLike) -> nn.Module:
+    """A causal LM saved with ``save_pretrained`` in a local directory (any family transformers knows;
+    ``kvpop.patch`` says which it supports), in float32 and eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no model directory at {path} (expected config.json and the weights)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load the model from {path}: {type(e).__name__}: {e}") from e
+    return model.eval()
+
+
+def sequence_scores(logits: torch.Tensor, input_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position NLL (float64 ``[n]``) and greedy prediction (int64 ``[n]``) at positions
+    ``start .. L - 2`` of one sequence (``logits [1, L, V]`` or ``[L, V]``, ``input_ids [L]``)."""
+    lg = logits.reshape(-1, logits.shape[-1])[start:-1].float()
+    tgt = input_ids.reshape(-1)[start + 1:].to(lg.device)
+    nll = -torch.log_softmax(lg, dim=-1).gather(1, tgt[:, None])[:, 0]
+    return nll.double().cpu(), lg.argmax(-1).cpu()
+
+
+def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tensor],
+                    config: TraceEvalConfig | None = None, *, on_row: Any = None) -> list[dict]:
+    """NLL, its increase over dense and top-1 agreement with dense of every policy in ``models`` at
+    every budget of ``config`` on ``traces`` (int64 ``[L_i]`` each).
+
+    ``models``: policy name -> model from :func:`kvpop.demo.evaluate.policy_model` (``"dense"`` -> the
+    unpatched base, required).  ``on_row`` is called with each row as soon as it is measured.
+    Returns the rows (one per (policy, budget); see the module docstring).
+    """
+    cfg = config or TraceEvalConfig()
+    if "dense" not in models:
+        raise ValueError("evaluate_traces needs the dense model (models['dense']) as the reference")
+    _check_policies(models)
+    traces = [t.reshape(-1).long() for t in traces]
+    cfg.resolve([int(t.numel()) for t in traces])
+    policies = [p for p in cfg.policies if p in models and p != "dense"]
+    bar = None
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(traces) * (1 + len(policies) * len(cfg.budgets)), desc="kvpop eval --data",
+                   dynamic_ncols=True)
+    dense = []  # per trace: (nll [L-1], argmax [L-1]) from position 0
+    rows = []
+    try:
+        for t in traces:
+            if bar is not None:
+                bar.set_postfix_str("dense")
+            dense.append(sequence_scores(policy_logits(models["dense"], t, "dense"), t, 0))
+            if bar is not None:
+                bar.update(1)
+        for p in policies:
+            for b in cfg.budgets:
+                if bar is not None:
+                    bar.set_postfix_str(f"{p} B={b}")
+                nll = dnll = 0.0
+                agree = n = n_seq = 0
+                for t, (d_nll, d_arg) in zip(traces, dense):
+                    if t.numel() - 1 <= b:  # no position past the budget
+                        if bar is not None:
+                            bar.update(1)
+                        continue
+                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, p, b), t, b)
+                    nll += float(p_nll.sum())
+                    dnll += float(d_nll[b:].sum())
+                    agree += int((p_arg == d_arg[b:]).sum())
+                    n += int(p_nll.numel())
+                    n_seq += 1
+                    if bar is not None:
+                        bar.update(1)
+                row = {"policy": p, "budget": int(b), "positions": n, "n_sequences": n_seq,
+                       "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,
+                       "delta_nll": (nll - dnll) / n if n else math.nan,
+                       "top1_agreement": agree / n if n else math.nan}
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+    finally:
+        if bar is not None:
+            bar.close()
+    return rows
+
+
+def trace_results(rows: list[dict], cfg: TraceEvalConfig, *, lengths: Sequence[int],
+                  extra: Mapping[str, Any] | None = None) -> dict:
+    """The ``results.json`` object of ``kvpop eval --data``."""
+    order = {p: i for i, p in enumerate(POLICIES)}
+    res = {"kind": "traces", "metric": "teacher-forced next-token NLL (nats) at positions >= budget",
+           "budgets": list(cfg.budgets), "sinks": cfg.sinks, "window": cfg.window,
+           "n_traces": len(lengths), "trace_lengths": {"min": min(lengths), "max": max(lengths),
+                                                       "total": int(sum(lengths))},
+           "rows": sorted(rows, key=lambda r: (order.get(r["policy"], 99), r["budget"]))}
+    if extra:
+        res.update(extra)
+    return res
+
+
+def format_trace_table(results: dict) -> str:
+    """Markdown table: one row per policy, per budget the NLL increase over dense and top-1 agreement."""
+    rows = results["rows"]
+    budgets = sorted({r["budget"] for r in rows})
+    cell = {(r["policy"], r["budget"]): r for r in rows}
+    head = ["policy"] + [f"B={b}: ΔNLL / top-1 agree" for b in budgets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    dn = [cell.get((rows[0]["policy"], b), {}).get("dense_nll", math.nan) for b in budgets] if rows else []
+    lines.append("| dense (NLL) | " + " | ".join(f"{x:.4f}" for x in dn) + " |")
+    for p in [p for p in POLICIES if any(r["policy"] == p for r in rows)]:
+        line = [p]
+        for b in budgets:
+            r = cell.get((p, b))
+            line.append("-" if r is None else f"{r['delta_nll']:+.4f} / {r['top1_agreement']:.3f}")
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines)
+
+
+def plot_trace_results(results: dict, path: str | os.PathLike) -> None:
+    """PNG with two panels vs budget: NLL increase over dense, and top-1 agreement with dense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for p in POLICIES:
+        pts = sorted((r["budget"], r["delta_nll"], r["top1_agreement"]) for r in rows if r["policy"] == p)
+        if not pts:
+            continue
+        style = "-" if p.startswith("kvpop") else ":" if p in ("tova", "h2o") else "-."
+        axes[0].plot([b for b, _, _ in pts], [d for _, d, _ in pts], style, marker="o", label=p)
+        axes[1].plot([b for b, _, _ in pts], [a for _, _, a in pts], style, marker="o", label=p)
+    bs = sorted({r["budget"] for r in rows})
+    for ax, what in zip(axes, ("NLL increase over dense (nats/token)", "top-1 agreement with dense")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(bs)
+        ax.set_xticklabels([str(b) for b in bs])
+        ax.set_xlabel("cache budget B (entries per KV head)")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(0.0, color="black", linestyle="--", linewidth=1)
+    axes[1].set_ylim(0, 1.05)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
