@@ -22,9 +22,13 @@ What ``--out DIR`` receives: ``last.pt`` (the full training state, written atomi
 ``--checkpoint-every`` steps and at the end), ``scorers.safetensors`` (``kvpop.save_scorers``; load with
 ``kvpop.load_scorers``), ``model/`` (the fine-tuned model, ``save_pretrained`` without the scorer
 tensors; not with ``--no-train-model``), ``args.json`` (the arguments) and ``history.jsonl`` (one line
-of losses per step; a resumed run appends).  ``--resume`` continues from ``last.pt`` exactly (a resumed run
-repeats the steps of an uninterrupted one); every argument but ``--steps``, ``--checkpoint-every`` and
-``--no-progress`` must be the same as in the first run (checked against ``args.json``).
+of losses per step, appended as each step finishes).  ``--resume`` continues from ``last.pt`` exactly (a
+resumed run repeats the steps of an uninterrupted one, and its ``history.jsonl`` is the uninterrupted
+run's); every argument but ``--steps``, ``--checkpoint-every``, ``--no-progress``, ``--device`` and the
+spelling of ``--out`` must be the same as in the first run (checked against ``args.json``; file paths
+are compared resolved).  SIGINT or SIGTERM (Ctrl-C, a scheduler's stop) ends the run after the step in
+flight with a checkpoint of it (a second signal aborts at once); the exit status is then 128 + the
+signal number.
 
 Under ``torchrun`` (``WORLD_SIZE > 1``) each process joins the process group (NCCL on CUDA, gloo on the
 CPU), uses ``cuda:LOCAL_RANK`` when CUDA is available, and takes every ``WORLD_SIZE``-th batch; the model
@@ -36,12 +40,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from kvpop.demo.task import SHIPPED_MODEL
 
-# arguments that may change between a run and its --resume
-_RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume"}
+# arguments that may change between a run and its --resume (--out is where the run is; paths are
+# compared resolved)
+_RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume", "out", "device"}
+_PATHS = ("data", "model")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,7 +156,15 @@ def _setup_dist(args: argparse.Namespace):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device:
-        device = torch.device(args.device)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            _fail(f"--device {args.device!r}: {e}")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                _fail(f"--device {args.device}: CUDA is not available on this machine")
+            if device.index is None:  # plain "cuda": this process's GPU
+                device = torch.device("cuda", local if world > 1 else torch.cuda.current_device())
     elif torch.cuda.is_available():
         device = torch.device("cuda", local if world > 1 else torch.cuda.current_device())
     else:
@@ -220,8 +235,8 @@ def _check_resume_args(args: argparse.Namespace, out: Path) -> None:
         _fail(f"--resume: {out / 'last.pt'} does not exist (nothing to resume; drop --resume to start)")
     if not saved_path.exists():
         return
-    saved = json.loads(saved_path.read_text())
-    now = _arg_dict(args)
+    saved = _comparable(json.loads(saved_path.read_text()))
+    now = _comparable(_arg_dict(args))
     diff = [k for k in sorted(set(saved) | set(now)) if k not in _RESUMABLE and saved.get(k) != now.get(k)]
     if diff:
         _fail("--resume needs the arguments of the first run; these differ: "
@@ -230,6 +245,11 @@ def _check_resume_args(args: argparse.Namespace, out: Path) -> None:
 
 def _arg_dict(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
+
+
+def _comparable(d: dict) -> dict:
+    """The arguments with file paths resolved (``./data.jsonl``, ``data.jsonl`` and its absolute path agree)."""
+    return {k: (str(Path(v).resolve()) if k in _PATHS and isinstance(v, str) else v) for k, v in d.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,7 +274,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from kvpop.core.config import KVpopConfig
     from kvpop.core.patching import patch
-    from kvpop.training.train import TrainConfig, save_model, train
+    from kvpop.training.runstate import CheckpointError
+    from kvpop.training.train import TrainConfig, TrainingInterrupted, save_model, train
 
     try:
         kv_cfg = KVpopConfig(budget=args.budget, sinks=args.sinks, window=args.window, scorer=args.scorer,
@@ -290,17 +311,20 @@ def _run(args: argparse.Namespace) -> int:
             out.mkdir(parents=True, exist_ok=True)
             if not args.resume or not (out / "args.json").exists():
                 tmp = out / "args.json.tmp"
-                tmp.write_text(json.dumps(_arg_dict(args), indent=2, sort_keys=True) + "\n")
+                saved = {**_comparable(_arg_dict(args)), "out": str(out.resolve())}
+                tmp.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
                 os.replace(tmp, out / "args.json")
-        hist = train(model, data, tcfg, resume=args.resume)
-        if args.no_train_model:
-            pass
-        else:
+        try:
+            hist = train(model, data, tcfg, resume=args.resume)  # writes last.pt and history.jsonl
+        except TrainingInterrupted as e:
+            if rank == 0:
+                print(f"kvpop train: {e}: run the same command with --resume to continue", file=sys.stderr)
+            return 128 + e.signum
+        except CheckpointError as e:
+            _fail(str(e))
+        if not args.no_train_model:
             save_model(model, out / "model")
         if rank == 0:
-            with open(out / "history.jsonl", "a" if args.resume else "w") as f:
-                for h in hist:
-                    f.write(json.dumps(h) + "\n")
             if hist:
                 h = hist[-1]
                 print(f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, score {h['score']:.4f}, "

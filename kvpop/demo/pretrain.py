@@ -22,14 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from kvpop.training.runstate import (
+    CheckpointError,
+    StopSignals,
+    atomic_save,
+    load_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_jsonl,
+)
 
 from . import task as T
 
@@ -123,12 +131,6 @@ def evaluate(model, length: int, n: int = 32, batch_size: int = 8,
         total += pred.numel()
     model.train()
     return correct / max(1, total)
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _save_model(model, path: Path, info: dict) -> None:
@@ -276,22 +278,28 @@ def main(argv: list[str] | None = None) -> int:
         if not ckpt_path.exists():
             print(f"no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
         else:
-            ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+            try:
+                ck = load_checkpoint(ckpt_path)
+            except CheckpointError as e:
+                raise SystemExit(f"kvpop pretrain: {e}") from None
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optim"])
             state = ck["state"]
-            torch.set_rng_state(ck["rng"]["torch"])
-            np.random.set_state(ck["rng"]["numpy"])
-            random.setstate(ck["rng"]["python"])
+            set_rng_state(ck["rng"])
+            # the log keeps the lines of the steps the checkpoint finished, none of those it did not
+            log_path = out / "log.jsonl"
+            if log_path.exists():
+                lines = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
+                write_jsonl(log_path, [r for r in lines if r.get("step", 0) <= state["step"]])
             print(f"resumed at step {state['step']} stage {state['stage']}", file=sys.stderr)
+    if state["step"] == 0:
+        write_jsonl(out / "log.jsonl", [])  # a fresh run starts a fresh log
     model.train()
     (out / "args.json").write_text(json.dumps({**vars(args), "task": task_cfg.to_dict()}, indent=2))
 
     def checkpoint():
-        _atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
-                      "args": vars(args), "task": task_cfg.to_dict(),
-                      "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                              "python": random.getstate()}}, ckpt_path)
+        atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
+                     "args": vars(args), "task": task_cfg.to_dict(), "rng": rng_state()}, ckpt_path)
 
     try:
         from tqdm import tqdm
@@ -299,14 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                    mininterval=5.0, dynamic_ncols=True)
     except ImportError:  # pragma: no cover
         bar = None
-    import signal
-
-    stop_signal = []
-
-    def _on_term(signum, frame):  # checkpoint and exit cleanly on SIGTERM / SIGINT
-        stop_signal.append(signum)
-
-    old_handlers = {sig: signal.signal(sig, _on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = StopSignals(name="kvpop pretrain").install()  # checkpoint and stop cleanly on SIGTERM / SIGINT
     t0 = time.time() - state["elapsed_s"]
     log = open(out / "log.jsonl", "a")
     max_batch = max(b for _, b in stages)
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = False
         if args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes:
             stop = True
-        if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc or stop_signal:
+        if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc or signals.signum is not None:
             stop = True
         if state["step"] % args.ckpt_every == 0 or done or stop or advanced:
             checkpoint()
@@ -388,11 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     if state["step"] >= args.steps:
         _save_model(model, out / "model_final", {"step": state["step"], "L_train": L_train,
                                                  "elapsed_s": state["elapsed_s"], "args": vars(args)})
-    for sig, h in old_handlers.items():
-        signal.signal(sig, h)
+    signals.restore()
     log.close()
     print(json.dumps({"done": True, "step": state["step"], "best_test_acc_Ltrain": state["best_acc"],
                       "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
+    if signals.signum is not None:
+        print(f"kvpop pretrain: stopped by a signal after step {state['step']}; {ckpt_path} holds it: "
+              f"run the same command with --resume to continue", file=sys.stderr)
+        return 128 + signals.signum
     return 0
 
 

@@ -13,10 +13,15 @@
   decay on the decays), a linear warm-up of ``warmup_steps``;
 * a tqdm bar with ``kl``, ``score``, the scorer's decision accuracy and the gamma range;
 * checkpoints every ``checkpoint_every`` steps (and at the end) into ``checkpoint_dir``:
-  ``last.pt`` (model and scorer state, optimiser, scheduler, step, micro-batches consumed, RNG states)
-  written to a temporary file and renamed, plus ``scorers.safetensors`` (``kvpop.save_scorers``).
-  ``resume=True`` loads ``last.pt`` and fast-forwards the data to where it stopped, so a resumed
-  run repeats the next step of the uninterrupted run exactly (tests/training/test_train.py).
+  ``last.pt`` (model and scorer state, optimiser, scheduler, step, micro-batches consumed, RNG states,
+  the history so far) written to a temporary file and renamed, plus ``scorers.safetensors``
+  (``kvpop.save_scorers``); ``history.jsonl`` gets one line as each step finishes.  ``resume=True``
+  loads ``last.pt`` (``weights_only=True``: a checkpoint holding anything but tensors and plain
+  containers is refused, never executed), rewrites ``history.jsonl`` from it and fast-forwards the data
+  to where it stopped, so a resumed run repeats the next step of the uninterrupted run exactly
+  (tests/training/test_train.py).  With a ``checkpoint_dir``, SIGINT/SIGTERM stop the run after the
+  step in flight, with a checkpoint of it: ``train`` then raises :class:`TrainingInterrupted` (a
+  ``KeyboardInterrupt``; a second signal aborts at once).  See :mod:`kvpop.training.runstate`.
 
 Several processes (``torchrun``): when ``torch.distributed`` is initialised with more than one rank,
 the model is wrapped in ``DistributedDataParallel`` (``find_unused_parameters=True``: a forward with
@@ -57,13 +62,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -78,7 +81,19 @@ from kvpop.core.loss import (
 )
 from kvpop.core.patching import get_config, is_patched, make_teacher
 
-__all__ = ["TrainConfig", "train", "save_model", "DIST_MODES"]
+from .runstate import (
+    CheckpointError,
+    StopSignals,
+    TrainingInterrupted,
+    append_jsonl,
+    atomic_save,
+    load_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_jsonl,
+)
+
+__all__ = ["TrainConfig", "train", "save_model", "DIST_MODES", "TrainingInterrupted"]
 
 DIST_MODES = ("ddp", "fsdp")
 
@@ -128,6 +143,19 @@ class TrainConfig:
             raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
         if self.dist not in DIST_MODES:
             raise ValueError(f"dist must be one of {list(DIST_MODES)}, got {self.dist!r}")
+        for name, low in (("lr_model", "> 0"), ("lr_scorer", "> 0"), ("weight_decay", ">= 0"),
+                          ("score_weight", ">= 0")):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (
+                v > 0 if low == "> 0" else v >= 0)
+            if not ok:
+                raise ValueError(f"{name} must be a finite number {low}, got {v!r}")
+        g = self.max_grad_norm
+        if g is not None and not (isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g)
+                                  and g > 0):
+            raise ValueError(f"max_grad_norm must be a finite number > 0 or None (no clipping), got {g!r}")
+        if not (len(self.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
 
 
 def _input_ids(batch: Any) -> torch.Tensor:
@@ -175,32 +203,11 @@ def _mean_over_ranks(values: list[float], world: int, device: torch.device) -> l
     return (t / world).tolist()
 
 
-def _rng_state() -> dict[str, Any]:
-    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st: dict[str, Any]) -> None:
-    torch.set_rng_state(st["torch"])
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
 def _barrier(world: int) -> None:
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 class _Step(nn.Module):
@@ -384,6 +391,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     """
     if not is_patched(model):
         raise ValueError("train needs a patched model: call kvpop.patch(model, ...) first")
+    if isinstance(data, Iterator) or not isinstance(data, Iterable):
+        raise TypeError(f"data must be re-iterable (a list, a DataLoader, ...): it is cycled over and, on resume, "
+                        f"fast-forwarded; got a {type(data).__name__}, which can be iterated only once (or not at "
+                        f"all). Wrap it in list(...).")
     cfg = config or TrainConfig()
     if overrides:
         cfg = TrainConfig(**{**asdict(cfg), **overrides})
@@ -428,22 +439,24 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
 
     step, consumed = 0, 0
+    past: list[dict[str, float]] = []  # the history of the steps before this call (from the checkpoint)
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     last = ckpt_dir / "last.pt" if ckpt_dir else None
     if resume and last is not None and last.exists():
         if fsdp:
-            step, consumed = _load_fsdp_checkpoint(model, opt, sched, last, kv_cfg, rank)
+            step, consumed, past = _load_fsdp_checkpoint(model, opt, sched, last, kv_cfg, rank)
         else:
-            ck = torch.load(last, map_location="cpu", weights_only=False)
+            ck = load_checkpoint(last)
             _check_checkpoint(ck, last, kv_cfg)
             if "optimizer" not in ck:
-                raise ValueError(f"checkpoint {last} was written by an FSDP run (its optimiser state is keyed by "
+                raise CheckpointError(f"checkpoint {last} was written by an FSDP run (its optimiser state is keyed by "
                                  f"parameter names): resume it with dist='fsdp' (--dist fsdp)")
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optimizer"])
             sched.load_state_dict(ck["scheduler"])
             step, consumed = ck["step"], ck["consumed"]
-            _set_rng_state(ck["rng"])
+            set_rng_state(ck["rng"])
+            past = list(ck.get("history", []))
 
     runner: nn.Module = _Step(model, cfg.loss_chunk)
     if world > 1 and not fsdp:
@@ -461,10 +474,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             return
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = {"model": msd if fsdp else model.state_dict(), "scheduler": sched.state_dict(),
-                 "step": step, "consumed": consumed, "rng": _rng_state(), "kvpop_config": kv_cfg.to_json(),
-                 "train_config": asdict(cfg), "world_size": world}
+                 "step": step, "consumed": consumed, "rng": rng_state(), "kvpop_config": kv_cfg.to_json(),
+                 "train_config": asdict(cfg), "world_size": world, "history": past + history}
         state["optimizer_fqn" if fsdp else "optimizer"] = osd if fsdp else opt.state_dict()
-        _atomic_save(state, last)
+        atomic_save(state, last)
         save_scorers(model, ckpt_dir / "scorers.safetensors")
         _barrier(world)
 
@@ -472,6 +485,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
         return torch.autocast("cuda", dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
 
     history: list[dict[str, float]] = []
+    hist_path = ckpt_dir / "history.jsonl" if ckpt_dir is not None and rank == 0 else None
+    if hist_path is not None:  # what the checkpoint finished, and no line of a step it did not
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        write_jsonl(hist_path, past)
     if step >= cfg.steps:
         return history
     model.train()
@@ -481,6 +498,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="kvpop train", dynamic_ncols=True)
+    stop = StopSignals(enabled=ckpt_dir is not None, name="kvpop train").install()
     try:
         while step < cfg.steps:
             kl_acc = ls_acc = 0.0
@@ -522,16 +540,25 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             step += 1
             rec = {"step": step, "kl": kl_acc, "score": ls_acc, **stats_acc, **gnorm}
             history.append(rec)
+            if hist_path is not None:
+                append_jsonl(hist_path, rec)
             if bar is not None:
                 bar.update(1)
                 acc = rec.get("accuracy", math.nan)
                 bar.set_postfix(kl=f"{kl_acc:.4f}", score=f"{ls_acc:.4f}", acc=f"{acc:.3f}",
                                 gamma=f"{rec['gamma_min']:.6f}..{rec['gamma_max']:.6f}")
-            if ckpt_dir is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            saved = bool(ckpt_dir is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+            if saved:
                 save()
+            signum = stop.requested(world, dev) if ckpt_dir is not None else None
+            if signum is not None:
+                if not saved:
+                    save()
+                raise TrainingInterrupted(signum, step, last)
         if ckpt_dir is not None:
             save()
     finally:
+        stop.restore()
         if bar is not None:
             bar.close()
     return history
@@ -539,11 +566,11 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
 
 def _check_checkpoint(ck: dict, path: Path, kv_cfg) -> None:
     if ck.get("kvpop_config") != kv_cfg.to_json():
-        raise ValueError(f"checkpoint {path} was written with another KVpopConfig: {ck.get('kvpop_config')}")
+        raise CheckpointError(f"checkpoint {path} was written with another KVpopConfig: {ck.get('kvpop_config')}")
 
 
 def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: Path, kv_cfg,
-                          rank: int) -> tuple[int, int]:
+                          rank: int) -> tuple[int, int, list]:
     """Rank 0 reads ``last.pt`` and broadcasts it into the sharded model and optimiser (collective)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -551,23 +578,23 @@ def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: A
     ck: dict = {}
     err = None
     if rank == 0:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
         try:
+            ck = load_checkpoint(path)
             _check_checkpoint(ck, path, kv_cfg)
             if "optimizer_fqn" not in ck:
-                raise ValueError(f"checkpoint {path} was written without FSDP: resume it with dist='ddp' "
+                raise CheckpointError(f"checkpoint {path} was written without FSDP: resume it with dist='ddp' "
                                  f"(--dist ddp) or in one process")
-        except ValueError as e:
+        except CheckpointError as e:
             err = str(e)
-    small = [{"err": err, **({k: ck[k] for k in ("scheduler", "step", "consumed", "rng")} if err is None and rank == 0
-                             else {})}]
+    keys = ("scheduler", "step", "consumed", "rng", "history")
+    small = [{"err": err, **({k: ck.get(k, []) for k in keys} if err is None and rank == 0 else {})}]
     dist.broadcast_object_list(small, src=0)
     meta = small[0]
     if meta["err"]:
-        raise ValueError(meta["err"])
+        raise CheckpointError(meta["err"])
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, ck.get("model", {}), options=opts)
     set_optimizer_state_dict(model, opt, ck.get("optimizer_fqn", {}), options=opts)
     sched.load_state_dict(meta["scheduler"])
-    _set_rng_state(meta["rng"])
-    return meta["step"], meta["consumed"]
+    set_rng_state(meta["rng"])
+    return meta["step"], meta["consumed"], list(meta["history"])

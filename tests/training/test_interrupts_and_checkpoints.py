@@ -1,0 +1,197 @@
+"""Run directories and interrupted runs (issue 10): a checkpoint cannot run code, SIGINT/SIGTERM lose
+nothing a run finished, bad arguments are refused up front.  The table is docs/HARDENING.md."""
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from tiny import SMALL, tiny_model  # noqa: E402
+
+import kvpop  # noqa: E402
+from kvpop.training.runstate import CheckpointError, load_checkpoint  # noqa: E402
+from kvpop.training.train import TrainConfig, TrainingInterrupted, train  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+class Payload:
+    """Unpickling this runs ``exec``: what a hostile ``last.pt`` could carry."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def write_hostile_checkpoint(path, marker):
+    torch.save({"model": Payload(marker), "step": 1, "consumed": 1}, path)
+
+
+class SignalAt:
+    """A re-iterable of batches that sends ``signum`` to this process when it yields its ``at``-th batch
+    (counting over all passes); a stand-in for Ctrl-C or a scheduler's SIGTERM in the middle of a step."""
+
+    def __init__(self, batches, at, signum):
+        self.batches, self.at, self.signum, self.n = batches, at, signum, 0
+
+    def __iter__(self):
+        for b in self.batches:
+            self.n += 1
+            if self.n == self.at:
+                os.kill(os.getpid(), self.signum)
+            yield b
+
+
+def _data(n=3, B=2, S=48):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 128, (B, S), generator=g) for _ in range(n)]
+
+
+def _fresh():
+    m = tiny_model()
+    t = kvpop.make_teacher(m)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    torch.manual_seed(11)  # identical scorer init in every run
+    return kvpop.patch(m, **SMALL), t
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- point 1: weights_only
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    marker = tmp_path / "payload-ran"
+    write_hostile_checkpoint(tmp_path / "last.pt", marker)
+    m, t = _fresh()
+    with pytest.raises(CheckpointError, match=r"last.pt was refused.*could run code"):
+        train(m, _data(), TrainConfig(steps=2, progress=False, checkpoint_dir=str(tmp_path)), teacher=t, resume=True)
+    assert not marker.exists()
+    # what train writes loads with weights_only=True and resumes
+    out = tmp_path / "good"
+    train(m, _data(), TrainConfig(steps=1, progress=False, checkpoint_dir=str(out)), teacher=t)
+    ck = load_checkpoint(out / "last.pt")
+    assert ck["step"] == 1 and isinstance(ck["rng"]["numpy"]["keys"], torch.Tensor)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        load_checkpoint(tmp_path / "junk.pt")
+
+
+def test_pretrain_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
+    from kvpop.demo.pretrain import main as pretrain
+
+    marker = tmp_path / "payload-ran"
+    write_hostile_checkpoint(tmp_path / "ckpt.pt", marker)
+    with pytest.raises(SystemExit, match=r"kvpop pretrain: checkpoint .*ckpt.pt was refused"):
+        pretrain(["--out", str(tmp_path), "--resume", "--steps", "1", *PRETRAIN_TINY])
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- point 8: interrupts
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, signum):
+    cfg = TrainConfig(steps=5, grad_accum=2, lr_model=1e-3, lr_scorer=1e-2, warmup_steps=2, progress=False)
+    m_full, t_full = _fresh()
+    train(m_full, _data(), cfg, teacher=t_full, checkpoint_dir=str(tmp_path / "full"))
+
+    part = tmp_path / "part"
+    m_a, t_a = _fresh()
+    # the signal arrives while step 3 loads its second micro-batch; no periodic checkpoint
+    with pytest.raises(TrainingInterrupted) as e:
+        train(m_a, SignalAt(_data(), 6, signum), cfg, teacher=t_a, checkpoint_dir=str(part))
+    assert e.value.step == 3 and e.value.signum == signum and isinstance(e.value, KeyboardInterrupt)
+    assert load_checkpoint(part / "last.pt")["step"] == 3
+    assert [h["step"] for h in _lines(part / "history.jsonl")] == [1, 2, 3]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+    # a line of a step the checkpoint did not finish (a crash between checkpoints) is dropped on resume
+    with open(part / "history.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "kl": -1.0}) + "\n")
+    m_b, t_b = _fresh()
+    rest = train(m_b, _data(), cfg, teacher=t_b, checkpoint_dir=str(part), resume=True)
+    assert [h["step"] for h in rest] == [4, 5]
+    assert _lines(part / "history.jsonl") == _lines(tmp_path / "full" / "history.jsonl")
+    assert load_checkpoint(part / "last.pt")["history"] == _lines(tmp_path / "full" / "history.jsonl")
+    for (n, p), q in zip(m_full.named_parameters(), m_b.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_a_second_signal_aborts_at_once(tmp_path):
+    class Twice(SignalAt):
+        def __iter__(self):
+            for b in super().__iter__():
+                if self.n == self.at:
+                    os.kill(os.getpid(), self.signum)
+                yield b
+
+    m, t = _fresh()
+    with pytest.raises(KeyboardInterrupt) as e:
+        train(m, Twice(_data(), 2, signal.SIGINT), TrainConfig(steps=5, progress=False),
+              teacher=t, checkpoint_dir=str(tmp_path))
+    assert not isinstance(e.value, TrainingInterrupted) and "second SIGINT" in str(e.value)
+    assert not (tmp_path / "last.pt").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+PRETRAIN_TINY = ["--curriculum", "64:2", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                 "--intermediate", "32", "--eval-every", "1000", "--eval-n", "2", "--ckpt-every", "1000",
+                 "--no-progress", "--min-stage-steps", "1000"]
+
+
+def test_pretrain_interrupted_and_resumed_equals_the_uninterrupted_one(tmp_path, monkeypatch, capsys):
+    from kvpop.demo import pretrain as P
+
+    def log(out):
+        return [{k: v for k, v in r.items() if k != "t"} for r in _lines(out / "log.jsonl")]
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert P.main(["--out", str(full), "--steps", "4", *PRETRAIN_TINY]) == 0
+    real, calls = P.T.make_batch, []
+
+    def make_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # in step 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(P.T, "make_batch", make_batch)
+    assert P.main(["--out", str(part), "--steps", "4", *PRETRAIN_TINY]) == 128 + signal.SIGTERM
+    monkeypatch.setattr(P.T, "make_batch", real)
+    assert [r["step"] for r in log(part)] == [1, 2]
+    with open(part / "log.jsonl", "a") as f:  # a step the checkpoint did not finish
+        f.write(json.dumps({"step": 3, "loss": -1.0}) + "\n")
+    assert P.main(["--out", str(part), "--steps", "4", "--resume", *PRETRAIN_TINY]) == 0
+    assert log(part) == log(full)
+    a, b = load_checkpoint(full / "ckpt.pt")["model"], load_checkpoint(part / "ckpt.pt")["model"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# ----------------------------------------------------------------------------- point 10: the library's arguments
+def test_train_refuses_a_one_shot_iterator_up_front():
+    m, t = _fresh()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(TypeError, match=r"re-iterable.*generator.*list\(\.\.\.\)"):
+        train(m, (b for b in _data()), TrainConfig(steps=1, progress=False), teacher=t)
+    with pytest.raises(TypeError, match=r"re-iterable.*list_iterator"):
+        train(m, iter(_data()), TrainConfig(steps=1, progress=False), teacher=t)
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("field,value", [("lr_model", float("nan")), ("lr_model", 0.0), ("lr_scorer", float("inf")),
+                                         ("lr_scorer", -1e-3), ("weight_decay", float("nan")),
+                                         ("score_weight", -1.0), ("max_grad_norm", float("nan")),
+                                         ("max_grad_norm", 0.0), ("betas", (0.9, 1.0)), ("lr_model", "1e-5")])
+def test_train_config_rejects_non_finite_and_out_of_range_numbers(field, value):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**{field: value})
