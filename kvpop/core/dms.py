@@ -1,0 +1,737 @@
+"""DMS (dynamic memory sparsification, Łańcucki et al., 2025): the learned baseline KVpop is measured against.
+
+DMS gives every token and KV head a binary keep-or-evict gate, learned with no target for which tokens
+to keep: the gates are trained through a continuous relaxation, only by the distillation loss of the
+model and an auxiliary loss that pulls the mean eviction rate to a target compression ratio.  An
+evicted token is not deleted at once but when it leaves a window of the ``w`` most recent tokens
+(*delayed eviction*), so every head keeps its own, growing number of tokens.  This module holds the
+whole method on the model side (docs/DESIGN.md, "DMS"):
+
+* **Gates.**  ``DMSLayer.gate``: per attention layer a linear head from the attention layer's input
+  (the normalised hidden state) to one logit per KV head, ``logit[b, h, t] = W_h . x_t + b_h`` (the
+  DMS code's "separate alpha" variant).  ``W = 0``, ``b = -gate_offset`` at the start, so every token is
+  kept and the patched model starts exactly as the original.  A gate only acts on tokens ``t >= s``:
+  the sinks are never evicted, as under every other policy of the harness.
+* **Relaxation** (training, :func:`gumbel_sigmoid`): ``alpha = sigmoid((logit + n) / tau)`` with
+  logistic noise ``n`` (the difference of two Gumbel samples), the probability of eviction; the hard
+  decision ``alpha > 1/2`` with a straight-through gradient feeds the auxiliary loss.
+* **Delayed mask** (training, :func:`dms_attention`): key ``t`` is fully visible to the queries of its
+  window (``t > q - w``, as everywhere in kvpop), and beyond it its attention logit gets
+  ``log(1 - alpha_t)`` (``-inf`` for a hard eviction).  A dense masked attention in PyTorch: the
+  relaxed mask is an additive bias on every old key, which the sparse-attention kernel's mask
+  (visible or not) cannot express.
+* **Hard gates** (evaluation, teacher-forced or a cache's prefill): ``evict = logit > threshold``.  A
+  token evicted at ``t`` is visible up to query ``t + w - 1``, i.e. ``evict_at[t] = t + w`` and
+  ``NEVER`` for kept tokens (:func:`gate_evict_at`): exactly the sparse-attention kernel's mask, so
+  it runs ``kvpop_kernels.sparse_attention``.
+* **Auxiliary loss** (:func:`dms_loss`): ``mean_b relu(target_evict - evict_frac_b)`` over the hard
+  (straight-through) decisions of all layers, heads and tokens ``t >= s`` of sequence ``b``, with
+  ``target_evict = 1 - 1/CR(step)`` and ``CR`` rising linearly from 1 to ``1 / target_keep`` over
+  ``schedule_steps`` (:func:`dms_target`).
+* **Ragged cache** (:class:`DMSCache`): per layer and KV head the sinks, a ring of the window, and a
+  per-head list of the long-range tokens it kept (``kept_len[h]`` of them); memory is what each head
+  keeps (capacity grows geometrically per head), not a padded maximum.
+
+``patch_dms`` / ``unpatch_dms`` attach and remove it (the same model families as ``kvpop.patch``; a
+model carries KVpop or DMS, not both).  ``kvpop train --method dms`` trains it (kvpop.training.train).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+import kvpop_kernels
+from kvpop.models import adapter_for, cache_kwarg_name
+from kvpop_kernels import NEVER
+
+__all__ = ["DMSConfig", "DMSLayer", "DMSCache", "DMSCacheLayer", "gumbel_sigmoid", "logistic_noise",
+           "dms_attention", "gate_evict_at", "dms_target", "patch_dms", "unpatch_dms", "is_dms_patched",
+           "get_dms_config", "dms_layers", "dms_loss", "set_dms_step", "make_dms_teacher", "save_dms",
+           "load_dms", "read_dms_config", "DMS_ATTN_NAME", "head_entries"]
+
+DMS_ATTN_NAME = "kvpop_dms"
+FORMAT = "kvpop-dms-gates/1"
+_STATE_ATTR = "_kvpop_dms_state"
+
+
+def _check_int(name: str, v: Any, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+
+
+def _check_float(name: str, v: Any, lo: float | None = None, hi: float | None = None, *, open_lo: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if lo is not None and (v < lo or (open_lo and v == lo)):
+        raise ValueError(f"{name} must be {'>' if open_lo else '>='} {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {v}")
+
+
+@dataclass(frozen=True)
+class DMSConfig:
+    """Settings of DMS (module docstring).
+
+    sinks, window: ``s`` first tokens never evicted; ``w``: the eviction delay (a token marked for
+        eviction stays visible while it is among the ``w`` most recent tokens), the same window as KVpop's.
+    tau: temperature of the Gumbel-sigmoid relaxation in training (default 0.1, the DMS code's).
+    gate_offset: the gates' initial bias is ``-gate_offset`` (default 5: eviction probability ~0.7 %).
+    threshold: hard decision ``evict = logit > threshold`` at evaluation and decoding (default 0, i.e.
+        ``alpha > 1/2``); shifting it trades memory for accuracy without retraining.
+    target_keep: the keep fraction the auxiliary loss drives the gates to at the end of the schedule
+        (compression ratio ``1 / target_keep``; default 0.125).
+    schedule_steps: steps over which the target compression ratio rises linearly from 1 (default 100).
+    aux_weight: weight of the auxiliary loss (default 1).
+    """
+
+    sinks: int = 4
+    window: int = 256
+    tau: float = 0.1
+    gate_offset: float = 5.0
+    threshold: float = 0.0
+    target_keep: float = 0.125
+    schedule_steps: int = 100
+    aux_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int("sinks", self.sinks, 0)
+        _check_int("window", self.window, 1)
+        _check_int("schedule_steps", self.schedule_steps, 1)
+        _check_float("tau", self.tau, 0.0, open_lo=True)
+        _check_float("gate_offset", self.gate_offset)
+        _check_float("threshold", self.threshold)
+        _check_float("target_keep", self.target_keep, 0.0, 1.0, open_lo=True)
+        _check_float("aux_weight", self.aux_weight, 0.0)
+
+    def replace(self, **overrides: Any) -> DMSConfig:
+        names = {f.name for f in dataclasses.fields(self)}
+        bad = sorted(set(overrides) - names)
+        if bad:
+            raise TypeError(f"unknown DMSConfig field(s) {bad}; valid fields: {sorted(names)}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_json(self) -> str:
+        return json.dumps({"method": "dms", **dataclasses.asdict(self)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str) -> DMSConfig:
+        d = json.loads(s)
+        d.pop("method", None)
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"unknown DMSConfig field(s) {bad}")
+        return cls(**d)
+
+
+def dms_target(config: DMSConfig, step: int) -> float:
+    """Target eviction fraction at optimiser step ``step``: ``1 - 1/CR`` with ``CR`` linear from 1 to
+    ``1 / target_keep`` over ``schedule_steps`` (constant after)."""
+    progress = min(max(step, 0) / config.schedule_steps, 1.0)
+    cr = 1.0 + (1.0 / config.target_keep - 1.0) * progress
+    return 1.0 - 1.0 / cr
+
+
+# ----------------------------------------------------------------------------------- the math
+def logistic_noise(shape: tuple[int, ...], *, device: torch.device | str | None = None,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Logistic noise ``log(u) - log(1 - u)`` (the difference of two standard Gumbel samples), float32."""
+    u = torch.rand(shape, device=device, generator=generator, dtype=torch.float32)
+    u = u.clamp(1e-6, 1.0 - 1e-6)
+    return torch.log(u) - torch.log1p(-u)
+
+
+def gumbel_sigmoid(logits: torch.Tensor, tau: float, noise: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The relaxed eviction gate of one forward.
+
+    ``logits [..]`` (float) -> ``(soft, alpha, hard)``: ``soft = (logits + noise) / tau`` (noise: logistic,
+    drawn here when None; pass zeros for the noise-free relaxation), ``alpha = sigmoid(soft)`` the
+    eviction probability, ``hard`` the decision ``alpha > 1/2`` as 0/1 with the straight-through
+    gradient of ``alpha``.  ``log(1 - alpha) = logsigmoid(-soft)`` is the attention bias of the mask.
+    """
+    if noise is None:
+        noise = logistic_noise(tuple(logits.shape), device=logits.device)
+    soft = (logits.float() + noise) / tau
+    alpha = torch.sigmoid(soft)
+    hard = (alpha > 0.5).to(alpha.dtype) - alpha.detach() + alpha
+    return soft, alpha, hard
+
+
+def gate_evict_at(evict: torch.Tensor, *, sinks: int, window: int, offset: int = 0) -> torch.Tensor:
+    """Hard gates ``evict`` (bool ``[B, Hkv, S]``, position ``offset + i``) -> int32 ``evict_at``:
+    ``t + w`` where a token ``t >= s`` is evicted, ``NEVER`` elsewhere (docs/DESIGN.md mask rule)."""
+    S = evict.shape[-1]
+    t = torch.arange(offset, offset + S, device=evict.device, dtype=torch.int64)
+    ev = torch.where(evict & (t >= sinks), t + window, torch.full_like(t, NEVER))
+    return ev.clamp(max=NEVER).to(torch.int32)
+
+
+def dms_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_keep: torch.Tensor, *, sinks: int,
+                  window: int, scale: float | None = None, chunk: int = 512) -> torch.Tensor:
+    """Attention under DMS's relaxed delayed-eviction mask (dense, PyTorch, differentiable everywhere).
+
+    ``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]``, ``log_keep [B, Hkv, S]`` (``log(1 - alpha_t)``, ``<= 0``;
+    ``-inf`` evicts hard) -> ``out [B, Hq, S, D]`` in q's dtype.  Logit of query ``q`` for key ``t``:
+    ``scale q.k_t`` plus ``log_keep[t]`` when ``t >= s`` and ``t <= q - w`` (out of the window); ``-inf``
+    for ``t > q``.  Queries go in chunks of ``chunk`` (memory ``chunk x S`` per head).
+    """
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    if Hq % Hkv or k.shape != v.shape or log_keep.shape != (B, Hkv, S):
+        raise ValueError(f"need q [B, Hq, S, D], k/v [B, Hkv, S, D] with Hkv | Hq, log_keep [B, Hkv, S]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(log_keep.shape)}")
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    kf, vf = k.float(), v.float()
+    bias = log_keep.float().unsqueeze(2)  # [B, Hkv, 1, S]
+    t = torch.arange(S, device=q.device)
+    outs = []
+    for c0 in range(0, S, chunk):
+        c1 = min(S, c0 + chunk)
+        qc = q[:, :, c0:c1].float().reshape(B, Hkv, G, c1 - c0, D)
+        logits = torch.einsum("bhgcd,bhtd->bhgct", qc, kf) * scale
+        qpos = torch.arange(c0, c1, device=q.device).view(-1, 1)
+        old = (t.view(1, -1) <= qpos - window) & (t.view(1, -1) >= sinks)  # [C, S]
+        logits = logits + torch.where(old, bias.unsqueeze(2), torch.zeros((), device=q.device))
+        logits = logits.masked_fill(t.view(1, -1) > qpos, float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        outs.append(torch.einsum("bhgct,bhtd->bhgcd", p, vf).reshape(B, Hq, c1 - c0, D))
+    return torch.cat(outs, dim=2).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------- the layer
+class DMSLayer(nn.Module):
+    """What :func:`patch_dms` attaches to one attention module (as ``attn.dms``): the gate head.
+
+    ``gate``: ``nn.Linear(hidden_size, Hkv)`` in float32 (zero weight, bias ``-gate_offset``).  Transient:
+    ``hidden`` (the attention module's input of the current call, set by a forward pre-hook),
+    ``active_cache``, ``last_evict`` (the decisions ``[B, Hkv, S]`` of the last full-sequence forward:
+    straight-through hard gates in training, 0/1 otherwise; sinks 0), ``last_logits``.
+    """
+
+    def __init__(self, config: DMSConfig, hidden_size: int, num_kv_heads: int, head_dim: int, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.gate = nn.Linear(hidden_size, num_kv_heads)
+        with torch.no_grad():
+            self.gate.weight.zero_()
+            self.gate.bias.fill_(-config.gate_offset)
+        self.hidden: torch.Tensor | None = None
+        self.active_cache: Any = None
+        self.last_evict: torch.Tensor | None = None
+        self.last_logits: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"layer={self.layer_idx}, sinks={c.sinks}, window={c.window}, threshold={c.threshold}"
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gate logits ``[B, Hkv, S]`` (float32) of the attention input ``hidden [B, S, hidden_size]``."""
+        w = self.gate.weight
+        return F.linear(hidden.to(w.dtype), w, self.gate.bias).transpose(1, 2).float()
+
+    def capture(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook of the attention module: its input (the gates' input) and its cache."""
+        h = kwargs.get("hidden_states")
+        self.hidden = h if h is not None else (args[0] if args else None)
+        cache = kwargs.get("cache")
+        self.active_cache = cache if cache is not None else kwargs.get("past_key_values")
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - not a callable layer
+        raise RuntimeError("DMSLayer is driven by the 'kvpop_dms' attention function; do not call it")
+
+
+def dms_layers(model: nn.Module) -> list[DMSLayer]:
+    return sorted((m for m in model.modules() if isinstance(m, DMSLayer)), key=lambda m: m.layer_idx)
+
+
+# ----------------------------------------------------------------------------------- attention function
+_REGISTERED = False
+
+
+def _register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from .attention import kvpop_mask
+
+    AttentionInterface.register(DMS_ATTN_NAME, dms_attention_forward)
+    AttentionMaskInterface.register(DMS_ATTN_NAME, kvpop_mask)
+    _REGISTERED = True
+
+
+def dms_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The ``"kvpop_dms"`` attention function: relaxed mask in training, hard gates otherwise, or the
+    :class:`DMSCache` when the model is called with one.  Returns ``(out [B, S, Hq, D], None)``."""
+    layer = getattr(module, "dms", None)
+    if not isinstance(layer, DMSLayer):
+        raise RuntimeError(f"attention implementation {DMS_ATTN_NAME!r} is set but {type(module).__name__} carries "
+                           f"no DMSLayer: use kvpop.core.dms.patch_dms(model)")
+    if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask.bool().all())):
+        raise ValueError("DMS attention supports no padding or custom masks; pass equal-length rows or batch 1")
+    if dropout:
+        raise ValueError(f"DMS attention has no attention dropout; got dropout={dropout}")
+    hidden, layer.hidden = layer.hidden, None
+    cache, layer.active_cache = layer.active_cache, None
+    if hidden is None or hidden.shape[:2] != (query.shape[0], query.shape[2]):
+        raise RuntimeError(f"DMS: the input of attention layer {layer.layer_idx} was not captured "
+                           f"(got {None if hidden is None else tuple(hidden.shape)})")
+    cfg = layer.config
+    logits = layer.logits(hidden)  # [B, Hkv, S_new]
+    if isinstance(cache, DMSCache):
+        out = _cache_attention(cache, module, query, key, value, logits, scaling)
+        if out is not None:
+            return out, None
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError("DMS attention got fewer queries than keys: decode with kvpop.core.dms.DMSCache")
+    S = query.shape[2]
+    t = torch.arange(S, device=query.device)
+    old = t >= cfg.sinks
+    layer.last_logits = logits.detach()
+    if module.training and torch.is_grad_enabled():
+        soft, _, hard = gumbel_sigmoid(logits, cfg.tau)
+        log_keep = torch.where(old, F.logsigmoid(-soft), torch.zeros((), device=query.device))
+        layer.last_evict = hard * old
+        out = dms_attention(query, key, value, log_keep, sinks=cfg.sinks, window=cfg.window, scale=scaling)
+    else:
+        evict = (logits > cfg.threshold) & old
+        layer.last_evict = evict.float()
+        ev = gate_evict_at(evict, sinks=cfg.sinks, window=cfg.window)
+        out, _ = kvpop_kernels.sparse_attention(query, key, value, ev, sinks=cfg.sinks, window=cfg.window,
+                                                scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# ----------------------------------------------------------------------------------- patching
+def is_dms_patched(model: nn.Module) -> bool:
+    return _owner(model) is not None
+
+
+def _owner(model: nn.Module) -> nn.Module | None:
+    if getattr(model, _STATE_ATTR, None) is not None:
+        return model
+    if isinstance(model, nn.Module):
+        for m in model.modules():
+            if getattr(m, _STATE_ATTR, None) is not None:
+                return m
+    return None
+
+
+def get_dms_config(model: nn.Module) -> DMSConfig:
+    owner = _owner(model)
+    if owner is None:
+        raise ValueError(f"{type(model).__name__} is not DMS-patched: call kvpop.core.dms.patch_dms(model) first")
+    return getattr(owner, _STATE_ATTR)["config"]
+
+
+def patch_dms(model: nn.Module, config: DMSConfig | None = None, **overrides: Any) -> nn.Module:
+    """Attach DMS gates to every attention layer of ``model`` (in place; idempotent) and return it.
+
+    A DMS-patched model takes a new config (e.g. ``patch_dms(model, threshold=1.5)``) without losing its
+    gates.  A KVpop-patched model raises ``ValueError`` (``kvpop.unpatch`` it first).
+    """
+    from .patching import is_patched
+
+    adapter = adapter_for(model)
+    adapter.check_config(model.config.get_text_config())
+    if is_patched(model):
+        raise ValueError("the model is patched with KVpop; a model carries one method: kvpop.unpatch(model) first")
+    if config is not None and not isinstance(config, DMSConfig):
+        raise TypeError(f"config must be a DMSConfig or None, got {type(config).__name__}")
+    state = getattr(model, _STATE_ATTR, None)
+    base = config if config is not None else (state["config"] if state is not None else DMSConfig())
+    new = base.replace(**overrides) if overrides else base
+    _register()
+    if state is not None:
+        for layer in dms_layers(model):
+            layer.config = new
+        state["config"] = new
+        model.dms_config = new
+        return model
+    handles = []
+    hidden_size = model.config.get_text_config().hidden_size
+    for attn in adapter.attention_modules(model):
+        layer = DMSLayer(new, hidden_size, adapter.num_kv_heads(attn), adapter.head_dim(attn), attn.layer_idx)
+        layer.to(device=adapter.weight_device(attn), dtype=torch.float32)
+        attn.dms = layer
+        handles.append(attn.register_forward_pre_hook(layer.capture, with_kwargs=True))
+    orig = model.config._attn_implementation
+    model.config._attn_implementation = DMS_ATTN_NAME
+    setattr(model, _STATE_ATTR, {"config": new, "orig_attn": orig, "handles": handles, "step": 0})
+    model.dms_config = new
+    if "_prepare_cache_for_generation" not in model.__dict__ and hasattr(model, "_prepare_cache_for_generation"):
+        model._prepare_cache_for_generation = _DefaultDMSCache(model)
+    return model
+
+
+class _DefaultDMSCache:
+    """``model.generate(...)`` of a DMS-patched model decodes through a fresh :class:`DMSCache` when the
+    caller passed no cache (the same rule as ``kvpop.patch``'s default ``KVpopCache``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        given = any(model_kwargs.get(n) is not None for n in ("cache", "past_key_values"))
+        if not given and generation_config.use_cache is not False and generation_config.cache_implementation is None:
+            model_kwargs[cache_kwarg_name()] = DMSCache(model)
+        return type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
+
+
+def unpatch_dms(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_dms` in place (gates removed and lost); a model that is not DMS-patched is returned."""
+    owner = _owner(model)
+    if owner is None:
+        return model
+    state = getattr(owner, _STATE_ATTR)
+    for h in state["handles"]:
+        h.remove()
+    for attn in owner.modules():
+        if isinstance(attn._modules.get("dms"), DMSLayer):
+            del attn._modules["dms"]
+    owner.config._attn_implementation = state["orig_attn"]
+    delattr(owner, _STATE_ATTR)
+    for attr in ("dms_config", "_prepare_cache_for_generation"):
+        owner.__dict__.pop(attr, None)
+    return model
+
+
+def make_dms_teacher(model: nn.Module, *, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None) -> nn.Module:
+    """A frozen dense copy of a (DMS-patched) model's current weights: the distillation teacher."""
+    import copy
+
+    teacher = copy.deepcopy(model)
+    unpatch_dms(teacher)
+    if device is not None or dtype is not None:
+        teacher.to(device=device, dtype=dtype)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+# ----------------------------------------------------------------------------------- training loss
+def set_dms_step(model: nn.Module, step: int) -> None:
+    """Tell the model the optimiser step (the auxiliary loss's target follows :func:`dms_target`)."""
+    owner = _owner(model)
+    if owner is None:
+        raise ValueError("set_dms_step needs a DMS-patched model")
+    getattr(owner, _STATE_ATTR)["step"] = int(step)
+
+
+def dms_loss(model: nn.Module, *, reset: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted auxiliary loss of the last training forward and its statistics.
+
+    ``aux_weight * mean_b relu(target_evict - evict_frac_b)`` with ``evict_frac_b`` the mean hard
+    (straight-through) decision over the layers, KV heads and tokens ``t >= s`` of sequence ``b``.
+    Statistics: ``keep_frac`` (1 - the mean decision), ``target_keep`` (1 - target), ``aux``.  Returns
+    ``(0, ...)`` without grad when no layer recorded decisions (an eval forward).
+    """
+    owner = _owner(model)
+    if owner is None:
+        raise ValueError("dms_loss needs a DMS-patched model")
+    state = getattr(owner, _STATE_ATTR)
+    cfg = state["config"]
+    target = dms_target(cfg, state["step"])
+    fracs = []
+    for layer in dms_layers(owner):
+        ev = layer.last_evict
+        if ev is None:
+            continue
+        n_old = max(ev.shape[-1] - cfg.sinks, 1)
+        fracs.append(ev.sum(dim=(1, 2)) / (n_old * ev.shape[1]))  # [B]
+        if reset:
+            layer.last_evict = None
+    if not fracs:
+        return torch.zeros(()), {"keep_frac": float("nan"), "target_keep": 1.0 - target, "aux": 0.0}
+    frac = torch.stack(fracs).mean(0)  # [B]
+    aux = torch.relu(target - frac).mean()
+    return cfg.aux_weight * aux, {"keep_frac": 1.0 - float(frac.detach().mean()), "target_keep": 1.0 - target,
+                                  "aux": float(aux.detach())}
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+def save_dms(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write the gates of a DMS-patched model (safetensors, the config in the metadata, atomically)."""
+    from safetensors.torch import save_file
+
+    cfg = get_dms_config(model)
+    layers = dms_layers(model)
+    tensors = {f"layers.{la.layer_idx}.{n}": t.detach().to("cpu", torch.float32).contiguous()
+               for la in layers for n, t in la.state_dict().items()}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "dms_config": cfg.to_json(),
+                                           "num_layers": str(len(layers))})
+    os.replace(tmp, path)
+
+
+def read_dms_config(path: str | os.PathLike) -> DMSConfig:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a DMS gate file (metadata format={meta.get('format')!r}, expected {FORMAT!r})")
+    return DMSConfig.from_json(meta["dms_config"])
+
+
+def load_dms(model: nn.Module, path: str | os.PathLike, **overrides: Any) -> nn.Module:
+    """Load gates saved by :func:`save_dms` (patching the model with the file's config and ``overrides``)."""
+    from safetensors.torch import load_file
+
+    cfg = read_dms_config(path).replace(**overrides)
+    patch_dms(model, cfg)
+    saved = load_file(str(path))
+    expected = {f"layers.{la.layer_idx}.{n}": t for la in dms_layers(model) for n, t in la.state_dict().items()}
+    if set(saved) != set(expected):
+        raise ValueError(f"DMS gate file {path} does not fit the model: missing {sorted(set(expected) - set(saved))[:6]},"
+                         f" unexpected {sorted(set(saved) - set(expected))[:6]}")
+    with torch.no_grad():
+        for key, t in expected.items():
+            if saved[key].shape != t.shape:
+                raise ValueError(f"DMS gate file {path}: {key} has shape {tuple(saved[key].shape)}, the model needs "
+                                 f"{tuple(t.shape)}")
+            t.copy_(saved[key].to(t.device, t.dtype))
+    return model
+
+
+# ----------------------------------------------------------------------------------- the ragged cache
+class DMSCacheLayer(CacheLayerMixin):
+    """One layer of :class:`DMSCache` (batch 1).
+
+    Per KV head: ``s`` sink slots and a ring of ``w`` window slots (token ``t`` in slot
+    ``s + (t - s) % w``; ``fixed_k/fixed_v [Hkv, s + w, D]``, the same for every head), the gate decision
+    of each ring token (``ring_evict [Hkv, w]``), and the head's own long-range store: the tokens it kept
+    when they left the window, in order (``long_k[h][:kept_len[h]]``, ``long_pos[h]``), grown by
+    ``growth`` when full.  Nothing is ever removed from a long-range store (a DMS decision is final).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, *, sinks: int, window: int, threshold: float, growth: float = 1.25, min_block: int = 16):
+        super().__init__()
+        self.sinks, self.window, self.threshold = sinks, window, threshold
+        self.growth, self.min_block = growth, min_block
+        self.seen = 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        _, hkv, _, d = key_states.shape
+        dev, dt = key_states.device, key_states.dtype
+        self.device, self.dtype = dev, dt
+        n = self.sinks + self.window
+        self.fixed_k = torch.zeros(hkv, n, d, dtype=dt, device=dev)
+        self.fixed_v = torch.zeros(hkv, n, value_states.shape[-1], dtype=dt, device=dev)
+        self.ring_evict = torch.zeros(hkv, self.window, dtype=torch.bool, device=dev)
+        self.long_k = [torch.empty(0, d, dtype=dt, device=dev) for _ in range(hkv)]
+        self.long_v = [torch.empty(0, value_states.shape[-1], dtype=dt, device=dev) for _ in range(hkv)]
+        self.long_pos: list[list[int]] = [[] for _ in range(hkv)]
+        self.kept_len = [0] * hkv
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if key_states.shape[0] != 1:
+            raise NotImplementedError(f"DMSCache decodes one sequence at a time (batch 1); got batch {key_states.shape[0]}")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = (key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.seen = 0
+        self.pending = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("DMSCache does not support beam search (batch size 1 only)")
+
+    def slot_of(self, pos: int) -> int:
+        return pos if pos < self.sinks else self.sinks + (pos - self.sinks) % self.window
+
+    def _reserve(self, h: int, need: int) -> None:
+        cap = self.long_k[h].shape[0]
+        if need <= cap:
+            return
+        new = max(need, self.min_block, int(math.ceil(cap * self.growth)))
+        for store in (self.long_k, self.long_v):
+            buf = torch.empty(new, store[h].shape[1], dtype=store[h].dtype, device=store[h].device)
+            buf[:cap] = store[h]
+            store[h] = buf
+
+    def _append(self, h: int, k: torch.Tensor, v: torch.Tensor, pos: list[int]) -> None:
+        n, m = self.kept_len[h], k.shape[0]
+        self._reserve(h, n + m)
+        self.long_k[h][n:n + m] = k
+        self.long_v[h][n:n + m] = v
+        self.long_pos[h].extend(pos)
+        self.kept_len[h] = n + m
+
+    def head_entries(self) -> list[int]:
+        """Entries each KV head holds now: sinks and window tokens seen, plus its kept long-range tokens."""
+        fixed = min(self.seen, self.sinks + self.window)
+        return [fixed + n for n in self.kept_len] if self.is_initialized else []
+
+    def nbytes(self) -> int:
+        """Bytes allocated by this layer: the fixed slots and each head's own long-range capacity."""
+        if not self.is_initialized:
+            return 0
+        ts = [self.fixed_k, self.fixed_v, self.ring_evict, *self.long_k, *self.long_v]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the keys and values the heads hold (without unused capacity)."""
+        if not self.is_initialized:
+            return 0
+        per = self.fixed_k.shape[-1] * self.fixed_k.element_size() + self.fixed_v.shape[-1] * self.fixed_v.element_size()
+        return per * sum(self.head_entries())
+
+
+class DMSCache(Cache):
+    """Per-KV-head ragged cache for batch-1 decoding with a DMS-patched model (:func:`patch_dms`).
+
+    Each head keeps the sinks, the window and the long-range tokens its gates kept, so heads hold
+    different numbers of tokens (:meth:`head_entries`); memory (:meth:`nbytes`) is the sum of what the
+    heads hold plus each head's spare capacity (at most ``growth - 1`` of its own), never a padded
+    maximum over heads.  Prefill (the first call, several tokens) is the teacher-forced hard-gate forward
+    (``sparse_attention`` with :func:`gate_evict_at`); every later token is one ragged decode step.
+    ``threshold`` overrides the model's ``DMSConfig.threshold``.
+    """
+
+    def __init__(self, model: Any = None, *, config: DMSConfig | None = None, num_layers: int | None = None,
+                 threshold: float | None = None):
+        if config is None and model is not None:
+            config = getattr(model, "dms_config", None)
+        if config is None:
+            raise ValueError("DMSCache needs a DMS-patched model (patch_dms(model)) or config=DMSConfig(...)")
+        if num_layers is None:
+            if model is None:
+                raise ValueError("DMSCache(config=...) also needs num_layers=")
+            num_layers = model.config.get_text_config().num_hidden_layers
+        self.dms_config = config
+        thr = config.threshold if threshold is None else float(threshold)
+        super().__init__(layers=[DMSCacheLayer(sinks=config.sinks, window=config.window, threshold=thr)
+                                 for _ in range(num_layers)])
+
+    def head_entries(self) -> torch.Tensor:
+        """Entries held per layer and KV head, int64 ``[num_layers, Hkv]``."""
+        return torch.tensor([la.head_entries() for la in self.layers], dtype=torch.int64)
+
+    def nbytes(self) -> int:
+        return sum(la.nbytes() for la in self.layers)
+
+    def kept_bytes(self) -> int:
+        return sum(la.kept_bytes() for la in self.layers)
+
+
+def head_entries(cache: DMSCache) -> torch.Tensor:
+    return cache.head_entries()
+
+
+def _cache_attention(cache: DMSCache, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, logits: torch.Tensor, scaling: float | None) -> torch.Tensor | None:
+    if module.layer_idx >= len(cache.layers):
+        return None
+    layer = cache.layers[module.layer_idx]
+    pending, layer.pending = layer.pending, None
+    if pending is None or pending[0] is not key:
+        return None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    S = query.shape[2]
+    pos = torch.arange(layer.seen, layer.seen + S, device=key.device)
+    evict = (logits[0] > layer.threshold) & (pos >= layer.sinks)  # [Hkv, S]
+    if layer.seen == 0 and S > 1:
+        return _prefill(layer, query, key, value, evict, scale)
+    outs = [_decode(layer, query[0, :, i], key[0, :, i], value[0, :, i], evict[:, i], scale) for i in range(S)]
+    return torch.stack(outs, dim=0).unsqueeze(0)  # [1, S, Hq, D]
+
+
+def _prefill(layer: DMSCacheLayer, query, key, value, evict, scale) -> torch.Tensor:
+    s, w = layer.sinks, layer.window
+    S = key.shape[2]
+    ev = gate_evict_at(evict[None], sinks=s, window=w)
+    out, _ = kvpop_kernels.sparse_attention(query, key, value, ev, sinks=s, window=w, scale=scale)
+    kk, vv = key[0], value[0]
+    n_sink = min(s, S)
+    layer.fixed_k[:, :n_sink] = kk[:, :n_sink]
+    layer.fixed_v[:, :n_sink] = vv[:, :n_sink]
+    win = torch.arange(max(s, S - w), S, device=kk.device)
+    if win.numel():
+        slots = s + (win - s) % w
+        layer.fixed_k[:, slots] = kk[:, win]
+        layer.fixed_v[:, slots] = vv[:, win]
+        layer.ring_evict[:, slots - s] = evict[:, win]
+    left = torch.arange(s, max(s, S - w), device=kk.device)  # tokens that have left the window
+    for h in range(kk.shape[0]):
+        keep = left[~evict[h, left]]
+        if keep.numel():
+            layer._append(h, kk[h, keep], vv[h, keep], keep.tolist())
+    layer.seen = S
+    return out.transpose(1, 2)
+
+
+def _decode(layer: DMSCacheLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, evict: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """One token at position ``layer.seen``: ``q [Hq, D]``, ``k/v [Hkv, D]``, ``evict [Hkv]`` -> ``[Hq, D]``."""
+    s, w = layer.sinks, layer.window
+    p = layer.seen
+    slot = layer.slot_of(p)
+    if p >= s + w:  # token p - w leaves the window now: the heads that kept it store it
+        leaving_keep = (~layer.ring_evict[:, slot - s]).tolist()
+        for h, keep in enumerate(leaving_keep):
+            if keep:
+                layer._append(h, layer.fixed_k[h, slot:slot + 1], layer.fixed_v[h, slot:slot + 1], [p - w])
+    layer.fixed_k[:, slot] = k
+    layer.fixed_v[:, slot] = v
+    if p >= s:
+        layer.ring_evict[:, slot - s] = evict
+    layer.seen = p + 1
+    n_fixed = min(p + 1, s + w)
+    Hkv = k.shape[0]
+    G = q.shape[0] // Hkv
+    outs = []
+    for h in range(Hkv):  # ragged: every head attends over its own number of keys
+        qh = q[h * G:(h + 1) * G].float()
+        sc = qh @ layer.fixed_k[h, :n_fixed].float().T
+        n = layer.kept_len[h]
+        if n:
+            sc = torch.cat([sc, qh @ layer.long_k[h][:n].float().T], dim=-1)
+        att = torch.softmax(sc * scale, dim=-1)
+        o = att[:, :n_fixed] @ layer.fixed_v[h, :n_fixed].float()
+        if n:
+            o = o + att[:, n_fixed:] @ layer.long_v[h][:n].float()
+        outs.append(o.to(q.dtype))
+    return torch.cat(outs, dim=0)

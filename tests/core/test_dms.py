@@ -1,0 +1,230 @@
+"""DMS, the learned baseline: gate relaxation, delayed-eviction mask, ragged cache, patching, training."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from kvpop.core import dms as D
+from kvpop.models import cache_kwarg_name
+from kvpop_kernels import NEVER, reference
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from tiny import tiny_model  # noqa: E402
+
+
+
+# ------------------------------------------------------------------------------ relaxation
+def test_gumbel_sigmoid_without_noise_is_a_tempered_sigmoid_with_straight_through_gradient():
+    logits = torch.tensor([-3.0, -0.2, 0.1, 2.5], requires_grad=True)
+    soft, alpha, hard = D.gumbel_sigmoid(logits, 0.5, noise=torch.zeros(4))
+    torch.testing.assert_close(soft, logits.detach() / 0.5)
+    torch.testing.assert_close(alpha, torch.sigmoid(logits.detach() / 0.5))
+    assert hard.tolist() == [0.0, 0.0, 1.0, 1.0]
+    (hard * torch.arange(1.0, 5.0)).sum().backward()
+    a = torch.sigmoid(logits.detach() / 0.5)
+    torch.testing.assert_close(logits.grad, torch.arange(1.0, 5.0) * a * (1 - a) / 0.5)
+
+
+@pytest.mark.parametrize("tau", [0.1, 1.0])
+def test_hard_decision_is_a_bernoulli_sample_of_sigmoid_logit(tau):
+    # with logistic noise, P(logit + n > 0) = sigmoid(logit) whatever the temperature
+    torch.manual_seed(0)
+    logits = torch.tensor([-2.0, 0.0, 1.0]).repeat(40000, 1)
+    _, _, hard = D.gumbel_sigmoid(logits, tau)
+    freq = hard.mean(0)
+    torch.testing.assert_close(freq, torch.sigmoid(torch.tensor([-2.0, 0.0, 1.0])), atol=0.01, rtol=0)
+    n = D.logistic_noise((200000,))
+    assert abs(float(n.mean())) < 0.03 and abs(float(n.var()) - math.pi ** 2 / 3) < 0.1
+
+
+def test_dms_target_schedule_is_linear_in_the_compression_ratio():
+    cfg = D.DMSConfig(target_keep=0.25, schedule_steps=10)
+    assert D.dms_target(cfg, 0) == 0.0
+    assert D.dms_target(cfg, 5) == pytest.approx(1 - 1 / 2.5)
+    assert D.dms_target(cfg, 10) == pytest.approx(0.75) == D.dms_target(cfg, 99)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="target_keep"):
+        D.DMSConfig(target_keep=0.0)
+    with pytest.raises(ValueError, match="tau"):
+        D.DMSConfig(tau=0)
+    with pytest.raises(TypeError, match="window"):
+        D.DMSConfig(window=2.5)
+    with pytest.raises(TypeError, match="unknown"):
+        D.DMSConfig().replace(budget=3)
+
+
+# ------------------------------------------------------------------------------ delayed mask
+def _brute_dms(q, k, v, log_keep, sinks, window, scale):
+    """Query by query, key by key: the relaxed delayed-eviction logits, then softmax."""
+    B, Hq, S, Dh = q.shape
+    G = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, S, Dh, dtype=torch.float64)
+    for b in range(B):
+        for hq in range(Hq):
+            h = hq // G
+            for u in range(S):
+                row = []
+                for t in range(u + 1):
+                    x = scale * float(q[b, hq, u].double() @ k[b, h, t].double())
+                    if t >= sinks and t <= u - window:
+                        x += float(log_keep[b, h, t])
+                    row.append(x)
+                p = torch.softmax(torch.tensor(row, dtype=torch.float64), 0)
+                out[b, hq, u] = p @ v[b, h, :u + 1].double()
+    return out
+
+
+@pytest.mark.parametrize("S,sinks,window,G", [(17, 2, 4, 2), (23, 0, 1, 1), (9, 3, 12, 4)])
+def test_relaxed_mask_matches_brute_force(S, sinks, window, G):
+    Hkv, Dh = 2, 8
+    q = torch.randn(1, Hkv * G, S, Dh)
+    k, v = torch.randn(1, Hkv, S, Dh), torch.randn(1, Hkv, S, Dh)
+    log_keep = torch.nn.functional.logsigmoid(-3 * torch.randn(1, Hkv, S))
+    out = D.dms_attention(q, k, v, log_keep, sinks=sinks, window=window, scale=0.3, chunk=5)
+    torch.testing.assert_close(out.double(), _brute_dms(q, k, v, log_keep, sinks, window, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_relaxed_mask_gradient_reaches_the_gates_only_out_of_the_window():
+    S, w, s = 20, 5, 2
+    q, k, v = torch.randn(1, 2, S, 8), torch.randn(1, 1, S, 8), torch.randn(1, 1, S, 8)
+    log_keep = torch.full((1, 1, S), -0.5, requires_grad=True)
+    D.dms_attention(q, k, v, log_keep, sinks=s, window=w).square().sum().backward()
+    g = log_keep.grad[0, 0]
+    assert torch.all(g[:s] == 0), "sinks are never gated"
+    assert torch.all(g[S - w:] == 0), "the last w tokens are in every query's window"
+    assert torch.all(g[s:S - w] != 0)
+
+
+@pytest.mark.parametrize("S,sinks,window", [(31, 4, 6), (40, 0, 1), (12, 2, 16)])
+def test_hard_gates_give_the_sparse_kernels_mask(S, sinks, window):
+    """A token evicted at t is visible to queries t .. t+w-1 (w more queries counting its own) and never
+    after; a kept token to every later query; the relaxed mask with -inf equals the kernel."""
+    Hkv, G, Dh = 2, 2, 16
+    evict = torch.rand(1, Hkv, S) < 0.5
+    ev = D.gate_evict_at(evict, sinks=sinks, window=window)
+    vis = reference.visible_mask(ev, sinks=sinks, window=window)[0]  # [Hkv, q, t]
+    for h in range(Hkv):
+        for t in range(S):
+            seen = [u for u in range(S) if vis[h, u, t]]
+            if t >= sinks and evict[0, h, t]:
+                assert seen == list(range(t, min(S, t + window)))
+                assert int(ev[0, h, t]) == t + window
+            else:
+                assert seen == list(range(t, S))
+                assert int(ev[0, h, t]) == NEVER
+    q = torch.randn(1, Hkv * G, S, Dh)
+    k, v = torch.randn(1, Hkv, S, Dh), torch.randn(1, Hkv, S, Dh)
+    log_keep = torch.where(evict, torch.tensor(float("-inf")), torch.tensor(0.0))
+    ref, _ = reference.sparse_attention(q, k, v, ev, sinks=sinks, window=window)
+    torch.testing.assert_close(D.dms_attention(q, k, v, log_keep, sinks=sinks, window=window), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ model level
+def _gated(model, seed=0, **cfg):
+    """Patch with DMS and give the gates random weights, so that some tokens are evicted."""
+    D.patch_dms(model, D.DMSConfig(**{"sinks": 2, "window": 6, **cfg}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for la in D.dms_layers(model):
+            la.gate.weight.copy_(torch.randn(la.gate.weight.shape, generator=g) * 2.0)
+            la.gate.bias.fill_(0.0)
+    return model
+
+
+def test_fresh_gates_keep_everything_and_unpatch_restores_the_model():
+    model = tiny_model()
+    ids = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        ref = model(ids).logits
+        keys = set(model.state_dict())
+        D.patch_dms(model, sinks=2, window=4)
+        assert D.is_dms_patched(model)
+        torch.testing.assert_close(model(ids).logits, ref, atol=1e-5, rtol=1e-5)
+        assert all(float(la.last_evict.sum()) == 0 for la in D.dms_layers(model))
+        D.unpatch_dms(model)
+        assert not D.is_dms_patched(model) and set(model.state_dict()) == keys
+        torch.testing.assert_close(model(ids).logits, ref)
+
+
+def test_kvpop_and_dms_exclude_each_other():
+    import kvpop
+
+    model = kvpop.patch(tiny_model(), sinks=2, window=4, budget=12)
+    with pytest.raises(ValueError, match="KVpop"):
+        D.patch_dms(model)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 5, 23])
+def test_ragged_cache_prefill_and_decoding_equal_the_teacher_forced_forward(prompt_len):
+    model = _gated(tiny_model())
+    ids = torch.randint(0, 128, (1, 48))
+    with torch.no_grad():
+        ref = model(ids).logits  # teacher-forced, hard gates (sparse_attention with gate_evict_at)
+        evicted = sum(float(la.last_evict.sum()) for la in D.dms_layers(model))
+        assert evicted > 10
+        cache = D.DMSCache(model)
+        kw = {"use_cache": True, cache_kwarg_name(): cache}
+        outs = [model(ids[:, :prompt_len], **kw).logits]
+        for i in range(prompt_len, ids.shape[1]):
+            outs.append(model(ids[:, i:i + 1], **kw).logits)
+    torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-4, rtol=1e-4)
+    # each head holds sinks + window + the long-range tokens its gates kept
+    S, s, w = ids.shape[1], 2, 6
+    ent = cache.head_entries()
+    for li, la in enumerate(D.dms_layers(model)):
+        ev = la.last_logits[0] > 0
+        kept = [(~ev[h, s:S - w]).sum().item() for h in range(ev.shape[0])]
+        assert ent[li].tolist() == [s + w + n for n in kept]
+        assert cache.layers[li].long_pos == [[t for t in range(s, S - w) if not ev[h, t]] for h in range(ev.shape[0])]
+
+
+def test_ragged_cache_memory_is_what_the_heads_keep():
+    model = _gated(tiny_model(), seed=3)
+    ids = torch.randint(0, 128, (1, 120))
+    with torch.no_grad():
+        cache = D.DMSCache(model)
+        model(ids, **{cache_kwarg_name(): cache})
+        for i in range(40):
+            model(torch.randint(0, 128, (1, 1)), **{cache_kwarg_name(): cache})
+    ent = cache.head_entries()
+    assert ent.unique().numel() > 1, "the heads keep different numbers of tokens"
+    per_token = 2 * 32 * 4  # key + value, head_dim 32, float32
+    assert cache.kept_bytes() == int(ent.sum()) * per_token
+    padded = ent.shape[0] * ent.shape[1] * int(ent.max()) * per_token
+    assert cache.kept_bytes() <= cache.nbytes() < padded
+    assert cache.nbytes() <= 1.3 * cache.kept_bytes() + ent.numel() * 16 * per_token
+
+
+def test_generate_decodes_through_a_dms_cache():
+    model = _gated(tiny_model())
+    ids = torch.randint(0, 128, (1, 30))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+        # greedy decoding equals greedy argmax of the teacher-forced forward of the generated sequence
+        ref = model(out).logits[0, 29:-1].argmax(-1)
+    assert out.shape == (1, 42)
+    assert torch.equal(out[0, 30:], ref)
+
+
+def test_dms_loss_and_save_load_roundtrip(tmp_path):
+    model = _gated(tiny_model(), target_keep=0.5, schedule_steps=4)
+    model.train()
+    ids = torch.randint(0, 128, (2, 32))
+    D.set_dms_step(model, 4)
+    model(ids)
+    aux, st = D.dms_loss(model)
+    assert st["target_keep"] == pytest.approx(0.5)
+    assert aux.requires_grad and 0 <= float(aux.detach()) <= 0.5
+    aux.backward()
+    assert any(la.gate.weight.grad is not None for la in D.dms_layers(model))
+    path = tmp_path / "gates.safetensors"
+    D.save_dms(model, path)
+    other = D.load_dms(tiny_model(), path, threshold=0.5)
+    assert D.get_dms_config(other).threshold == 0.5 and D.read_dms_config(path).threshold == 0.0
+    for a, b in zip(D.dms_layers(model), D.dms_layers(other)):
+        torch.testing.assert_close(a.gate.weight, b.gate.weight)
