@@ -507,8 +507,8 @@ def load_dms(model: nn.Module, path: str | os.PathLike, **overrides: Any) -> nn.
     saved = load_file(str(path))
     expected = {f"layers.{la.layer_idx}.{n}": t for la in dms_layers(model) for n, t in la.state_dict().items()}
     if set(saved) != set(expected):
-        raise ValueError(f"DMS gate file {path} does not fit the model: missing {sorted(set(expected) - set(saved))[:6]},"
-                         f" unexpected {sorted(set(saved) - set(expected))[:6]}")
+        raise ValueError(f"DMS gate file {path} does not fit the model: missing "
+                         f"{sorted(set(expected) - set(saved))[:6]}, unexpected {sorted(set(saved) - set(expected))[:6]}")
     with torch.no_grad():
         for key, t in expected.items():
             if saved[key].shape != t.shape:
@@ -556,7 +556,8 @@ class DMSCacheLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if key_states.shape[0] != 1:
-            raise NotImplementedError(f"DMSCache decodes one sequence at a time (batch 1); got batch {key_states.shape[0]}")
+            raise NotImplementedError(f"DMSCache decodes one sequence at a time (batch 1); got batch "
+                                      f"{key_states.shape[0]}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.pending = (key_states, value_states)
@@ -616,7 +617,8 @@ class DMSCacheLayer(CacheLayerMixin):
         """Bytes of the keys and values the heads hold (without unused capacity)."""
         if not self.is_initialized:
             return 0
-        per = self.fixed_k.shape[-1] * self.fixed_k.element_size() + self.fixed_v.shape[-1] * self.fixed_v.element_size()
+        fk, fv = self.fixed_k, self.fixed_v
+        per = fk.shape[-1] * fk.element_size() + fv.shape[-1] * fv.element_size()
         return per * sum(self.head_entries())
 
 

@@ -1,18 +1,13 @@
 """DMS, the learned baseline: gate relaxation, delayed-eviction mask, ragged cache, patching, training."""
 import math
-import os
-import sys
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from kvpop.core import dms as D
 from kvpop.models import cache_kwarg_name
 from kvpop_kernels import NEVER, reference
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from tiny import tiny_model  # noqa: E402
-
 
 
 # ------------------------------------------------------------------------------ relaxation
