@@ -507,8 +507,8 @@ def load_dms(model: nn.Module, path: str | os.PathLike, **overrides: Any) -> nn.
     saved = load_file(str(path))
     expected = {f"layers.{la.layer_idx}.{n}": t for la in dms_layers(model) for n, t in la.state_dict().items()}
     if set(saved) != set(expected):
-        raise ValueError(f"DMS gate file {path} does not fit the model: missing "
-                         f"{sorted(set(expected) - set(saved))[:6]}, unexpected {sorted(set(saved) - set(expected))[:6]}")
+        missing, extra = sorted(set(expected) - set(saved))[:6], sorted(set(saved) - set(expected))[:6]
+        raise ValueError(f"DMS gate file {path} does not fit the model: missing {missing}, unexpected {extra}")
     with torch.no_grad():
         for key, t in expected.items():
             if saved[key].shape != t.shape:
