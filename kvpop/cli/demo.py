@@ -12,7 +12,8 @@
    i.e. k = 4 long-range slots, see below) and ``fixed-finetune`` (the model fine-tuned, KL to the
    frozen original, with a fixed StreamingLLM mask at 12.5 % of its training length: the paper's
    fine-tune-only ablation);
-3. evaluates dense, streaming, tova, h2o, fixed-finetune, kvpop-mlp and kvpop-mlstm at budgets of
+   and the learned baseline ``dms`` (gates and model together, ``kvpop.demo.dms``, ``--dms-steps``);
+3. evaluates dense, streaming, tova, h2o, fixed-finetune, kvpop-mlp, kvpop-mlstm and dms at budgets of
    6.25 %, 12.5 % and 25 % of L_train (re-budgeting with ``kvpop.patch(model, budget=...)``), at
    L_train and 2x L_train, every sequence through a ``kvpop.KVpopCache``;
 4. prints the table and writes ``results.json``, ``table.md`` and ``accuracy_vs_budget.png``.
@@ -61,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-scorer", type=float, default=None, help="scorer learning rate (default 1e-2)")
     p.add_argument("--lr-model", type=float, default=None, help="model learning rate of fixed-finetune (default 1e-4)")
     p.add_argument("--tau", type=float, default=None, help="temperature of the score loss (default 1.0)")
+    p.add_argument("--dms-steps", type=int, default=None,
+                   help="training steps of the DMS baseline (gates + model; default 100; 0 leaves dms out)")
+    p.add_argument("--dms-target-keep", type=float, default=None,
+                   help="keep fraction DMS is trained to (default 0.1; evaluated at each budget's mean)")
+    p.add_argument("--dms-lr", type=float, default=None, help="learning rate of the DMS gates (default 0.05)")
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -84,6 +90,9 @@ def _settings(args: argparse.Namespace) -> dict:
         "lr_scorer": args.lr_scorer or 1e-2,
         "lr_model": args.lr_model or 1e-4,
         "tau": args.tau or 1.0,
+        "dms_steps": (3 if q else 100) if args.dms_steps is None else args.dms_steps,
+        "dms_target_keep": args.dms_target_keep or 0.1,
+        "dms_lr": args.dms_lr or 0.05,
     }
 
 
@@ -136,6 +145,18 @@ def run(args: argparse.Namespace) -> int:
         E.retrofit(base, p, out / p, rc, resume=args.resume, progress=progress)
         timings[f"retrofit_{p}_s"] = round(time.time() - t0, 1)
 
+    if s["dms_steps"] > 0:  # the learned baseline: gates and model together (kvpop.demo.dms)
+        from kvpop.demo.dms import retrofit_dms
+
+        t0 = time.time()
+        rc = E.RetrofitConfig(steps=s["dms_steps"], length=s["train_length"], batch=1, sinks=s["sinks"],
+                              window=s["window"], lr_scorer=s["dms_lr"], lr_model=s["lr_model"], train_model=True,
+                              checkpoint_every=max(1, min(50, s["dms_steps"] // 4)))
+        print(f"[kvpop demo] retrofit dms: {rc.steps} steps at length {rc.length}, target keep "
+              f"{s['dms_target_keep']}", flush=True)
+        retrofit_dms(base, out / "dms", rc, target_keep=s["dms_target_keep"], resume=args.resume, progress=progress)
+        timings["retrofit_dms_s"] = round(time.time() - t0, 1)
+
     # 2. the models of every policy
     pm = dict(sinks=cfg.sinks, window=cfg.window, budget=cfg.budgets[0])
     shared = E.policy_model(base, "streaming", **pm)
@@ -145,6 +166,9 @@ def run(args: argparse.Namespace) -> int:
               "kvpop-mlp": E.policy_model(base, "kvpop-mlp", scorers=out / "kvpop-mlp" / "scorers.safetensors", **pm),
               "kvpop-mlstm": E.policy_model(base, "kvpop-mlstm", scorers=out / "kvpop-mlstm" / "scorers.safetensors",
                                             **pm)}
+    if s["dms_steps"] > 0:
+        models["dms"] = E.policy_model(base, "dms", scorers=out / "dms" / "gates.safetensors",
+                                       finetuned=E.load_base_model(out / "dms" / "model"), **pm)
 
     # 3. evaluation, each row appended to rows.jsonl as soon as it is measured
     done = {}
@@ -168,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     timings["total_s"] = round(time.time() - t_start, 1)
     results["demo"] = {"settings": stamp, "timings": timings, "threads": torch.get_num_threads(),
                        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                       "retrofit": {p: json.loads((out / p / "done.json").read_text()) for p in RETROFITS}}
+                       "retrofit": {p: json.loads((out / p / "done.json").read_text())
+                                    for p in RETROFITS + (("dms",) if s["dms_steps"] > 0 else ())}}
     finish(results, out, not args.no_plot)
     print(f"[kvpop demo] done in {timings['total_s']:.0f} s", flush=True)
     return 0

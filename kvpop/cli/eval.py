@@ -6,7 +6,8 @@ Example (after ``kvpop demo --out demo``, which writes the retrofitted parts)::
                --scorers kvpop-mlstm=demo/kvpop-mlstm/scorers.safetensors \\
                --finetuned fixed-finetune=demo/fixed-finetune/model --out eval-out
 
-Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.demo.evaluate``).
+Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.demo.evaluate``), the
+``dms`` row through ``kvpop.core.dms.patch_dms`` + ``DMSCache`` at the same mean budget (``--dms DIR``).
 Policies without what they need (scorers, a fine-tuned model) are skipped unless named in
 ``--policies``, which then raises a clear error.
 
@@ -77,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scorer file for kvpop-mlp / kvpop-mlstm (repeatable)")
     p.add_argument("--finetuned", action="append", metavar="POLICY=DIR",
                    help="fine-tuned model directory for fixed-finetune (or to serve kvpop-* scorers; repeatable)")
+    p.add_argument("--dms", default=None, metavar="DIR",
+                   help="a DMS run for the dms policy: DIR/gates.safetensors and DIR/model (kvpop train --method dms "
+                        "--out DIR, or the demo's OUT/dms)")
     p.add_argument("--policies", default=None, help="comma-separated policies (default: all that can run)")
     p.add_argument("--out", default=None, help="directory for results.json, table.md and accuracy_vs_budget.png")
     p.add_argument("--data", default=None, metavar="JSONL",
@@ -102,12 +106,21 @@ def finish(results: dict, out: Path | None, plot: bool) -> None:
 
 
 def _policy_models(E, base, cfg_policies, wanted, scorers: dict, finetuned: dict, *, sinks: int, window: int,
-                   budget: int, load) -> dict:
-    """policy -> model for every policy of ``cfg_policies`` that has what it needs."""
+                   budget: int, load, dms_dir: str | None = None) -> dict:
+    """policy -> model for every policy of ``cfg_policies`` that has what it needs (``dms``: the DMS run
+    ``dms_dir`` holding ``gates.safetensors`` and ``model/``)."""
     models = {"dense": base}
     shared = None
     for p in cfg_policies:
         if p == "dense":
+            continue
+        if p == "dms":
+            if dms_dir is None:
+                if wanted is not None:
+                    raise ValueError("policy 'dms' needs --dms DIR (a kvpop train --method dms run)")
+                continue
+            models[p] = E.policy_model(base, "dms", scorers=Path(dms_dir) / "gates.safetensors",
+                                       finetuned=load(Path(dms_dir) / "model"), sinks=sinks, window=window)
             continue
         ft = load(finetuned[p]) if p in finetuned else None
         if p in E.SCORER_OF and p not in scorers:
@@ -163,7 +176,7 @@ def _run_traces(args: argparse.Namespace, scorers: dict, finetuned: dict, wanted
         lengths = [int(t.numel()) for t in traces]
         cfg.resolve(lengths)
         models = _policy_models(E, base, cfg.policies, wanted, scorers, finetuned, sinks=cfg.sinks,
-                                window=cfg.window, budget=cfg.budgets[0], load=TE.load_model)
+                                window=cfg.window, budget=cfg.budgets[0], load=TE.load_model, dms_dir=args.dms)
         rows = TE.evaluate_traces(models, traces, cfg)
     except (ValueError, FileNotFoundError, TypeError, NotImplementedError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
@@ -215,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
                            policies=wanted or E.POLICIES, progress=not args.no_progress)
         base = E.load_base_model(args.model)
         models = _policy_models(E, base, cfg.policies, wanted, scorers, finetuned, sinks=cfg.sinks,
-                                window=cfg.window, budget=cfg.budgets[0], load=E.load_base_model)
+                                window=cfg.window, budget=cfg.budgets[0], load=E.load_base_model, dms_dir=args.dms)
         t0 = time.time()
         results = E.evaluate(models, cfg)
         results["eval_seconds"] = round(time.time() - t0, 1)

@@ -5,6 +5,7 @@ Examples (CPU, the shipped tiny model)::
     kvpop train --task --seq-len 256 --budget 96 --window 32 --steps 20 --out runs/kv
     kvpop train --data data.jsonl --seq-len 128 --budget 48 --window 16 --steps 20 --out runs/kv
     kvpop train --task --seq-len 256 --budget 96 --window 32 --steps 40 --out runs/kv --resume
+    kvpop train --method dms --task --seq-len 1024 --window 32 --target-keep 0.125 --steps 100 --out runs/dms
 
 Several GPUs::
 
@@ -21,7 +22,8 @@ trace task of ``kvpop.task``, generated on the fly at ``--seq-len``).
 What ``--out DIR`` receives: ``last.pt`` (the full training state, written atomically every
 ``--checkpoint-every`` steps and at the end), ``scorers.safetensors`` (``kvpop.save_scorers``; load with
 ``kvpop.load_scorers``), ``model/`` (the fine-tuned model, ``save_pretrained`` without the scorer
-tensors; not with ``--no-train-model``), ``args.json`` (the arguments) and ``history.jsonl`` (one line
+tensors; not with ``--no-train-model``), with ``--method dms`` ``gates.safetensors`` instead of the scorers
+(``kvpop.core.dms.load_dms``), ``args.json`` (the arguments) and ``history.jsonl`` (one line
 of losses per step, appended as each step finishes).  ``--resume`` continues from ``last.pt`` exactly (a
 resumed run repeats the steps of an uninterrupted one, and its ``history.jsonl`` is the uninterrupted
 run's); every argument but ``--steps``, ``--checkpoint-every``, ``--no-progress``, ``--device`` and the
@@ -53,9 +55,14 @@ _PATHS = ("data", "model")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvpop.core.config import MASK_SOURCES, SCORERS, TARGET_LSES, KVpopConfig
+    from kvpop.core.dms import DMSConfig
     from kvpop.training.train import DIST_MODES
 
     d = KVpopConfig()
+    dd = DMSConfig()
+    p.add_argument("--method", choices=("kvpop", "dms"), default="kvpop",
+                   help="kvpop: learned scorers with L_score (default); dms: the DMS baseline, per-token eviction "
+                        "gates trained by the KL and a compression loss (kvpop.core.dms; --budget is not used)")
     src = p.add_argument_group("model and data")
     m = src.add_mutually_exclusive_group()
     m.add_argument("--model", type=str, default=None,
@@ -103,6 +110,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="do not balance keep/drop decisions in L_score (then several processes take "
                          "exactly the steps of one)")
 
+    dm = p.add_argument_group("DMS (--method dms, kvpop.core.dms.DMSConfig; --sinks and --window are shared)")
+    dm.add_argument("--target-keep", type=float, default=dd.target_keep,
+                    help=f"keep fraction the compression loss drives the gates to (default {dd.target_keep}: "
+                         f"compression ratio {1 / dd.target_keep:g})")
+    dm.add_argument("--schedule-steps", type=int, default=None,
+                    help="steps over which the target compression ratio rises linearly from 1 (default: --steps)")
+    dm.add_argument("--gate-tau", type=float, default=dd.tau,
+                    help=f"temperature of the Gumbel-sigmoid relaxation (default {dd.tau})")
+    dm.add_argument("--gate-offset", type=float, default=dd.gate_offset,
+                    help=f"initial gate bias is minus this (default {dd.gate_offset}: every token kept at the start)")
+    dm.add_argument("--aux-weight", type=float, default=dd.aux_weight,
+                    help=f"weight of the compression loss (default {dd.aux_weight})")
+
     run = p.add_argument_group("run")
     run.add_argument("--out", type=str, required=True, help="output directory (checkpoints, scorers, model)")
     run.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
@@ -137,7 +157,7 @@ def _check_args(args: argparse.Namespace) -> None:
             _fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if not args.data and not args.task:
         _fail("give the training data: --data FILE.jsonl or --task")
-    if args.seq_len <= args.budget:
+    if args.method == "kvpop" and args.seq_len <= args.budget:
         _fail(f"--seq-len ({args.seq_len}) must be larger than --budget ({args.budget}): a sequence of at most "
               f"budget tokens evicts nothing, so the scorers get no training signal")
     if args.model is not None:
@@ -273,6 +293,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from kvpop.core.config import KVpopConfig
+    from kvpop.core.dms import DMSConfig, patch_dms
     from kvpop.core.patching import patch
     from kvpop.training.runstate import CheckpointError
     from kvpop.training.train import TrainConfig, TrainingInterrupted, save_model, train
@@ -282,6 +303,10 @@ def _run(args: argparse.Namespace) -> int:
                              scorer_hidden=args.scorer_hidden, mlstm_dim=args.mlstm_dim,
                              mask_source=args.mask_source, target_lse=args.target_lse, tau=args.tau,
                              balance=not args.no_balance)
+        if args.method == "dms":
+            kv_cfg = DMSConfig(sinks=args.sinks, window=args.window, tau=args.gate_tau, gate_offset=args.gate_offset,
+                               target_keep=args.target_keep, schedule_steps=args.schedule_steps or args.steps,
+                               aux_weight=args.aux_weight)
     except (TypeError, ValueError) as e:
         _fail(str(e))
     rank, world, device, started = _setup_dist(args)
@@ -296,7 +321,7 @@ def _run(args: argparse.Namespace) -> int:
             _fail(str(e))
         torch.manual_seed(args.seed)  # the scorers' initialisation
         try:
-            patch(model, kv_cfg)
+            (patch_dms if args.method == "dms" else patch)(model, kv_cfg)
         except (TypeError, ValueError) as e:
             _fail(f"cannot patch {source or 'the --tiny model'}: {e}")
         tcfg = TrainConfig(steps=args.steps, lr_model=args.lr_model, lr_scorer=args.lr_scorer,
@@ -327,8 +352,12 @@ def _run(args: argparse.Namespace) -> int:
         if rank == 0:
             if hist:
                 h = hist[-1]
-                print(f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, score {h['score']:.4f}, "
-                      f"accuracy {h.get('accuracy', float('nan')):.3f}; wrote {out}")
+                if args.method == "dms":
+                    print(f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, compression loss {h['score']:.4f}, "
+                          f"keep {h['keep_frac']:.3f} (target {h['target_keep']:.3f}); wrote {out}")
+                else:
+                    print(f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, score {h['score']:.4f}, "
+                          f"accuracy {h.get('accuracy', float('nan')):.3f}; wrote {out}")
             else:
                 print(f"kvpop train: nothing to do, {out / 'last.pt'} is at step >= --steps {args.steps}")
         return 0

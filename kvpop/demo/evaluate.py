@@ -24,7 +24,13 @@ policy               model                                            cache poli
 ``fixed-finetune``   model fine-tuned with ``mask_source="streaming"``  ``"streaming"``
 ``kvpop-mlp``        base (or fine-tuned) model + trained MLP scorers ``"kvpop"``
 ``kvpop-mlstm``      base (or fine-tuned) model + trained mLSTM scorers ``"kvpop"``
+``dms``              DMS-trained model + its gates                    ``DMSCache`` (ragged)
 ===================  ===============================================  ==================
+
+``dms`` (the learned baseline, ``kvpop.demo.dms``) has no budget of its own: it runs at the same *mean*
+budget per head, its gate threshold set per sequence so that the mean entries held per layer and KV
+head at the last position is at most ``B``; its rows also record the entries held (mean and spread over
+heads, ``dms_entries_*``).
 
 Budgets default to 6.25 %, 12.5 % and 25 % of the training length (128/256/512 at 2048) with
 ``sinks=4`` and ``window=32``: the package default window of 256 does not fit a 128-entry budget
@@ -56,6 +62,8 @@ from kvpop.core.patching import get_config, is_patched, make_teacher, patch, unp
 from kvpop.models import cache_kwarg_name
 
 from . import task as T
+from .dms import dms_logits, dms_policy_model
+from .dms import row_stats as dms_row_stats
 
 __all__ = [
     "POLICIES",
@@ -80,7 +88,7 @@ __all__ = [
     "RetrofitConfig",
 ]
 
-POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm")
+POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "dms")
 """Policy names, in table order."""
 CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
                 "kvpop-mlp": "kvpop", "kvpop-mlstm": "kvpop"}
@@ -178,6 +186,10 @@ def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | N
     _check_policies([policy])
     if policy == "dense":
         return base
+    if policy == "dms":
+        if scorers is None or finetuned is None:
+            raise ValueError("policy 'dms' needs its gate file (scorers=) and its DMS-trained model (finetuned=)")
+        return dms_policy_model(finetuned, scorers, sinks=sinks, window=window)
     if policy == "fixed-finetune" and finetuned is None:
         raise ValueError("policy 'fixed-finetune' needs the model fine-tuned with mask_source='streaming'")
     model = copy.deepcopy(finetuned if finetuned is not None else base)
@@ -221,6 +233,10 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget
         if is_patched(model):
             raise ValueError("the dense policy runs the unpatched model")
         return model(ids, use_cache=False).logits
+    if policy == "dms":
+        if budget is None:
+            raise ValueError("policy 'dms' needs the mean budget it runs at (budget=)")
+        return dms_logits(model, ids, int(budget))
     if policy not in CACHE_POLICY:
         raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
     if not is_patched(model):
@@ -305,7 +321,8 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
                 if bar is not None:
                     bar.update(1)
             row = {"policy": p, "budget": int(b), "length": int(L), "accuracy": correct / graded,
-                   "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences}
+                   "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences,
+                   **dms_row_stats(models[p])}
             rows[_row_key(p, b, L)] = row
             if on_row is not None:
                 on_row(row)

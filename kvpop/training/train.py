@@ -56,6 +56,12 @@ The teacher must hold the *original* weights: by default ``train`` makes it with
 ``train`` is called -- call it on the original model, also when resuming.  Pass ``teacher=`` to reuse
 one (e.g. a teacher on another device).  ``train_model=False`` freezes the model and trains the
 scorers only (then the teacher is not needed and no KL is computed).
+
+A model patched with DMS gates instead (``kvpop.core.dms.patch_dms``, ``kvpop train --method dms``) trains
+through the same loop: before each forward the loop tells the model its step (``set_dms_step``: the
+target compression ratio follows the DMS schedule), the loss is ``KL + score_weight * dms_loss`` (the
+auxiliary compression loss replaces ``L_score``), the gate heads take ``lr_scorer``, the teacher is
+``make_dms_teacher(model)`` and checkpoints write ``gates.safetensors`` (``kvpop.core.dms.save_dms``).
 """
 from __future__ import annotations
 
@@ -70,6 +76,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvpop.core import dms as _dms
 from kvpop.core.checkpoint import save_scorers
 from kvpop.core.loss import (
     TeacherTopK,
@@ -232,8 +239,11 @@ class _Step(nn.Module):
         with fused_output_head(self.model, fn) as res:
             self.model(ids, use_cache=False)
         kl = res["value"]
-        stats = score_stats(self.model)
-        ls = score_loss(self.model)
+        if _dms.is_dms_patched(self.model):  # DMS: the compression loss instead of L_score
+            ls, stats = _dms.dms_loss(self.model)
+        else:
+            stats = score_stats(self.model)
+            ls = score_loss(self.model)
         return kl, ls.to(kl.device), stats
 
 
@@ -246,7 +256,7 @@ def teacher_step(teacher: nn.Module, ids: torch.Tensor, top_k: int, *, chunk_siz
 
 
 def _is_scorer_param(name: str) -> bool:
-    return ".kvpop." in name or name.startswith("kvpop.")
+    return ".kvpop." in name or name.startswith("kvpop.") or ".dms." in name or name.startswith("dms.")
 
 
 def _split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[nn.Parameter]]:
@@ -389,8 +399,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
 
     With ``dist="fsdp"`` and several ranks the model is sharded in place (FSDP2) and stays so.
     """
-    if not is_patched(model):
-        raise ValueError("train needs a patched model: call kvpop.patch(model, ...) first")
+    dms = _dms.is_dms_patched(model)  # DMS gates (kvpop.core.dms) train through the same loop
+    if not (dms or is_patched(model)):
+        raise ValueError("train needs a patched model: call kvpop.patch(model, ...) (or kvpop.core.dms.patch_dms) "
+                         "first")
     if isinstance(data, Iterator) or not isinstance(data, Iterable):
         raise TypeError(f"data must be re-iterable (a list, a DataLoader, ...): it is cycled over and, on resume, "
                         f"fast-forwarded; got a {type(data).__name__}, which can be iterated only once (or not at "
@@ -398,7 +410,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     cfg = config or TrainConfig()
     if overrides:
         cfg = TrainConfig(**{**asdict(cfg), **overrides})
-    kv_cfg = get_config(model)
+    kv_cfg = _dms.get_dms_config(model) if dms else get_config(model)
     torch.manual_seed(cfg.seed)
     rank, world = _dist()
     fsdp = world > 1 and cfg.dist == "fsdp"
@@ -406,7 +418,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     if cfg.bf16 and dev.type != "cuda":
         raise ValueError(f"bf16=True needs the model on a CUDA device (it is on {dev}); train in float32 on the CPU")
     if cfg.train_model and teacher is None:
-        teacher = make_teacher(model, dtype=torch.bfloat16 if cfg.bf16 else None)
+        teacher = (_dms.make_dms_teacher if dms else make_teacher)(model, dtype=torch.bfloat16 if cfg.bf16 else None)
     if cfg.activation_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable({"use_reentrant": False})
@@ -478,7 +490,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                  "train_config": asdict(cfg), "world_size": world, "history": past + history}
         state["optimizer_fqn" if fsdp else "optimizer"] = osd if fsdp else opt.state_dict()
         atomic_save(state, last)
-        save_scorers(model, ckpt_dir / "scorers.safetensors")
+        if dms:
+            _dms.save_dms(model, ckpt_dir / "gates.safetensors")
+        else:
+            save_scorers(model, ckpt_dir / "scorers.safetensors")
         _barrier(world)
 
     def autocast():
@@ -512,6 +527,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                     with autocast():
                         t_dev = next(teacher.parameters()).device
                         topk = teacher_step(teacher, ids.to(t_dev), cfg.top_k, chunk_size=cfg.loss_chunk).to(dev)
+                if dms:
+                    _dms.set_dms_step(model, step)
                 with autocast():
                     kl, ls, st = runner(ids, topk)
                 loss = cfg.score_weight * ls + kl
@@ -519,9 +536,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                     (loss / cfg.grad_accum).backward()
                 kl_acc += float(kl.detach()) / cfg.grad_accum
                 ls_acc += float(ls.detach()) / cfg.grad_accum
-                for key in ("accuracy", "keep_frac"):
-                    stats_acc[key] = stats_acc.get(key, 0.0) + st[key] / cfg.grad_accum
-                stats_acc["gamma_min"], stats_acc["gamma_max"] = st["gamma_min"], st["gamma_max"]
+                for key, val in st.items():  # gamma: the last value; the rest: the mean over micro-batches
+                    stats_acc[key] = val if key.startswith("gamma") else stats_acc.get(key, 0.0) + val / cfg.grad_accum
                 del kl, loss, topk
             if fsdp:
                 _average_grads([p for _, p in scorer_params], world)
@@ -544,9 +560,13 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 append_jsonl(hist_path, rec)
             if bar is not None:
                 bar.update(1)
-                acc = rec.get("accuracy", math.nan)
-                bar.set_postfix(kl=f"{kl_acc:.4f}", score=f"{ls_acc:.4f}", acc=f"{acc:.3f}",
-                                gamma=f"{rec['gamma_min']:.6f}..{rec['gamma_max']:.6f}")
+                if dms:
+                    bar.set_postfix(kl=f"{kl_acc:.4f}", aux=f"{ls_acc:.4f}", keep=f"{rec['keep_frac']:.3f}",
+                                    target=f"{rec['target_keep']:.3f}")
+                else:
+                    acc = rec.get("accuracy", math.nan)
+                    bar.set_postfix(kl=f"{kl_acc:.4f}", score=f"{ls_acc:.4f}", acc=f"{acc:.3f}",
+                                    gamma=f"{rec['gamma_min']:.6f}..{rec['gamma_max']:.6f}")
             saved = bool(ckpt_dir is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
             if saved:
                 save()

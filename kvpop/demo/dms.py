@@ -1,0 +1,164 @@
+"""DMS in the evaluation harness: its retrofit, its policy model, and its logits at a given mean budget.
+
+DMS has no budget: each KV head keeps the tokens its gates keep, so its cache grows with the sequence
+and differs between heads.  To compare it with the fixed-budget policies at budget ``B`` it is run at
+the same **mean** budget: for every test sequence the hard-gate threshold (``evict = logit > threshold``,
+one number for all layers and heads) is set by bisection to the largest value at which the mean over
+layers and KV heads of the entries held at the sequence's last position (sinks + window + the kept
+long-range tokens) is at most ``B`` -- the peak memory of the fixed-budget policies.  Only that one
+scalar depends on the sequence; which tokens are evicted stays the gates' causal decision.  The
+sequence then goes through a :class:`kvpop.core.dms.DMSCache` in one call (its prefill is the
+teacher-forced hard-gate forward), and the row records the entries actually held: the mean, and the
+spread over heads (:func:`row_stats`).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpop.core import dms as D
+from kvpop.models import cache_kwarg_name
+
+from . import task as T
+
+__all__ = ["retrofit_dms", "dms_policy_model", "calibrate_threshold", "dms_logits", "row_stats", "GATES"]
+
+GATES = "gates.safetensors"
+_LOG = "_kvpop_dms_eval_log"
+_BRACKET = 64.0
+_ITERS = 12
+
+
+def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: Any = None, *, target_keep: float = 0.1,
+                 schedule_frac: float = 0.6, resume: bool = True, progress: bool = True, task_cfg: Any = None,
+                 task: Any = T) -> Path:
+    """Train DMS from ``base`` (left untouched): gates and model together, KL to the frozen original plus
+    the compression loss; the target compression ratio ``1 / target_keep`` is reached after
+    ``schedule_frac`` of the steps.  ``cfg`` is a :class:`kvpop.demo.evaluate.RetrofitConfig` (steps,
+    length, sinks, window, ``lr_scorer`` for the gates, ``lr_model``).  Writes ``gates.safetensors``,
+    ``model/`` and ``done.json`` into ``out_dir`` (reused by ``resume`` when the settings agree)."""
+    from kvpop.training.train import TrainConfig, train
+
+    from .evaluate import RetrofitConfig
+
+    cfg = cfg or RetrofitConfig()
+    task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
+    out = Path(out_dir)
+    settings = {"policy": "dms", **asdict(cfg), "target_keep": target_keep, "schedule_frac": schedule_frac,
+                "task_config": task_cfg.to_dict()}
+    done_file = out / "done.json"
+    if resume and done_file.exists() and json.loads(done_file.read_text()).get("settings") == settings:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    if done_file.exists():
+        done_file.unlink()
+    model = copy.deepcopy(base).eval()
+    teacher = D.make_dms_teacher(model)
+    torch.manual_seed(cfg.seed)
+    D.patch_dms(model, D.DMSConfig(sinks=cfg.sinks, window=cfg.window, target_keep=target_keep,
+                                   schedule_steps=max(1, round(schedule_frac * cfg.steps))))
+    ckpt = out / "train.pt"
+    stamp = ckpt / "settings.json"
+    if ckpt.exists() and (not resume or not stamp.exists() or json.loads(stamp.read_text()) != settings):
+        for f in ckpt.iterdir():
+            f.unlink()
+    ckpt.mkdir(exist_ok=True)
+    stamp.write_text(json.dumps(settings))
+    data = [task.make_batch([task.train_seed(cfg.seed * 1_000_003 + i * cfg.batch + j) for j in range(cfg.batch)],
+                            cfg.length, task_cfg)["input_ids"] for i in range(min(cfg.steps, 1000))]
+    tc = TrainConfig(steps=cfg.steps, lr_scorer=cfg.lr_scorer, lr_model=cfg.lr_model, train_model=True,
+                     checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress, seed=cfg.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hist = train(model, data, tc, teacher=teacher, resume=resume)
+    D.save_dms(model, out / GATES)
+    plain = copy.deepcopy(model)
+    D.unpatch_dms(plain)
+    plain.save_pretrained(str(out / "model"))
+    tmp = done_file.with_name("done.json.tmp")
+    tmp.write_text(json.dumps({"settings": settings, "last": hist[-1] if hist else {}}, indent=1))
+    os.replace(tmp, done_file)
+    return out
+
+
+def dms_policy_model(model: nn.Module, gates: str | os.PathLike, *, sinks: int, window: int) -> nn.Module:
+    """A DMS-patched copy of ``model`` (the DMS-trained weights) with the gates of ``gates``, in eval mode.
+
+    ``sinks`` and ``window`` must be the ones the gates were trained with (the window is the eviction
+    delay the model learned to live with); another value raises ``ValueError``."""
+    cfg = D.read_dms_config(gates)
+    if (cfg.sinks, cfg.window) != (sinks, window):
+        raise ValueError(f"the DMS gates in {gates} were trained with sinks={cfg.sinks}, window={cfg.window}; "
+                         f"evaluate with the same (got sinks={sinks}, window={window})")
+    m = copy.deepcopy(model)
+    D.unpatch_dms(m)
+    D.load_dms(m, gates)
+    return m.eval()
+
+
+def _mean_entries(model: nn.Module, ids: torch.Tensor, threshold: float) -> float:
+    """Mean over layers and KV heads of the entries held after the last token at ``threshold``."""
+    D.patch_dms(model, threshold=threshold)
+    model(ids, use_cache=False)
+    cfg = D.get_dms_config(model)
+    S = ids.shape[1]
+    fixed = min(S, cfg.sinks + cfg.window)
+    kept = [(~la.last_evict[0, :, cfg.sinks:max(cfg.sinks, S - cfg.window)].bool()).sum(-1).float()
+            for la in D.dms_layers(model)]
+    return fixed + float(torch.stack(kept).mean())
+
+
+@torch.no_grad()
+def calibrate_threshold(model: nn.Module, ids: torch.Tensor, budget: int) -> float:
+    """The largest gate threshold at which the mean entries per head after ``ids`` are ``<= budget``
+    (bisection over ``[-64, 64]``, 12 halvings; teacher-forced hard-gate forwards)."""
+    lo, hi = -_BRACKET, _BRACKET
+    if _mean_entries(model, ids, hi) <= budget:
+        return hi
+    for _ in range(_ITERS):
+        mid = 0.5 * (lo + hi)
+        if _mean_entries(model, ids, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@torch.no_grad()
+def dms_logits(model: nn.Module, ids: torch.Tensor, budget: int) -> torch.Tensor:
+    """Logits ``[1, L, V]`` of one sequence under DMS at mean budget ``budget`` (module docstring), through
+    a ``DMSCache``; the entries held per head are logged for :func:`row_stats`."""
+    if not D.is_dms_patched(model):
+        raise ValueError("the dms policy needs a DMS-patched model (see dms_policy_model)")
+    if ids.dim() == 1:
+        ids = ids[None]
+    thr = calibrate_threshold(model, ids, budget)
+    D.patch_dms(model, threshold=thr)
+    cache = D.DMSCache(model)
+    logits = model(ids, **{cache_kwarg_name(): cache}).logits
+    ent = cache.head_entries().float()
+    log = model.__dict__.setdefault(_LOG, [])
+    log.append({"threshold": thr, "mean": float(ent.mean()), "min": float(ent.min()), "max": float(ent.max()),
+                "std": float(ent.std())})
+    return logits
+
+
+def row_stats(model: nn.Module) -> dict:
+    """Summary of the sequences evaluated since the last call (then forgotten): the entries DMS held per
+    head at the last position, mean / min / max / std over heads (each averaged over sequences), and
+    the mean calibrated threshold.  ``{}`` for a model that logged nothing."""
+    log = model.__dict__.pop(_LOG, None)
+    if not log:
+        return {}
+    n = len(log)
+    out = {f"dms_entries_{k}": round(sum(r[k] for r in log) / n, 2) for k in ("mean", "min", "max", "std")}
+    out["dms_threshold"] = round(sum(r["threshold"] for r in log) / n, 3)
+    return out
