@@ -434,7 +434,8 @@ def make_dms_teacher(model: nn.Module, *, device: torch.device | str | None = No
 
 # ----------------------------------------------------------------------------------- training loss
 def set_dms_step(model: nn.Module, step: int) -> None:
-    """Tell the model the optimiser step (the auxiliary loss's target follows :func:`dms_target`)."""
+    """Tell the model the optimiser step being taken (1-based; the auxiliary loss's target follows
+    :func:`dms_target`, reached at ``step = schedule_steps``)."""
     owner = _owner(model)
     if owner is None:
         raise ValueError("set_dms_step needs a DMS-patched model")

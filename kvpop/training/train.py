@@ -528,7 +528,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                         t_dev = next(teacher.parameters()).device
                         topk = teacher_step(teacher, ids.to(t_dev), cfg.top_k, chunk_size=cfg.loss_chunk).to(dev)
                 if dms:
-                    _dms.set_dms_step(model, step)
+                    _dms.set_dms_step(model, step + 1)  # the step being taken, as in the history
                 with autocast():
                     kl, ls, st = runner(ids, topk)
                 loss = cfg.score_weight * ls + kl

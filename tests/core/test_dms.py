@@ -10,6 +10,12 @@ from kvpop.models import cache_kwarg_name
 from kvpop_kernels import NEVER, reference
 
 
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    """The PyTorch CPU path of sparse_attention (the kernels are tested against it elsewhere)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 # ------------------------------------------------------------------------------ relaxation
 def test_gumbel_sigmoid_without_noise_is_a_tempered_sigmoid_with_straight_through_gradient():
     logits = torch.tensor([-3.0, -0.2, 0.1, 2.5], requires_grad=True)

@@ -1,0 +1,72 @@
+"""The dms policy in the harness: mean-budget calibration, the row's per-head spread, ``kvpop eval --dms``."""
+import copy
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from kvpop.cli import main
+from kvpop.core import dms as D
+from kvpop.demo import dms as DE
+from kvpop.demo import evaluate as E
+from kvpop.demo import task as T
+
+L = 128
+
+
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A 'DMS run' as kvpop train --method dms writes it: random gates + a model directory."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=T.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      tie_word_embeddings=True, attention_dropout=0.0)
+    base = Qwen3ForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("dms")
+    base.save_pretrained(str(d / "model"))
+    m = copy.deepcopy(base)
+    D.patch_dms(m, sinks=2, window=4)
+    with torch.no_grad():
+        for la in D.dms_layers(m):
+            la.gate.weight.normal_(0, 1.0)
+            la.gate.bias.zero_()
+    D.save_dms(m, d / DE.GATES)
+    return d
+
+
+def test_dms_runs_at_the_mean_budget(run_dir):
+    base = E.load_base_model(run_dir / "model")
+    model = E.policy_model(base, "dms", scorers=run_dir / DE.GATES, finetuned=base, sinks=2, window=4)
+    ex = T.make_example(T.test_seed(0), L)
+    for budget in (12, 24, 60):
+        pred = E.sequence_predictions(model, ex, "dms", budget)
+        assert pred.shape == ex["answers"].reshape(-1).shape
+        st = DE.row_stats(model)
+        assert st["dms_entries_mean"] <= budget
+        assert st["dms_entries_mean"] > budget - 6, st  # the largest threshold under the budget
+        assert st["dms_entries_min"] >= 6 and st["dms_entries_max"] <= L
+    assert DE.row_stats(model) == {}
+    with pytest.raises(ValueError, match="window=4"):
+        E.policy_model(base, "dms", scorers=run_dir / DE.GATES, finetuned=base, sinks=2, window=8)
+    with pytest.raises(ValueError, match="budget"):
+        E.sequence_predictions(model, ex, "dms")
+
+
+def test_kvpop_eval_with_a_dms_run(run_dir, tmp_path):
+    rc = main(["eval", "--model", str(run_dir / "model"), "--dms", str(run_dir), "--policies", "dense,streaming,dms",
+               "--train-len", str(L), "--lengths", str(L), "--budgets", "12,24", "--n-sequences", "1", "--sinks",
+               "2", "--window", "4", "--no-progress", "--no-plot", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    dms = [r for r in rows if r["policy"] == "dms"]
+    assert [r["budget"] for r in dms] == [12, 24]
+    assert all(r["dms_entries_mean"] <= r["budget"] and "dms_entries_std" in r for r in dms)
+    assert "| dms |" in (tmp_path / "table.md").read_text()
+    assert main(["eval", "--policies", "dense,dms", "--lengths", "128", "--budgets", "12", "--sinks", "2",
+                 "--window", "4", "--no-progress"]) == 2
