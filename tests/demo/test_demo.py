@@ -29,6 +29,7 @@ def test_demo_quick_end_to_end_and_resume(tmp_path, capsys):
     for p in ("kvpop-mlp", "kvpop-mlstm"):
         assert (out / p / "scorers.safetensors").exists() and (out / p / "done.json").exists()
     assert (out / "fixed-finetune" / "model" / "model.safetensors").exists()
+    assert (out / "dms" / "gates.safetensors").exists() and (out / "dms" / "model" / "model.safetensors").exists()
     assert "| kvpop-mlp |" in printed
     # resume: every part is reused, nothing is trained or measured again
     t0 = time.time()

@@ -8,6 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import kvpop
 from kvpop.cli import main
+from kvpop.core import dms as D
 from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
 
@@ -44,11 +45,15 @@ def models(base, tmp_path_factory):
     with torch.no_grad():
         for prm in ft.parameters():
             prm.add_(0.01 * torch.randn_like(prm))
+    m = copy.deepcopy(base)
+    D.patch_dms(m, sinks=2, window=4)
+    files["dms"] = d / "gates.safetensors"
+    D.save_dms(m, files["dms"])
     kw = dict(sinks=2, window=4, budget=24)
     out = {"dense": base}
     for p in E.POLICIES[1:]:
-        out[p] = E.policy_model(base, p, scorers=files.get(p), finetuned=ft if p == "fixed-finetune" else None,
-                                **kw)
+        fine = ft if p == "fixed-finetune" else base if p == "dms" else None
+        out[p] = E.policy_model(base, p, scorers=files.get(p), finetuned=fine, **kw)
     return out
 
 
@@ -62,7 +67,7 @@ def test_every_policy_runs_and_schema(models, tmp_path):
     res = E.evaluate(models, _cfg(lengths=[L, 2 * L]))
     rows = res["rows"]
     assert {r["policy"] for r in rows} == set(E.POLICIES)
-    assert len(rows) == 2 * (1 + 6 * 2)
+    assert len(rows) == 2 * (1 + (len(E.POLICIES) - 1) * 2)
     for r in rows:
         assert set(r) >= {"policy", "budget", "length", "accuracy"}
         assert 0.0 <= r["accuracy"] <= 1.0
