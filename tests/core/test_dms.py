@@ -229,3 +229,16 @@ def test_dms_loss_and_save_load_roundtrip(tmp_path):
     assert D.get_dms_config(other).threshold == 0.5 and D.read_dms_config(path).threshold == 0.0
     for a, b in zip(D.dms_layers(model), D.dms_layers(other)):
         torch.testing.assert_close(a.gate.weight, b.gate.weight)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_other_families_decode_like_the_teacher_forced_forward(family):
+    model = _gated(tiny_model(family=family))
+    ids = torch.randint(0, 128, (1, 30))
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert sum(float(la.last_evict.sum()) for la in D.dms_layers(model)) > 0
+        cache = D.DMSCache(model)
+        kw = {"use_cache": True, cache_kwarg_name(): cache}
+        outs = [model(ids[:, :9], **kw).logits] + [model(ids[:, i:i + 1], **kw).logits for i in range(9, 30)]
+    torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-4, rtol=1e-4)
