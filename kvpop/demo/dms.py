@@ -5,7 +5,9 @@ and differs between heads.  To compare it with the fixed-budget policies at budg
 the same **mean** budget: for every test sequence the hard-gate threshold (``evict = logit > threshold``,
 one number for all layers and heads) is set by bisection to the largest value at which the mean over
 layers and KV heads of the entries held at the sequence's last position (sinks + window + the kept
-long-range tokens) is at most ``B`` -- the peak memory of the fixed-budget policies.  Only that one
+long-range tokens) is at most ``B`` -- the peak memory of the fixed-budget policies (a fixed point of
+sorting the gate logits of one forward and re-running, usually 2-3 forwards; tokens with equal logits
+go together, so the mean can land a little under ``B``).  Only that one
 scalar depends on the sequence; which tokens are evicted stays the gates' causal decision.  The
 sequence then goes through a :class:`kvpop.core.dms.DMSCache` in one call (its prefill is the
 teacher-forced hard-gate forward), and the row records the entries actually held: the mean, and the
@@ -104,28 +106,58 @@ def dms_policy_model(model: nn.Module, gates: str | os.PathLike, *, sinks: int, 
     return m.eval()
 
 
-def _mean_entries(model: nn.Module, ids: torch.Tensor, threshold: float) -> float:
-    """Mean over layers and KV heads of the entries held after the last token at ``threshold``."""
+def _kept_logits(model: nn.Module, ids: torch.Tensor, threshold: float) -> tuple[torch.Tensor, int, int]:
+    """One teacher-forced hard-gate forward at ``threshold``: the gate logits of every token that has left
+    the window by the last position, over all layers and heads (flat), the entries every head holds
+    anyway (sinks + window) and the number of (layer, head) pairs."""
     D.patch_dms(model, threshold=threshold)
     model(ids, use_cache=False)
     cfg = D.get_dms_config(model)
     S = ids.shape[1]
-    fixed = min(S, cfg.sinks + cfg.window)
-    kept = [(~la.last_evict[0, :, cfg.sinks:max(cfg.sinks, S - cfg.window)].bool()).sum(-1).float()
-            for la in D.dms_layers(model)]
-    return fixed + float(torch.stack(kept).mean())
+    layers = D.dms_layers(model)
+    left = [la.last_logits[0, :, cfg.sinks:max(cfg.sinks, S - cfg.window)].reshape(-1) for la in layers]
+    return torch.cat(left), min(S, cfg.sinks + cfg.window), len(layers) * layers[0].num_kv_heads
+
+
+def _threshold_for(logits: torch.Tensor, fixed: int, heads: int, budget: int) -> tuple[float, float]:
+    """With these logits fixed: the largest threshold keeping (``logit <= threshold``) at most
+    ``budget`` entries per head on average, and the mean entries it gives."""
+    allowed = int(budget * heads) - fixed * heads  # long-range tokens all heads together may keep
+    v = torch.sort(logits.float()).values
+    n = v.numel()
+    if allowed >= n:
+        return _BRACKET, fixed + n / heads
+    if allowed <= 0:
+        return float(v[0]) - 1.0, float(fixed)
+    lo, hi = float(v[allowed - 1]), float(v[allowed])
+    thr = 0.5 * (lo + hi) if hi > lo else lo - 1e-6  # ties: keep fewer rather than more
+    return thr, fixed + int((v <= thr).sum()) / heads
 
 
 @torch.no_grad()
 def calibrate_threshold(model: nn.Module, ids: torch.Tensor, budget: int) -> float:
-    """The largest gate threshold at which the mean entries per head after ``ids`` are ``<= budget``
-    (bisection over ``[-64, 64]``, 12 halvings; teacher-forced hard-gate forwards)."""
+    """The largest gate threshold at which the mean entries per head after ``ids`` are ``<= budget``.
+
+    A fixed-point iteration: one teacher-forced forward gives every gate logit, sorting them gives the
+    threshold that keeps exactly the allowed number of tokens, and the next forward (whose later layers
+    see the new evictions) checks it; usually 2-3 forwards.  If it does not settle in 4, a bisection
+    over ``[-64, 64]`` (12 halvings) finishes."""
+    thr = D.get_dms_config(model).threshold
+    for _ in range(4):
+        logits, fixed, heads = _kept_logits(model, ids, thr)
+        kept = fixed + int((logits <= thr).sum()) / heads
+        new, best = _threshold_for(logits, fixed, heads, budget)
+        if best <= kept <= budget:  # nothing more fits under these logits
+            return thr
+        thr = new
+    logits, fixed, heads = _kept_logits(model, ids, thr)
+    if fixed + int((logits <= thr).sum()) / heads <= budget:
+        return thr
     lo, hi = -_BRACKET, _BRACKET
-    if _mean_entries(model, ids, hi) <= budget:
-        return hi
     for _ in range(_ITERS):
         mid = 0.5 * (lo + hi)
-        if _mean_entries(model, ids, mid) <= budget:
+        logits, fixed, heads = _kept_logits(model, ids, mid)
+        if fixed + int((logits <= mid).sum()) / heads <= budget:
             lo = mid
         else:
             hi = mid

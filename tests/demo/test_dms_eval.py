@@ -49,13 +49,26 @@ def test_dms_runs_at_the_mean_budget(run_dir):
         assert pred.shape == ex["answers"].reshape(-1).shape
         st = DE.row_stats(model)
         assert st["dms_entries_mean"] <= budget
-        assert st["dms_entries_mean"] > budget - 6, st  # the largest threshold under the budget
         assert st["dms_entries_min"] >= 6 and st["dms_entries_max"] <= L
     assert DE.row_stats(model) == {}
     with pytest.raises(ValueError, match="window=4"):
         E.policy_model(base, "dms", scorers=run_dir / DE.GATES, finetuned=base, sinks=2, window=8)
     with pytest.raises(ValueError, match="budget"):
         E.sequence_predictions(model, ex, "dms")
+
+
+def test_calibration_is_the_largest_threshold_under_the_budget(run_dir):
+    base = E.load_base_model(run_dir / "model")
+    model = E.policy_model(base, "dms", scorers=run_dir / DE.GATES, finetuned=base, sinks=2, window=4)
+    ids = T.make_example(T.test_seed(1), L)["input_ids"][None]
+    with torch.no_grad():
+        for budget in (9, 30):
+            thr = DE.calibrate_threshold(model, ids, budget)
+            logits, fixed, heads = DE._kept_logits(model, ids, thr)
+            assert fixed + int((logits <= thr).sum()) / heads <= budget
+            # under these logits the next larger gate value would take the mean over the budget
+            above = logits[logits > thr]
+            assert above.numel() and fixed + int((logits <= above.min()).sum()) / heads > budget
 
 
 def test_kvpop_eval_with_a_dms_run(run_dir, tmp_path):
