@@ -7,8 +7,9 @@ window 256; the teacher a frozen copy; batch 1):
 
 * ``base``: the student's forward and backward with no LM head at all (loss: the mean square of the
   final hidden states, plus ``L_score``): the model's own activations;
-* ``dense``: the path before the fused head: the teacher's and the student's full ``[S, V]`` logits,
-  ``teacher_topk`` + ``distill_loss`` on them, backward;
+* ``dense``: the training step as it was before the fused head (b6ff720): the teacher's and the
+  student's full ``[S, V]`` logits, the teacher's top-k logits, the student's gathered and
+  renormalised over them (that KL, restated here), backward;
 * ``fused``: ``kvpop.training.train``'s own step (``teacher_step`` + ``_Step``): chunked LM head fused
   with the top-k and the KL, recomputed in the backward.
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import kvpop
-    from kvpop.core.loss import distill_loss, fused_output_head, score_loss, teacher_topk
+    from kvpop.core.loss import fused_output_head, score_loss
     from kvpop.training.train import _Step, teacher_step
 
     torch.set_num_threads(1)
@@ -88,8 +89,11 @@ def main(argv: list[str] | None = None) -> dict:
         loss = res["value"] + score_loss(model)
     elif args.mode == "dense":
         with torch.no_grad():
-            topk = teacher_topk(teacher(ids, use_cache=False).logits, args.top_k)
-        loss = distill_loss(model(ids, use_cache=False).logits, topk) + score_loss(model)
+            vals, idx = torch.topk(teacher(ids, use_cache=False).logits, args.top_k, dim=-1)
+        logits = model(ids, use_cache=False).logits
+        log_pt = torch.log_softmax(vals.float(), -1)
+        log_ps = torch.log_softmax(logits.gather(-1, idx).float(), -1)
+        loss = (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean() + score_loss(model)
     else:
         topk = teacher_step(teacher, ids, args.top_k)
         kl, ls, _ = _Step(model)(ids, topk)

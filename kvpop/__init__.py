@@ -39,6 +39,8 @@ from .core import (
                    score_loss,
                    score_loss_terms,
                    score_stats,
+                   set_teacher_targets,
+                   teacher_targets,
                    teacher_topk,
                    unpatch,
 )
@@ -46,7 +48,8 @@ from .core import (
 __all__ = [
     "KVpopConfig", "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
     "disabled", "make_teacher", "score_loss", "score_loss_terms", "score_stats", "distill_loss", "teacher_topk",
-    "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head",
+    "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head", "teacher_targets",
+    "set_teacher_targets",
     "save_scorers", "load_scorers", "read_scorer_config", "KVpopLayer", "MLPScorer", "MLSTMScorer",
     "build_scorer", "SUPPORTED_MODEL_TYPES",
 ]

@@ -54,7 +54,7 @@ _PATHS = ("data", "model")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvpop.core.config import MASK_SOURCES, SCORERS, TARGET_LSES, KVpopConfig
+    from kvpop.core.config import MASK_SOURCES, SCORERS, TARGET_LSES, TARGET_SOURCES, KVpopConfig
     from kvpop.core.dms import DMSConfig
     from kvpop.training.train import DIST_MODES
 
@@ -90,6 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     opt.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, <= 0 for none (default 1)")
     opt.add_argument("--top-k", type=int, default=256, help="teacher logits kept for the KL (default 256)")
+    opt.add_argument("--loss-chunk", type=int, default=None,
+                     help="positions per chunk of the fused LM head + KL (default: ~128 MiB of float32 logits)")
     opt.add_argument("--score-weight", type=float, default=1.0, help="weight of L_score (default 1)")
     opt.add_argument("--no-train-model", action="store_true", help="train the scorers only (the model is frozen)")
     opt.add_argument("--seed", type=int, default=0, help="seed of the scorers, --tiny weights and data order")
@@ -105,7 +107,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"priorities of the training mask (default {d.mask_source})")
     kv.add_argument("--target-lse", choices=TARGET_LSES, default=d.target_lse,
                     help=f"normaliser of the target (default {d.target_lse})")
+    kv.add_argument("--target-source", choices=TARGET_SOURCES, default=d.target_source,
+                    help="queries and keys of the target: the model being trained (with --target-lse) or the frozen "
+                         f"teacher (exact: its own dense forward, layer by layer) (default {d.target_source})")
     kv.add_argument("--tau", type=float, default=d.tau, help=f"temperature of L_score (default {d.tau})")
+    kv.add_argument("--tie-margin", type=float, default=d.tie_margin,
+                    help="near-tie discount of L_score, 1 - exp(-|margin| / tie_margin); 0 switches it off "
+                         f"(default {d.tie_margin})")
+    kv.add_argument("--eps", type=float, default=d.eps, help=f"epsilon of the target log(eps + m) (default {d.eps})")
+    kv.add_argument("--gamma-min", type=float, default=d.gamma_min,
+                    help=f"lower end of the learned per-head decay (default {d.gamma_min})")
+    kv.add_argument("--gamma-max", type=float, default=d.gamma_max,
+                    help=f"upper end of the learned per-head decay (default {d.gamma_max})")
+    kv.add_argument("--gamma-init", type=float, default=d.gamma_init,
+                    help=f"initial decay, strictly inside the range (default {d.gamma_init})")
     kv.add_argument("--no-balance", action="store_true",
                     help="do not balance keep/drop decisions in L_score (then several processes take "
                          "exactly the steps of one)")
@@ -149,6 +164,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "top_k"):
         if getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.loss_chunk is not None and args.loss_chunk < 1:
+        _fail(f"--loss-chunk must be >= 1, got {args.loss_chunk}")
     for name in ("warmup_steps", "checkpoint_every"):
         if getattr(args, name) < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -302,7 +319,9 @@ def _run(args: argparse.Namespace) -> int:
         kv_cfg = KVpopConfig(budget=args.budget, sinks=args.sinks, window=args.window, scorer=args.scorer,
                              scorer_hidden=args.scorer_hidden, mlstm_dim=args.mlstm_dim,
                              mask_source=args.mask_source, target_lse=args.target_lse, tau=args.tau,
-                             balance=not args.no_balance)
+                             balance=not args.no_balance, target_source=args.target_source,
+                             tie_margin=args.tie_margin, eps=args.eps, gamma_min=args.gamma_min,
+                             gamma_max=args.gamma_max, gamma_init=args.gamma_init)
         if args.method == "dms":
             kv_cfg = DMSConfig(sinks=args.sinks, window=args.window, tau=args.gate_tau, gate_offset=args.gate_offset,
                                target_keep=args.target_keep, schedule_steps=args.schedule_steps or args.steps,
@@ -331,7 +350,7 @@ def _run(args: argparse.Namespace) -> int:
                            train_model=not args.no_train_model,
                            activation_checkpointing=args.activation_checkpointing, checkpoint_dir=str(out),
                            checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
-                           seed=args.seed, dist=args.dist, bf16=args.bf16)
+                           seed=args.seed, dist=args.dist, bf16=args.bf16, loss_chunk=args.loss_chunk)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             if not args.resume or not (out / "args.json").exists():

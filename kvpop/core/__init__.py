@@ -6,6 +6,7 @@
 ``loss`` (L_score and the distillation KL).  The core imports ``kvpop.models`` (the family seam) and
 ``kvpop_kernels``, never ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``.
 """
+from .attention import set_teacher_targets, teacher_targets
 from .cache import KVpopCache
 from .checkpoint import load_scorers, read_scorer_config, save_scorers
 from .config import KVpopConfig
@@ -27,7 +28,8 @@ from .scorers import MLPScorer, MLSTMScorer, build_scorer
 __all__ = [
     "KVpopConfig", "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
     "disabled", "make_teacher", "score_loss", "score_loss_terms", "score_stats", "distill_loss", "teacher_topk",
-    "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head",
+    "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head", "teacher_targets",
+    "set_teacher_targets",
     "save_scorers", "load_scorers", "read_scorer_config", "KVpopLayer", "MLPScorer", "MLSTMScorer",
     "build_scorer", "SUPPORTED_MODEL_TYPES",
 ]

@@ -14,24 +14,28 @@ fused fixed-budget decode step.  See ``docs/DESIGN.md``.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 import kvpop_kernels
+from kvpop.models import adapter_for
 from kvpop_kernels import NEVER
 
 from .cache import KVpopCache, cache_attention
 from .config import KVpopConfig
 from .hooks import ScorerHooks
-from .layer import KVpopLayer
+from .layer import KVpopLayer, kvpop_layers
 from .loss import score_loss_terms
 
-__all__ = ["ATTN_NAME", "register", "kvpop_mask", "kvpop_attention_forward", "sequence_attention",
-           "streaming_policy"]
+__all__ = ["ATTN_NAME", "TARGET_ATTN_NAME", "register", "kvpop_mask", "kvpop_attention_forward", "sequence_attention",
+           "streaming_policy", "target_attention_forward", "teacher_targets", "set_teacher_targets"]
 
 ATTN_NAME = "kvpop"
+TARGET_ATTN_NAME = "kvpop_target"
 _REGISTERED = False
 
 
@@ -44,6 +48,8 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_NAME, kvpop_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, kvpop_mask)
+    AttentionInterface.register(TARGET_ATTN_NAME, target_attention_forward)
+    AttentionMaskInterface.register(TARGET_ATTN_NAME, kvpop_mask)
     _REGISTERED = True
 
 
@@ -148,12 +154,23 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
                                                   sinks=cfg.sinks, window=cfg.window, scale=scaling)[1]
 
     r_tgt = None
+    if cfg.target_source == "teacher" and (need_loss or (cfg.mask_source == "teacher" and not streaming)):
+        r_tgt = layer.teacher_target
+        if r_tgt is None or tuple(r_tgt.shape) != (B, Hkv, S):
+            raise RuntimeError(
+                f"kvpop: target_source='teacher' but layer {layer.layer_idx} holds no teacher target of shape "
+                f"{(B, Hkv, S)} (got {None if r_tgt is None else tuple(r_tgt.shape)}): run the frozen teacher "
+                f"under kvpop.teacher_targets(teacher, config) and hand the result to "
+                f"kvpop.set_teacher_targets(model, targets) before the student's forward (kvpop.train does)"
+            )
+        r_tgt = r_tgt.to(device=query.device, dtype=torch.float32)
     with torch.no_grad():
         if streaming:
             prio = torch.zeros(B, Hkv, S, device=query.device, dtype=torch.float32)
         elif cfg.mask_source == "teacher":
-            r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), dense_lse(),
-                                                          window=cfg.window, eps=cfg.eps, scale=scaling)
+            if r_tgt is None:
+                r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), dense_lse(),
+                                                              window=cfg.window, eps=cfg.eps, scale=scaling)
             prio = r_tgt - tpos * log_gamma.detach()[:, None]
         else:
             prio = r_hat.detach().float() - tpos * log_gamma.detach()[:, None]
@@ -181,3 +198,87 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
 def streaming_policy(cfg: KVpopConfig) -> bool:
     """True when the mask is the constant-priority StreamingLLM pattern (no scorer involved)."""
     return cfg.mask_source == "streaming" or cfg.policy == "streaming"
+
+
+# ----------------------------------------------------------------------------- the teacher's exact target
+def target_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None,
+                             dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention function ``"kvpop_target"`` of a frozen teacher under :func:`teacher_targets`.
+
+    Dense causal attention (``sparse_attention`` with nothing evicted: ``(out, lse)``), and, from the
+    same queries, keys and dense LSE, the layer's exact target ``future_attention_target(q, k, lse)``
+    ``[B, Hkv, S]`` float32, stored by ``layer_idx`` in the dict that :func:`teacher_targets` yields.
+    No gradient; nothing but the target outlives the call.
+    """
+    spec = getattr(module, "kvpop_target_spec", None)
+    if spec is None:
+        raise RuntimeError(f"attention implementation {TARGET_ATTN_NAME!r} is set but "
+                           f"{type(module).__name__} is not under kvpop.teacher_targets(...)")
+    cfg, store = spec
+    if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask.bool().all())):
+        raise ValueError(f"kvpop teacher targets support no padding or custom masks (got an attention mask of "
+                         f"shape {tuple(attention_mask.shape)} with masked positions)")
+    if dropout:
+        raise ValueError(f"kvpop teacher targets need attention dropout 0, got {dropout}")
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError("kvpop teacher targets need a full-sequence forward (no cache)")
+    B, Hkv, S = key.shape[0], key.shape[1], key.shape[2]
+    with torch.no_grad():
+        never = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=query.device)
+        out, lse = kvpop_kernels.sparse_attention(query, key, value, never, sinks=cfg.sinks, window=cfg.window,
+                                                  scale=scaling)
+        store[int(module.layer_idx)] = kvpop_kernels.future_attention_target(query, key, lse, window=cfg.window,
+                                                                             eps=cfg.eps, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def teacher_targets(teacher: nn.Module, config: KVpopConfig) -> Iterator[dict[int, torch.Tensor]]:
+    """While active, ``teacher``'s forwards also compute every layer's exact KVpop target.
+
+    ``teacher``: the frozen, unpatched original model (``kvpop.make_teacher``; any supported family,
+    possibly FSDP2-sharded).  Its attention runs densely through :func:`target_attention_forward`
+    (same outputs as its own attention, to rounding), which keeps only ``r_tgt [B, Hkv, S]`` float32
+    per layer: the target of docs/DESIGN.md section 3 with the teacher's queries, keys and dense LSE
+    (``config``'s ``window`` and ``eps``).  Yields the dict ``{layer_idx: r_tgt}`` that the forward
+    fills; hand it to :func:`set_teacher_targets` for a student patched with
+    ``target_source="teacher"``.  Run the teacher under ``torch.no_grad()``.
+    """
+    if not isinstance(config, KVpopConfig):
+        raise TypeError(f"config must be a kvpop.KVpopConfig, got {type(config).__name__}")
+    register()
+    inner = getattr(teacher, "module", teacher)
+    mods = adapter_for(inner).attention_modules(inner)  # TypeError for an unsupported family
+    if any(isinstance(getattr(m, "kvpop", None), KVpopLayer) for m in mods):
+        raise ValueError("teacher_targets needs the unpatched teacher (kvpop.make_teacher(model)); got a patched model")
+    store: dict[int, torch.Tensor] = {}
+    for m in mods:
+        m.kvpop_target_spec = (config, store)
+    mc = inner.config
+    prev = mc._attn_implementation
+    mc._attn_implementation = TARGET_ATTN_NAME
+    try:
+        yield store
+    finally:
+        mc._attn_implementation = prev
+        for m in mods:
+            del m.kvpop_target_spec
+
+
+def set_teacher_targets(model: nn.Module, targets: dict[int, torch.Tensor] | None) -> None:
+    """Give each ``KVpopLayer`` of a patched ``model`` its teacher target (``None`` clears them all).
+
+    ``targets``: the dict filled under :func:`teacher_targets` (``{layer_idx: [B, Hkv, S]}``); a layer
+    without an entry raises ``KeyError``.  The targets stay until replaced or cleared (a recomputing
+    backward under activation checkpointing reads them again).
+    """
+
+    for layer in kvpop_layers(model):
+        if targets is None:
+            layer.teacher_target = None
+            continue
+        if layer.layer_idx not in targets:
+            raise KeyError(f"no teacher target for layer {layer.layer_idx} (have layers {sorted(targets)}): was "
+                           f"the teacher run under kvpop.teacher_targets on the same input?")
+        layer.teacher_target = targets[layer.layer_idx]

@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KVpopConfig", "SCORERS", "MASK_SOURCES", "TARGET_LSES", "POLICIES", "STRUCTURAL_FIELDS"]
+__all__ = ["KVpopConfig", "SCORERS", "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "STRUCTURAL_FIELDS"]
 
 SCORERS = ("mlp", "mlstm")
 MASK_SOURCES = ("scorer", "teacher", "streaming")
 TARGET_LSES = ("sparse", "dense")
+TARGET_SOURCES = ("student", "teacher")
 POLICIES = ("kvpop", "streaming", "tova", "h2o")
 
 STRUCTURAL_FIELDS = ("scorer", "scorer_hidden", "mlstm_dim", "gamma_min", "gamma_max")
@@ -77,6 +78,11 @@ class KVpopConfig:
         target_lse: normaliser used by the target: ``"sparse"`` (the LSE of the sparse attention
             already computed, the paper's cheap choice, default) or ``"dense"`` (exact; one extra
             no-grad dense attention per layer).
+        target_source: whose queries and keys make the target: ``"student"`` (default: the model
+            being trained, in its own forward, with ``target_lse``) or ``"teacher"`` (exact: the frozen
+            teacher's queries, keys and dense LSE, computed inside the teacher's forward layer by layer,
+            ``kvpop.teacher_targets``; only ``[B, Hkv, S]`` per layer is kept; ``target_lse`` is then
+            unused).  With ``mask_source="teacher"`` the oracle mask uses the same target.
         compute_loss: compute ``L_score`` in training forwards (default True).  Off, a training
             forward only runs sparse attention (fine-tune the model with a fixed scorer).
 
@@ -102,6 +108,7 @@ class KVpopConfig:
     gamma_init: float = 0.9999
     mask_source: str = "scorer"
     target_lse: str = "sparse"
+    target_source: str = "student"
     compute_loss: bool = True
     policy: str = "kvpop"
 
@@ -118,6 +125,7 @@ class KVpopConfig:
         _choice("scorer", self.scorer, SCORERS)
         _choice("mask_source", self.mask_source, MASK_SOURCES)
         _choice("target_lse", self.target_lse, TARGET_LSES)
+        _choice("target_source", self.target_source, TARGET_SOURCES)
         _choice("policy", self.policy, POLICIES)
         _int("scorer_hidden", self.scorer_hidden, 1)
         _int("mlstm_dim", self.mlstm_dim, 1)

@@ -32,7 +32,8 @@ class KVpopLayer(nn.Module):
     the family's key hook, see ``kvpop.models``, consumed by the attention function), ``loss_terms``
     (this layer's ``L_score`` terms of the last training forward), ``last_priority`` /
     ``last_evict_at``, ``decode_fn``, ``active_cache`` (the cache the attention module was called
-    with, set by a forward pre-hook).
+    with, set by a forward pre-hook), ``teacher_target`` (``r_tgt [B, Hkv, S]`` from the frozen
+    teacher when ``target_source="teacher"``, see ``kvpop.core.attention.set_teacher_targets``).
     """
 
     def __init__(self, config: KVpopConfig, num_kv_heads: int, head_dim: int, layer_idx: int,
@@ -52,6 +53,7 @@ class KVpopLayer(nn.Module):
         self.last_evict_at: torch.Tensor | None = None
         self.decode_fn: Callable | None = None
         self.active_cache: Any = None
+        self.teacher_target: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         c = self.config

@@ -46,11 +46,13 @@ from .distill import (
     teacher_topk,
 )
 from .layer import kvpop_layers
+from .scorers import float32_scoring
 
 __all__ = ["score_loss_terms", "score_loss", "score_stats", "distill_loss", "teacher_topk", "TeacherTopK",
            "fused_distill_loss", "fused_teacher_topk", "fused_output_head"]
 
 
+@float32_scoring
 def score_loss_terms(r_hat: torch.Tensor, r_tgt: torch.Tensor, log_gamma: torch.Tensor, *, sinks: int,
                      window: int, k: int, tau: float = 1.0, tie_margin: float = 0.5,
                      balance: bool = True) -> dict[str, torch.Tensor]:

@@ -50,7 +50,9 @@ Inputs: pre-RoPE keys
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +60,22 @@ from torch import nn
 
 from .config import KVpopConfig
 
-__all__ = ["MLPScorer", "MLSTMScorer", "build_scorer", "scorer_features"]
+__all__ = ["MLPScorer", "MLSTMScorer", "build_scorer", "scorer_features", "float32_scoring"]
+
+
+def float32_scoring(fn: Callable) -> Callable:
+    """Run ``fn`` with autocast off on the device of its first tensor argument: scorers (and ``L_score``)
+    compute in float32 under ``--bf16`` autocast too, as they do while decoding (docs/DESIGN.md section 7)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        dev = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if dev is None or not torch.is_autocast_enabled(dev):
+            return fn(*args, **kwargs)
+        with torch.autocast(dev, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def scorer_features(k_pre: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -118,6 +135,7 @@ class MLPScorer(nn.Module):
         self.num_kv_heads, self.head_dim, self.hidden = num_kv_heads, head_dim, hidden
         self.mlp = _HeadMLP(num_kv_heads, 2 * head_dim, hidden)
 
+    @float32_scoring
     def forward(self, k_pre: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Raw scores ``r_hat [B, Hkv, ...]`` float32 from ``k_pre, v [B, Hkv, ..., D]`` (any dtype).
 
@@ -126,6 +144,7 @@ class MLPScorer(nn.Module):
         _check_inputs("MLPScorer", k_pre, v, self.num_kv_heads, self.head_dim)
         return self.mlp(scorer_features(k_pre, v))
 
+    @float32_scoring
     def score_token(self, state: None, k_pre: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Decoding: the score ``[B, Hkv]`` of one token (``state`` is unused, for symmetry with mLSTM)."""
         return self.forward(k_pre, v)
@@ -182,6 +201,7 @@ class MLSTMScorer(nn.Module):
         return num / torch.maximum(den.abs(), torch.exp(-m)[..., None])[..., None]
 
     # ---------------------------------------------------------------- training (chunkwise)
+    @float32_scoring
     def forward(self, k_pre: torch.Tensor, v: torch.Tensor, *, return_state: bool = False):
         """Raw scores ``r_hat [B, Hkv, S]`` float32 from ``k_pre, v [B, Hkv, S, D]`` (chunkwise-parallel).
 
@@ -248,6 +268,7 @@ class MLSTMScorer(nn.Module):
         return (torch.zeros(batch, H, d, d, device=device), torch.zeros(batch, H, d, device=device),
                 torch.full((batch, H), float("-inf"), device=device))
 
+    @float32_scoring
     def step(self, state, k_pre: torch.Tensor, v: torch.Tensor):
         """Absorb one token: ``k_pre, v [B, Hkv, D]`` -> the new state (not in place)."""
         _check_inputs("MLSTMScorer.step", k_pre, v, self.num_kv_heads, self.head_dim)
@@ -260,6 +281,7 @@ class MLSTMScorer(nn.Module):
         n = a[..., None] * n + b[..., None] * kf
         return C, n, m_new
 
+    @float32_scoring
     def score_token(self, state, k_pre: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Score ``[B, Hkv]`` float32 of the token with ``k_pre, v [B, Hkv, D]``, reading ``state``.
 

@@ -55,7 +55,11 @@ The teacher must hold the *original* weights: by default ``train`` makes it with
 ``kvpop.make_teacher(model)`` before loading a checkpoint, i.e. from the weights the model has when
 ``train`` is called -- call it on the original model, also when resuming.  Pass ``teacher=`` to reuse
 one (e.g. a teacher on another device).  ``train_model=False`` freezes the model and trains the
-scorers only (then the teacher is not needed and no KL is computed).
+scorers only (then no KL is computed, and the teacher is needed only for ``target_source="teacher"``).
+
+``target_source="teacher"`` in the model's ``KVpopConfig``: the teacher's forward runs under
+``kvpop.teacher_targets`` and hands every layer its exact target ``[B, Hkv, S]`` (its own queries,
+keys and dense LSE) before the student's forward (``kvpop.set_teacher_targets``).
 
 A model patched with DMS gates instead (``kvpop.core.dms.patch_dms``, ``kvpop train --method dms``) trains
 through the same loop: before each forward the loop tells the model its step (``set_dms_step``: the
@@ -77,6 +81,7 @@ import torch
 from torch import nn
 
 from kvpop.core import dms as _dms
+from kvpop.core.attention import set_teacher_targets, teacher_targets
 from kvpop.core.checkpoint import save_scorers
 from kvpop.core.loss import (
     TeacherTopK,
@@ -247,9 +252,14 @@ class _Step(nn.Module):
         return kl, ls.to(kl.device), stats
 
 
-def teacher_step(teacher: nn.Module, ids: torch.Tensor, top_k: int, *, chunk_size: int | None = None) -> TeacherTopK:
-    """The teacher's :class:`~kvpop.core.loss.TeacherTopK` of ``ids`` (no grad, no ``[S, V]`` logits)."""
-    fn = lambda h, w, b: fused_teacher_topk(h, w, top_k, bias=b, chunk_size=chunk_size)  # noqa: E731
+def teacher_step(teacher: nn.Module, ids: torch.Tensor, top_k: int | None, *,
+                 chunk_size: int | None = None) -> TeacherTopK | None:
+    """The teacher's :class:`~kvpop.core.loss.TeacherTopK` of ``ids`` (no grad, no ``[S, V]`` logits);
+    ``top_k=None``: the forward alone (for :func:`kvpop.teacher_targets`), no LM head, returns ``None``."""
+    if top_k is None:
+        fn = lambda h, w, b: None  # noqa: E731
+    else:
+        fn = lambda h, w, b: fused_teacher_topk(h, w, top_k, bias=b, chunk_size=chunk_size)  # noqa: E731
     with torch.no_grad(), fused_output_head(teacher, fn) as res:
         teacher(ids, use_cache=False)
     return res["value"]
@@ -417,7 +427,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     dev = next(model.parameters()).device
     if cfg.bf16 and dev.type != "cuda":
         raise ValueError(f"bf16=True needs the model on a CUDA device (it is on {dev}); train in float32 on the CPU")
-    if cfg.train_model and teacher is None:
+    need_targets = not dms and kv_cfg.target_source == "teacher" and kv_cfg.compute_loss
+    if (cfg.train_model or need_targets) and teacher is None:
         teacher = (_dms.make_dms_teacher if dms else make_teacher)(model, dtype=torch.bfloat16 if cfg.bf16 else None)
     if cfg.activation_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):
@@ -523,10 +534,17 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 consumed += 1
                 ids = ids.to(dev)
                 topk = None
-                if cfg.train_model:
-                    with autocast():
-                        t_dev = next(teacher.parameters()).device
-                        topk = teacher_step(teacher, ids.to(t_dev), cfg.top_k, chunk_size=cfg.loss_chunk).to(dev)
+                if cfg.train_model or need_targets:
+                    t_dev = next(teacher.parameters()).device
+                    with autocast(), teacher_targets(teacher, kv_cfg) if need_targets \
+                            else contextlib.nullcontext() as targets:
+                        if cfg.train_model:
+                            topk = teacher_step(teacher, ids.to(t_dev), cfg.top_k, chunk_size=cfg.loss_chunk)
+                            topk = topk.to(dev)
+                        else:
+                            teacher_step(teacher, ids.to(t_dev), None)
+                    if need_targets:
+                        set_teacher_targets(model, targets)
                 if dms:
                     _dms.set_dms_step(model, step + 1)  # the step being taken, as in the history
                 with autocast():
@@ -539,6 +557,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 for key, val in st.items():  # gamma: the last value; the rest: the mean over micro-batches
                     stats_acc[key] = val if key.startswith("gamma") else stats_acc.get(key, 0.0) + val / cfg.grad_accum
                 del kl, loss, topk
+                if need_targets:
+                    set_teacher_targets(model, None)
             if fsdp:
                 _average_grads([p for _, p in scorer_params], world)
             gnorm = {}

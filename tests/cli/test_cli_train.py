@@ -140,6 +140,24 @@ def test_task_with_the_shipped_model_scorers_only(tmp_path, capsys):
     assert kvpop.get_config(m).budget == 24
 
 
+def test_method_knobs_reach_the_config(tmp_path):
+    """--tie-margin, --eps, the decay range and the target source end up in the trained scorers' config."""
+    data = _write_ids(tmp_path / "tiny.jsonl")
+    out = tmp_path / "run"
+    assert main(["train", "--tiny", "--data", str(data), "--steps", "1", "--out", str(out), *FAST,
+                 "--tie-margin", "0.25", "--eps", "1e-4", "--gamma-min", "0.99", "--gamma-max", "0.9999",
+                 "--gamma-init", "0.995", "--target-source", "teacher", "--loss-chunk", "7"]) == 0
+    cfg = kvpop.read_scorer_config(out / "scorers.safetensors")
+    assert (cfg.tie_margin, cfg.eps, cfg.gamma_min, cfg.gamma_max, cfg.gamma_init, cfg.target_source) == \
+        (0.25, 1e-4, 0.99, 0.9999, 0.995, "teacher")
+    h = _history(out)[0]
+    assert h["kl"] > 0 and h["score"] > 0 and 0.99 <= h["gamma_min"] <= h["gamma_max"] <= 0.9999
+    assert "gamma_min < gamma_max" in _err(tmp_path, "--tiny", "--data", str(data), "--gamma-min", "0.9999",
+                                           "--gamma-max", "0.99")
+    assert "tie_margin must be" in _err(tmp_path, "--tiny", "--data", str(data), "--tie-margin", "-1")
+    assert "--loss-chunk must be >= 1" in _err(tmp_path, "--tiny", "--data", str(data), "--loss-chunk", "0")
+
+
 def test_task_batches_are_lazy_and_distinct():
     from kvpop.demo import task as T
     from kvpop.demo.task import TaskBatches

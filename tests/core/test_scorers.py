@@ -135,3 +135,39 @@ def test_build_scorer():
     assert isinstance(build_scorer(KVpopConfig(sinks=1, window=4, budget=8), 2, 8), MLPScorer)
     m = build_scorer(KVpopConfig(sinks=1, window=4, budget=8, scorer="mlstm", mlstm_dim=4), 2, 8)
     assert isinstance(m, MLSTMScorer) and m.window == 4 and m.dim == 4
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_scorers_and_score_loss_run_in_float32_under_autocast(scorer):
+    """Under bf16 autocast (CPU autocast here, the same switch as CUDA's) the scorer's matmuls stay float32:
+    the output is float32 and equals the output without autocast; so is L_score."""
+    from kvpop import score_loss_terms
+
+    torch.manual_seed(0)
+    sc = build_scorer(KVpopConfig(scorer=scorer, window=4, budget=16, scorer_hidden=32, mlstm_dim=16), 2, 32)
+    if scorer == "mlstm":
+        _lively(sc)
+    k, v = torch.randn(1, 2, 23, 32), torch.randn(1, 2, 23, 32)
+    ref = sc(k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = sc(k, v)
+        bf16_matmul = (k @ v.transpose(-1, -2)).dtype  # autocast is really on here
+    assert bf16_matmul == torch.bfloat16
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    if scorer == "mlstm":
+        st = sc.init_state(1, "cpu")
+        st_ref = sc.step(st, k[:, :, 0], v[:, :, 0])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            st_ac = sc.step(st, k[:, :, 0], v[:, :, 0])
+            tok = sc.score_token(st_ac, k[:, :, 0], v[:, :, 0])
+        for a, b in zip(st_ac, st_ref):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(tok, sc.score_token(st_ref, k[:, :, 0], v[:, :, 0]), atol=0, rtol=0)
+    r_tgt, lg = torch.randn(1, 2, 23), torch.log(torch.tensor([0.999, 0.9999]))
+    args = dict(sinks=1, window=4, k=3)
+    want = score_loss_terms(ref, r_tgt, lg, **args)["loss_sum"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        have = score_loss_terms(got, r_tgt, lg, **args)["loss_sum"]
+    assert have.dtype == torch.float32
+    torch.testing.assert_close(have, want, atol=0, rtol=0)
