@@ -1,35 +1,42 @@
-"""``kvpop demo``: retrofit the shipped tiny Qwen3 model and measure accuracy vs cache budget.
+"""``kvpop demo``: retrofit the shipped tiny Qwen3 models and measure accuracy vs cache budget.
 
 ::
 
-    kvpop demo --out demo
+    kvpop demo --out demo-out                   # both tasks (the default --task all)
+    kvpop demo --task lookahead --out demo-out  # one task
 
-1. loads the shipped dense model (``kvpop/data/tiny_qwen3``, trained at L_train = 2048 on the
-   key-value trace task of ``kvpop.task``);
-2. retrofits, each a short ``kvpop.train`` run on sequences of L_train / 2 tokens, saved into ``--out``
-   as soon as it finishes: ``kvpop-mlp`` and ``kvpop-mlstm`` (the scorers learn ``L_score`` with
-   ``mask_source="scorer"``, the model frozen, at a small training budget: ``sinks + window + 4``,
-   i.e. k = 4 long-range slots, see below) and ``fixed-finetune`` (the model fine-tuned, KL to the
-   frozen original, with a fixed StreamingLLM mask at 12.5 % of its training length: the paper's
-   fine-tune-only ablation);
-   and the learned baseline ``dms`` (gates and model together, ``kvpop.demo.dms``, ``--dms-steps``);
-3. evaluates dense, streaming, tova, h2o, fixed-finetune, kvpop-mlp, kvpop-mlstm and dms at budgets of
-   6.25 %, 12.5 % and 25 % of L_train (re-budgeting with ``kvpop.patch(model, budget=...)``), at
-   L_train and 2x L_train, every sequence through a ``kvpop.KVpopCache``;
-4. prints the table and writes ``results.json``, ``table.md`` and ``accuracy_vs_budget.png``.
+Two synthetic tasks, each with its own shipped dense model (``kvpop pretrain``):
 
-Why the scorers train at a small budget: ``L_score`` teaches the scorer the keep/drop decisions at
-the boundary of the training budget's k slots.  With k = 4 the boundary lies among the most-attended
-tokens (on this task, the facts), and the scorer learns to rank exactly those first; at the 12.5 %
-budget (k = 92 at 1024 tokens) the boundary lies among filler, and the facts are ranked less
-reliably.  Measured with this demo (6 test sequences per length), accuracy of kvpop-mlp /
-kvpop-mlstm at 2048 tokens and budgets 128/256/512: 0.22/0.62/0.98 and 0.37/0.80/1.00 with
-``--train-budget 128`` (k = 92), 0.99/1.00/1.00 and 1.00/1.00/1.00 with the default (k = 4).  The scorers are
-then re-budgeted (``kvpop.patch(model, budget=...)``) for every evaluated budget.
+* ``kvtrace`` (``kvpop.demo.task``, ``kvpop/data/tiny_qwen3``, L_train 2048): a fact is one dedicated token,
+  recognisable from its own key/value vector;
+* ``lookahead`` (``kvpop.demo.lookahead_task``, ``kvpop/data/tiny_qwen3_lookahead``, L_train 1024):
+  whether a fact will be read is told only by a KEEP/DROP marker after it (inside the window), so a
+  scorer that reads the token alone (``kvpop-mlp``) cannot know; one that waits for the window
+  (``kvpop-mlstm``) can.
 
-Interrupted? Run it again with ``--resume``: finished retrofits (``DIR/<policy>/done.json``) and
-measured rows (``DIR/rows.jsonl``) are reused, an unfinished retrofit continues from its last
-checkpoint.  ``--quick`` is a seconds-long smoke run (tiny lengths and steps; meaningless figures).
+For each task:
+
+1. retrofits, each a short ``kvpop.train`` run on training sequences of L_train / 2 tokens, saved into
+   ``OUT/<task>/<policy>`` as soon as it finishes: ``kvpop-mlp`` and ``kvpop-mlstm`` (scorers only,
+   ``mask_source="scorer"``, the model frozen), ``kvpop-mlp-joint`` and ``kvpop-mlstm-joint`` (the
+   method's recipe: scorers and model together, the model with a KL loss to the frozen original) and
+   ``fixed-finetune`` (the model fine-tuned under the fixed StreamingLLM mask at 12.5 % of its
+   training length);
+2. evaluates dense, streaming, tova, h2o and the five retrofits at budgets of 6.25 %, 12.5 % and
+   25 % of L_train (re-budgeting with ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
+   on test sequences, every sequence through a ``kvpop.KVpopCache``;
+3. prints the table and writes ``results.json``, ``table.md`` and ``accuracy_vs_budget.png``.
+
+Training settings (steps, the training budget's long-range slots ``k``, learning rates) are the ones
+chosen on *validation* sequences (seeds disjoint from the training and test seeds) by
+``kvpop demo --select``, which trains every candidate of a small grid (:data:`GRID`) and keeps the one
+with the best mean validation accuracy over the three budgets at L_train; the choice is
+:data:`CHOSEN` and the figures that made it are shipped in
+``kvpop/data/demo_results/<task>/selection.json``.  The test sequences are used once, for the table.
+
+Interrupted? Run it again with ``--resume``: finished retrofits (``<policy>/done.json``) and measured
+rows (``rows.jsonl``) are reused, an unfinished retrofit continues from its last checkpoint.
+``--quick`` is a seconds-long smoke run (tiny lengths and steps; meaningless figures).
 """
 from __future__ import annotations
 
@@ -42,158 +49,304 @@ from pathlib import Path
 
 from .eval import _ints, add_common, finish
 
-RETROFITS = ("kvpop-mlp", "kvpop-mlstm", "fixed-finetune")
+TASKS = {"kvtrace": "kvpop.demo.task", "lookahead": "kvpop.demo.lookahead_task"}
+"""Demo task name -> task module (``make_example``, ``test_seed``, ``valid_seed``, ``TRAIN_LEN``, ``SHIPPED_MODEL``)."""
+SCORER_ONLY = ("kvpop-mlp", "kvpop-mlstm")
+JOINT_OF = {"kvpop-mlp-joint": "kvpop-mlp", "kvpop-mlstm-joint": "kvpop-mlstm"}
+RETROFITS = (*SCORER_ONLY, *JOINT_OF, "fixed-finetune")
+
+GRID = {"k": (4, 16, 64), "lr_scorer": (3e-3, 1e-2), "steps": (100, 200), "joint_lr_model": (1e-4, 3e-4),
+        "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30, 100)}
+"""The candidates of ``--select``.  Scorer-only: every (k, lr_scorer) at the first number of steps, then the
+best of those at every number of steps.  Joint: the scorer-only choice of the same scorer with every
+``joint_lr_model``.  fixed-finetune: every (finetune_lr_model, finetune_steps)."""
+
+CHOSEN = {
+    "kvtrace": {
+        "kvpop-mlp": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
+        "kvpop-mlstm": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
+        "kvpop-mlp-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
+        "kvpop-mlstm-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
+        "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
+    },
+    "lookahead": {
+        "kvpop-mlp": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
+        "kvpop-mlstm": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
+        "kvpop-mlp-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
+        "kvpop-mlstm-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
+        "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
+    },
+}
+"""Training settings of each retrofit, chosen on validation sequences by ``kvpop demo --select`` (see
+``kvpop/data/demo_results/<task>/selection.json``).  ``k``: long-range slots of the training budget
+(``budget = sinks + window + k``); fixed-finetune trains at 12.5 % of the training length."""
+QUICK = {"steps": 3, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4}
+
+
+def task_module(name: str):
+    import importlib
+
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; allowed: {sorted(TASKS)} (or 'all')")
+    return importlib.import_module(TASKS[name])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="output directory (retrofitted parts, results.json, plot)")
+    p.add_argument("--out", required=True, help="output directory (one subdirectory per task)")
+    p.add_argument("--task", default="all", choices=[*TASKS, "all"],
+                   help="which task's model to retrofit and evaluate (default: all, one after the other)")
+    p.add_argument("--select", action="store_true",
+                   help="choose the training settings on validation sequences (the grid GRID) instead of "
+                        "running the demo; writes OUT/<task>/selection.json")
     p.add_argument("--resume", action="store_true",
                    help="reuse finished parts in --out (retrofits, measured rows) and continue unfinished ones")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run in seconds: L_train 128, sinks 2, window 4, 2-3 training steps, 1 sequence")
     add_common(p)
-    p.add_argument("--steps", default=None,
-                   help="training steps: one number, or mlp,mlstm,finetune (default 100,100,30)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of every retrofit (default: CHOSEN)")
     p.add_argument("--train-length", type=int, default=None,
-                   help="length of the training sequences (default L_train/2 = 1024)")
+                   help="length of the training sequences (default L_train/2)")
     p.add_argument("--train-budget", type=int, default=None,
-                   help="budget of the scorer training (default sinks + window + 4: k = 4 long-range slots; "
-                        "fixed-finetune always trains at 12.5%% of --train-length)")
-    p.add_argument("--lr-scorer", type=float, default=None, help="scorer learning rate (default 1e-2)")
-    p.add_argument("--lr-model", type=float, default=None, help="model learning rate of fixed-finetune (default 1e-4)")
+                   help="budget of the scorer training of every kvpop retrofit (default: sinks + window + k, "
+                        "k from CHOSEN; fixed-finetune always trains at 12.5%% of --train-length)")
+    p.add_argument("--lr-scorer", type=float, default=None, help="scorer learning rate (default: CHOSEN)")
+    p.add_argument("--lr-model", type=float, default=None,
+                   help="model learning rate of the joint retrofits and fixed-finetune (default: CHOSEN)")
     p.add_argument("--tau", type=float, default=None, help="temperature of the score loss (default 1.0)")
-    p.add_argument("--dms-steps", type=int, default=None,
-                   help="training steps of the DMS baseline (gates + model; default 100; 0 leaves dms out)")
-    p.add_argument("--dms-target-keep", type=float, default=None,
-                   help="keep fraction DMS is trained to (default 0.1; evaluated at each budget's mean)")
-    p.add_argument("--dms-lr", type=float, default=None, help="learning rate of the DMS gates (default 0.05)")
 
 
-def _settings(args: argparse.Namespace) -> dict:
+def _settings(args: argparse.Namespace, task: str) -> dict:
+    mod = task_module(task)
     q = args.quick
-    train_len = args.train_len or (128 if q else 2048)
-    steps = _ints(args.steps) if args.steps else ([3, 3, 2] if q else [100, 100, 30])
-    if len(steps) == 1:
-        steps = steps * 3
-    if len(steps) != 3:
-        raise ValueError(f"--steps takes one number or three (mlp,mlstm,finetune), got {args.steps!r}")
+    train_len = args.train_len or (128 if q else mod.TRAIN_LEN)
+    sinks = (2 if q else 4) if args.sinks is None else args.sinks
+    window = (4 if q else 32) if args.window is None else args.window
+    if args.train_budget is not None and args.train_budget < sinks + window + 1:
+        raise ValueError(f"--train-budget {args.train_budget} is too small: it must be >= sinks + window + 1 = "
+                         f"{sinks + window + 1}")
+    retro = {}
+    for p in RETROFITS:
+        c = dict(QUICK if q else CHOSEN[task][p])
+        if p == "fixed-finetune":
+            c.pop("k", None)
+            c.pop("lr_scorer", None)
+        if p in SCORER_ONLY:
+            c.pop("lr_model", None)
+        if args.steps is not None:
+            c["steps"] = args.steps
+        if args.train_budget is not None and "k" in c:
+            c["k"] = args.train_budget - sinks - window
+        if args.lr_scorer is not None and "lr_scorer" in c:
+            c["lr_scorer"] = args.lr_scorer
+        if args.lr_model is not None and "lr_model" in c:
+            c["lr_model"] = args.lr_model
+        retro[p] = c
     return {
+        "task": task,
         "train_len": train_len,
         "lengths": _ints(args.lengths) or [train_len, 2 * train_len],
         "budgets": _ints(args.budgets),
         "n_sequences": args.n_sequences or (1 if q else 6),
-        "sinks": (2 if q else 4) if args.sinks is None else args.sinks,
-        "window": (4 if q else 32) if args.window is None else args.window,
-        "steps": dict(zip(RETROFITS, steps)),
+        "sinks": sinks,
+        "window": window,
         "train_length": args.train_length or (train_len if q else train_len // 2),
-        "train_budget": args.train_budget,
-        "lr_scorer": args.lr_scorer or 1e-2,
-        "lr_model": args.lr_model or 1e-4,
         "tau": args.tau or 1.0,
-        "dms_steps": (3 if q else 100) if args.dms_steps is None else args.dms_steps,
-        "dms_target_keep": args.dms_target_keep or 0.1,
-        "dms_lr": args.dms_lr or 0.05,
+        "retrofits": retro,
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def _retrofit_config(E, s: dict, policy: str, c: dict):
+    least = s["sinks"] + s["window"] + 1
+    if policy == "fixed-finetune":
+        budget = int(round(0.125 * s["train_length"]))
+        if budget < least:
+            raise ValueError(f"training budget {budget} (12.5% of --train-length {s['train_length']}) is below "
+                             f"sinks + window + 1 = {least}: raise --train-length or lower --window")
+    else:
+        budget = s["sinks"] + s["window"] + int(c["k"])
+        if budget < least:
+            raise ValueError(f"training budget {budget} is too small: it must be >= sinks + window + 1 = {least}")
+    return E.RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, budget=budget,
+                            sinks=s["sinks"], window=s["window"], lr_scorer=float(c.get("lr_scorer", 1e-2)),
+                            lr_model=float(c.get("lr_model", 1e-4)), tau=s["tau"],
+                            train_model=policy not in SCORER_ONLY,
+                            checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
+
+
+def _policy_model(E, base, policy: str, d: Path, pm: dict):
+    """The model serving ``policy`` from its retrofit directory ``d``."""
+    if policy == "fixed-finetune":
+        return E.policy_model(base, policy, finetuned=E.load_base_model(d / "model"), **pm)
+    ft = E.load_base_model(d / "model") if policy in JOINT_OF else None
+    return E.policy_model(base, policy, scorers=d / "scorers.safetensors", finetuned=ft, **pm)
+
+
+def _eval_config(E, s: dict, args: argparse.Namespace, **kw):
+    return E.EvalConfig(train_len=s["train_len"], lengths=kw.pop("lengths", s["lengths"]), budgets=s["budgets"],
+                        n_sequences=kw.pop("n_sequences", s["n_sequences"]), sinks=s["sinks"], window=s["window"],
+                        progress=not args.no_progress, **kw)
+
+
+def _read_rows(path: Path) -> dict:
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[f"{r['policy']}|{r['budget']}|{r['length']}"] = r
+    return done
+
+
+def _append_row(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
+    """Retrofit, evaluate and write the results of one task into ``out``; returns results.json's dict."""
     import torch
 
     from kvpop.demo import evaluate as E
 
     t_start = time.time()
-    out = Path(args.out)
-    try:
-        torch.set_num_threads(max(1, args.threads))
-        s = _settings(args)
-        cfg = E.EvalConfig(train_len=s["train_len"], lengths=s["lengths"], budgets=s["budgets"],
-                           n_sequences=s["n_sequences"], sinks=s["sinks"], window=s["window"],
-                           progress=not args.no_progress)
-        least = s["sinks"] + s["window"] + 1
-        ft_budget = int(round(0.125 * s["train_length"]))
-        if ft_budget < least:
-            raise ValueError(f"training budget {ft_budget} (12.5% of --train-length {s['train_length']}) is below "
-                             f"sinks + window + 1 = {least}: raise --train-length or lower --window")
-        sc_budget = s["train_budget"] if s["train_budget"] is not None else s["sinks"] + s["window"] + 4
-        if sc_budget < least:
-            raise ValueError(f"--train-budget {sc_budget} is too small: it must be >= sinks + window + 1 = {least}")
-        base = E.load_base_model(args.model)
-    except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"kvpop demo: error: {e}", file=sys.stderr)
-        return 2
+    mod = task_module(task)
+    s = _settings(args, task)
+    cfg = _eval_config(E, s, args)
+    rcs = {p: _retrofit_config(E, s, p, s["retrofits"][p]) for p in RETROFITS}
+    base = E.load_base_model(args.model or mod.SHIPPED_MODEL)
     out.mkdir(parents=True, exist_ok=True)
     rows_file = out / "rows.jsonl"
     settings_file = out / "demo_settings.json"
-    stamp = {k: v for k, v in s.items()}
-    stamp["model"] = str(Path(args.model).resolve()) if args.model else "shipped"
+    stamp = {**s, "model": str(Path(args.model).resolve()) if args.model else "shipped"}
     if not args.resume or not settings_file.exists() or json.loads(settings_file.read_text()) != stamp:
         if rows_file.exists():
             rows_file.unlink()
     settings_file.write_text(json.dumps(stamp, indent=1))
     progress = not args.no_progress
 
-    # 1. retrofits, each saved as it finishes
     timings = {}
     for p in RETROFITS:
         t0 = time.time()
-        rc = E.RetrofitConfig(steps=s["steps"][p], length=s["train_length"], batch=1,
-                              budget=ft_budget if p == "fixed-finetune" else sc_budget,
-                              sinks=s["sinks"], window=s["window"], lr_scorer=s["lr_scorer"],
-                              lr_model=s["lr_model"], tau=s["tau"], train_model=(p == "fixed-finetune"),
-                              checkpoint_every=max(1, min(50, s["steps"][p] // 4)))
-        print(f"[kvpop demo] retrofit {p}: {rc.steps} steps at length {rc.length}, budget {rc.budget}", flush=True)
-        E.retrofit(base, p, out / p, rc, resume=args.resume, progress=progress)
+        rc = rcs[p]
+        print(f"[kvpop demo] {task}: retrofit {p}: {rc.steps} steps at length {rc.length}, budget {rc.budget}"
+              f"{', model and scorers' if rc.train_model and p != 'fixed-finetune' else ''}", flush=True)
+        E.retrofit(base, p, out / p, rc, resume=args.resume, progress=progress, task=mod)
         timings[f"retrofit_{p}_s"] = round(time.time() - t0, 1)
 
-    if s["dms_steps"] > 0:  # the learned baseline: gates and model together (kvpop.demo.dms)
-        from kvpop.demo.dms import retrofit_dms
-
-        t0 = time.time()
-        rc = E.RetrofitConfig(steps=s["dms_steps"], length=s["train_length"], batch=1, sinks=s["sinks"],
-                              window=s["window"], lr_scorer=s["dms_lr"], lr_model=s["lr_model"], train_model=True,
-                              checkpoint_every=max(1, min(50, s["dms_steps"] // 4)))
-        print(f"[kvpop demo] retrofit dms: {rc.steps} steps at length {rc.length}, target keep "
-              f"{s['dms_target_keep']}", flush=True)
-        retrofit_dms(base, out / "dms", rc, target_keep=s["dms_target_keep"], resume=args.resume, progress=progress)
-        timings["retrofit_dms_s"] = round(time.time() - t0, 1)
-
-    # 2. the models of every policy
     pm = dict(sinks=cfg.sinks, window=cfg.window, budget=cfg.budgets[0])
     shared = E.policy_model(base, "streaming", **pm)
-    models = {"dense": base, "streaming": shared, "tova": shared, "h2o": shared,
-              "fixed-finetune": E.policy_model(base, "fixed-finetune",
-                                               finetuned=E.load_base_model(out / "fixed-finetune" / "model"), **pm),
-              "kvpop-mlp": E.policy_model(base, "kvpop-mlp", scorers=out / "kvpop-mlp" / "scorers.safetensors", **pm),
-              "kvpop-mlstm": E.policy_model(base, "kvpop-mlstm", scorers=out / "kvpop-mlstm" / "scorers.safetensors",
-                                            **pm)}
-    if s["dms_steps"] > 0:
-        models["dms"] = E.policy_model(base, "dms", scorers=out / "dms" / "gates.safetensors",
-                                       finetuned=E.load_base_model(out / "dms" / "model"), **pm)
+    models = {"dense": base, "streaming": shared, "tova": shared, "h2o": shared}
+    for p in RETROFITS:
+        models[p] = _policy_model(E, base, p, out / p, pm)
 
-    # 3. evaluation, each row appended to rows.jsonl as soon as it is measured
-    done = {}
-    if rows_file.exists():
-        for line in rows_file.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done[f"{r['policy']}|{r['budget']}|{r['length']}"] = r
-
-    def save_row(row: dict) -> None:
-        with open(rows_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    print(f"[kvpop demo] evaluating {len(cfg.policies)} policies, budgets {cfg.budgets}, lengths {cfg.lengths}, "
-          f"{cfg.n_sequences} sequences each", flush=True)
+    print(f"[kvpop demo] {task}: evaluating {len(cfg.policies)} policies, budgets {cfg.budgets}, lengths "
+          f"{cfg.lengths}, {cfg.n_sequences} test sequences each", flush=True)
     t0 = time.time()
-    results = E.evaluate(models, cfg, done=done, on_row=save_row)
+    results = E.evaluate(models, cfg, done=_read_rows(rows_file), on_row=lambda r: _append_row(rows_file, r),
+                         task=mod)
     timings["eval_s"] = round(time.time() - t0, 1)
     timings["total_s"] = round(time.time() - t_start, 1)
-    results["demo"] = {"settings": stamp, "timings": timings, "threads": torch.get_num_threads(),
+    results["demo"] = {"task": task, "settings": stamp, "timings": timings, "threads": torch.get_num_threads(),
                        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                       "retrofit": {p: json.loads((out / p / "done.json").read_text())
-                                    for p in RETROFITS + (("dms",) if s["dms_steps"] > 0 else ())}}
+                       "retrofit": {p: json.loads((out / p / "done.json").read_text()) for p in RETROFITS}}
+    print(f"[kvpop demo] {task}:")
     finish(results, out, not args.no_plot)
-    print(f"[kvpop demo] done in {timings['total_s']:.0f} s", flush=True)
+    return results
+
+
+def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
+    """Train every candidate of :data:`GRID` for ``task`` and choose on validation sequences; writes
+    ``out/selection.json`` (after every candidate) and returns it."""
+    from kvpop.demo import evaluate as E
+
+    mod = task_module(task)
+    s = _settings(args, task)
+    vcfg = _eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=args.n_sequences or (1 if args.quick else 8),
+                        split="valid")
+    vcfg.progress = False
+    base = E.load_base_model(args.model or mod.SHIPPED_MODEL)
+    pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
+    out.mkdir(parents=True, exist_ok=True)
+    grid = ({**{k: v[:1] for k, v in GRID.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],)}
+            if args.quick else GRID)
+    record = {"task": task, "grid": grid, "criterion": "mean validation accuracy over the budgets at L_train",
+              "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})",
+                             "length": s["train_len"], "budgets": vcfg.budgets, "sinks": vcfg.sinks,
+                             "window": vcfg.window, "train_length": s["train_length"]},
+              "candidates": [], "chosen": {}}
+    dense_done: dict = {}
+
+    def save() -> None:
+        E.write_results(record, out / "selection.json")
+
+    def trial(policy: str, stage: str, c: dict) -> dict:
+        tag = "_".join(f"{k}{v:g}" for k, v in sorted(c.items()))
+        d = out / policy / tag
+        E.retrofit(base, policy, d, _retrofit_config(E, s, policy, c), resume=True, progress=not args.no_progress,
+                   task=mod)
+        vf = d / "validation.json"
+        if vf.exists() and json.loads(vf.read_text()).get("settings") == c:
+            r = json.loads(vf.read_text())
+        else:
+            res = E.evaluate({"dense": base, policy: _policy_model(E, base, policy, d, pm)}, vcfg, task=mod,
+                             done=dense_done)
+            for row in res["rows"]:
+                if row["policy"] == "dense":
+                    dense_done[f"dense|{row['budget']}|{row['length']}"] = row
+            acc = {str(row["budget"]): row["accuracy"] for row in res["rows"] if row["policy"] == policy}
+            r = {"policy": policy, "stage": stage, "settings": c, "val_accuracy": acc,
+                 "val_mean": sum(acc.values()) / len(acc), "val_dense": res["dense_accuracy"]}
+            vf.write_text(json.dumps(r, indent=1))
+        record["candidates"].append(r)
+        save()
+        print(f"[kvpop demo --select] {task} {policy} {c}: validation accuracy "
+              f"{ {b: round(a, 3) for b, a in r['val_accuracy'].items()} } mean {r['val_mean']:.3f}", flush=True)
+        return r
+
+    def best(rs: list[dict]) -> dict:
+        return max(rs, key=lambda r: r["val_mean"])  # the first of equals: the earlier (cheaper) candidate
+
+    chosen = record["chosen"]
+    for p in SCORER_ONLY:
+        first = best([trial(p, "k x lr_scorer", {"steps": grid["steps"][0], "k": k, "lr_scorer": lr})
+                      for k in grid["k"] for lr in grid["lr_scorer"]])
+        chosen[p] = best([first] + [trial(p, "steps", {**first["settings"], "steps": st})
+                                    for st in grid["steps"][1:]])["settings"]
+    for p, sc in JOINT_OF.items():
+        chosen[p] = best([trial(p, "lr_model", {**chosen[sc], "lr_model": lm})
+                          for lm in grid["joint_lr_model"]])["settings"]
+    chosen["fixed-finetune"] = best([trial("fixed-finetune", "lr_model x steps", {"steps": st, "lr_model": lm})
+                                     for lm in grid["finetune_lr_model"] for st in grid["finetune_steps"]])["settings"]
+    save()
+    print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
+    return record
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    t_start = time.time()
+    out = Path(args.out)
+    tasks = list(TASKS) if args.task == "all" else [args.task]
+    try:
+        torch.set_num_threads(max(1, args.threads))
+        if args.model is not None and len(tasks) > 1:
+            raise ValueError("--model belongs to one task: give --task kvtrace or --task lookahead with it")
+        if args.steps is not None and args.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {args.steps}")
+        for task in tasks:  # check every setting before training anything
+            from kvpop.demo import evaluate as E
+
+            s = _settings(args, task)
+            _eval_config(E, s, args)
+            for p in RETROFITS:
+                _retrofit_config(E, s, p, s["retrofits"][p])
+        for task in tasks:
+            (_select if args.select else _run_task)(args, task, out / task)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"kvpop demo: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[kvpop demo] done in {time.time() - t_start:.0f} s", flush=True)
     return 0

@@ -88,12 +88,15 @@ __all__ = [
     "RetrofitConfig",
 ]
 
-POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "dms")
+POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
+            "kvpop-mlstm-joint", "dms")
 """Policy names, in table order."""
 CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
-                "kvpop-mlp": "kvpop", "kvpop-mlstm": "kvpop"}
+                "kvpop-mlp": "kvpop", "kvpop-mlstm": "kvpop", "kvpop-mlp-joint": "kvpop", "kvpop-mlstm-joint": "kvpop"}
 """The ``KVpopCache`` policy that serves each non-dense policy."""
-SCORER_OF = {"kvpop-mlp": "mlp", "kvpop-mlstm": "mlstm"}
+SCORER_OF = {"kvpop-mlp": "mlp", "kvpop-mlstm": "mlstm", "kvpop-mlp-joint": "mlp", "kvpop-mlstm-joint": "mlstm"}
+JOINT = ("kvpop-mlp-joint", "kvpop-mlstm-joint")
+"""Policies whose scorers were trained together with the model (``train_model=True``, KL to the frozen original)."""
 BUDGET_FRACTIONS = (0.0625, 0.125, 0.25)
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32
@@ -124,10 +127,12 @@ class EvalConfig:
         lengths: test sequence lengths (default ``L_train`` and ``2 L_train``).
         budgets: cache budgets ``B`` (entries per layer and KV head); default
             :data:`BUDGET_FRACTIONS` of ``train_len``.
-        n_sequences: test sequences per length (``task.test_seed(0 .. n-1)``).
+        n_sequences: sequences per length (``test_seed(first_seed + i)``, or ``valid_seed`` with
+            ``split="valid"``, of the task module given to :func:`evaluate`).
         sinks, window: shared by every policy (``budget >= sinks + window + 1``).
         policies: which policies to run (default all that have a model).
         progress: show a tqdm bar.
+        split: ``"test"`` (the table) or ``"valid"`` (choosing training settings).
     """
 
     train_len: int = 2048
@@ -139,8 +144,11 @@ class EvalConfig:
     policies: Sequence[str] = POLICIES
     progress: bool = True
     first_seed: int = 0
+    split: str = "test"
 
     def __post_init__(self) -> None:
+        if self.split not in ("test", "valid"):
+            raise ValueError(f"split must be 'test' or 'valid', got {self.split!r}")
         for name in ("train_len", "n_sequences"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -268,8 +276,8 @@ def _row_key(policy: str, budget: int, length: int) -> str:
 
 
 def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, *,
-             task_cfg: T.TaskConfig = T.DEFAULT, done: Mapping[str, dict] | None = None,
-             on_row: Any = None) -> dict:
+             task_cfg: Any = None, done: Mapping[str, dict] | None = None,
+             on_row: Any = None, task: Any = T) -> dict:
     """Accuracy of every policy in ``models`` at every (budget, length) of ``config``.
 
     Args:
@@ -278,6 +286,8 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
         config: :class:`EvalConfig`.
         done: rows already measured (key ``"policy|budget|length"`` -> row), reused as they are.
         on_row: called with each new row as soon as it is measured (e.g. to save progress).
+        task: the task module (:mod:`kvpop.demo.task` by default, or ``kvpop.demo.lookahead_task``);
+            ``task_cfg`` defaults to its ``DEFAULT``.
 
     Speed: run it with ``torch.set_num_threads(1)`` on a CPU.  The tiny model's ops are far too small
     for intra-op threads, and TOVA/H2O decode token by token (tens of small ops per token and layer):
@@ -289,6 +299,8 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
         ``graded``, ``n_sequences``).
     """
     cfg = config or EvalConfig()
+    task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
+    seed_of = task.valid_seed if cfg.split == "valid" else task.test_seed
     if "dense" not in models:
         raise ValueError("evaluate needs the dense model (models['dense']) for the relative accuracy")
     policies = [p for p in cfg.policies if p in models]
@@ -310,7 +322,7 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
     try:
         for p, b, L in jobs:
             if L not in examples:
-                examples[L] = [T.make_example(T.test_seed(cfg.first_seed + i), L, task_cfg)
+                examples[L] = [task.make_example(seed_of(cfg.first_seed + i), L, task_cfg)
                                for i in range(cfg.n_sequences)]
             if bar is not None:
                 bar.set_postfix_str(f"{p} B={b} L={L}")
@@ -329,14 +341,15 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
     finally:
         if bar is not None:
             bar.close()
-    return results_dict(list(rows.values()), cfg, task_cfg)
+    return results_dict(list(rows.values()), cfg, task_cfg, task=task)
 
 
-def results_dict(rows: list[dict], cfg: EvalConfig, task_cfg: T.TaskConfig = T.DEFAULT,
-                 extra: Mapping[str, Any] | None = None) -> dict:
+def results_dict(rows: list[dict], cfg: EvalConfig, task_cfg: Any = None,
+                 extra: Mapping[str, Any] | None = None, task: Any = T) -> dict:
     """The ``results.json`` object: ``task``, ``train_len``, ``dense_accuracy`` (at ``train_len``, or at
     the first length when ``train_len`` is not among them), ``rows`` (sorted; each with
     ``relative_accuracy`` = accuracy / dense accuracy at the same length), plus settings."""
+    task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
     dense = {r["length"]: r["accuracy"] for r in rows if r["policy"] == "dense"}
     order = {p: i for i, p in enumerate(POLICIES)}
     out_rows = []
@@ -347,7 +360,8 @@ def results_dict(rows: list[dict], cfg: EvalConfig, task_cfg: T.TaskConfig = T.D
         out_rows.append(r)
     ref_len = cfg.train_len if cfg.train_len in dense else (cfg.lengths[0] if cfg.lengths else None)
     res = {
-        "task": T.describe(task_cfg),
+        "task": task.describe(task_cfg),
+        "split": cfg.split,
         "train_len": int(cfg.train_len),
         "dense_accuracy": float(dense.get(ref_len, float("nan"))),
         "dense_accuracy_by_length": {str(k): v for k, v in sorted(dense.items())},
@@ -421,8 +435,9 @@ def plot_results(results: dict, path: str | os.PathLike) -> None:
             if p == "dense":
                 ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label="dense")
                 continue
-            style = "-" if p.startswith("kvpop") else ":" if p in ("tova", "h2o") else "-."
-            ax.plot([b for b, _ in pts], [a for _, a in pts], style, marker="o", label=p)
+            style = ("--" if p in JOINT else "-" if p.startswith("kvpop") else ":" if p in ("tova", "h2o")
+                     else "-.")
+            ax.plot([b for b, _ in pts], [a for _, a in pts], style, marker="s" if p in JOINT else "o", label=p)
         bs = sorted({r["budget"] for r in rows if r["policy"] != "dense"})
         ax.set_xscale("log", base=2)
         ax.set_xticks(bs)
@@ -471,18 +486,20 @@ class RetrofitConfig:
     seed: int = 0
 
 
-def _train_data(cfg: RetrofitConfig, n: int, task_cfg: T.TaskConfig) -> list[torch.Tensor]:
-    return [T.make_batch([T.train_seed(cfg.seed * 1_000_003 + i * cfg.batch + j) for j in range(cfg.batch)],
-                         cfg.length, task_cfg)["input_ids"] for i in range(n)]
+def _train_data(cfg: RetrofitConfig, n: int, task_cfg: Any, task: Any) -> list[torch.Tensor]:
+    return [task.make_batch([task.train_seed(cfg.seed * 1_000_003 + i * cfg.batch + j) for j in range(cfg.batch)],
+                            cfg.length, task_cfg)["input_ids"] for i in range(n)]
 
 
 def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: RetrofitConfig | None = None, *,
-             resume: bool = True, progress: bool = True, task_cfg: T.TaskConfig = T.DEFAULT) -> Path:
+             resume: bool = True, progress: bool = True, task_cfg: Any = None, task: Any = T) -> Path:
     """Train what ``policy`` needs from ``base`` (left untouched) and save it into ``out_dir``.
 
     * ``kvpop-mlp`` / ``kvpop-mlstm``: a copy of ``base`` patched with that scorer
       (``mask_source="scorer"``) trained by ``kvpop.train.train``; writes ``scorers.safetensors``
       (and ``model/`` when ``cfg.train_model``).
+    * ``kvpop-mlp-joint`` / ``kvpop-mlstm-joint``: the same with ``train_model`` on (the method's recipe:
+      model and scorers together, the model with a KL loss to the frozen original); writes both.
     * ``fixed-finetune``: the model fine-tuned with the fixed StreamingLLM mask
       (``mask_source="streaming"``, no score loss, KL to the frozen original); writes ``model/``.
 
@@ -493,8 +510,10 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
     from kvpop.training.train import TrainConfig, train
 
     cfg = cfg or RetrofitConfig()
-    if policy not in ("kvpop-mlp", "kvpop-mlstm", "fixed-finetune"):
-        raise ValueError(f"retrofit trains 'kvpop-mlp', 'kvpop-mlstm' or 'fixed-finetune', got {policy!r}")
+    trainable = ("fixed-finetune", *SCORER_OF)
+    if policy not in trainable:
+        raise ValueError(f"retrofit trains one of {list(trainable)}, got {policy!r}")
+    task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
     out = Path(out_dir)
     settings = {"policy": policy, **asdict(cfg), "task_config": task_cfg.to_dict()}
     done_file = out / "done.json"
@@ -510,7 +529,7 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
         unpatch(model)
     model.eval()
     teacher = make_teacher(model)
-    train_model = cfg.train_model or policy == "fixed-finetune"
+    train_model = cfg.train_model or policy == "fixed-finetune" or policy in JOINT
     if policy == "fixed-finetune":
         kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, mask_source="streaming",
                          compute_loss=False, tau=cfg.tau)
@@ -525,7 +544,7 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
             f.unlink()
     ckpt.mkdir(exist_ok=True)
     stamp.write_text(json.dumps(settings))
-    data = _train_data(cfg, min(cfg.steps, 1000), task_cfg)
+    data = _train_data(cfg, min(cfg.steps, 1000), task_cfg, task)
     tc = TrainConfig(steps=cfg.steps, lr_scorer=cfg.lr_scorer, lr_model=cfg.lr_model, train_model=train_model,
                      checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress,
                      seed=cfg.seed)

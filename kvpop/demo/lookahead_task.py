@@ -83,6 +83,7 @@ __all__ = [
     "test_seed",
     "valid_seed",
     "describe",
+    "init_embeddings",
 ]
 
 NAME = "lookahead"
@@ -170,6 +171,20 @@ TaskConfig = LookaheadConfig
 DEFAULT = LookaheadConfig()
 """The task configuration the shipped model was trained on."""
 VOCAB_SIZE = DEFAULT.vocab_size
+
+
+def init_embeddings(weight: torch.Tensor, cfg: LookaheadConfig = DEFAULT) -> None:
+    """Pre-training initialisation (``kvpop pretrain --task lookahead``): set the embedding of every
+    ``FACT(k, v)`` to ``(E[KEY(k)] + E[VALUE(v)]) / sqrt(2)`` in place (``weight``: the ``[V, H]`` input
+    embedding, tied to the LM head).  With 2048 FACT ids, each read rarely, a fact's embedding learnt
+    from scratch needs far more steps than the CPU budget; this start shares the structure the dense
+    model needs (a read ``KEY(k)`` matches ``FACT(k, .)``, and copying the fact's embedding predicts
+    ``VALUE(v)``).  The task itself is unchanged."""
+    with torch.no_grad():
+        k = torch.arange(cfg.n_keys).repeat_interleave(cfg.n_values)
+        v = torch.arange(cfg.n_values).repeat(cfg.n_keys)
+        fact = (weight[cfg.key_base + k] + weight[cfg.value_base + v]) / 2 ** 0.5
+        weight[cfg.fact_base + k * cfg.n_values + v] = fact
 
 
 def make_example(seed: int, length: int, cfg: LookaheadConfig = DEFAULT) -> dict:

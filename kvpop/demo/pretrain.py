@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                         intermediate=args.intermediate,
                         max_positions=max(8192, 4 * L_train), rope_theta=args.rope_theta,
                         seed=args.seed)
+    if hasattr(task, "init_embeddings"):  # a task's own start for its embeddings (see the task module)
+        task.init_embeddings(model.get_input_embeddings().weight, task_cfg)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
