@@ -112,6 +112,7 @@ class LookaheadConfig(TokenIds):
         max_reads: most reads per sequence.
         record_frac: blocks are written in ``[8, record_frac * L)``, reads happen after.
         restart_prob: probability that a filler run restarts at a random filler token.
+        full_length: sequences of at least this length have full blocks (:meth:`records_per_block`).
     """
 
     n_keys: int = 256
@@ -125,6 +126,7 @@ class LookaheadConfig(TokenIds):
     max_reads: int = 256
     record_frac: float = 0.6
     restart_prob: float = 0.1
+    full_length: int = 512
 
     def __post_init__(self) -> None:
         if self.block_period < self.block_records + 1:
@@ -154,6 +156,12 @@ class LookaheadConfig(TokenIds):
         """Number of record blocks in a sequence of ``length`` tokens."""
         region = int(round(self.record_frac * length)) - 8
         return int(max(1, min(self.max_blocks, region // self.block_period)))
+
+    def records_per_block(self, length: int) -> int:
+        """Facts per block: ``block_records`` from ``full_length`` tokens on, fewer in shorter sequences
+        (``block_records * length / full_length``, at least 2), so the short sequences of a training
+        curriculum start with a few facts, as the first task's do."""
+        return int(max(2, min(self.block_records, self.block_records * length // self.full_length)))
 
     def n_reads_for(self, length: int) -> int:
         """Number of reads (graded positions) in a sequence of ``length`` tokens."""
@@ -203,7 +211,7 @@ def make_example(seed: int, length: int, cfg: LookaheadConfig = DEFAULT) -> dict
     ids[0] = BOS_ID
 
     # Blocks: one per slot of the record region; consecutive starts are >= block_period apart.
-    R = cfg.block_records
+    R = cfg.records_per_block(L)
     n_b = cfg.n_blocks_for(L)
     record_end = int(round(cfg.record_frac * L))
     slot = (record_end - 8) // n_b

@@ -1,11 +1,15 @@
-"""``kvpop demo --quick`` end to end (shipped model, PyTorch CPU path)."""
+"""``kvpop demo --quick`` end to end (shipped models, PyTorch CPU path), and ``--select``."""
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from kvpop.cli import main
-from kvpop.demo.evaluate import POLICIES
+from kvpop.cli.demo import CHOSEN, RETROFITS, TASKS
+from kvpop.demo.evaluate import JOINT, POLICIES
+
+RESULTS = Path(__file__).resolve().parents[2] / "kvpop" / "data" / "demo_results"
 
 
 @pytest.fixture(autouse=True)
@@ -13,35 +17,71 @@ def cpu_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-def test_demo_quick_end_to_end_and_resume(tmp_path, capsys):
+def _rows(res):
+    return [(r["policy"], r["budget"], r["length"], r["accuracy"]) for r in res["rows"]]
+
+
+def test_demo_quick_both_tasks_end_to_end_and_resume(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out), "--threads", "1", "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    res = json.loads((out / "results.json").read_text())
-    assert isinstance(res["task"], str) and res["train_len"] == 128
-    assert 0.0 <= res["dense_accuracy"] <= 1.0
-    assert {r["policy"] for r in res["rows"]} == set(POLICIES)
-    assert {r["length"] for r in res["rows"]} == {128, 256}
-    assert {r["budget"] for r in res["rows"] if r["policy"] != "dense"} == {8, 16, 32}
-    for r in res["rows"]:
-        assert isinstance(r["budget"], int) and isinstance(r["accuracy"], float)
-    assert (out / "accuracy_vs_budget.png").read_bytes()[:4] == b"\x89PNG"
-    for p in ("kvpop-mlp", "kvpop-mlstm"):
-        assert (out / p / "scorers.safetensors").exists() and (out / p / "done.json").exists()
-    assert (out / "fixed-finetune" / "model" / "model.safetensors").exists()
-    assert (out / "dms" / "gates.safetensors").exists() and (out / "dms" / "model" / "model.safetensors").exists()
-    assert "| kvpop-mlp |" in printed
+    first = {}
+    for task in TASKS:
+        d = out / task
+        res = json.loads((d / "results.json").read_text())
+        first[task] = res
+        assert res["split"] == "test" and res["train_len"] == 128 and res["demo"]["task"] == task
+        assert 0.0 <= res["dense_accuracy"] <= 1.0
+        assert {r["policy"] for r in res["rows"]} == set(POLICIES)
+        assert {r["length"] for r in res["rows"]} == {128, 256}
+        assert {r["budget"] for r in res["rows"] if r["policy"] != "dense"} == {8, 16, 32}
+        assert (d / "accuracy_vs_budget.png").read_bytes()[:4] == b"\x89PNG"
+        for p in RETROFITS:
+            assert (d / p / "done.json").exists()
+            assert (d / p / "scorers.safetensors").exists() == (p != "fixed-finetune")
+            assert (d / p / "model" / "model.safetensors").exists() == (p in JOINT or p == "fixed-finetune")
+    assert "lookahead-trace" in first["lookahead"]["task"] and "kv-trace" in first["kvtrace"]["task"]
+    assert printed.count("| kvpop-mlstm-joint |") == 2
     # resume: every part is reused, nothing is trained or measured again
     t0 = time.time()
-    assert main(["demo", "--quick", "--out", str(out), "--threads", "1", "--no-progress", "--resume"]) == 0
-    again = json.loads((out / "results.json").read_text())
-    assert [(r["policy"], r["budget"], r["length"], r["accuracy"]) for r in again["rows"]] == \
-        [(r["policy"], r["budget"], r["length"], r["accuracy"]) for r in res["rows"]]
-    assert time.time() - t0 < 20
+    assert main(["demo", "--quick", "--task", "lookahead", "--out", str(out), "--threads", "1", "--no-progress",
+                 "--resume"]) == 0
+    again = json.loads((out / "lookahead" / "results.json").read_text())
+    assert _rows(again) == _rows(first["lookahead"])
+    assert time.time() - t0 < 30
+
+
+def test_select_quick_chooses_on_validation_sequences(tmp_path, capsys):
+    out = tmp_path / "sel"
+    assert main(["demo", "--quick", "--select", "--task", "kvtrace", "--out", str(out), "--no-progress"]) == 0
+    sel = json.loads((out / "kvtrace" / "selection.json").read_text())
+    assert sel["validation"]["split"] == "valid" and set(sel["chosen"]) == set(RETROFITS)
+    by_policy = {}
+    for c in sel["candidates"]:
+        by_policy.setdefault(c["policy"], []).append(c)
+        assert set(c["val_accuracy"]) == {"8", "16", "32"}
+        assert c["val_mean"] == pytest.approx(sum(c["val_accuracy"].values()) / 3)
+    for p, cs in by_policy.items():  # the choice is the best validation mean
+        assert sel["chosen"][p] == max(cs, key=lambda c: c["val_mean"])["settings"]
+    assert "chosen" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_the_demo_defaults_are_the_shipped_validation_choice(task):
+    """CHOSEN (the demo's defaults) is what `kvpop demo --select` chose, as recorded with its figures."""
+    sel = json.loads((RESULTS / task / "selection.json").read_text())
+    assert sel["validation"]["split"] == "valid"
+    chosen = {p: {k: float(v) for k, v in c.items()} for p, c in sel["chosen"].items()}
+    assert chosen == {p: {k: float(v) for k, v in c.items()} for p, c in CHOSEN[task].items()}
 
 
 def test_demo_bad_inputs(tmp_path, capsys):
-    assert main(["demo", "--quick", "--out", str(tmp_path / "x"), "--budgets", "5", "--no-progress"]) == 2
+    x = str(tmp_path / "x")
+    assert main(["demo", "--quick", "--task", "kvtrace", "--out", x, "--budgets", "5", "--no-progress"]) == 2
     assert "too small" in capsys.readouterr().err
-    assert main(["demo", "--quick", "--out", str(tmp_path / "x"), "--steps", "1,2", "--no-progress"]) == 2
+    assert main(["demo", "--quick", "--out", x, "--steps", "0", "--no-progress"]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert main(["demo", "--quick", "--out", x, "--model", x, "--no-progress"]) == 2
+    assert "--model belongs to one task" in capsys.readouterr().err
+    assert main(["demo", "--quick", "--task", "kvtrace", "--out", x, "--train-budget", "3", "--no-progress"]) == 2
+    assert "--train-budget 3 is too small" in capsys.readouterr().err
