@@ -55,11 +55,13 @@ SCORER_ONLY = ("kvpop-mlp", "kvpop-mlstm")
 JOINT_OF = {"kvpop-mlp-joint": "kvpop-mlp", "kvpop-mlstm-joint": "kvpop-mlstm"}
 RETROFITS = (*SCORER_ONLY, *JOINT_OF, "fixed-finetune")
 
-GRID = {"k": (4, 16, 64), "lr_scorer": (3e-3, 1e-2), "steps": (100, 200), "joint_lr_model": (1e-4, 3e-4),
-        "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30, 100)}
+GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4, 3e-4),
+        "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,)}
 """The candidates of ``--select``.  Scorer-only: every (k, lr_scorer) at the first number of steps, then the
 best of those at every number of steps.  Joint: the scorer-only choice of the same scorer with every
-``joint_lr_model``.  fixed-finetune: every (finetune_lr_model, finetune_steps)."""
+``joint_lr_model``.  fixed-finetune: every (finetune_lr_model, finetune_steps).  A grid of one value
+fixes that setting (the CPU budget of a 2-core machine shared by many jobs: each candidate is a retrofit
+plus a validation run)."""
 
 CHOSEN = {
     "kvtrace": {
@@ -263,7 +265,7 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
 
     mod = task_module(task)
     s = _settings(args, task)
-    vcfg = _eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=args.n_sequences or (1 if args.quick else 8),
+    vcfg = _eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=args.n_sequences or (1 if args.quick else 6),
                         split="valid")
     vcfg.progress = False
     base = E.load_base_model(args.model or mod.SHIPPED_MODEL)

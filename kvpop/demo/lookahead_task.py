@@ -6,33 +6,39 @@ classifier can tell the tokens that will be read from the rest.  Here the same t
 needed and as never-needed tokens, and nothing at or before a token tells which it is: a *marker*
 written after it does.
 
-A *record* is the pair ``KEY(k) VALUE(v)``.  Records come in *blocks* of ``block_records`` records
-(``2 * block_records`` tokens) followed by one marker token, ``KEEP`` or ``DROP``, drawn
+A *fact* is one token ``FACT(k, v)`` (as in the first task).  Facts come in *blocks* of
+``block_records`` consecutive facts followed by one marker token, ``KEEP`` or ``DROP``, drawn
 independently per block (``KEEP`` with probability ``keep_prob``).  Later, *reads* ``KEY(k) VALUE(v)``
-ask only for keys of records in ``KEEP`` blocks: the model must predict the value right after the key,
-which it can do only if it still sees the record's VALUE token (whose hidden state holds the key
-that preceded it).  Records in ``DROP`` blocks are never read.  Keys are distinct within a sequence,
-so every answer is unique and the dense model never needs the markers; an eviction policy does.
+ask only for keys of facts in ``KEEP`` blocks: the model must predict the value right after the key,
+which it can do only if it still sees the fact.  Facts in ``DROP`` blocks are never read.  Keys are
+distinct within a sequence, so every answer is unique and the dense model never needs the markers;
+an eviction policy does.  Every ``FACT`` id occurs in kept and in dropped blocks.
 
-Timing, with the demo's window ``w = 32`` in mind: the marker lies at most ``2 * block_records``
-tokens after every VALUE of its block (inside the window that an mLSTM scorer reads before it
-scores the token), and blocks start at least ``block_period > w`` tokens apart, so the window after a
-VALUE never holds the marker of the *next* block.  A scorer that sees only the token and its left
-context (the MLP scorer, TOVA, H2O: no read has happened yet when records are written) cannot tell
-``KEEP`` from ``DROP`` records; a scorer that has read the ``w`` tokens after the token can.
+Timing, with the demo's window ``w = 32`` in mind: the marker lies at most ``block_records`` tokens
+after every fact of its block (inside the window that an mLSTM scorer reads before it scores the
+token), and blocks start at least ``block_period > w`` tokens apart, so the window after a fact
+never holds the marker of the *next* block.  A scorer that sees only the token and its left context
+(the MLP scorer; TOVA and H2O, for which no read has happened yet when facts are written) cannot
+tell ``KEEP`` from ``DROP`` facts; a scorer that has read the ``w`` tokens after the token can.
 
 Layout of a sequence of length ``L`` (positions count from 0)::
 
     0                        BOS
-    1 .. 7                   filler (the sinks, positions 0..3, hold no record)
-    [8, record_end)          ``n_blocks`` blocks (``KEY VALUE`` x block_records, then KEEP/DROP),
+    1 .. 7                   filler (the sinks, positions 0..3, hold no fact)
+    [8, record_end)          ``n_blocks`` blocks (``records_per_block(L)`` FACTs, then KEEP/DROP),
                              one per slot of the region at a random offset, filler elsewhere
-    [record_end, L)          ``n_reads`` reads ``KEY(k) VALUE(v)`` (k from KEEP blocks) at random
-                             places, filler elsewhere
+    [record_end, L)          ``n_reads`` reads ``KEY(k) VALUE(v)`` (k from KEEP blocks, each once
+                             before any is repeated) at random places, filler elsewhere
 
-with ``record_end = round(record_frac * L)``.  At least one block per sequence is ``KEEP``.
-Filler is runs of counting tokens with random restarts, as in the first task.  The graded positions
-are the KEY tokens of the reads; accuracy is the greedy argmax over the whole vocabulary.
+with ``record_end = round(record_frac * L)``.  At least one block per sequence is ``KEEP``.  Blocks
+are full (``block_records`` facts) from ``full_length`` tokens on; shorter sequences (the first
+stages of a pre-training curriculum) have fewer facts per block.  Filler is runs of counting tokens
+with random restarts, as in the first task.  The graded positions are the KEY tokens of the reads;
+accuracy is the greedy argmax over the whole vocabulary.
+
+Budgets at the defaults (L_train = 1024: 216 facts, 72 of them kept, 68 reads): with sinks 4 and
+window 32, the budgets 64 / 128 / 256 (6.25 / 12.5 / 25 %) leave 28 / 92 / 220 long-range slots per
+layer and KV head: enough for every kept fact from 12.5 % on, but for every fact only at 25 %.
 
 Seeds: train ``[0, TEST_SEED_BASE)``, test ``TEST_SEED_BASE + i``, validation
 ``VALID_SEED_BASE + i`` (disjoint from both for ``i < VALID_SEED_BASE - TEST_SEED_BASE``).  The
@@ -275,8 +281,8 @@ def accuracy(logits: torch.Tensor, example: dict) -> float:
 
 def describe(cfg: LookaheadConfig = DEFAULT) -> str:
     """One-paragraph human description of the task (for reports and results.json)."""
-    return (f"lookahead-trace: up to {cfg.max_blocks} blocks of {cfg.block_records} records KEY VALUE, "
+    return (f"lookahead-trace: up to {cfg.max_blocks} blocks of {cfg.block_records} facts FACT(key,value), "
             f"each block followed by a KEEP (p={cfg.keep_prob:.2f}) or DROP marker, in the first "
-            f"{cfg.record_frac:.0%} of the sequence; reads KEY->VALUE of KEEP records only in the rest "
+            f"{cfg.record_frac:.0%} of the sequence; reads KEY->VALUE of KEEP facts only in the rest "
             f"(one per {cfg.read_spacing} tokens); {cfg.n_keys} keys (distinct per sequence), "
             f"{cfg.n_values} values, vocab {cfg.vocab_size}")

@@ -35,7 +35,9 @@ def test_shapes_and_ranges(length):
     n = CFG.n_reads_for(length)
     assert e["answer_positions"].shape == e["answers"].shape == (n,)
     assert bool((e["answer_positions"].diff() >= 2).all())
-    assert e["fact_positions"].shape == (CFG.n_blocks_for(length) * CFG.block_records,)
+    assert e["fact_positions"].shape == (CFG.n_blocks_for(length) * CFG.records_per_block(length),)
+    assert CFG.records_per_block(length) == (CFG.block_records if length >= CFG.full_length else
+                                             max(2, CFG.block_records * length // CFG.full_length))
     lab = e["labels"]
     assert torch.equal(lab[e["answer_positions"] + 1], e["answers"])
     assert int((lab != -100).sum()) == n
