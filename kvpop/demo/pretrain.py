@@ -44,7 +44,7 @@ from . import task as T
 __all__ = ["TASKS", "get_task", "build_model", "main", "evaluate", "export_model", "parse_curriculum"]
 
 TASKS = {"kvtrace": ("kvpop.demo.task", "128:64,256:32,512:16,1024:8,2048:4"),
-         "lookahead": ("kvpop.demo.lookahead_task", "128:64,256:32,512:16,1024:8")}
+         "lookahead": ("kvpop.demo.lookahead_task", "128:32,256:16,640:6")}
 """Task name -> (module, default curriculum).  A task module has ``TaskConfig``, ``DEFAULT``,
 ``make_batch``, ``train_seed``, ``test_seed`` and ``describe`` (see ``kvpop.demo.task``)."""
 
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(kvpop.demo.lookahead_task)")
     p.add_argument("--curriculum", default=None,
                    help="comma-separated LENGTH:BATCH stages; the last length is L_train (default "
-                        "128:64,256:32,512:16,1024:8,2048:4 for kvtrace, 128:64,256:32,512:16,1024:8 "
+                        "128:64,256:32,512:16,1024:8,2048:4 for kvtrace, 128:32,256:16,640:6 "
                         "for lookahead)")
     p.add_argument("--advance-acc", type=float, default=0.9,
                    help="move to the next stage when the train-accuracy EMA passes this")
