@@ -21,8 +21,9 @@ For each task:
    ``mask_source="scorer"``, the model frozen), ``kvpop-mlp-joint`` and ``kvpop-mlstm-joint`` (the
    method's recipe: scorers and model together, the model with a KL loss to the frozen original) and
    ``fixed-finetune`` (the model fine-tuned under the fixed StreamingLLM mask at 12.5 % of its
-   training length);
-2. evaluates dense, streaming, tova, h2o and the five retrofits at budgets of 6.25 %, 12.5 % and
+   training length), and the learned baseline ``dms`` (gates and model together, ``kvpop.demo.dms``,
+   ``--dms-steps``; its settings are not searched);
+2. evaluates dense, streaming, tova, h2o, the five retrofits and dms at budgets of 6.25 %, 12.5 % and
    25 % of L_train (re-budgeting with ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
    on test sequences, every sequence through a ``kvpop.KVpopCache``;
 3. prints the table and writes ``results.json``, ``table.md`` and ``accuracy_vs_budget.png``.
@@ -115,6 +116,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-model", type=float, default=None,
                    help="model learning rate of the joint retrofits and fixed-finetune (default: CHOSEN)")
     p.add_argument("--tau", type=float, default=None, help="temperature of the score loss (default 1.0)")
+    p.add_argument("--dms-steps", type=int, default=None,
+                   help="training steps of the DMS baseline (gates + model; default 100; 0 leaves dms out)")
+    p.add_argument("--dms-target-keep", type=float, default=None,
+                   help="keep fraction DMS is trained to (default 0.1; evaluated at each budget's mean)")
+    p.add_argument("--dms-lr", type=float, default=None, help="learning rate of the DMS gates (default 0.05)")
 
 
 def _settings(args: argparse.Namespace, task: str) -> dict:
@@ -154,6 +160,10 @@ def _settings(args: argparse.Namespace, task: str) -> dict:
         "train_length": args.train_length or (train_len if q else train_len // 2),
         "tau": args.tau or 1.0,
         "retrofits": retro,
+        "dms_steps": (QUICK["steps"] if q else 100) if args.dms_steps is None else args.dms_steps,
+        "dms_target_keep": args.dms_target_keep or 0.1,
+        "dms_lr": args.dms_lr or 0.05,
+        "dms_lr_model": 1e-4 if args.lr_model is None else args.lr_model,
     }
 
 
@@ -237,11 +247,27 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
         E.retrofit(base, p, out / p, rc, resume=args.resume, progress=progress, task=mod)
         timings[f"retrofit_{p}_s"] = round(time.time() - t0, 1)
 
+    if s["dms_steps"] > 0:  # the learned baseline: gates and model together (kvpop.demo.dms)
+        from kvpop.demo.dms import retrofit_dms
+
+        t0 = time.time()
+        rc = E.RetrofitConfig(steps=s["dms_steps"], length=s["train_length"], batch=1, sinks=s["sinks"],
+                              window=s["window"], lr_scorer=s["dms_lr"], lr_model=s["dms_lr_model"], train_model=True,
+                              checkpoint_every=max(1, min(50, s["dms_steps"] // 4)))
+        print(f"[kvpop demo] {task}: retrofit dms: {rc.steps} steps at length {rc.length}, target keep "
+              f"{s['dms_target_keep']}", flush=True)
+        retrofit_dms(base, out / "dms", rc, target_keep=s["dms_target_keep"], resume=args.resume, progress=progress,
+                     task=mod)
+        timings["retrofit_dms_s"] = round(time.time() - t0, 1)
+
     pm = dict(sinks=cfg.sinks, window=cfg.window, budget=cfg.budgets[0])
     shared = E.policy_model(base, "streaming", **pm)
     models = {"dense": base, "streaming": shared, "tova": shared, "h2o": shared}
     for p in RETROFITS:
         models[p] = _policy_model(E, base, p, out / p, pm)
+    if s["dms_steps"] > 0:
+        models["dms"] = E.policy_model(base, "dms", scorers=out / "dms" / "gates.safetensors",
+                                       finetuned=E.load_base_model(out / "dms" / "model"), **pm)
 
     print(f"[kvpop demo] {task}: evaluating {len(cfg.policies)} policies, budgets {cfg.budgets}, lengths "
           f"{cfg.lengths}, {cfg.n_sequences} test sequences each", flush=True)
@@ -252,7 +278,8 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     timings["total_s"] = round(time.time() - t_start, 1)
     results["demo"] = {"task": task, "settings": stamp, "timings": timings, "threads": torch.get_num_threads(),
                        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                       "retrofit": {p: json.loads((out / p / "done.json").read_text()) for p in RETROFITS}}
+                       "retrofit": {p: json.loads((out / p / "done.json").read_text())
+                                    for p in RETROFITS + (("dms",) if s["dms_steps"] > 0 else ())}}
     print(f"[kvpop demo] {task}:")
     finish(results, out, not args.no_plot)
     return results

@@ -40,6 +40,7 @@ def test_demo_quick_both_tasks_end_to_end_and_resume(tmp_path, capsys):
             assert (d / p / "done.json").exists()
             assert (d / p / "scorers.safetensors").exists() == (p != "fixed-finetune")
             assert (d / p / "model" / "model.safetensors").exists() == (p in JOINT or p == "fixed-finetune")
+        assert (d / "dms" / "gates.safetensors").exists() and (d / "dms" / "model" / "model.safetensors").exists()
     assert "lookahead-trace" in first["lookahead"]["task"] and "kv-trace" in first["kvtrace"]["task"]
     assert printed.count("| kvpop-mlstm-joint |") == 2
     # resume: every part is reused, nothing is trained or measured again
