@@ -2,17 +2,17 @@
 
 ::
 
-    kvpop demo --out demo-out                   # both tasks (the default --task all)
-    kvpop demo --task lookahead --out demo-out  # one task
+    kvpop demo --out demo-out                                   # the kvtrace task
+    kvpop demo --task lookahead --model RUN/model --out demo-out  # a model pre-trained on the lookahead task
 
-Two synthetic tasks, each with its own shipped dense model (``kvpop pretrain``):
+Two synthetic tasks (``--task``):
 
-* ``kvtrace`` (``kvpop.demo.task``, ``kvpop/data/tiny_qwen3``, L_train 2048): a fact is one dedicated token,
-  recognisable from its own key/value vector;
-* ``lookahead`` (``kvpop.demo.lookahead_task``, ``kvpop/data/tiny_qwen3_lookahead``, L_train 1024):
-  whether a fact will be read is told only by a KEEP/DROP marker after it (inside the window), so a
-  scorer that reads the token alone (``kvpop-mlp``) cannot know; one that waits for the window
-  (``kvpop-mlstm``) can.
+* ``kvtrace`` (``kvpop.demo.task``, the shipped dense model ``kvpop/data/tiny_qwen3``, L_train 2048): a
+  fact is one dedicated token, recognisable from its own key/value vector;
+* ``lookahead`` (``kvpop.demo.lookahead_task``, L_train 640): whether a fact will be read is told only
+  by a KEEP/DROP marker after it (inside the window), so a scorer that reads the token alone
+  (``kvpop-mlp``) cannot know; one that waits for the window (``kvpop-mlstm``) can.  Its dense model
+  is not shipped yet (``kvpop pretrain --task lookahead``; pass it with ``--model``).
 
 For each task:
 
@@ -96,8 +96,9 @@ def task_module(name: str):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (one subdirectory per task)")
-    p.add_argument("--task", default="all", choices=[*TASKS, "all"],
-                   help="which task's model to retrofit and evaluate (default: all, one after the other)")
+    p.add_argument("--task", default="kvtrace", choices=[*TASKS, "all"],
+                   help="which task's model to retrofit and evaluate (default: kvtrace; lookahead needs --model "
+                        "until a pre-trained model is shipped; all: one after the other)")
     p.add_argument("--select", action="store_true",
                    help="choose the training settings on validation sequences (the grid GRID) instead of "
                         "running the demo; writes OUT/<task>/selection.json")
@@ -121,6 +122,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dms-target-keep", type=float, default=None,
                    help="keep fraction DMS is trained to (default 0.1; evaluated at each budget's mean)")
     p.add_argument("--dms-lr", type=float, default=None, help="learning rate of the DMS gates (default 0.05)")
+
+
+def _base_model_dir(args: argparse.Namespace, task: str) -> Path:
+    mod = task_module(task)
+    path = Path(args.model) if args.model else Path(mod.SHIPPED_MODEL)
+    if not args.model and not (path / "config.json").exists():
+        raise ValueError(f"the {task} task has no shipped model yet ({path}): pre-train one with "
+                         f"`kvpop pretrain --task {task} --out RUN` (see {mod.__name__}) and pass --model RUN/model")
+    return path
 
 
 def _settings(args: argparse.Namespace, task: str) -> dict:
@@ -227,7 +237,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     s = _settings(args, task)
     cfg = _eval_config(E, s, args)
     rcs = {p: _retrofit_config(E, s, p, s["retrofits"][p]) for p in RETROFITS}
-    base = E.load_base_model(args.model or mod.SHIPPED_MODEL)
+    base = E.load_base_model(_base_model_dir(args, task))
     out.mkdir(parents=True, exist_ok=True)
     rows_file = out / "rows.jsonl"
     settings_file = out / "demo_settings.json"
@@ -295,7 +305,7 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
     vcfg = _eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=args.n_sequences or (1 if args.quick else 6),
                         split="valid")
     vcfg.progress = False
-    base = E.load_base_model(args.model or mod.SHIPPED_MODEL)
+    base = E.load_base_model(_base_model_dir(args, task))
     pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
     out.mkdir(parents=True, exist_ok=True)
     grid = ({**{k: v[:1] for k, v in GRID.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],)}
@@ -368,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         for task in tasks:  # check every setting before training anything
             from kvpop.demo import evaluate as E
 
+            _base_model_dir(args, task)
             s = _settings(args, task)
             _eval_config(E, s, args)
             for p in RETROFITS:
