@@ -36,7 +36,8 @@ with the best mean validation accuracy over the three budgets at L_train; the ch
 ``kvpop/data/demo_results/<task>/selection.json``.  The test sequences are used once, for the table.
 
 Interrupted? Run it again with ``--resume``: finished retrofits (``<policy>/done.json``) and measured
-rows (``rows.jsonl``) are reused, an unfinished retrofit continues from its last checkpoint.
+rows (``rows.jsonl``) are reused, an unfinished retrofit continues from its last checkpoint; after a
+change of settings only the parts that depend on them are trained and measured again.
 ``--quick`` is a seconds-long smoke run (tiny lengths and steps; meaningless figures).
 """
 from __future__ import annotations
@@ -209,6 +210,16 @@ def _eval_config(E, s: dict, args: argparse.Namespace, **kw):
                         progress=not args.no_progress, **kw)
 
 
+def _policy_stamp(stamp: dict, policy: str) -> dict:
+    """The settings a measured row of ``policy`` depends on (``--resume`` reuses a row when they are unchanged)."""
+    own = {k: v for k, v in stamp.items() if k != "retrofits" and not k.startswith("dms_")}
+    if policy in stamp.get("retrofits", {}):
+        own["retrofit"] = stamp["retrofits"][policy]
+    if policy == "dms":
+        own["dms"] = {k: v for k, v in stamp.items() if k.startswith("dms_")}
+    return own
+
+
 def _read_rows(path: Path) -> dict:
     done = {}
     if path.exists():
@@ -242,9 +253,10 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     rows_file = out / "rows.jsonl"
     settings_file = out / "demo_settings.json"
     stamp = {**s, "model": str(Path(args.model).resolve()) if args.model else "shipped"}
-    if not args.resume or not settings_file.exists() or json.loads(settings_file.read_text()) != stamp:
-        if rows_file.exists():
-            rows_file.unlink()
+    old = json.loads(settings_file.read_text()) if args.resume and settings_file.exists() else None
+    kept = {key: r for key, r in _read_rows(rows_file).items()
+            if old is not None and _policy_stamp(old, r["policy"]) == _policy_stamp(stamp, r["policy"])}
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in kept.values()))
     settings_file.write_text(json.dumps(stamp, indent=1))
     progress = not args.no_progress
 
@@ -282,7 +294,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     print(f"[kvpop demo] {task}: evaluating {len(cfg.policies)} policies, budgets {cfg.budgets}, lengths "
           f"{cfg.lengths}, {cfg.n_sequences} test sequences each", flush=True)
     t0 = time.time()
-    results = E.evaluate(models, cfg, done=_read_rows(rows_file), on_row=lambda r: _append_row(rows_file, r),
+    results = E.evaluate(models, cfg, done=kept, on_row=lambda r: _append_row(rows_file, r),
                          task=mod)
     timings["eval_s"] = round(time.time() - t0, 1)
     timings["total_s"] = round(time.time() - t_start, 1)
