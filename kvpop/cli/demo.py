@@ -57,7 +57,7 @@ SCORER_ONLY = ("kvpop-mlp", "kvpop-mlstm")
 JOINT_OF = {"kvpop-mlp-joint": "kvpop-mlp", "kvpop-mlstm-joint": "kvpop-mlstm"}
 RETROFITS = (*SCORER_ONLY, *JOINT_OF, "fixed-finetune")
 
-GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4, 3e-4),
+GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4,),
         "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,)}
 """The candidates of ``--select``.  Scorer-only: every (k, lr_scorer) at the first number of steps, then the
 best of those at every number of steps.  Joint: the scorer-only choice of the same scorer with every
