@@ -22,7 +22,6 @@ in the vLLM venv (see the README's vLLM section).
 from __future__ import annotations
 
 import gc
-import os
 import time
 
 import pytest
@@ -107,7 +106,6 @@ def test_capacity(benchmark, provider, scorer_file, monkeypatch):
             engine.engine_core.shutdown()
         except Exception:
             pass
-        del llm, engine
         gc.collect()
     n, secs = generated[-1]
     assert n == N_REQUESTS * (LENGTH - PROMPT)

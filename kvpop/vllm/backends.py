@@ -27,12 +27,12 @@ import dataclasses
 import functools
 
 import torch
-
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from . import slots
 
-__all__ = ["KVpopCPUBackend", "KVpopTritonBackend"]
+__all__ = ["KVpopCPUBackend", "KVpopCPUImpl", "KVpopTritonBackend", "KVpopTritonImpl"]
 
 
 class _FixedBudgetImpl:
@@ -44,7 +44,8 @@ class _FixedBudgetImpl:
         if self.kv_cache_dtype != "auto":
             raise NotImplementedError(f"kvpop serves unquantised KV caches only, got kv_cache_dtype="
                                       f"{self.kv_cache_dtype!r}")
-        if getattr(self, "sliding_window", None) not in (None, -1) or getattr(self, "alibi_slopes", None) is not None:
+        no_window = getattr(self, "sliding_window", None) in (None, -1, (-1, -1))
+        if not no_window or getattr(self, "alibi_slopes", None) is not None:
             raise NotImplementedError("kvpop layers have no sliding window or ALiBi of their own")
 
     def _tables(self, K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +68,7 @@ class _FixedBudgetImpl:
 
 
 # ------------------------------------------------------------------------------------- CPU
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_block_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple[bool, bool]:
     """Whether CPU_ATTN stores keys / values transposed (``[D, bs]``) inside a block for this ISA.
 
@@ -158,52 +159,39 @@ class KVpopCPUBackend(CPUAttentionBackend):
 
 
 # ------------------------------------------------------------------------------------- GPU
-def _triton_classes():
-    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
+    """UNTESTED ON A GPU (no GPU was available when it was written); see the module docstring."""
 
-    class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
-        """UNTESTED ON A GPU (no GPU was available when it was written); see the module docstring."""
-
-        def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output) -> None:
-            if meta is None:
-                output.zero_()
-                return
-            self._check_supported()
-            D = self.head_size
-            K, V = kv_cache[..., :D], kv_cache[..., D:]  # [nb, Hkv, bs, D] views of [nb, Hkv, bs, 2D]
-            sp, pr = self._tables(K)
-            B = layer.kvpop_budget
-            qsl = meta.query_start_loc
-            R = qsl.shape[0] - 1
-            if meta.max_query_len == 1:  # pure decode: fixed shapes, no host sync (graph capturable)
-                pos = meta.seq_lens[:R].long() - 1
-                valid = pos >= 0  # padded rows of a graph batch have seq_len 0 (and stale block-table rows)
-                slots.decode_step(K, V, sp, pr, meta.block_table[:R], pos, key[:R], value[:R], prio[:R],
-                                  sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B, valid=valid)
-                clamped = dataclasses.replace(meta, seq_lens=meta.seq_lens.clamp(max=B))
-                self.forward(layer, query, key, value, kv_cache, clamped, output)
-                return
-            # a prompt or a chunk in the batch: eager, request by request (decode rows too)
-            q_host = qsl.tolist()
-            seq = meta.seq_lens[:R].tolist()
-            ctx = [seq[r] - (q_host[r + 1] - q_host[r]) for r in range(R)]
-            rows = [r for r in range(R) if q_host[r + 1] > q_host[r]]
-            self._extend_rows(layer, rows, q_host, ctx, meta.block_table, query, key, value, prio, K, V, output)
-
-    class KVpopTritonBackend(TritonAttentionBackend):
-        forward_includes_kv_cache_update = True
-
-        @staticmethod
-        def get_impl_cls():
-            return KVpopTritonImpl
-
-    return KVpopTritonImpl, KVpopTritonBackend
+    def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output) -> None:
+        if meta is None:  # profiling run
+            output.zero_()
+            return
+        self._check_supported()
+        D = self.head_size
+        K, V = kv_cache[..., :D], kv_cache[..., D:]  # [nb, Hkv, bs, D] views of [nb, Hkv, bs, 2D]
+        sp, pr = self._tables(K)
+        B = layer.kvpop_budget
+        qsl = meta.query_start_loc
+        R = qsl.shape[0] - 1
+        if meta.max_query_len == 1:  # pure decode: fixed shapes, no host sync (graph capturable)
+            pos = meta.seq_lens[:R].long() - 1
+            valid = pos >= 0  # padded rows of a graph batch have seq_len 0 (and stale block-table rows)
+            slots.decode_step(K, V, sp, pr, meta.block_table[:R], pos, key[:R], value[:R], prio[:R],
+                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B, valid=valid)
+            clamped = dataclasses.replace(meta, seq_lens=meta.seq_lens.clamp(max=B))
+            self.forward(layer, query, key, value, kv_cache, clamped, output)
+            return
+        # a prompt or a chunk in the batch: eager, request by request (decode rows too)
+        q_host = qsl.tolist()
+        seq = meta.seq_lens[:R].tolist()
+        ctx = [seq[r] - (q_host[r + 1] - q_host[r]) for r in range(R)]
+        rows = [r for r in range(R) if q_host[r + 1] > q_host[r]]
+        self._extend_rows(layer, rows, q_host, ctx, meta.block_table, query, key, value, prio, K, V, output)
 
 
-def __getattr__(name: str):
-    # the Triton backend module imports triton kernels: build its classes only when asked for
-    if name in ("KVpopTritonImpl", "KVpopTritonBackend"):
-        impl, backend = _triton_classes()
-        globals().update(KVpopTritonImpl=impl, KVpopTritonBackend=backend)
-        return globals()[name]
-    raise AttributeError(name)
+class KVpopTritonBackend(TritonAttentionBackend):
+    forward_includes_kv_cache_update = True
+
+    @staticmethod
+    def get_impl_cls():
+        return KVpopTritonImpl

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from kvpop_kernels import eviction_schedule, reference, sparse_attention
 from kvpop.vllm.slots import decode_step, extend, gather_slots
+from kvpop_kernels import eviction_schedule, reference, sparse_attention
 
 D, HQ, HKV = 8, 4, 2
 
