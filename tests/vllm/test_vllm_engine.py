@@ -9,7 +9,7 @@ Engines (each costs about a minute to start on 2 cores, so few of them, shared b
 * ``kvpop`` policy, compiled (``torch.compile``), chunked prefill of 96 tokens per step (prompts longer
   than a chunk continue through the chunk path while other requests decode), a pool of exactly
   ``4 requests x 2 blocks``;
-* ``streaming`` policy, eager, whole prompts in one step;
+* ``streaming`` policy, eager, whole prompts in one step: the README's example;
 * ``vllm serve`` with the plugin on 127.0.0.1, asked over plain HTTP.
 """
 from __future__ import annotations
@@ -194,18 +194,28 @@ def test_kvpop_long_generation_holds_its_blocks(kvpop_llm, scorer_file):
         assert_same(g, want, f"kvpop, {n} generated tokens")
 
 
-# ------------------------------------------------------------------------------------- streaming
-def test_streaming_eager(scorer_file):
-    llm = engine(None, "streaming", enforce_eager=True, max_num_batched_tokens=2048,
-                 hf_overrides=kvpop.vllm.hf_overrides(policy="streaming", sinks=SINKS, window=WINDOW, budget=BUDGET))
+# ------------------------------------------------------------------------------- README / streaming
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+
+
+def test_readme_example_streaming(scorer_file):
+    """The README's vLLM example (``python vllm`` block) runs as written: streaming policy, eager engine,
+    whole prompts, a short and a long request at once; its tokens equal transformers + KVpopCache's."""
+    import re
+
+    blocks = re.findall(r"```python vllm\n(.*?)```", open(README, encoding="utf-8").read(), flags=re.S)
+    assert len(blocks) == 1
+    ns = {"__name__": "__main__"}
     try:
-        lengths = [5, 64, 900]
-        prompts = [prompt(n, seed=10 + i) for i, n in enumerate(lengths)]
-        got = generate(llm, prompts, 40)
+        exec(compile(blocks[0], "README.md[python vllm block]", "exec"), ns)
     finally:
-        _close(llm)
-    for n, p, g in zip(lengths, prompts, got):
-        assert_same(g, reference(scorer_file, "streaming", p, 40), f"streaming, prompt of {n}")
+        if "llm" in ns:
+            _close(ns.pop("llm"))
+    assert ns["capacity"] > 1
+    for p, o in zip(ns["prompts"], ns["outs"]):
+        toks = list(o.outputs[0].token_ids)
+        lps = [o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(toks)]
+        assert_same((toks, lps), reference(scorer_file, "streaming", p, len(toks)), f"streaming, prompt of {len(p)}")
 
 
 # ----------------------------------------------------------------------------------------- serve
