@@ -188,7 +188,8 @@ def test_kvpop_long_generation_holds_its_blocks(kvpop_llm, scorer_file):
     with SchedulerSpy(kvpop_llm) as spy:
         got = generate(kvpop_llm, [p] * 4, n)
     assert spy.preempted == 0, "a request needed more than ceil(B / block_size) blocks"
-    assert spy.running.count(4) >= n - 1, f"the four requests did not run together: {spy.running[:20]} ..."
+    # (the prompts are prefilled in chunks of 96 tokens, so the four start a few steps apart)
+    assert spy.running.count(4) >= n - 8, f"the four requests did not run together: {spy.running[:20]} ..."
     want = reference(scorer_file, "kvpop", p, n)
     for g in got:
         assert_same(g, want, f"kvpop, {n} generated tokens")
