@@ -16,6 +16,11 @@ from kvpop_kernels import eviction_schedule, reference, sparse_attention
 D, HQ, HKV = 8, 4, 2
 
 
+@pytest.fixture(autouse=True)
+def _pytorch_kernels(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels are tested on their own; this is the slot logic
+
+
 def _paged(num_blocks, bs, transposed):
     """Logical [nb, Hkv, bs, D] views of a physical cache (keys stored [D, bs] per block when transposed)."""
     if transposed:
