@@ -404,9 +404,37 @@ def _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio,
                          f"got {tuple(slot_prio.shape)}")
     if tuple(leaving_prio.shape) != (Hkv,):
         raise ValueError(f"leaving_prio must be [Hkv] = [{Hkv}], got {tuple(leaving_prio.shape)}")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("slot_pos", slot_pos), ("slot_prio", slot_prio)):
+    state = (("k_cache", k_cache), ("v_cache", v_cache), ("slot_pos", slot_pos), ("slot_prio", slot_prio))
+    for name, x in state:
         if x.requires_grad:
             raise ValueError(f"{name} is updated in place and must not require grad (decode under torch.no_grad())")
+        if _overlaps_itself(x):
+            raise ValueError(f"{name} is updated in place, so no two of its elements may share memory; got strides "
+                             f"{tuple(x.stride())} for shape {tuple(x.shape)} (an expand()ed or overlapping view): "
+                             f"pass {name}.contiguous() (or .clone()) and keep that tensor")
+    for i, (na, a) in enumerate(state):
+        for nb, b in state[i + 1:]:
+            if _share_memory(a, b):
+                raise ValueError(f"{na} and {nb} share memory; each of them is updated in place: give each its "
+                                 f"own tensor")
+
+
+def _overlaps_itself(x: torch.Tensor) -> bool:
+    """True unless the elements of ``x`` provably lie at distinct addresses (its dims, ordered by stride,
+    nest: each stride at least the extent of the dims below it)."""
+    dims = sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            return True
+        extent = st * n
+    return False
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` start at one address (e.g. the same tensor passed twice).  Interleaved views
+    of one buffer (keys and values side by side) start apart and are fine."""
+    return a.numel() > 0 and b.numel() > 0 and a.data_ptr() == b.data_ptr()
 
 
 def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -89,6 +89,13 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     if dropout:
         raise ValueError(f"kvpop attention has no attention dropout; got dropout={dropout} "
                          f"(set config.attention_dropout = 0)")
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "output_attentions=True: kvpop attention never forms the attention matrix, so it has no weights to "
+            "return (an empty tuple would be silently wrong). Leave output_attentions off; for the weights of the "
+            "dense model run it under kvpop.disabled(model); the eviction schedule of the last forward is each "
+            "layer's `.kvpop.last_evict_at`"
+        )
     k_pre = layer.k_pre
     layer.k_pre = None
     if k_pre is not None:
