@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from .eval import _ints, add_common, finish
+from .eval import _ints, add_common, check_common, check_out, finish
 
 RETROFITS = ("kvpop-mlp", "kvpop-mlstm", "fixed-finetune")
 
@@ -77,26 +78,49 @@ def _settings(args: argparse.Namespace) -> dict:
         steps = steps * 3
     if len(steps) != 3:
         raise ValueError(f"--steps takes one number or three (mlp,mlstm,finetune), got {args.steps!r}")
+    if min(steps) < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps!r}")
+    for name in ("train_length", "train_budget"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.dms_steps is not None and args.dms_steps < 0:
+        raise ValueError(f"--dms-steps must be >= 0 (0 leaves dms out), got {args.dms_steps}")
+    if args.dms_target_keep is not None and not 0 < args.dms_target_keep <= 1:
+        raise ValueError(f"--dms-target-keep must be in (0, 1], got {args.dms_target_keep}")
+    for name in ("lr_scorer", "lr_model", "tau", "dms_lr"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v}")
     return {
         "train_len": train_len,
         "lengths": _ints(args.lengths) or [train_len, 2 * train_len],
         "budgets": _ints(args.budgets),
-        "n_sequences": args.n_sequences or (1 if q else 6),
+        "n_sequences": args.n_sequences if args.n_sequences is not None else (1 if q else 6),
         "sinks": (2 if q else 4) if args.sinks is None else args.sinks,
         "window": (4 if q else 32) if args.window is None else args.window,
         "steps": dict(zip(RETROFITS, steps)),
-        "train_length": args.train_length or (train_len if q else train_len // 2),
+        "train_length": args.train_length if args.train_length is not None else (train_len if q else train_len // 2),
         "train_budget": args.train_budget,
-        "lr_scorer": args.lr_scorer or 1e-2,
-        "lr_model": args.lr_model or 1e-4,
-        "tau": args.tau or 1.0,
+        "lr_scorer": 1e-2 if args.lr_scorer is None else args.lr_scorer,
+        "lr_model": 1e-4 if args.lr_model is None else args.lr_model,
+        "tau": 1.0 if args.tau is None else args.tau,
         "dms_steps": (3 if q else 100) if args.dms_steps is None else args.dms_steps,
-        "dms_target_keep": args.dms_target_keep or 0.1,
-        "dms_lr": args.dms_lr or 0.05,
+        "dms_target_keep": 0.1 if args.dms_target_keep is None else args.dms_target_keep,
+        "dms_lr": 0.05 if args.dms_lr is None else args.dms_lr,
     }
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: a retrofit in flight checkpointed its last step
+        print(f"\nkvpop demo: interrupted; finished parts are kept in {args.out}: run the same command with "
+              f"--resume to continue", file=sys.stderr)
+        return 128 + getattr(e, "signum", 2)
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from kvpop.demo import evaluate as E
@@ -104,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     out = Path(args.out)
     try:
-        torch.set_num_threads(max(1, args.threads))
+        check_common(args)
+        check_out(args.out)
+        torch.set_num_threads(args.threads)
         s = _settings(args)
         cfg = E.EvalConfig(train_len=s["train_len"], lengths=s["lengths"], budgets=s["budgets"],
                            n_sequences=s["n_sequences"], sinks=s["sinks"], window=s["window"],
