@@ -144,10 +144,11 @@ def test_torch_path_long_run(monkeypatch):
 def _warm_state(Hkv, G, D, s, w, k, steps, dtype, gen, ties=False):
     """A realistic cache after ``steps`` tokens, built with the PyTorch path."""
     state = empty_cache(Hkv, s + w + k, D, k, dtype)
-    with torch.no_grad():
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kutils, "interpreting", lambda: False)  # the PyTorch path
         for pos in range(steps):
             q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, dtype, ties=ties, nan=ties, gen=gen)
-            decode_mod._torch_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w, scale=D ** -0.5)
+            fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w)
     return state
 
 
@@ -310,7 +311,8 @@ def _good_args(Hq=4, Hkv=2, D=16, s=2, w=4, k=3, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("change,exc,match", [
-    (dict(q=torch.randn(4, 16, 1)), ValueError, "q must be 2-D"),
+    (dict(q=torch.randn(4, 16, 1, 1)), ValueError, "q must be 2-D"),
+    (dict(q=torch.randn(1, 4, 16)), ValueError, "k_new must be 3-D"),
     (dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
     (dict(q=torch.randn(3, 16)), ValueError, "multiple of the number of KV heads"),
     (dict(k_new=torch.randn(2, 15)), ValueError, r"k_new must be \[Hkv, D\]"),
