@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode_kernel import assert_close_rms
 
 from kvpop_kernels import fixed_budget_decode, reference
-
-from test_decode_kernel import assert_close_rms, backend  # noqa: F401  (the backend fixture)
 
 
 def _state(N, Hkv, B, D, k, fill=0.0):
