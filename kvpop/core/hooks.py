@@ -79,7 +79,7 @@ class ScorerHooks:
         with torch.no_grad():
             if cache_layer.scorer_state is None:  # decoding from an empty cache (no prompt pass)
                 C, n, m = sc.init_state(N, value_new.device)
-                ring = torch.zeros(N, hkv, w, D, device=value_new.device)
+                ring = torch.zeros(N, hkv, w, D, dtype=self._k_pre_at(i).dtype, device=value_new.device)
                 cache_layer.scorer_state = (C, n, m, ring)
             C, n, m, ring = cache_layer.scorer_state
             kp = self._k_pre_at(i)
