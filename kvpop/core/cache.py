@@ -97,6 +97,10 @@ class KVpopCacheLayer(CacheLayerMixin):
         self.sinks, self.window, self.budget, self.policy = sinks, window, budget, policy
         self.k = budget - sinks - window
         self.seen = 0  # columns seen (padding included): transformers' view of the sequence length
+        # the same count as a device tensor: what a compiled step updates (a Python int changed inside a
+        # compiled graph would be a guard, i.e. one recompilation per token); ``seen`` follows it lazily
+        self._seen_t = torch.zeros((), dtype=torch.int64)
+        self._seen_stale = False
         self.prefilled = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scorer_state: Any = None  # recurrent scorer state (mLSTM), batch first, owned by the scorer
@@ -114,6 +118,7 @@ class KVpopCacheLayer(CacheLayerMixin):
         self.ring_prio = torch.full((n, hkv, self.window), float("-inf"), dtype=torch.float32, device=dev)
         self.score = torch.zeros(n, hkv, self.budget, dtype=torch.float32, device=dev)
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._seen_t = self._seen_t.to(dev)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -128,10 +133,24 @@ class KVpopCacheLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        if torch.compiler.is_compiling():  # the "kvpop" mask function reads no size: any constant does
+            return query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
+        if torch.compiler.is_compiling():
+            return self._seen_t  # a tensor, as transformers' StaticLayer returns (no guard on a Python int)
+        if self._seen_stale:  # compiled steps ran since: read the count once (outside the per-token path)
+            self.seen, self._seen_stale = int(self._seen_t), False
         return self.seen
+
+    def _advance(self, n: int) -> None:
+        self._seen_t.add_(n)
+        if torch.compiler.is_compiling():
+            self._seen_stale = True
+        else:
+            self.get_seq_length()
+            self.seen += n
 
     def get_max_length(self) -> int:
         return -1
@@ -145,7 +164,8 @@ class KVpopCacheLayer(CacheLayerMixin):
             self.ring_prio.fill_(float("-inf"))
             self.score.zero_()
             self.pos.zero_()
-        self.seen = 0
+        self._seen_t.zero_()
+        self.seen, self._seen_stale = 0, False
         self.prefilled = False
         self.pending = None
         self.scorer_state = None
@@ -237,6 +257,9 @@ class KVpopCache(Cache):
         config: a ``KVpopConfig`` (overrides the model's).
         num_layers: number of decoder layers (taken from the model when given).
         policy: override ``config.policy`` ("kvpop", "streaming", "tova", "h2o").
+        compileable: mark the cache compileable, so that ``generate`` compiles its decode steps
+            (with ``compile_config=``, or by default on CUDA).  Off by default: see the README
+            ("Batched generation") for what was checked.
 
     Any batch size; left-padded prompts, sampling, ``num_return_sequences`` and beam search work
     (see the module docstring).  Example::
@@ -246,7 +269,7 @@ class KVpopCache(Cache):
     """
 
     def __init__(self, model: Any = None, *, config: Any = None, num_layers: int | None = None,
-                 policy: str | None = None):
+                 policy: str | None = None, compileable: bool = False):
         if config is None and model is not None:
             config = getattr(model, "kvpop_config", None)
         if config is None:
@@ -262,6 +285,8 @@ class KVpopCache(Cache):
         self.policy = policy
         layers = [KVpopCacheLayer(sinks=config.sinks, window=config.window, budget=config.budget, policy=policy)
                   for _ in range(num_layers)]
+        for layer in layers:
+            layer.is_compileable = bool(compileable)
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:
@@ -340,7 +365,7 @@ def cache_attention(cache: KVpopCache, module: torch.nn.Module, query: torch.Ten
         outs = [_decode(layer, module, query[:, :, i], key[:, :, i], value[:, :, i], scaling, hooks, i)
                 for i in range(S)]
         out = outs[0].unsqueeze(1) if S == 1 else torch.stack(outs, dim=1)  # [N, S, Hq, D]
-    layer.seen += S
+    layer._advance(S)
     return out
 
 

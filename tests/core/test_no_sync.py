@@ -54,3 +54,27 @@ def test_one_layer_decode_step_compiles_fullgraph(policy, scorer):
         for name in ("keys", "values", "slot_pos", "slot_prio", "ring_prio", "score", "pos"):
             torch.testing.assert_close(getattr(comp_layer, name), getattr(eager_layer, name), atol=1e-6, rtol=0)
     assert comp_layer.pos.tolist() == [9 + 6, 15 + 6, 15 + 6]
+
+
+def test_compiled_generate_equals_eager_without_per_token_recompiles():
+    """transformers' compiled generate (``compileable=True`` + a ``compile_config``; on the CPU with the
+    "eager" backend) decodes through the cache with whole-graph steps: the same tokens as eager
+    decoding of a left-padded batch, and no recompilation per token (the step count lives on the device)."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    m = kvpop.patch(tiny_model(seed=1), sinks=2, window=4, budget=12)
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = m.generate(ids, **kw, **{CACHE: kvpop.KVpopCache(m)})
+        cc = CompileConfig(backend="eager", fullgraph=True, mode=None)
+        cc._compile_all_devices = True
+        cache = kvpop.KVpopCache(m, compileable=True)
+        with torch._dynamo.config.patch(recompile_limit=3, fail_on_recompile_limit_hit=True):
+            compiled = m.generate(ids, **kw, compile_config=cc, **{CACHE: cache})
+    assert hasattr(m, "_compiled_call") and cache.is_compileable
+    assert torch.equal(compiled, eager)
+    assert cache.get_seq_length() == 9 + 9  # the count the compiled steps kept on the device
