@@ -100,7 +100,7 @@ def test_train_step_memory(benchmark, request):
     if small:
         return
     f8 = got[("fused", 8192, V_BIG)]
-    info["fused_extra_gb_S8192"] = f8["extra_bytes"] / GB
+    info["loss_extra_gb_s8192"] = f8["extra_bytes"] / GB
     slopes = {}
     for V in (V_BIG, V_SMALL):
         a, b = got[("fused", 2048, V)], got[("fused", 8192, V)]
