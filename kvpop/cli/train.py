@@ -324,7 +324,8 @@ def _run(args: argparse.Namespace) -> int:
                              gamma_max=args.gamma_max, gamma_init=args.gamma_init)
         if args.method == "dms":
             kv_cfg = DMSConfig(sinks=args.sinks, window=args.window, tau=args.gate_tau, gate_offset=args.gate_offset,
-                               target_keep=args.target_keep, schedule_steps=args.schedule_steps or args.steps,
+                               target_keep=args.target_keep,
+                               schedule_steps=args.steps if args.schedule_steps is None else args.schedule_steps,
                                aux_weight=args.aux_weight)
     except (TypeError, ValueError) as e:
         _fail(str(e))
