@@ -408,6 +408,12 @@ def _check_continues(layer: KVpopCacheLayer, position_ids: torch.Tensor | None, 
         n = bad[0]
         seen, got = int(expected[n]), int(first[n])
         row = f" (batch row {n})" if N > 1 else ""
+        if real is not None and not layer.prefilled:
+            raise ValueError(
+                f"kvpop: the first real token of the left-padded prompt row {n} has position id {got}, but a row's "
+                f"positions count its real tokens from 0 (as generate's do): pass "
+                f"position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0) with a padded batch"
+            )
         raise ValueError(
             f"this KVpopCache has seen {seen} tokens{row}, so the next call must start at position {seen}, "
             f"but it starts at position {got}. A fixed-budget cache cannot go back (evicted tokens are gone): "

@@ -155,5 +155,8 @@ def test_padding_errors():
     with torch.no_grad(), pytest.raises(ValueError, match="only left padding"):
         m.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]), max_new_tokens=2,
                    pad_token_id=0)
+    padded = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    with torch.no_grad(), pytest.raises(ValueError, match="row 0 has position id 2.*attention_mask.cumsum"):
+        m(ids, attention_mask=padded, use_cache=True, **{CACHE: kvpop.KVpopCache(m)})  # default position ids
     with torch.no_grad(), pytest.raises(ValueError, match="no padding or custom masks in a full-sequence"):
         m(ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]), use_cache=False)
