@@ -110,7 +110,7 @@ def _cache_kw(cache):
 
 def _prefill(model, cache, ids):
     with torch.no_grad():
-        logits = model(ids, use_cache=True, **_cache_kw(cache)).logits[:, -1]
+        logits = model(ids, use_cache=True, logits_to_keep=1, **_cache_kw(cache)).logits[:, -1]  # not [N, S, V]
     return logits.argmax(-1, keepdim=True)
 
 
