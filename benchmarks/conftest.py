@@ -4,11 +4,18 @@ Run on a GPU as ``pytest benchmarks/ --benchmark-only`` (Qwen3-8B shapes, bf16).
 the same files run small shapes through the PyTorch CPU path (the Triton interpreter is a
 correctness tool, not something to time); CI runs them once with ``--benchmark-disable``.
 The ``gpu`` marker and the interpreter switch live in the repository's root ``conftest.py``.
+Every session ends with the verdict table of ``benchmarks/targets.py`` (``_recorder.py``).
 """
 import pytest
 import torch
 
+from ._recorder import register
+
 HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    register(config, table=True)
 
 
 @pytest.fixture(autouse=True)
