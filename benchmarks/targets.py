@@ -131,7 +131,8 @@ def matches(target: Target, record: Mapping[str, Any], use_where: bool = True) -
     info = record.get("extra_info") or {}
     if target.file is not None:
         rfile = _file_of(record.get("file") or record.get("nodeid", ""))
-        if not (rfile == target.file or rfile.endswith("/" + target.file)):
+        # node ids are relative to pytest's rootdir, which may lie above or below the repository root
+        if not (rfile == target.file or rfile.endswith("/" + target.file) or target.file.endswith("/" + rfile)):
             return False
         if target.test is not None and record.get("test") != target.test:
             return False

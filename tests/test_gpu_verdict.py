@@ -67,6 +67,9 @@ def test_where_filters_on_params_then_extra_info():
     assert row(LE, [rec(params={}, S=16, ratio=0.3)])["value"] == 0.3  # S in extra_info
     assert row(LE, [rec(params={"S": "16"}, ratio=0.3)])["value"] == 0.3  # ids given as strings
     assert row(LE, [rec(test="test_b", ratio=0.1)])["status"] == tg.NOT_RUN  # another test of the file
+    assert row(LE, [rec(file="test_x.py", ratio=0.2)])["value"] == 0.2  # pytest run from benchmarks/
+    assert row(LE, [rec(file="kvpop/benchmarks/test_x.py", ratio=0.3)])["value"] == 0.3  # from above
+    assert row(LE, [rec(file="benchmarks/test_y.py", ratio=0.1)])["status"] == tg.NOT_RUN
 
 
 def test_a_target_of_the_other_device_is_not_run_but_shows_the_figure():
