@@ -103,8 +103,8 @@ TARGETS: tuple[Target, ...] = (
     Target("batched-decode-cpu-vs-dense", 12, "CPU, tiny model, 4K context: kvpop tokens/s / dense's at batch 32",
            key="kvpop_over_dense_b32", op=">=", goal=1, device="cpu"),
     # issue 13 (training at scale): benchmarks being written; matched by key in any benchmark
-    Target("train-loss-memory", 13, "CPU, V=151936, S=8192: memory the chunked loss adds over the activations",
-           key="fused_extra_gb_S8192", op="<=", goal=0.5, device="cpu", unit=" GB"),
+    Target("train-loss-memory", 13, "training step, V=151936, S=8192: memory the fused chunked loss adds over "
+           "the model's activations", key="fused_extra_gb_S8192", op="<=", goal=0.5, device="any", unit=" GB"),
     Target("train-step-throughput", 13, "training step at S=16384, kvpop tokens/s / dense + plain CE's",
            key="train_tokens_per_s_ratio", op=None, goal=None, device="cuda"),
     Target("train-step-memory", 13, "training step at S=16384, kvpop peak memory / dense + plain CE's",
