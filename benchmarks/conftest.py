@@ -9,6 +9,8 @@ Every session ends with the verdict table of ``benchmarks/targets.py`` (``_recor
 import pytest
 import torch
 
+import kvpop_kernels._utils as kutils
+
 from ._recorder import register
 
 HAS_CUDA = torch.cuda.is_available()
@@ -21,3 +23,11 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_takes_the_pytorch_path(monkeypatch):
+    """Without CUDA every op times its PyTorch CPU path, also when the root conftest switched Triton's
+    interpreter on in this process (the interpreter is a correctness tool: at S = 64K it takes hours)."""
+    if not HAS_CUDA:
+        monkeypatch.setattr(kutils, "interpreting", lambda: False)
