@@ -224,6 +224,12 @@ def verdict(target: Target, records: Sequence[Mapping[str, Any]], device: str,
 
 def _why_absent(target: Target, root: str | Path | None) -> str:
     if target.file is None:
+        if root is not None:
+            writers = [p.name for p in sorted((Path(root) / "benchmarks").glob("test_*.py"))
+                       if _key_written(target.key, p.read_text())]
+            if writers:
+                return f"{target.key!r} not recorded in this run (written by {', '.join(writers)})"
+            return f"no benchmark writes {target.key!r} yet"
         return f"no benchmark recorded {target.key!r} (its benchmark is not written yet or did not run)"
     if root is not None and not (Path(root) / target.file).exists():
         return f"{target.file} does not exist"

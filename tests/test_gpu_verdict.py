@@ -97,6 +97,9 @@ def test_not_run_says_why(records, note):
 
 def test_missing_file_and_unpinned_key_are_not_run(tmp_path):
     assert "does not exist" in tg.verdict(LE, [], "cuda", root=tmp_path)["note"]
+    _fake_repo(tmp_path, "def test_a(benchmark):\n    benchmark.extra_info['only_here'] = 1\n")
+    assert "written by test_x.py" in tg.verdict(FREE, [], "cpu", root=tmp_path)["note"]
+    assert "no benchmark writes" in tg.verdict(REPORT, [], "cuda", root=tmp_path)["note"]
     r = row(FREE, [rec(test="anything", other=1)], "cpu")
     assert r["status"] == tg.NOT_RUN and "not written yet" in r["note"]
     r = row(FREE, [rec(file="benchmarks/test_new.py", test="t", only_here=12.5)], "cpu")
