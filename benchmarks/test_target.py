@@ -71,6 +71,35 @@ def _chunked_causal_lse(q: torch.Tensor, k: torch.Tensor, chunk: int = 1024) -> 
     return out
 
 
+def _target_pairs(B: int, Hq: int, S: int) -> int:
+    """Visible ``(u, t)`` pairs of the target (``u >= t + w``), all heads."""
+    return B * Hq * max(S - WINDOW, 0) * max(S - WINDOW + 1, 0) // 2
+
+
+def _causal_pairs(B: int, Hq: int, S: int) -> int:
+    """Visible pairs of dense causal attention, all heads."""
+    return B * Hq * S * (S + 1) // 2
+
+
+def _kvpop_target(q: torch.Tensor, k: torch.Tensor):
+    """The op on this device: Triton on CUDA; on the CPU the PyTorch path, also when TRITON_INTERPRET
+    is set in this process (the interpreter is not timed)."""
+    lse = _chunked_causal_lse(q, k)
+    if CUDA:
+        return lambda: kvpop_kernels.future_attention_target(q, k, lse, window=WINDOW)
+    return lambda: ft._cpu_target(q, k, lse, WINDOW, 1e-6, q.shape[-1] ** -0.5)
+
+
+def _synced(fn):
+    def run():
+        out = fn()
+        if CUDA:
+            torch.cuda.synchronize()
+        return out
+
+    return run
+
+
 def _median_time(fn, reps: int) -> float:
     if CUDA:
         import triton.testing
@@ -96,14 +125,8 @@ def test_future_target(benchmark, provider, shape):
     elt = torch.finfo(torch.float32).bits // 8
 
     if provider == "kvpop":
-        lse = _chunked_causal_lse(q, k)
-        if CUDA:
-            def run():
-                return kvpop_kernels.future_attention_target(q, k, lse, window=WINDOW)
-        else:  # the PyTorch CPU path, also when TRITON_INTERPRET is set in this process
-            def run():
-                return ft._cpu_target(q, k, lse, WINDOW, 1e-6, D ** -0.5)
-        pairs = B * Hq * max(S - WINDOW, 0) * max(S - WINDOW + 1, 0) // 2
+        run = _kvpop_target(q, k)
+        pairs = _target_pairs(B, Hq, S)
         est_peak = ft._cpu_chunk(B, Hq, S) * B * Hq * S * elt
     elif provider == "reference":
         need = 5 * B * Hq * S * S * elt  # logits and the temporaries of its elementwise steps
@@ -115,19 +138,15 @@ def test_future_target(benchmark, provider, shape):
 
         def run():
             return ref.future_attention_target(q, k, lse, window=WINDOW)
-        pairs = B * Hq * max(S - WINDOW, 0) * max(S - WINDOW + 1, 0) // 2
+        pairs = _target_pairs(B, Hq, S)
         est_peak = need
     else:
         def run():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        pairs = B * Hq * S * (S + 1) // 2
+        pairs = _causal_pairs(B, Hq, S)
         est_peak = B * Hq * S * D * q.element_size()
 
-    def timed():
-        out = run()
-        if CUDA:
-            torch.cuda.synchronize()
-        return out
+    timed = _synced(run)
 
     # warm-up (autotuning, allocator, lazy init) before any timing
     try:
@@ -154,3 +173,25 @@ def test_future_target(benchmark, provider, shape):
     if provider != "sdpa":
         benchmark.extra_info["tflops_qk"] = 2 * D * pairs / sec / 1e12 if sec > 0 else math.nan
     benchmark.pedantic(timed, rounds=3 if not CUDA else 10, iterations=1, warmup_rounds=0)
+
+
+@pytest.mark.benchmark(group="future_attention_target-vs-sdpa")
+def test_future_target_vs_sdpa(benchmark):
+    """The target's FLOP rate over dense causal SDPA's, both timed here on the largest shape (issue 3's
+    target on an H100/H200 at S=16384: ``ratio_tflops_over_sdpa >= 0.7``)."""
+    B, Hq, Hkv, S, D, dtype = SHAPES[-1]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, h, S, D, device=DEVICE, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    kv_run = _synced(_kvpop_target(q, k))
+    sd_run = _synced(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    for _ in range(2):  # autotuning and lazy init outside the timings
+        kv_run(), sd_run()
+    t_kv, t_sd = _median_time(kv_run, reps=3), _median_time(sd_run, reps=3)
+    kv_tflops = 4 * D * _target_pairs(B, Hq, S) / t_kv / 1e12
+    sd_tflops = 4 * D * _causal_pairs(B, Hq, S) / t_sd / 1e12
+    benchmark.extra_info.update({
+        "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "dtype": str(dtype), "window": WINDOW,
+        "kvpop_s": t_kv, "sdpa_s": t_sd, "kvpop_tflops": kv_tflops, "sdpa_tflops": sd_tflops,
+        "ratio_tflops_over_sdpa": kv_tflops / sd_tflops, "flop_count": "4*D per visible (u,t) pair",
+    })
+    benchmark.pedantic(kv_run, rounds=1, iterations=1, warmup_rounds=0)

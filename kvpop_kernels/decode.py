@@ -1,21 +1,26 @@
-"""``fixed_budget_decode``: the fused batch-1 decode step over a fixed budget of ``B`` slots per KV head.
+"""``fixed_budget_decode``: the fused decode step over a fixed budget of ``B`` slots per (batch row, KV head).
 
 Semantics: ``reference.fixed_budget_decode`` (slot layout, eviction rule, in-place updates) and
 docs/DESIGN.md "Eviction semantics".  This file holds
 
 * a Triton split-K kernel pair (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
-* a PyTorch path for CPU tensors (vectorised over heads, no Python loop over heads or slots).
+* a PyTorch path for CPU tensors (vectorised over rows and heads, no Python loop over rows, heads or
+  slots, no data-dependent branch).
 
 Triton design (race-free without any grid-wide synchronisation)
 ---------------------------------------------------------------
-Stage 1, grid ``(Hkv, num_splits)``, READS ONLY.  Program ``(h, i)``
+Every batch row ``n`` carries its own position ``pos[n]`` (an int64 tensor on the device, read by
+the kernels: the new token's slot ``r`` and the leaving token ``t_new = pos - w`` are computed
+in-kernel, so a launch depends on no host value and one launch covers all rows).
 
-1. recomputes, like every other program of head ``h``, the lowest-ranked long-range slot
+Stage 1, grid ``(N * Hkv, num_splits)``, READS ONLY.  Program ``(n * Hkv + h, i)``
+
+1. recomputes, like every other program of row ``n`` and head ``h``, the lowest-ranked long-range slot
    ``j*`` (lowest priority, ties to the oldest ``slot_pos``, then to the lowest slot index;
    empty slots hold ``-inf`` / ``-1`` and so rank lowest) and whether the token
    ``t_new = pos - w`` leaving the window ranks above it (``dst = s + w + j*``, else ``-1``).
    This reads ``k`` priorities per program (positions only where priorities tie), from L2
-   after the first program; split 0 stores ``dst`` into a scratch ``[Hkv]`` int32 buffer;
+   after the first program; split 0 stores ``dst`` into a scratch ``[N * Hkv]`` int32 buffer;
 2. attends with all ``G`` query heads of the group (a ``[G_PAD, D]`` query tile, ``G_PAD =
    max(16, next_pow2(G))`` so that ``tl.dot`` has tiles >= 16 in every dimension) over its
    contiguous chunk of slots, skipping empty slots (``slot_pos < 0``), the new token's slot
@@ -31,12 +36,13 @@ work only.  On the GPU 16-bit caches feed ``tl.dot`` natively (fp32 accumulation
 cast to the cache dtype for ``P @ V``); float32 caches and the interpreter upcast right after the
 loads and use ``input_precision="ieee"``.  Scores use ``exp2`` with ``scale * log2(e)`` folded in;
 the LSEs written out are natural logs.  Default split plan: slots are cut into chunks of whole
-``block_n`` tiles so that ``Hkv * num_splits`` is about two programs per SM.  Register use was
+``block_n`` tiles so that ``N * Hkv * num_splits`` is about two programs per SM.  Register use was
 checked by compiling both kernels for sm_90a/sm_80 without a GPU (``triton.compile`` + ptxas -v):
 bf16, ``block_n = 32``, 4 warps, D = 128: about 210 registers, no spills; float32 caches take 8
-warps (168 registers, no spills; 4 warps spilled 448 bytes).
+warps (168 registers, no spills; 4 warps spilled 448 bytes).  (Measured before the batch dimension
+was added; the batched kernels compile for sm_90/sm_80 in the tests, their registers not re-measured.)
 
-Stage 2, grid ``(Hq,)``: one program per query head merges that head's splits with an online-
+Stage 2, grid ``(N * Hq,)``: one program per (row, query head) merges that head's splits with an online-
 softmax LSE merge (``BLOCK_S`` splits per vector step) and writes ``out``/``lse``; then the
 program of the first query head of each group performs ALL cache writes of its KV head: copy the
 leaving token's key/value from ring slot ``r`` into ``dst`` and set ``slot_pos[dst] = t_new``,
@@ -68,9 +74,12 @@ except Exception:  # pragma: no cover - depends on the install
 __all__ = ["fixed_budget_decode", "slot_of"]
 
 
-def slot_of(pos: int, *, sinks: int, window: int) -> int:
+def slot_of(pos, *, sinks: int, window: int):
     """Slot of the token at ``pos`` while it is a sink or in the window: ``pos`` for a sink,
-    ``s + (pos - s) % w`` in the ring otherwise (the layout of ``reference.fixed_budget_decode``)."""
+    ``s + (pos - s) % w`` in the ring otherwise (the layout of ``reference.fixed_budget_decode``).
+    ``pos`` is a Python int or an integer tensor (elementwise, no host synchronisation)."""
+    if isinstance(pos, torch.Tensor):
+        return torch.where(pos < sinks, pos, sinks + (pos.clamp_min(sinks) - sinks) % window)
     return pos if pos < sinks else sinks + (pos - sinks) % window
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,22 +94,33 @@ if triton is not None:
     _INT32_MAX_C = tl.constexpr(_INT32_MAX)
     _LN2_C = tl.constexpr(math.log(2.0))
 
-    @triton.jit(do_not_specialize=["SLOT_NEW", "T_NEW", "HAS_LEAVING"])
-    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, LP, MID_O, MID_L, DST,
-                       s_kc_h, s_kc_b, s_kc_d, s_vc_h, s_vc_b, s_vc_d,
-                       s_sp_h, s_sp_b, s_pr_h, s_pr_j,
-                       B, D, K_LR, LR0, SLOT_NEW, T_NEW, HAS_LEAVING, CHUNK, NS, qk_scale,
+    @triton.jit
+    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, LP, POS, MID_O, MID_L, DST,
+                       s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
+                       s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
+                       HKV, B, D, K_LR, SINKS, WINDOW, CHUNK, NS, qk_scale,
                        G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-        h = tl.program_id(0)
+        row = tl.program_id(0)  # (batch row, KV head) flattened: row = n * HKV + h
         split = tl.program_id(1)
-        h64 = h.to(tl.int64)
+        n64 = (row // HKV).to(tl.int64)
+        h64 = (row % HKV).to(tl.int64)
+        kc = KC + n64 * s_kc_n + h64 * s_kc_h
+        vc = VC + n64 * s_vc_n + h64 * s_vc_h
+        spp = SP + n64 * s_sp_n + h64 * s_sp_h
+        prp = PR + n64 * s_pr_n + h64 * s_pr_h
+        # this row's position, read on the device (no host value): the new token's slot and the
+        # token leaving the window follow from it
+        pos = tl.load(POS + n64).to(tl.int32)
+        t_new = pos - WINDOW
+        slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
+        LR0 = SINKS + WINDOW
         g = tl.arange(0, G_PAD)
         g_ok = g < G
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        qh = h * G + g  # query heads of this KV head (HF repeat_kv order)
-        q = tl.load(Q + qh[:, None].to(tl.int64) * D + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        qh = row.to(tl.int64) * G + g  # query heads of this KV head (HF repeat_kv order), batch-flat
+        q = tl.load(Q + qh[:, None] * D + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         qf = q.to(tl.float32)
         if UPCAST:
             q = qf
@@ -112,30 +132,30 @@ if triton is not None:
         for j0 in range(0, K_LR, BLOCK_K):  # (names unique to this loop: no accidental loop carries)
             jj = j0 + tl.arange(0, BLOCK_K)
             jj_ok = jj < K_LR
-            pr_blk = tl.load(PR + h64 * s_pr_h + jj * s_pr_j, mask=jj_ok, other=float("inf"))
+            pr_blk = tl.load(prp + jj * s_pr_j, mask=jj_ok, other=float("inf"))
             bmin = tl.min(pr_blk, axis=0)
             cand = jj_ok & (pr_blk == bmin)
-            t_blk = tl.load(SP + h64 * s_sp_h + (LR0 + jj) * s_sp_b, mask=cand, other=_INT32_MAX_C)
+            t_blk = tl.load(spp + (LR0 + jj) * s_sp_b, mask=cand, other=_INT32_MAX_C)
             tmin = tl.min(t_blk, axis=0)
             jmin = tl.min(tl.where(cand & (t_blk == tmin), jj, _INT32_MAX_C), axis=0)
             better = (bmin < best_p) | ((bmin == best_p) & (tmin < best_t))
             best_p = tl.where(better, bmin, best_p)
             best_t = tl.where(better, tmin, best_t)
             best_j = tl.where(better, jmin, best_j)
-        lp = tl.load(LP + h)
+        lp = tl.load(LP + row)
         lp = tl.where(lp != lp, float("-inf"), lp)  # NaN ranks as -inf
-        keep = (HAS_LEAVING != 0) & (K_LR > 0) & ((lp > best_p) | ((lp == best_p) & (T_NEW > best_t)))
+        keep = (t_new >= SINKS) & (K_LR > 0) & ((lp > best_p) | ((lp == best_p) & (t_new > best_t)))
         dst = tl.where(keep, LR0 + best_j, -1)
-        tl.store(DST + h, dst, mask=split == 0)
+        tl.store(DST + row, dst, mask=split == 0)
 
         # -- 3. the keys not in the cache yet (split 0 only): the new token and the kept leaving one
         first = split == 0
-        kn = tl.load(KN + h64 * D + d, mask=d_ok, other=0.0).to(tl.float32)
-        vn = tl.load(VN + h64 * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        kn = tl.load(KN + row.to(tl.int64) * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        vn = tl.load(VN + row.to(tl.int64) * D + d, mask=d_ok, other=0.0).to(tl.float32)
         # (a block bound instead of `d_ok & scalar`: the interpreter broadcasts int1 scalars to int32)
         lv_ok = d < tl.where(keep & first, D, 0)
-        kl = tl.load(KC + h64 * s_kc_h + SLOT_NEW * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
-        vl = tl.load(VC + h64 * s_vc_h + SLOT_NEW * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
+        kl = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
+        vl = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
         s_new = tl.sum(qf * kn[None, :], axis=1) * qk_scale
         s_lv = tl.sum(qf * kl[None, :], axis=1) * qk_scale
         s_new = tl.where(first, s_new, float("-inf"))
@@ -151,15 +171,13 @@ if triton is not None:
         start = split * CHUNK
         end = tl.minimum(start + CHUNK, B)
         for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = (n < end) & (n != SLOT_NEW) & (n != dst)
-            sp = tl.load(SP + h64 * s_sp_h + n * s_sp_b, mask=n_ok, other=-1)
+            nn = n0 + tl.arange(0, BLOCK_N)
+            n_ok = (nn < end) & (nn != slot_new) & (nn != dst)
+            sp = tl.load(spp + nn * s_sp_b, mask=n_ok, other=-1)
             valid = n_ok & (sp >= 0)
             kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(KC + h64 * s_kc_h + n[:, None].to(tl.int64) * s_kc_b + d[None, :] * s_kc_d,
-                        mask=kv_mask, other=0.0)
-            v = tl.load(VC + h64 * s_vc_h + n[:, None].to(tl.int64) * s_vc_b + d[None, :] * s_vc_d,
-                        mask=kv_mask, other=0.0)
+            k = tl.load(kc + nn[:, None].to(tl.int64) * s_kc_b + d[None, :] * s_kc_d, mask=kv_mask, other=0.0)
+            v = tl.load(vc + nn[:, None].to(tl.int64) * s_vc_b + d[None, :] * s_vc_d, mask=kv_mask, other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -184,19 +202,20 @@ if triton is not None:
         l_div = tl.where(nonempty, l_i, 1.0)
         o = acc / l_div[:, None]
         lse = tl.where(nonempty, (m_i + tl.log2(l_div)) * _LN2_C, float("-inf"))
-        row = qh.to(tl.int64) * NS + split
-        tl.store(MID_O + row[:, None] * D + d[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(MID_L + row, lse, mask=g_ok)
+        mrow = qh * NS + split
+        tl.store(MID_O + mrow[:, None] * D + d[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(MID_L + mrow, lse, mask=g_ok)
 
-    @triton.jit(do_not_specialize=["SLOT_NEW", "T_NEW", "POS"])
-    def _decode_stage2(MID_O, MID_L, OUT, LSE, DST, LP, KN, VN, KC, VC, SP, PR,
-                       s_kc_h, s_kc_b, s_kc_d, s_vc_h, s_vc_b, s_vc_d,
-                       s_sp_h, s_sp_b, s_pr_h, s_pr_j,
-                       D, NS, LR0, SLOT_NEW, T_NEW, POS,
+    @triton.jit
+    def _decode_stage2(MID_O, MID_L, OUT, LSE, DST, LP, KN, VN, KC, VC, SP, PR, POS,
+                       s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
+                       s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
+                       HKV, D, NS, SINKS, WINDOW,
                        G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        qh = tl.program_id(0)  # one program per query head
-        h = qh // G
-        h64 = h.to(tl.int64)
+        qh = tl.program_id(0)  # one program per query head of every batch row (batch-flat)
+        row = qh // G  # its (batch row, KV head), flattened
+        n64 = (row // HKV).to(tl.int64)
+        h64 = (row % HKV).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
 
@@ -225,24 +244,31 @@ if triton is not None:
         # -- the cache update of KV head h, by its first query head's program only: no other
         #    program of this launch touches these slots, and stage 1 (which read them) is done
         if qh % G == 0:
-            dst = tl.load(DST + h)
+            kc = KC + n64 * s_kc_n + h64 * s_kc_h
+            vc = VC + n64 * s_vc_n + h64 * s_vc_h
+            spp = SP + n64 * s_sp_n + h64 * s_sp_h
+            pos = tl.load(POS + n64).to(tl.int32)
+            t_new = pos - WINDOW
+            slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
+            LR0 = SINKS + WINDOW
+            dst = tl.load(DST + row)
             kept = dst >= 0
             dst_c = tl.where(kept, dst, 0).to(tl.int64)
             kd_ok = d < tl.where(kept, D, 0)  # d_ok & kept (the interpreter broadcasts int1 scalars badly)
-            ring_k = tl.load(KC + h64 * s_kc_h + SLOT_NEW * s_kc_b + d * s_kc_d, mask=kd_ok)
-            ring_v = tl.load(VC + h64 * s_vc_h + SLOT_NEW * s_vc_b + d * s_vc_d, mask=kd_ok)
+            ring_k = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=kd_ok)
+            ring_v = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=kd_ok)
             tl.debug_barrier()  # every thread has read ring slot r before anyone overwrites it
-            tl.store(KC + h64 * s_kc_h + dst_c * s_kc_b + d * s_kc_d, ring_k, mask=kd_ok)
-            tl.store(VC + h64 * s_vc_h + dst_c * s_vc_b + d * s_vc_d, ring_v, mask=kd_ok)
-            lp = tl.load(LP + h)
+            tl.store(kc + dst_c * s_kc_b + d * s_kc_d, ring_k, mask=kd_ok)
+            tl.store(vc + dst_c * s_vc_b + d * s_vc_d, ring_v, mask=kd_ok)
+            lp = tl.load(LP + row)
             lp = tl.where(lp != lp, float("-inf"), lp)
-            tl.store(SP + h64 * s_sp_h + dst_c * s_sp_b, T_NEW, mask=kept)
-            tl.store(PR + h64 * s_pr_h + (dst_c - LR0) * s_pr_j, lp, mask=kept)
-            kn = tl.load(KN + h64 * D + d, mask=d_ok)
-            vn = tl.load(VN + h64 * D + d, mask=d_ok)
-            tl.store(KC + h64 * s_kc_h + SLOT_NEW * s_kc_b + d * s_kc_d, kn, mask=d_ok)
-            tl.store(VC + h64 * s_vc_h + SLOT_NEW * s_vc_b + d * s_vc_d, vn, mask=d_ok)
-            tl.store(SP + h64 * s_sp_h + SLOT_NEW * s_sp_b, POS)
+            tl.store(spp + dst_c * s_sp_b, t_new, mask=kept)
+            tl.store(PR + n64 * s_pr_n + h64 * s_pr_h + (dst_c - LR0) * s_pr_j, lp, mask=kept)
+            kn = tl.load(KN + row.to(tl.int64) * D + d, mask=d_ok)
+            vn = tl.load(VN + row.to(tl.int64) * D + d, mask=d_ok)
+            tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kn, mask=d_ok)
+            tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vn, mask=d_ok)
+            tl.store(spp + slot_new * s_sp_b, pos)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -270,16 +296,14 @@ def _plan_splits(B: int, Hkv: int, block_n: int, num_splits: int | None, device:
     return num_splits, chunk
 
 
-def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, *, pos, sinks,
+def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, *, sinks,
                    window, scale, num_splits, block_n):
-    Hq, D = q.shape
-    Hkv, B, _ = k_cache.shape
+    """Batched form: ``q [N, Hq, D]``, caches ``[N, Hkv, B, D]``, ``pos [N]`` int on q's device."""
+    N, Hq, D = q.shape
+    _, Hkv, B, _ = k_cache.shape
     G = Hq // Hkv
     s, w = sinks, window
     K = B - s - w
-    t_new = pos - w
-    slot_new = slot_of(pos, sinks=s, window=w)
-    has_leaving = int(t_new >= s)
     dev = q.device
     upcast = k_cache.dtype == torch.float32 or (interpreting() and not _NATIVE_DOT_IN_INTERPRETER)
     if block_n is None:  # 32 on the GPU (no register spills at D <= 128, as SGLang's grouped decode)
@@ -289,31 +313,33 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
     block_d = max(16, triton.next_power_of_2(D))
     g_pad = max(16, triton.next_power_of_2(G))
     block_k = 1024 if dev.type == "cuda" else 256
-    ns, chunk = _plan_splits(B, Hkv, block_n, num_splits, dev)
+    rows = N * Hkv  # one (batch row, KV head) per program of stage 1 (times its splits)
+    ns, chunk = _plan_splits(B, rows, block_n, num_splits, dev)
 
     q_c = q.contiguous()
     kn = k_new.contiguous()
     vn = v_new.contiguous()
     lp = leaving_prio.contiguous()
+    pos_c = pos.contiguous()
     # a zero-size tensor has no usable pointer: hand a dummy when k == 0 (never read: K_LR = 0)
-    pr = slot_prio if K > 0 else torch.full((Hkv, 1), float("-inf"), dtype=torch.float32, device=dev)
+    pr = slot_prio if K > 0 else torch.full((N, Hkv, 1), float("-inf"), dtype=torch.float32, device=dev)
 
-    mid_o = empty((Hq, ns, D), dtype=torch.float32, device=dev)
-    mid_l = empty((Hq, ns), dtype=torch.float32, device=dev)
-    dst = empty((Hkv,), dtype=torch.int32, device=dev)
-    out = empty((Hq, D), dtype=q.dtype, device=dev)
-    lse = empty((Hq,), dtype=torch.float32, device=dev)
+    mid_o = empty((N * Hq, ns, D), dtype=torch.float32, device=dev)
+    mid_l = empty((N * Hq, ns), dtype=torch.float32, device=dev)
+    dst = empty((rows,), dtype=torch.int32, device=dev)
+    out = empty((N, Hq, D), dtype=q.dtype, device=dev)
+    lse = empty((N, Hq), dtype=torch.float32, device=dev)
     strides = (*k_cache.stride(), *v_cache.stride(), *slot_pos.stride(), *pr.stride())
 
-    _decode_stage1[(Hkv, ns)](
-        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, lp, mid_o, mid_l, dst, *strides,
-        B, D, K, s + w, slot_new, t_new, has_leaving, chunk, ns, scale * _LOG2E,
+    _decode_stage1[(rows, ns)](
+        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, lp, pos_c, mid_o, mid_l, dst, *strides,
+        Hkv, B, D, K, s, w, chunk, ns, scale * _LOG2E,
         G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
         num_warps=num_warps, num_stages=2,
     )
-    _decode_stage2[(Hq,)](
-        mid_o, mid_l, out, lse, dst, lp, kn, vn, k_cache, v_cache, slot_pos, pr, *strides,
-        D, ns, s + w, slot_new, t_new, pos,
+    _decode_stage2[(N * Hq,)](
+        mid_o, mid_l, out, lse, dst, lp, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, *strides,
+        Hkv, D, ns, s, w,
         G=G, BLOCK_S=min(32, triton.next_power_of_2(ns)), BLOCK_D=block_d, num_warps=4,
     )
     return out, lse
@@ -321,64 +347,82 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
 
 # ------------------------------------------------------------------------- PyTorch CPU
 @torch.no_grad()
-def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, *, pos, sinks,
+def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, *, sinks,
                   window, scale):
-    """The same step in plain PyTorch, vectorised over heads (used for CPU tensors)."""
-    Hq, D = q.shape
-    Hkv, B, _ = k_cache.shape
+    """The same step in plain PyTorch, vectorised over batch rows and heads (used for CPU tensors).
+
+    No data-dependent Python branch: every row and head runs the same ops (kept or not is a
+    ``torch.where``), so the step traces into one graph (``torch.compile(fullgraph=True)``)."""
+    N, Hq, D = q.shape
+    _, Hkv, B, _ = k_cache.shape
     G = Hq // Hkv
     s, w = sinks, window
     K = B - s - w
-    t_new = pos - w
-    slot_new = slot_of(pos, sinks=s, window=w)
-    if t_new >= s and K > 0:
-        low_p = slot_prio.amin(dim=1)  # lowest priority ...
+    dev = q.device
+    pos = pos.to(torch.int64)
+    t_new = pos - w  # [N]
+    slot_new = slot_of(pos, sinks=s, window=w)  # [N]
+    ni = torch.arange(N, device=dev)[:, None]
+    hi = torch.arange(Hkv, device=dev)[None, :]
+    sn = slot_new[:, None].expand(N, Hkv)
+    if K > 0:
+        low_p = slot_prio.amin(dim=-1)  # lowest priority ...
         # ... then the oldest position; ``min`` returns the first index among equal values, which
         # matters only for empty slots (all at -1): the lowest slot index, as in the reference
-        older = slot_pos[:, s + w:].masked_fill(slot_prio != low_p[:, None], _INT32_MAX)
-        low_t, j = older.min(dim=1)
+        older = slot_pos[..., s + w:].masked_fill(slot_prio != low_p[..., None], _INT32_MAX)
+        low_t, j = older.min(dim=-1)  # [N, Hkv]
         lp = leaving_prio.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        keep = (lp > low_p) | ((lp == low_p) & (low_t < t_new))
-        if bool(keep.any()):
-            hs = keep.nonzero().squeeze(1)
-            jk = j[hs]
-            dst = s + w + jk
-            k_cache[hs, dst] = k_cache[hs, slot_new]
-            v_cache[hs, dst] = v_cache[hs, slot_new]
-            slot_pos[hs, dst] = t_new
-            slot_prio[hs, jk] = lp[hs]
-    k_cache[:, slot_new] = k_new
-    v_cache[:, slot_new] = v_new
-    slot_pos[:, slot_new] = pos
+        tn = t_new[:, None]
+        keep = (tn >= s) & ((lp > low_p) | ((lp == low_p) & (low_t < tn)))
+        dst = s + w + j
+        k_cache[ni, hi, dst] = torch.where(keep[..., None], k_cache[ni, hi, sn], k_cache[ni, hi, dst])
+        v_cache[ni, hi, dst] = torch.where(keep[..., None], v_cache[ni, hi, sn], v_cache[ni, hi, dst])
+        slot_pos[ni, hi, dst] = torch.where(keep, tn.to(torch.int32), slot_pos[ni, hi, dst])
+        slot_prio[ni, hi, j] = torch.where(keep, lp, slot_prio[ni, hi, j])
+    k_cache[ni, hi, sn] = k_new
+    v_cache[ni, hi, sn] = v_new
+    slot_pos[ni, hi, sn] = pos[:, None].to(torch.int32)
 
     kc = k_cache.float()  # no copy for float32 caches
     vc = v_cache.float()
-    scores = torch.bmm(q.float().view(Hkv, G, D), kc.transpose(1, 2))  # [Hkv, G, B], unscaled
-    valid = slot_pos >= 0
-    if not bool(valid.all()):  # empty slots: whatever they hold is ignored
-        scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        vc = vc.masked_fill(~valid[:, :, None], 0.0)
+    valid = slot_pos >= 0  # empty slots: whatever they hold is ignored
+    scores = torch.matmul(q.float().view(N, Hkv, G, D), kc.transpose(-1, -2))  # [N, Hkv, G, B], unscaled
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    vc = vc.masked_fill(~valid[..., None], 0.0)
     m = scores.amax(dim=-1, keepdim=True)  # finite: the new token is always visible
     probs = scores.sub_(m).mul_(scale).exp_()  # scale > 0, so max(scale * x) = scale * max(x)
     l = probs.sum(dim=-1, keepdim=True)
-    out = torch.bmm(probs, vc).div_(l)
-    lse = m.mul_(scale).add_(l.log_()).squeeze(-1)  # [Hkv, G]
-    return out.reshape(Hq, D).to(q.dtype), lse.reshape(Hq)
+    out = torch.matmul(probs, vc).div_(l)
+    lse = m.mul_(scale).add_(l.log_()).squeeze(-1)  # [N, Hkv, G]
+    return out.reshape(N, Hq, D).to(q.dtype), lse.reshape(N, Hq)
 
 
 # ------------------------------------------------------------------------------ public
 def _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window):
-    check_tensor("q", q, 2)
-    check_tensor("k_new", k_new, 2)
-    check_tensor("v_new", v_new, 2)
-    check_tensor("k_cache", k_cache, 3)
-    check_tensor("v_cache", v_cache, 3)
-    check_tensor("slot_pos", slot_pos, 2, dtypes=(torch.int32,))
-    check_tensor("slot_prio", slot_prio, 2, dtypes=(torch.float32,))
-    check_tensor("leaving_prio", leaving_prio, 1, dtypes=(torch.float32,))
-    check_int("pos", pos, minimum=0)
-    if pos > _INT32_MAX - 1:
-        raise ValueError(f"pos must fit in int32 slot positions (< {_INT32_MAX}), got {pos}")
+    """Validate either form (batch-1 ``q [Hq, D]`` or batched ``q [N, Hq, D]``); no value is read
+    from a device tensor (``pos`` as a tensor is checked for shape and dtype only)."""
+    batched = isinstance(q, torch.Tensor) and q.dim() == 3
+    lead = "N, " if batched else ""
+    e = 1 if batched else 0
+    check_tensor("q", q, 2 + e)
+    check_tensor("k_new", k_new, 2 + e)
+    check_tensor("v_new", v_new, 2 + e)
+    check_tensor("k_cache", k_cache, 3 + e)
+    check_tensor("v_cache", v_cache, 3 + e)
+    check_tensor("slot_pos", slot_pos, 2 + e, dtypes=(torch.int32,))
+    check_tensor("slot_prio", slot_prio, 2 + e, dtypes=(torch.float32,))
+    check_tensor("leaving_prio", leaving_prio, 1 + e, dtypes=(torch.float32,))
+    N = q.shape[0] if batched else 1
+    if isinstance(pos, torch.Tensor):
+        if pos.dtype not in (torch.int32, torch.int64) or tuple(pos.shape) != (N,):
+            raise ValueError(f"pos as a tensor must be int32/int64 of shape [N] = [{N}], got {pos.dtype} "
+                             f"{tuple(pos.shape)}")
+        if pos.device != q.device:
+            raise ValueError(f"pos must be on q's device {q.device}, got {pos.device}")
+    else:
+        check_int("pos", pos, minimum=0)
+        if pos > _INT32_MAX - 1:
+            raise ValueError(f"pos must fit in int32 slot positions (< {_INT32_MAX}), got {pos}")
     s = check_int("sinks", sinks, minimum=0)
     w = check_int("window", window, minimum=1)
     if q.dtype not in _CACHE_DTYPES:
@@ -386,62 +430,99 @@ def _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio,
     for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype} (cast one of them)")
-    Hq, D = q.shape
-    Hkv, B, Dk = k_cache.shape
-    if tuple(v_cache.shape) != (Hkv, B, D) or Dk != D:
-        raise ValueError(f"k_cache and v_cache must both be [Hkv, B, D] with D = q.shape[1] = {D}, got "
+    Hq, D = q.shape[e:]
+    Hkv, B, Dk = k_cache.shape[e:]
+    if tuple(v_cache.shape) != (*q.shape[:e], Hkv, B, D) or Dk != D or k_cache.shape[:e] != q.shape[:e]:
+        raise ValueError(f"k_cache and v_cache must both be [{lead}Hkv, B, D] with D = q.shape[-1] = {D}, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     check_gqa(Hq, Hkv)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
-        if tuple(x.shape) != (Hkv, D):
-            raise ValueError(f"{name} must be [Hkv, D] = [{Hkv}, {D}], got {tuple(x.shape)}")
+        if tuple(x.shape) != (*q.shape[:e], Hkv, D):
+            raise ValueError(f"{name} must be [{lead}Hkv, D] = {[*q.shape[:e], Hkv, D]}, got {tuple(x.shape)}")
     if B < s + w:
-        raise ValueError(f"the budget B = k_cache.shape[1] = {B} must be >= sinks + window = {s} + {w} = {s + w}")
-    if tuple(slot_pos.shape) != (Hkv, B):
-        raise ValueError(f"slot_pos must be [Hkv, B] = [{Hkv}, {B}], got {tuple(slot_pos.shape)}")
-    if tuple(slot_prio.shape) != (Hkv, B - s - w):
-        raise ValueError(f"slot_prio must be [Hkv, k] = [{Hkv}, {B - s - w}] (k = B - sinks - window), "
-                         f"got {tuple(slot_prio.shape)}")
-    if tuple(leaving_prio.shape) != (Hkv,):
-        raise ValueError(f"leaving_prio must be [Hkv] = [{Hkv}], got {tuple(leaving_prio.shape)}")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("slot_pos", slot_pos), ("slot_prio", slot_prio)):
+        raise ValueError(f"the budget B = k_cache.shape[-2] = {B} must be >= sinks + window = {s} + {w} = {s + w}")
+    if tuple(slot_pos.shape) != (*q.shape[:e], Hkv, B):
+        raise ValueError(f"slot_pos must be [{lead}Hkv, B] = {[*q.shape[:e], Hkv, B]}, got {tuple(slot_pos.shape)}")
+    if tuple(slot_prio.shape) != (*q.shape[:e], Hkv, B - s - w):
+        raise ValueError(f"slot_prio must be [{lead}Hkv, k] = {[*q.shape[:e], Hkv, B - s - w]} "
+                         f"(k = B - sinks - window), got {tuple(slot_prio.shape)}")
+    if tuple(leaving_prio.shape) != (*q.shape[:e], Hkv):
+        raise ValueError(f"leaving_prio must be [{lead}Hkv] = {[*q.shape[:e], Hkv]}, got {tuple(leaving_prio.shape)}")
+    state = (("k_cache", k_cache), ("v_cache", v_cache), ("slot_pos", slot_pos), ("slot_prio", slot_prio))
+    for name, x in state:
         if x.requires_grad:
             raise ValueError(f"{name} is updated in place and must not require grad (decode under torch.no_grad())")
+        if _overlaps_itself(x):
+            raise ValueError(f"{name} is updated in place, so no two of its elements may share memory; got strides "
+                             f"{tuple(x.stride())} for shape {tuple(x.shape)} (an expand()ed or overlapping view): "
+                             f"pass {name}.contiguous() (or .clone()) and keep that tensor")
+    if torch.compiler.is_compiling():  # addresses are not traceable; checked in every eager call
+        return
+    for i, (na, a) in enumerate(state):
+        for nb, b in state[i + 1:]:
+            if _share_memory(a, b):
+                raise ValueError(f"{na} and {nb} share memory; each of them is updated in place: give each its "
+                                 f"own tensor")
+
+
+def _overlaps_itself(x: torch.Tensor) -> bool:
+    """True unless the elements of ``x`` provably lie at distinct addresses (its dims, ordered by stride,
+    nest: each stride at least the extent of the dims below it)."""
+    dims = sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            return True
+        extent = st * n
+    return False
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` start at one address (e.g. the same tensor passed twice).  Interleaved views
+    of one buffer (keys and values side by side) start apart and are fine."""
+    return a.numel() > 0 and b.numel() > 0 and a.data_ptr() == b.data_ptr()
 
 
 def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
-                        slot_prio: torch.Tensor, leaving_prio: torch.Tensor, *, pos: int,
+                        slot_prio: torch.Tensor, leaving_prio: torch.Tensor, *, pos: int | torch.Tensor,
                         sinks: int, window: int, scale: float | None = None,
                         num_splits: int | None = None, block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch-1 decode step over a fixed budget of ``B = s + w + k`` slots per KV head (in place).
+    """One decode step over a fixed budget of ``B = s + w + k`` slots per (batch row, KV head), in place.
 
-    Slot layout of each KV head (``B = k_cache.shape[1]``, ``k = B - s - w >= 0``):
+    Two forms: batch-1 (shapes below without the leading ``N``) or batched (every tensor with a
+    leading batch dimension ``N``; rows are independent and may sit at different positions).
+
+    Slot layout of each KV head (``B = k_cache.shape[-2]``, ``k = B - s - w >= 0``):
 
     * ``[0, s)`` sinks: token ``t < s`` in slot ``t``;
     * ``[s, s+w)`` the window ring: token ``t >= s`` in slot ``s + (t - s) % w``;
     * ``[s+w, B)`` the ``k`` long-range slots.
 
     Args:
-        q: ``[Hq, D]`` the new token's queries (rotated), float16/bfloat16/float32.
-        k_new, v_new: ``[Hkv, D]`` the new token's key (rotated) and value, q's dtype.
-        k_cache, v_cache: ``[Hkv, B, D]`` q's dtype, any strides; updated in place.
-        slot_pos: ``[Hkv, B]`` int32, each slot's token position, ``-1`` when empty; updated in place.
-        slot_prio: ``[Hkv, k]`` float32, static priority of each long-range slot's token, ``-inf``
+        q: ``[N, Hq, D]`` the new token's queries (rotated), float16/bfloat16/float32.
+        k_new, v_new: ``[N, Hkv, D]`` the new token's key (rotated) and value, q's dtype.
+        k_cache, v_cache: ``[N, Hkv, B, D]`` q's dtype, any strides; updated in place.
+        slot_pos: ``[N, Hkv, B]`` int32, each slot's token position, ``-1`` when empty; updated in place.
+        slot_prio: ``[N, Hkv, k]`` float32, static priority of each long-range slot's token, ``-inf``
             when empty (never NaN); updated in place.
-        leaving_prio: ``[Hkv]`` float32, the priority ``p = r - t log(gamma)`` of the token
+        leaving_prio: ``[N, Hkv]`` float32, the priority ``p = r - t log(gamma)`` of the token
             ``t_new = pos - w`` that leaves the window at this step (ignored when ``pos - w < s``);
             NaN ranks as ``-inf``.
-        pos: Python int, the position of the new token = the number of tokens seen before it
-            (``0`` for the first token).  The caller keeps it; slots store positions as int32.
+        pos: the position of the new token = the number of tokens its row has seen before it (``0``
+            for the first token): a Python int (every row at the same position), or an int32/int64
+            tensor ``[N]`` on q's device, read by the kernels on the device (no host
+            synchronisation, so a step can be captured in a CUDA graph or traced by
+            ``torch.compile``).  Positions must lie in ``[0, 2**31 - 2]``; a tensor's values are not
+            checked on the host.  The caller keeps it.
         sinks, window: ``s >= 0``, ``w >= 1`` with ``s + w <= B``.
         scale: softmax scale, default ``D ** -0.5``.
-        num_splits: Triton only: number of split-K programs per KV head (default: about two
-            programs per SM on CUDA).  block_n: Triton only: slots per tile, a power of two >= 16
-            (default 32 on CUDA, 64 in the interpreter).
+        num_splits: Triton only: number of split-K programs per (row, KV head) (default: about two
+            programs per SM on CUDA over all rows).  block_n: Triton only: slots per tile, a power
+            of two >= 16 (default 32 on CUDA, 64 in the interpreter).
 
-    The step, per KV head (docs/DESIGN.md: "the token leaving the window replaces the long-range slot
-    of lowest priority if it ranks above it, else it is dropped"):
+    The step, per row and KV head (docs/DESIGN.md: "the token leaving the window replaces the
+    long-range slot of lowest priority if it ranks above it, else it is dropped"):
 
     1. if ``t_new = pos - w >= s`` and ``k > 0``: find the lowest-ranked long-range slot (lowest
        priority, ties to the oldest position, then to the lowest slot index; an empty slot has
@@ -453,15 +534,23 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     3. every query head of the group attends over the slots with ``slot_pos >= 0`` (the new token
        included; whatever an empty slot holds is ignored).
 
-    Returns ``(out [Hq, D] in q's dtype, lse float32 [Hq])``, natural-log LSE.  Not differentiable.
+    Returns ``(out [N, Hq, D] in q's dtype, lse float32 [N, Hq])`` (``[Hq, D]``, ``[Hq]`` in the
+    batch-1 form), natural-log LSE.  Not differentiable.
 
-    Backends: CUDA tensors (or CPU ones under ``TRITON_INTERPRET=1``) run two Triton launches
-    that fuse the decision, the split-K attention, the merge and the cache update (see the module
-    docstring for the race-free split of work); other CPU tensors run a vectorised PyTorch step.
-    The scorer that produces ``leaving_prio`` is not fused.
+    Backends: CUDA tensors (or CPU ones under ``TRITON_INTERPRET=1``) run two Triton launches over
+    all (row, KV head) pairs at once that fuse the decision, the split-K attention, the merge and
+    the cache update (see the module docstring for the race-free split of work); other CPU tensors
+    run a vectorised PyTorch step.  Neither reads a value back to the host.  The scorer that
+    produces ``leaving_prio`` is not fused.
     """
     _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window)
-    scale = default_scale(scale, q.shape[1])
+    scale = default_scale(scale, q.shape[-1])
+    batched = q.dim() == 3
+    if not batched:
+        q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio = (
+            x.unsqueeze(0) for x in (q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio))
+    if not isinstance(pos, torch.Tensor):
+        pos = torch.full((q.shape[0],), pos, dtype=torch.int64, device=q.device)
     if use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio):
         if num_splits is not None:
             check_int("num_splits", num_splits, minimum=1)
@@ -469,7 +558,10 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
             check_int("block_n", block_n, minimum=16)
             if block_n & (block_n - 1):
                 raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-        return _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos=pos,
-                              sinks=sinks, window=window, scale=scale, num_splits=num_splits, block_n=block_n)
-    return _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos=pos,
-                         sinks=sinks, window=window, scale=scale)
+        out, lse = _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
+                                  sinks=sinks, window=window, scale=scale, num_splits=num_splits,
+                                  block_n=block_n)
+    else:
+        out, lse = _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
+                                 sinks=sinks, window=window, scale=scale)
+    return (out, lse) if batched else (out[0], lse[0])

@@ -129,20 +129,21 @@ if triton is not None:
                     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_U: tl.constexpr):
         """``acc[t] += sum_u exp(scale * k_t . q_u - lse_u)`` over one block of queries ``u``."""
         u = u0 + tl.arange(0, BLOCK_U)
-        q_ptrs = Qh + u[None, :] * stride_qs + d[:, None] * stride_qd  # [BLOCK_D, BLOCK_U]
+        u64 = u.to(tl.int64)  # row offsets in int64: index x stride passes 2**31 on long sequences
+        q_ptrs = Qh + u64[None, :] * stride_qs + d[:, None] * stride_qd  # [BLOCK_D, BLOCK_U]
         if MASK_S:
             u_ok = u < S
             if EVEN_D:
                 qt = tl.load(q_ptrs, mask=u_ok[None, :], other=0.0)
             else:
                 qt = tl.load(q_ptrs, mask=u_ok[None, :] & (d[:, None] < D), other=0.0)
-            lse = tl.load(Lh + u * stride_ls, mask=u_ok, other=0.0)
+            lse = tl.load(Lh + u64 * stride_ls, mask=u_ok, other=0.0)
         else:
             if EVEN_D:
                 qt = tl.load(q_ptrs)
             else:
                 qt = tl.load(q_ptrs, mask=d[:, None] < D, other=0.0)
-            lse = tl.load(Lh + u * stride_ls)
+            lse = tl.load(Lh + u64 * stride_ls)
         if UPCAST:
             qt = qt.to(tl.float32)
         s = tl.dot(kt, qt, input_precision=DOT_PREC)  # [BLOCK_T, BLOCK_U], fp32
@@ -174,7 +175,7 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         t_ok = t < S
         k_ptrs = (K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-                  + t[:, None] * stride_ks + d[None, :] * stride_kd)
+                  + t[:, None].to(tl.int64) * stride_ks + d[None, :] * stride_kd)
         if EVEN_D:
             kt = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
         else:
@@ -297,6 +298,8 @@ def future_attention_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
             ``window < 1``, ``eps <= 0``, tensors on different devices.
     """
     _, eps, scale = _check(q, k, lse, window, eps, scale)
+    # an equivalent, int32-safe window: w >= S leaves every key without a query u >= t + w
+    window = min(window, max(q.shape[2], 1))
     if use_triton(q, k, lse):
         return _triton_target(q, k, lse, window, eps, scale)
     return _cpu_target(q, k, lse, window, eps, scale)

@@ -39,11 +39,17 @@ except Exception:  # pragma: no cover
     triton = None
 
 
-def _check(priority: object, sinks: object, window: object, k: object) -> None:
+def _check(priority: object, sinks: object, window: object, k: object) -> tuple[int, int, int]:
+    """Validate; return ``(sinks, window, k)`` clamped to equivalent values that keep ``t + window`` and
+    every count inside int32 (``sinks, k <= S`` and ``window <= S`` change no schedule of ``S`` tokens)."""
     check_tensor("priority", priority, 3, floating=True)
     check_int("sinks", sinks, minimum=0)
     check_int("window", window, minimum=1)
     check_int("k", k, minimum=0)
+    S = priority.shape[2]
+    if S > NEVER - 1:
+        raise ValueError(f"sequences of at most {NEVER - 1} tokens (int32 positions), got S = {S}")
+    return min(sinks, S), min(window, max(S, 1)), min(k, S)
 
 
 def _nan_to_neg_inf(p: torch.Tensor) -> torch.Tensor:
@@ -206,7 +212,7 @@ def eviction_schedule(priority: torch.Tensor, *, sinks: int, window: int, k: int
     ``NEVER = 2**31 - 1`` marks sinks, tokens never evicted within the sequence and tokens still
     in the window at its end.  The visibility rule is ``reference.visible_mask``.
     """
-    _check(priority, sinks, window, k)
+    sinks, window, k = _check(priority, sinks, window, k)
     if use_triton(priority):
         return _triton_schedule(_triton_prep(priority), sinks, window, k)
     ev, _, _ = _cpu_schedule(priority, sinks, window, k, decisions=False)
@@ -222,7 +228,7 @@ def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int,
     and ``y[t] = +1`` if ``t`` ranks above it, else ``-1``.  Elsewhere ``y = 0, bnd = -1``.
     Same arguments as :func:`eviction_schedule`.
     """
-    _check(priority, sinks, window, k)
+    sinks, window, k = _check(priority, sinks, window, k)
     if use_triton(priority):
         p32 = _triton_prep(priority)
         Bsz, H, S = p32.shape

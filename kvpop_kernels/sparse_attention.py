@@ -84,8 +84,9 @@ def _check(q: object, k: object, v: object, evict_at: object, sinks: object, win
     check_tensor("k", k, 4, floating=True)
     check_tensor("v", v, 4, floating=True)
     check_tensor("evict_at", evict_at, 3, floating=None)
-    if evict_at.is_floating_point() or evict_at.is_complex() or evict_at.dtype == torch.bool:
-        raise ValueError(f"evict_at must be an integer tensor (int32 from eviction_schedule), got {evict_at.dtype}")
+    if evict_at.dtype not in (torch.int32, torch.int64):
+        # a narrower integer cannot hold NEVER = 2**31 - 1 (a cast wraps it into "evicted at once")
+        raise ValueError(f"evict_at must be int32 (from eviction_schedule) or int64, got {evict_at.dtype}")
     check_int("sinks", sinks, minimum=0)
     check_int("window", window, minimum=1)
     Bsz, Hq, S, D = q.shape
@@ -264,8 +265,9 @@ if triton is not None:
         """Keys/values of the key tile ``t``, the scaled (base-2) scores of ``q`` against it and the
         visibility of each (query row, key) pair: the part the forward and dq tiles share."""
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + t[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + t[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        t64 = t.to(tl.int64)  # row offsets in int64: index x stride passes 2**31 on long sequences
+        k = tl.load(K + t64[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(V + t64[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if not LOWP:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -322,6 +324,7 @@ if triton is not None:
         r = tl.arange(0, BLOCK_M)
         hq = hq0 + r // BLOCK_Q  # [BLOCK_M] query head of each row
         offs_m = q0 + r % BLOCK_Q  # [BLOCK_M] query position of each row
+        m64 = offs_m.to(tl.int64)  # row offsets in int64: index x stride passes 2**31 on long sequences
         offs_d = tl.arange(0, BLOCK_D)
         m_ok = offs_m < S
         d_ok = _d_mask(offs_d, D, BLOCK_D)
@@ -329,7 +332,7 @@ if triton is not None:
         K += b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
         EV += bkv.to(tl.int64) * S
-        q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+        q = tl.load(Q + m64[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         if not LOWP:
             q = q.to(tl.float32)
@@ -366,7 +369,7 @@ if triton is not None:
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
         O += b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
-        tl.store(O + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
+        tl.store(O + m64[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty),
                  mask=m_ok[:, None] & d_ok[None, :])
         lse = (m_i + tl.log2(l_safe)) / 1.4426950408889634
         tl.store(LSE + (b * Hq + hq).to(tl.int64) * S + offs_m, lse, mask=m_ok)
@@ -406,6 +409,7 @@ if triton is not None:
         r = tl.arange(0, BLOCK_M)
         hq = hq0 + r // BLOCK_Q
         offs_m = q0 + r % BLOCK_Q
+        m64 = offs_m.to(tl.int64)  # row offsets in int64: index x stride passes 2**31 on long sequences
         offs_d = tl.arange(0, BLOCK_D)
         m_ok = offs_m < S
         d_ok = _d_mask(offs_d, D, BLOCK_D)
@@ -417,9 +421,9 @@ if triton is not None:
         V += b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
         EV += bkv.to(tl.int64) * S
         row = (b * Hq + hq).to(tl.int64) * S  # [BLOCK_M]
-        q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=md, other=0.0)
-        do = tl.load(DO + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=md, other=0.0)
-        o = tl.load(O + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=md, other=0.0)
+        q = tl.load(Q + m64[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=md, other=0.0)
+        do = tl.load(DO + m64[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=md, other=0.0)
+        o = tl.load(O + m64[:, None] * stride_os + offs_d[None, :] * stride_od, mask=md, other=0.0)
         # delta = rowsum(dO * O) - dLSE (the lse output's gradient enters as -dLSE)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         if HAS_DLSE:
@@ -454,7 +458,7 @@ if triton is not None:
                           stride_vs, stride_vd, sinks, window, qk_scale, LOWP, DOT_PREC, False)
         dq = dq * scale
         DQ += b.to(tl.int64) * stride_dqb + hq[:, None].to(tl.int64) * stride_dqh
-        tl.store(DQ + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+        tl.store(DQ + m64[:, None] * stride_dqs + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
                  mask=md)
 
     @triton.autotune(configs=_configs("BLOCK_M"), key=["BLOCK_N", "D", "LOWP"])
@@ -475,14 +479,15 @@ if triton is not None:
         b = bkv // Hkv
         hkv = bkv % Hkv
         t = tl.load(PERM + bkv.to(tl.int64) * S_pad + tile * BLOCK_N + tl.arange(0, BLOCK_N))
+        t64 = t.to(tl.int64)  # row offsets in int64: index x stride passes 2**31 on long sequences
         n_ok = t < S
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = _d_mask(offs_d, D, BLOCK_D)
         nd = n_ok[:, None] & d_ok[None, :]
         K += b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
         V += b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-        k = tl.load(K + t[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=nd, other=0.0)
-        v = tl.load(V + t[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=nd, other=0.0)
+        k = tl.load(K + t64[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=nd, other=0.0)
+        v = tl.load(V + t64[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=nd, other=0.0)
         if not LOWP:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -500,10 +505,11 @@ if triton is not None:
             row = bh.to(tl.int64) * S
             for m0 in range(qlo, qhi, BLOCK_M):
                 offs_m = m0 + tl.arange(0, BLOCK_M)
+                m64 = offs_m.to(tl.int64)
                 m_ok = offs_m < S
                 md = m_ok[:, None] & d_ok[None, :]
-                q = tl.load(Qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=md, other=0.0)
-                do = tl.load(DOh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=md, other=0.0)
+                q = tl.load(Qh + m64[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=md, other=0.0)
+                do = tl.load(DOh + m64[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=md, other=0.0)
                 if not LOWP:
                     q = q.to(tl.float32)
                     do = do.to(tl.float32)
@@ -519,8 +525,8 @@ if triton is not None:
         dk = dk * scale
         DK += b.to(tl.int64) * stride_dkb + hkv.to(tl.int64) * stride_dkh
         DV += b.to(tl.int64) * stride_dvb + hkv.to(tl.int64) * stride_dvh
-        tl.store(DK + t[:, None] * stride_dks + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=nd)
-        tl.store(DV + t[:, None] * stride_dvs + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=nd)
+        tl.store(DK + t64[:, None] * stride_dks + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=nd)
+        tl.store(DV + t64[:, None] * stride_dvs + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=nd)
 
 
 def _blocks(D: int, lowp: bool) -> tuple[int, int, int]:

@@ -26,6 +26,7 @@ model and the top-1 agreement with the dense model's predictions (``results.json
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,41 @@ def _ints(s: str | None) -> list[int] | None:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def check_common(args: argparse.Namespace) -> None:
+    """Usage errors in the options of ``add_common`` (and ``--seq-len``), raised before any work."""
+    for name, low in (("n_sequences", 1), ("train_len", 1), ("threads", 1), ("sinks", 0), ("window", 1),
+                      ("seq_len", 2)):
+        v = getattr(args, name, None)
+        if v is not None and v < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+    for name in ("lengths", "budgets"):
+        given = getattr(args, name, None)
+        values = _ints(given)
+        if values is None:
+            continue
+        if not values:
+            raise ValueError(f"--{name} lists no number (got {given!r})")
+        bad = [x for x in values if x < 1]
+        if bad:
+            raise ValueError(f"--{name} must be positive, got {bad}")
+
+
+def check_out(out: str | None) -> Path | None:
+    """``--out`` as a directory that exists and is writable (created if needed), checked before any work."""
+    if out is None:
+        return None
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create it ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"--out {path}: the directory is not writable")
+    return path
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -160,14 +196,10 @@ def _run_traces(args: argparse.Namespace, scorers: dict, finetuned: dict, wanted
                                      tokenizer=lambda: data_io.load_tokenizer(args.model),
                                      tokenizer_source=str(args.model))
         if args.seq_len is not None:
-            if args.seq_len < 2:
-                raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
             traces = data_io.chunk(records, args.seq_len, source=str(args.data))
         else:
             traces = [torch.tensor(r, dtype=torch.int64) for r in records if len(r) >= 2]
         if args.n_sequences is not None:
-            if args.n_sequences < 1:
-                raise ValueError(f"--n-sequences must be >= 1, got {args.n_sequences}")
             traces = traces[:args.n_sequences]
         cfg = TE.TraceEvalConfig(budgets=_ints(args.budgets),
                                  sinks=E.DEFAULT_SINKS if args.sinks is None else args.sinks,
@@ -204,7 +236,6 @@ def run(args: argparse.Namespace) -> int:
     from kvpop.demo import evaluate as E
 
     try:
-        torch.set_num_threads(max(1, args.threads))
         scorers = _pairs(args.scorers, "scorers")
         finetuned = _pairs(args.finetuned, "finetuned")
         for p in scorers:
@@ -215,6 +246,9 @@ def run(args: argparse.Namespace) -> int:
             E._check_policies(wanted)
         if args.data is None and args.seq_len is not None:
             raise ValueError("--seq-len is for --data")
+        check_common(args)
+        check_out(args.out)
+        torch.set_num_threads(args.threads)
     except ValueError as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
@@ -222,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_traces(args, scorers, finetuned, wanted)
     try:
         cfg = E.EvalConfig(train_len=args.train_len or 2048, lengths=_ints(args.lengths),
-                           budgets=_ints(args.budgets), n_sequences=args.n_sequences or 4,
+                           budgets=_ints(args.budgets), n_sequences=4 if args.n_sequences is None else args.n_sequences,
                            sinks=E.DEFAULT_SINKS if args.sinks is None else args.sinks,
                            window=E.DEFAULT_WINDOW if args.window is None else args.window,
                            policies=wanted or E.POLICIES, progress=not args.no_progress)

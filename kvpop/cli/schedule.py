@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from kvpop_kernels import NEVER, eviction_schedule
     from kvpop_kernels.reference import visible_mask
 
+    if args.sinks < 0 or args.window < 1:
+        raise SystemExit(f"kvpop schedule: --sinks must be >= 0 and --window >= 1, got {args.sinks} and {args.window}")
     k = args.budget - args.sinks - args.window
     if k < 0:
         raise SystemExit(f"kvpop schedule: --budget ({args.budget}) must be >= --sinks + --window "
@@ -57,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
             values = [float(x) for x in args.priorities.split(",") if x.strip()]
         except ValueError as e:
             raise SystemExit(f"kvpop schedule: --priorities must be comma-separated numbers ({e})") from None
+        if not values:
+            raise SystemExit(f"kvpop schedule: --priorities lists no number (got {args.priorities!r}); give "
+                             f"comma-separated numbers, e.g. --priorities 0.5,-1,2")
         priority = torch.tensor(values).view(1, 1, -1)
     else:
         if args.length < 1 or args.heads < 1:

@@ -316,15 +316,17 @@ def _run(args: argparse.Namespace) -> int:
     from kvpop.training.train import TrainConfig, TrainingInterrupted, save_model, train
 
     try:
-        kv_cfg = KVpopConfig(budget=args.budget, sinks=args.sinks, window=args.window, scorer=args.scorer,
-                             scorer_hidden=args.scorer_hidden, mlstm_dim=args.mlstm_dim,
-                             mask_source=args.mask_source, target_lse=args.target_lse, tau=args.tau,
-                             balance=not args.no_balance, target_source=args.target_source,
-                             tie_margin=args.tie_margin, eps=args.eps, gamma_min=args.gamma_min,
-                             gamma_max=args.gamma_max, gamma_init=args.gamma_init)
-        if args.method == "dms":
+        if args.method == "kvpop":
+            kv_cfg = KVpopConfig(budget=args.budget, sinks=args.sinks, window=args.window, scorer=args.scorer,
+                                 scorer_hidden=args.scorer_hidden, mlstm_dim=args.mlstm_dim,
+                                 mask_source=args.mask_source, target_lse=args.target_lse, tau=args.tau,
+                                 balance=not args.no_balance, target_source=args.target_source,
+                                 tie_margin=args.tie_margin, eps=args.eps, gamma_min=args.gamma_min,
+                                 gamma_max=args.gamma_max, gamma_init=args.gamma_init)
+        else:  # DMS: the budget and the scorer options do not apply
             kv_cfg = DMSConfig(sinks=args.sinks, window=args.window, tau=args.gate_tau, gate_offset=args.gate_offset,
-                               target_keep=args.target_keep, schedule_steps=args.schedule_steps or args.steps,
+                               target_keep=args.target_keep,
+                               schedule_steps=args.steps if args.schedule_steps is None else args.schedule_steps,
                                aux_weight=args.aux_weight)
     except (TypeError, ValueError) as e:
         _fail(str(e))

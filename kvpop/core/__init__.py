@@ -3,8 +3,8 @@
 ``config`` (KVpopConfig), ``scorers`` (MLP / mLSTM), ``layer`` (KVpopLayer), ``attention`` (the
 ``"kvpop"`` attention function), ``hooks`` (the scorer's priorities while decoding), ``cache``
 (KVpopCache), ``patching`` (patch / unpatch / patched), ``checkpoint`` (save / load scorers),
-``loss`` (L_score and the distillation KL).  The core imports ``kvpop.models`` (the family seam) and
-``kvpop_kernels``, never ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``.
+``loss`` (L_score), ``distill`` (the distillation KL, the fused chunked LM head).  The core imports
+``kvpop.models`` (the family seam) and ``kvpop_kernels``, never ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``.
 """
 from .attention import set_teacher_targets, teacher_targets
 from .cache import KVpopCache

@@ -56,13 +56,10 @@ def register() -> None:
 def kvpop_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
     """Mask function of the ``"kvpop"`` implementation: no 4D mask is ever built.
 
-    Returns ``None`` (plain causal; the eviction mask is applied inside the kernels) unless the 2D
-    padding mask has a zero, in which case it is passed on and the attention function refuses it.
+    Passes the 2D padding mask on untouched (or None): the eviction mask is applied inside the
+    kernels, a ``KVpopCache`` reads the padding of a prompt itself, and a full-sequence forward
+    refuses padding.  Nothing is read from the mask here (no host synchronisation per step).
     """
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() == 2 and bool(attention_mask.bool().all()):
-        return None
     return attention_mask
 
 
@@ -80,15 +77,16 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
             f"attention implementation {ATTN_NAME!r} is set but {type(module).__name__} "
             f"(layer {getattr(module, 'layer_idx', '?')}) carries no KVpopLayer: use kvpop.patch(model)"
         )
-    if attention_mask is not None:
-        if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
-            raise ValueError(
-                f"kvpop attention supports no padding or custom masks (got an attention mask of shape "
-                f"{tuple(attention_mask.shape)} with masked positions); pass equal-length rows or batch 1"
-            )
     if dropout:
         raise ValueError(f"kvpop attention has no attention dropout; got dropout={dropout} "
                          f"(set config.attention_dropout = 0)")
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "output_attentions=True: kvpop attention never forms the attention matrix, so it has no weights to "
+            "return (an empty tuple would be silently wrong). Leave output_attentions off; for the weights of the "
+            "dense model run it under kvpop.disabled(model); the eviction schedule of the last forward is each "
+            "layer's `.kvpop.last_evict_at`"
+        )
     k_pre = layer.k_pre
     layer.k_pre = None
     if k_pre is not None:
@@ -98,10 +96,17 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     # a KVpopCache passed to this attention module takes the call (prefill or decode step)
     cache, layer.active_cache = layer.active_cache, None
     if isinstance(cache, KVpopCache):
-        out = cache_attention(cache, module, query, key, value, scaling=scaling,
-                              hooks=ScorerHooks(layer, k_pre, kwargs.get("position_ids")))
+        out = cache_attention(cache, module, query, key, value, scaling=scaling, hooks=ScorerHooks(layer, k_pre),
+                              attention_mask=attention_mask, position_ids=kwargs.get("position_ids"))
         if out is not None:
             return out, None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
+            raise ValueError(
+                f"kvpop attention supports no padding or custom masks in a full-sequence forward (got an "
+                f"attention mask of shape {tuple(attention_mask.shape)} with masked positions); pass equal-length "
+                f"rows, or decode left-padded prompts through kvpop.KVpopCache (model.generate does)"
+            )
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError(
             "kvpop attention got fewer queries than keys (decoding with a growing cache); decode with "

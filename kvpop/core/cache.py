@@ -1,13 +1,26 @@
 """``KVpopCache``: a transformers ``Cache`` of exactly ``B = s + w + k`` entries per layer and KV head.
 
-Layout of one layer (batch 1, see ``kvpop_kernels.reference.fixed_budget_decode``): per KV
+Layout of one layer (see ``kvpop_kernels.reference.fixed_budget_decode``): per batch row and KV
 head ``B`` slots: ``[0, s)`` sinks, ``[s, s+w)`` a ring for the window (token ``t`` in slot
-``s + (t - s) % w``), ``[s+w, B)`` the ``k`` long-range slots with their static
-priorities.  Beside the keys and values it holds ``slot_pos`` (int32 ``[Hkv, B]``, the
-position of each slot's token, ``-1`` when empty), ``slot_prio`` (``[Hkv, k]``), the
-priorities of the tokens in the window (``ring_prio``, ``[Hkv, w]``) and, for the baseline
-policies, an attention score per slot.  Nothing grows with the number of tokens seen;
-``get_seq_length`` counts every token seen so that positions (RoPE) stay right.
+``s + (t - s) % w``), ``[s+w, B)`` the ``k`` long-range slots with their static priorities.
+Beside the keys and values (``[N, Hkv, B, D]``) it holds ``slot_pos`` (int32 ``[N, Hkv, B]``,
+the position of each slot's token, ``-1`` when empty), ``slot_prio`` (``[N, Hkv, k]``), the
+priorities of the tokens in the window (``ring_prio``, ``[N, Hkv, w]``), for the baseline
+policies an attention score per slot (``score``, ``[N, Hkv, B]``), and ``pos`` (int64 ``[N]``,
+the number of real tokens each row has seen, i.e. the position of its next token).  All are
+allocated at the first call and keep their shapes (and storage) afterwards: nothing grows with
+the number of tokens seen.  ``get_seq_length`` counts the columns seen (padding included), as
+transformers' attention masks do.
+
+Batches and padding
+-------------------
+Rows are independent.  Left-padded prompts (``attention_mask`` with zeros at the start of a row)
+work: a row's pad tokens never take a slot, its sinks are its own first ``s`` real tokens, and its
+positions count its real tokens only (transformers' position ids for left padding, ``cumsum - 1``
+of the mask).  The prompt is prefilled per group of rows of equal real length; every later step
+decodes all rows at once (each at its own position, read on the device).  Beam search reorders the
+rows in place (``reorder_cache``); ``batch_select_indices`` / ``batch_repeat_interleave`` change
+the batch.
 
 How it plugs into transformers
 ------------------------------
@@ -21,7 +34,9 @@ cache through a forward pre-hook on the attention module, see ``kvpop.core.layer
   prompt -> ``eviction_schedule`` -> ``sparse_attention`` over the prompt, then the layer keeps
   exactly what the schedule keeps at the prompt's last position;
 * **decode** (one token, or any later chunk token by token, and every token of the
-  attention-scored baselines): the fused ``fixed_budget_decode`` step.
+  attention-scored baselines): the fused ``fixed_budget_decode`` step over all rows.  The step
+  reads no value back to the host (positions live in ``pos`` on the device), so one layer's step
+  traces into a single graph (``torch.compile(fullgraph=True)``, see ``tests/core/test_no_sync.py``).
 
 So prefill + decoding gives the same outputs as one teacher-forced ``sparse_attention``
 forward with the same priorities (tested in ``tests/core/test_cache.py``).
@@ -38,7 +53,7 @@ Policies (``KVpopConfig.policy``)
 * ``"h2o"``: as ``tova`` with the attention accumulated over all queries so far.
 
 The sinks and the window are protected under every policy, so all of them hold the same
-``B`` entries.  Batch size 1 only: a larger batch raises ``NotImplementedError``.
+``B`` entries.
 """
 from __future__ import annotations
 
@@ -53,10 +68,21 @@ from kvpop_kernels.decode import slot_of
 
 POLICIES = ("kvpop", "streaming", "tova", "h2o")
 _STATIC = ("kvpop", "streaming")
+_ROW_STATE = ("keys", "values", "slot_pos", "slot_prio", "ring_prio", "score", "pos")
+"""The per-row tensors of a layer (batch dimension first), beside ``scorer_state``."""
+
+
+def _map_state(state: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor of a scorer state (None, a tensor, or a tuple/list of tensors)."""
+    if state is None:
+        return None
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    return type(state)(fn(t) if isinstance(t, torch.Tensor) else t for t in state)
 
 
 class KVpopCacheLayer(CacheLayerMixin):
-    """One layer's fixed-budget cache (batch 1).  Built by :class:`KVpopCache`."""
+    """One layer's fixed-budget cache (batch ``N >= 1``).  Built by :class:`KVpopCache`."""
 
     is_sliding = False
     is_compileable = False
@@ -70,40 +96,61 @@ class KVpopCacheLayer(CacheLayerMixin):
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.sinks, self.window, self.budget, self.policy = sinks, window, budget, policy
         self.k = budget - sinks - window
-        self.seen = 0
+        self.seen = 0  # columns seen (padding included): transformers' view of the sequence length
+        # the same count as a device tensor: what a compiled step updates (a Python int changed inside a
+        # compiled graph would be a guard, i.e. one recompilation per token); ``seen`` follows it lazily
+        self._seen_t = torch.zeros((), dtype=torch.int64)
+        self._seen_stale = False
+        self.prefilled = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.scorer_state: Any = None  # recurrent scorer state (mLSTM), owned by the scorer
+        self.scorer_state: Any = None  # recurrent scorer state (mLSTM), batch first, owned by the scorer
 
     # -- transformers' layer protocol ------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        _, hkv, _, d = key_states.shape
+        n, hkv, _, d = key_states.shape
         dev = key_states.device
         self.device = dev
         self.dtype = key_states.dtype
-        self.keys = torch.zeros(hkv, self.budget, d, dtype=key_states.dtype, device=dev)
-        self.values = torch.zeros(hkv, self.budget, value_states.shape[-1], dtype=value_states.dtype, device=dev)
-        self.slot_pos = torch.full((hkv, self.budget), -1, dtype=torch.int32, device=dev)
-        self.slot_prio = torch.full((hkv, self.k), float("-inf"), dtype=torch.float32, device=dev)
-        self.ring_prio = torch.full((hkv, self.window), float("-inf"), dtype=torch.float32, device=dev)
-        self.score = torch.zeros(hkv, self.budget, dtype=torch.float32, device=dev)
+        self.keys = torch.zeros(n, hkv, self.budget, d, dtype=key_states.dtype, device=dev)
+        self.values = torch.zeros(n, hkv, self.budget, value_states.shape[-1], dtype=value_states.dtype, device=dev)
+        self.slot_pos = torch.full((n, hkv, self.budget), -1, dtype=torch.int32, device=dev)
+        self.slot_prio = torch.full((n, hkv, self.k), float("-inf"), dtype=torch.float32, device=dev)
+        self.ring_prio = torch.full((n, hkv, self.window), float("-inf"), dtype=torch.float32, device=dev)
+        self.score = torch.zeros(n, hkv, self.budget, dtype=torch.float32, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._seen_t = self._seen_t.to(dev)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if key_states.shape[0] != 1:
-            raise NotImplementedError(
-                f"KVpopCache decodes one sequence at a time (batch size 1); got batch size {key_states.shape[0]}. "
-                "Run the sequences one by one."
-            )
-        if not self.is_initialized:
+        if not self.is_initialized or (not self.prefilled and key_states.shape[0] != self.keys.shape[0]):
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(
+                f"this KVpopCache holds {self.keys.shape[0]} sequences but the call has batch size "
+                f"{key_states.shape[0]}; use a fresh kvpop.KVpopCache(model) (or cache.reset()) for a new batch"
+            )
         self.pending = (key_states, value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        if torch.compiler.is_compiling():  # the "kvpop" mask function reads no size: any constant does
+            return query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
+        if torch.compiler.is_compiling():
+            return self._seen_t  # a tensor, as transformers' StaticLayer returns (no guard on a Python int)
+        if self._seen_stale:  # compiled steps ran since: read the count once (outside the per-token path)
+            self.seen, self._seen_stale = int(self._seen_t), False
         return self.seen
+
+    def _advance(self, n: int) -> None:
+        self._seen_t.add_(n)
+        if torch.compiler.is_compiling():
+            self._seen_stale = True
+        else:
+            self.get_seq_length()
+            self.seen += n
 
     def get_max_length(self) -> int:
         return -1
@@ -116,12 +163,30 @@ class KVpopCacheLayer(CacheLayerMixin):
             self.slot_prio.fill_(float("-inf"))
             self.ring_prio.fill_(float("-inf"))
             self.score.zero_()
-        self.seen = 0
+            self.pos.zero_()
+        self._seen_t.zero_()
+        self.seen, self._seen_stale = 0, False
+        self.prefilled = False
         self.pending = None
         self.scorer_state = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("KVpopCache does not support beam search (batch size 1 only)")
+        """Beam search: row ``i`` becomes the old row ``beam_idx[i]`` (in place, shapes and storage kept)."""
+        if not self.is_initialized:
+            return
+        idx = beam_idx.to(self.keys.device)
+        for name in _ROW_STATE:
+            t = getattr(self, name)
+            t.copy_(t.index_select(0, idx))
+        _map_state(self.scorer_state, lambda t: t.copy_(t.index_select(0, idx)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (the batch shrinks)."""
+        self._map_rows(lambda t: t[indices.to(t.device)])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (e.g. to sample several continuations of one prefill)."""
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
@@ -129,47 +194,82 @@ class KVpopCacheLayer(CacheLayerMixin):
             "Start again from a fresh kvpop.KVpopCache(model), or call cache.reset() to empty this one."
         )
 
+    # -- rows ----------------------------------------------------------------------------
+    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if not self.is_initialized:
+            return
+        for name in _ROW_STATE:
+            setattr(self, name, fn(getattr(self, name)))
+        self.scorer_state = _map_state(self.scorer_state, fn)
+
+    def rows(self, idx: torch.Tensor) -> KVpopCacheLayer:
+        """A new layer holding copies of the rows ``idx`` (scatter it back with :meth:`set_rows`)."""
+        sub = KVpopCacheLayer(sinks=self.sinks, window=self.window, budget=self.budget, policy=self.policy)
+        for name in _ROW_STATE:
+            setattr(sub, name, getattr(self, name)[idx])
+        sub.scorer_state = _map_state(self.scorer_state, lambda t: t[idx])
+        sub.device, sub.dtype, sub.is_initialized = self.device, self.dtype, True
+        sub.seen, sub.prefilled = self.seen, self.prefilled
+        return sub
+
+    def set_rows(self, idx: torch.Tensor, sub: KVpopCacheLayer) -> None:
+        """Write the rows of ``sub`` (from :meth:`rows`) back to the rows ``idx``."""
+        for name in _ROW_STATE:
+            getattr(self, name)[idx] = getattr(sub, name)
+        if sub.scorer_state is not None:
+            if self.scorer_state is None:
+                n = self.keys.shape[0]
+                self.scorer_state = _map_state(sub.scorer_state, lambda t: t.new_zeros((n, *t.shape[1:])))
+            for dst, src in zip(_tensors(self.scorer_state), _tensors(sub.scorer_state)):
+                dst[idx] = src
+
     # -- helpers -----------------------------------------------------------------------
-    def slot_of(self, pos: int) -> int:
-        """Slot of the token at ``pos`` while it is a sink or in the window."""
+    def slot_of(self, pos):
+        """Slot of the token at ``pos`` (an int or an integer tensor) while it is a sink or in the window."""
         return slot_of(pos, sinks=self.sinks, window=self.window)
 
     def nbytes(self) -> int:
         """Bytes held by this layer (constant once initialised)."""
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.slot_pos, self.slot_prio, self.ring_prio, self.score]
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        state = self.scorer_state
-        if isinstance(state, torch.Tensor):
-            total += state.numel() * state.element_size()
-        elif isinstance(state, (tuple, list)):
-            total += sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
-        return total
+        tensors = [getattr(self, name) for name in _ROW_STATE] + _tensors(self.scorer_state)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-    def long_range_positions(self) -> list[set[int]]:
-        """Per KV head, the positions held in the long-range slots (for tests and inspection)."""
-        pos = self.slot_pos[:, self.sinks + self.window:].tolist()
-        return [{p for p in row if p >= 0} for row in pos]
+    def long_range_positions(self, row: int = 0) -> list[set[int]]:
+        """Per KV head of batch row ``row``, the positions held in the long-range slots (for tests and inspection)."""
+        pos = self.slot_pos[row, :, self.sinks + self.window:].tolist()
+        return [{p for p in r if p >= 0} for r in pos]
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if state is None:
+        return []
+    if isinstance(state, torch.Tensor):
+        return [state]
+    return [t for t in state if isinstance(t, torch.Tensor)]
 
 
 class KVpopCache(Cache):
-    """Fixed-budget cache for batch-1 decoding with a ``kvpop``-patched Qwen3 model.
+    """Fixed-budget cache for decoding one or many sequences with a ``kvpop``-patched model.
 
     Args:
         model: a model patched by :func:`kvpop.patch` (its ``KVpopConfig`` is used), or None.
         config: a ``KVpopConfig`` (overrides the model's).
         num_layers: number of decoder layers (taken from the model when given).
         policy: override ``config.policy`` ("kvpop", "streaming", "tova", "h2o").
+        compileable: mark the cache compileable, so that ``generate`` compiles its decode steps
+            (with ``compile_config=``, or by default on CUDA).  Off by default: see the README
+            ("Batched generation") for what was checked.
 
-    Example::
+    Any batch size; left-padded prompts, sampling, ``num_return_sequences`` and beam search work
+    (see the module docstring).  Example::
 
         cache = kvpop.KVpopCache(model)
-        out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)
+        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
     """
 
     def __init__(self, model: Any = None, *, config: Any = None, num_layers: int | None = None,
-                 policy: str | None = None):
+                 policy: str | None = None, compileable: bool = False):
         if config is None and model is not None:
             config = getattr(model, "kvpop_config", None)
         if config is None:
@@ -185,6 +285,8 @@ class KVpopCache(Cache):
         self.policy = policy
         layers = [KVpopCacheLayer(sinks=config.sinks, window=config.window, budget=config.budget, policy=policy)
                   for _ in range(num_layers)]
+        for layer in layers:
+            layer.is_compileable = bool(compileable)
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:
@@ -196,14 +298,20 @@ class KVpopCache(Cache):
 class PriorityHooks:
     """How a policy prices tokens.  ``kvpop.patch`` supplies the learned scorer's hooks.
 
-    * ``prompt(module, layer, key, value) -> [1, Hkv, S]``: static priorities of a prompt (only those
-      of ``t <= S - 1 - w`` matter; a recurrent scorer also leaves its state in ``layer.scorer_state``);
-    * ``token(module, layer, key_new, value_new, pos) -> [Hkv]``: priority of a new token
+    Shapes: ``N`` batch rows, ``pos [N]`` int64 the position of each row's new token (on the
+    device: a hook must not read it back to the host), ``i`` the new token's column in this call.
+
+    * ``prompt(module, layer, key, value) -> [N, Hkv, S]``: static priorities of a prompt of ``S`` real
+      tokens per row (only those of ``t <= S - 1 - w`` matter; a recurrent scorer also leaves its state
+      in ``layer.scorer_state``);
+    * ``token(module, layer, key_new, value_new, pos, i) -> [N, Hkv]``: priority of a new token
       known at entry (stored until it leaves the window), or None;
-    * ``leaving(module, layer, key_new, value_new, pos) -> [Hkv]``: priority of the token
+    * ``leaving(module, layer, key_new, value_new, pos, i) -> [N, Hkv]``: priority of the token
       ``pos - w`` leaving the window now, computed at that moment (mLSTM), or None.  It is called
-      at every decode step (None or anything is fine while ``pos - w < s``), before the step, so
-      the leaving token's key/value are still in ``layer.keys/values`` at ``layer.slot_of(pos - w)``.
+      at every decode step (anything is fine in rows where ``pos - w < s``), before the step, so
+      the leaving token's key/value are still in ``layer.keys/values`` at ``layer.slot_of(pos - w)``;
+    * ``rows(idx, start) -> PriorityHooks`` (optional): the hooks of the rows ``idx`` and the columns
+      ``start:`` of this call (the prefill of a group of left-padded rows).
     """
 
     def __init__(self, prompt: Callable | None = None, token: Callable | None = None,
@@ -215,20 +323,25 @@ def _constant_prompt(module, layer, key, value):
     return torch.zeros(key.shape[0], key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
 
 
-def _constant_token(module, layer, key_new, value_new, pos):
-    return torch.zeros(key_new.shape[0], dtype=torch.float32, device=key_new.device)
+def _constant_token(module, layer, key_new, value_new, pos, i):
+    return torch.zeros(key_new.shape[0], key_new.shape[1], dtype=torch.float32, device=key_new.device)
 
 
 STREAMING_HOOKS = PriorityHooks(prompt=_constant_prompt, token=_constant_token)
 
 
 def cache_attention(cache: KVpopCache, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, *, scaling: float, hooks: PriorityHooks | None = None) -> torch.Tensor | None:
+                    value: torch.Tensor, *, scaling: float, hooks: PriorityHooks | None = None,
+                    attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attention of layer ``module.layer_idx`` through ``cache``; None when that layer has no update pending
     (``cache.update`` stashes the new keys/values, this call attends and writes them).
 
-    ``query [1, Hq, S, D]``, ``key/value [1, Hkv, S, D]`` (rotated, as transformers passes them).
-    Returns the attention output ``[1, S, Hq, D]`` in transformers' layout.
+    ``query [N, Hq, S, D]``, ``key/value [N, Hkv, S, D]`` (rotated, as transformers passes them);
+    ``attention_mask`` the 2D padding mask ``[N, >= S]`` (its last ``S`` columns are this call's; read
+    only at the first call, the prompt: left padding), ``position_ids [N or 1, S]`` (checked, on
+    calls of several tokens only, against the positions the cache expects).
+    Returns the attention output ``[N, S, Hq, D]`` in transformers' layout (zeros at pad tokens).
     """
     if module.layer_idx >= len(cache.layers):
         return None
@@ -240,98 +353,180 @@ def cache_attention(cache: KVpopCache, module: torch.nn.Module, query: torch.Ten
         hooks = STREAMING_HOOKS
     elif layer.policy == "kvpop" and hooks is None:
         raise RuntimeError("the kvpop policy needs the model's scorer: patch the model with kvpop.patch(model)")
-    _check_continues(layer, hooks)
-    S = query.shape[2]
-    if layer.seen == 0 and S > 1 and layer.policy in _STATIC:
-        return _prefill(layer, module, query, key, value, scaling, hooks)
-    outs = [_decode(layer, module, query[:, :, i], key[:, :, i], value[:, :, i], scaling, hooks) for i in range(S)]
-    return torch.stack(outs, dim=0).unsqueeze(0)  # [1, S, Hq, D]
+    N, S = query.shape[0], query.shape[2]
+    if not layer.prefilled:
+        real = _prompt_rows(attention_mask, N, S, query.device)
+        _check_continues(layer, position_ids, real)
+        out = _prefill_rows(layer, module, query, key, value, scaling, hooks, real)
+        layer.prefilled = True
+    else:
+        if S > 1:  # a later chunk (never the per-token path): its positions must continue the cache's
+            _check_continues(layer, position_ids, None)
+        outs = [_decode(layer, module, query[:, :, i], key[:, :, i], value[:, :, i], scaling, hooks, i)
+                for i in range(S)]
+        out = outs[0].unsqueeze(1) if S == 1 else torch.stack(outs, dim=1)  # [N, S, Hq, D]
+    layer._advance(S)
+    return out
 
 
-def _check_continues(layer: KVpopCacheLayer, hooks: Any) -> None:
+def _prompt_rows(attention_mask: torch.Tensor | None, N: int, S: int, device) -> torch.Tensor | None:
+    """The real tokens ``[N, S]`` (bool) of a left-padded prompt, or None when no row is padded."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != N or attention_mask.shape[1] < S:
+        raise ValueError(f"kvpop: the attention mask must be the 2D padding mask [batch, >= {S}] = [{N}, ...]; "
+                         f"got shape {tuple(attention_mask.shape)}")
+    real = attention_mask[:, -S:].to(device=device, dtype=torch.bool)
+    if bool(real.all()):
+        return None
+    n_real = real.sum(1)
+    left = torch.arange(S, device=device)[None, :] >= (S - n_real)[:, None]
+    if not torch.equal(real, left):
+        raise ValueError("kvpop: only left padding is supported (each row's pad tokens first, then its real "
+                         "tokens); pad with tokenizer.padding_side = 'left'")
+    if not bool((n_real > 0).all()):
+        raise ValueError(f"kvpop: rows {(n_real == 0).nonzero().flatten().tolist()} of the prompt have no real "
+                         f"token (all padding)")
+    return real
+
+
+def _check_continues(layer: KVpopCacheLayer, position_ids: torch.Tensor | None, real: torch.Tensor | None) -> None:
     """Refuse a call whose first position is not the next one of this cache (e.g. a second ``generate``
-    with the same prompt on a used cache): a fixed-budget cache cannot go back."""
-    position_ids = getattr(hooks, "position_ids", None)
-    if not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0:
+    with the same prompt on a used cache): a fixed-budget cache cannot go back.  Reads the position
+    ids on the host: called for prompts and multi-token chunks only, never per decoded token."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.numel() == 0 or position_ids.dim() != 2:
         return
-    first = int(position_ids.reshape(-1)[0])
-    if first != layer.seen:
+    N = layer.keys.shape[0]
+    pid = position_ids.expand(N, -1) if position_ids.shape[0] == 1 else position_ids
+    if real is None:
+        first = pid[:, 0]
+    else:  # a row's first real token
+        first = pid.gather(1, real.to(torch.int8).argmax(1, keepdim=True).to(pid.device))[:, 0]
+    expected = layer.pos if layer.prefilled else torch.zeros_like(layer.pos)
+    bad = (first.to(expected.device) != expected).nonzero().flatten().tolist()
+    if bad:
+        n = bad[0]
+        seen, got = int(expected[n]), int(first[n])
+        row = f" (batch row {n})" if N > 1 else ""
+        if real is not None and not layer.prefilled:
+            raise ValueError(
+                f"kvpop: the first real token of the left-padded prompt row {n} has position id {got}, but a row's "
+                f"positions count its real tokens from 0 (as generate's do): pass "
+                f"position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0) with a padded batch"
+            )
         raise ValueError(
-            f"this KVpopCache has seen {layer.seen} tokens, so the next call must start at position {layer.seen}, "
-            f"but it starts at position {first}. A fixed-budget cache cannot go back (evicted tokens are gone): "
+            f"this KVpopCache has seen {seen} tokens{row}, so the next call must start at position {seen}, "
+            f"but it starts at position {got}. A fixed-budget cache cannot go back (evicted tokens are gone): "
             "use a fresh kvpop.KVpopCache(model) for a new prompt, or call cache.reset() first."
         )
 
 
+def _prefill_rows(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks, real) -> torch.Tensor:
+    """The prompt of every row: rows of equal real length together (all rows when none is padded)."""
+    N, Hq, S, D = query.shape
+    if real is None:
+        return _prefill_group(layer, module, query, key, value, scaling, hooks)
+    out = query.new_zeros(N, S, Hq, D)
+    lengths = real.sum(1).tolist()
+    for L in sorted(set(lengths)):
+        idx = torch.tensor([n for n, x in enumerate(lengths) if x == L], device=query.device)
+        sub = layer.rows(idx)
+        sub_hooks = hooks.rows(idx, S - L) if hasattr(hooks, "rows") else hooks
+        o = _prefill_group(sub, module, query[idx, :, S - L:], key[idx, :, S - L:], value[idx, :, S - L:],
+                           scaling, sub_hooks)
+        layer.set_rows(idx, sub)
+        out[idx, S - L:] = o
+    return out
+
+
+def _prefill_group(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks) -> torch.Tensor:
+    """Rows with no padding: the schedule's prefill (static policies), else token by token."""
+    S = query.shape[2]
+    if S > 1 and layer.policy in _STATIC:
+        return _prefill(layer, module, query, key, value, scaling, hooks)
+    outs = [_decode(layer, module, query[:, :, i], key[:, :, i], value[:, :, i], scaling, hooks, i)
+            for i in range(S)]
+    return torch.stack(outs, dim=1)
+
+
 def _prefill(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks: PriorityHooks) -> torch.Tensor:
+    """Prefill ``n`` rows of ``S`` real tokens each: ``query [n, Hq, S, D]`` -> ``[n, S, Hq, D]``."""
     s, w, k = layer.sinks, layer.window, layer.k
-    S = key.shape[2]
-    prio = hooks.prompt(module, layer, key, value).float()  # [1, Hkv, S]
+    n, hkv, S, D = key.shape
+    prio = hooks.prompt(module, layer, key, value).float()  # [n, Hkv, S]
     evict_at = eviction_schedule(prio, sinks=s, window=w, k=k)
     out, _ = sparse_attention(query, key, value, evict_at, sinks=s, window=w, scale=scaling)
-    # keep exactly what the schedule keeps at the prompt's last position q = S - 1
+    # keep exactly what the schedule keeps at the prompt's last position q = S - 1; the rows and KV
+    # heads of the group are flattened into one "head" axis of n * Hkv
     q = S - 1
-    kk, vv, ev, pr = key[0], value[0], evict_at[0], prio[0]
+    R = n * hkv
+    kk, vv = key.reshape(R, S, D), value.reshape(R, S, value.shape[-1])
+    ev, pr = evict_at.reshape(R, S), prio.reshape(R, S)
+    keys, values = layer.keys.view(R, layer.budget, -1), layer.values.view(R, layer.budget, -1)
+    slot_pos, slot_prio = layer.slot_pos.view(R, layer.budget), layer.slot_prio.view(R, k)
+    ring_prio = layer.ring_prio.view(R, w)
     n_sink = min(s, S)
-    layer.keys[:, :n_sink] = kk[:, :n_sink]
-    layer.values[:, :n_sink] = vv[:, :n_sink]
-    layer.slot_pos[:, :n_sink] = torch.arange(n_sink, dtype=torch.int32, device=kk.device)
+    keys[:, :n_sink] = kk[:, :n_sink]
+    values[:, :n_sink] = vv[:, :n_sink]
+    slot_pos[:, :n_sink] = torch.arange(n_sink, dtype=torch.int32, device=kk.device)
     win = torch.arange(max(s, S - w), max(s, S), device=kk.device)  # empty while the prompt is all sinks
     if win.numel():
         slots = s + (win - s) % w
-        layer.keys[:, slots] = kk[:, win]
-        layer.values[:, slots] = vv[:, win]
-        layer.slot_pos[:, slots] = win.to(torch.int32)
-        layer.ring_prio[:, slots - s] = pr[:, win]
+        keys[:, slots] = kk[:, win]
+        values[:, slots] = vv[:, win]
+        slot_pos[:, slots] = win.to(torch.int32)
+        ring_prio[:, slots - s] = pr[:, win]
     if k > 0 and S - w > s:
         elig = torch.arange(s, q - w + 1, device=kk.device)
-        kept = ev[:, elig] > q  # [Hkv, |E|], at most k per head
+        kept = ev[:, elig] > q  # [R, |E|], at most k per head
         n_kept = kept.sum(-1)
         # stable order: kept tokens first, by position
-        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[:, :k]  # [Hkv, min(k,|E|)]
+        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[:, :k]  # [R, min(k,|E|)]
         toks = elig[order]  # positions
         valid = torch.arange(order.shape[1], device=kk.device).unsqueeze(0) < n_kept.unsqueeze(1)
         lr = s + w + torch.arange(order.shape[1], device=kk.device)
-        hidx = torch.arange(kk.shape[0], device=kk.device).unsqueeze(1)
-        layer.keys[hidx, lr] = torch.where(valid[..., None], kk[hidx, toks], layer.keys[hidx, lr])
-        layer.values[hidx, lr] = torch.where(valid[..., None], vv[hidx, toks], layer.values[hidx, lr])
-        layer.slot_pos[hidx, lr] = torch.where(valid, toks.to(torch.int32), layer.slot_pos[hidx, lr])
-        layer.slot_prio[:, : order.shape[1]] = torch.where(valid, pr[hidx, toks], layer.slot_prio[:, : order.shape[1]])
-    layer.seen = S
+        hidx = torch.arange(R, device=kk.device).unsqueeze(1)
+        keys[hidx, lr] = torch.where(valid[..., None], kk[hidx, toks], keys[hidx, lr])
+        values[hidx, lr] = torch.where(valid[..., None], vv[hidx, toks], values[hidx, lr])
+        slot_pos[hidx, lr] = torch.where(valid, toks.to(torch.int32), slot_pos[hidx, lr])
+        slot_prio[:, : order.shape[1]] = torch.where(valid, pr[hidx, toks], slot_prio[:, : order.shape[1]])
+    layer.pos.fill_(S)
     return out.transpose(1, 2)
 
 
-def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: PriorityHooks) -> torch.Tensor:
-    """One token: ``q1 [1, Hq, D]``, ``k1/v1 [1, Hkv, D]`` -> ``[Hq, D]``."""
+def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: PriorityHooks, i: int = 0) -> torch.Tensor:
+    """One token of every row: ``q1 [N, Hq, D]``, ``k1/v1 [N, Hkv, D]`` -> ``[N, Hq, D]``.
+
+    Rows sit at their own positions ``layer.pos``; nothing here reads a value back to the host."""
     s, w = layer.sinks, layer.window
-    pos = layer.seen
-    q, kn, vn = q1[0], k1[0], v1[0]
-    hkv = kn.shape[0]
-    leaving_slot = layer.slot_of(max(pos, s))  # the ring slot token pos - w leaves (and pos takes)
+    pos = layer.pos  # [N] int64, on the device
+    N, hkv = k1.shape[:2]
+    ring = ((pos.clamp_min(s) - s) % w)[:, None, None].expand(N, hkv, 1)  # ring index of the slot pos takes
     attention_scored = layer.policy in ("tova", "h2o")
     if attention_scored:
-        leaving = layer.score[:, leaving_slot].clone()
-        layer.slot_prio.copy_(layer.score[:, s + w:])
+        leaving = layer.score.gather(2, ring + s).squeeze(2)
+        layer.slot_prio.copy_(layer.score[..., s + w:])
     elif hooks.leaving is not None:  # called at every step: a recurrent scorer absorbs the new token
-        leaving = hooks.leaving(module, layer, kn, vn, pos)
-        leaving = torch.zeros(hkv, device=kn.device) if leaving is None else leaving.float()
-    else:
-        leaving = layer.ring_prio[:, leaving_slot - s].clone() if pos >= s else torch.zeros(hkv, device=kn.device)
-    out, lse = fixed_budget_decode(q, kn, vn, layer.keys, layer.values, layer.slot_pos, layer.slot_prio,
+        leaving = hooks.leaving(module, layer, k1, v1, pos, i)
+        leaving = torch.zeros(N, hkv, device=k1.device) if leaving is None else leaving.float()
+    else:  # ignored by the step in rows where pos - w < s
+        leaving = layer.ring_prio.gather(2, ring).squeeze(2)
+    out, lse = fixed_budget_decode(q1, k1, v1, layer.keys, layer.values, layer.slot_pos, layer.slot_prio,
                                    leaving, pos=pos, sinks=s, window=w, scale=scaling)
-    if pos >= s and hooks is not None and hooks.token is not None and not attention_scored:
-        layer.ring_prio[:, leaving_slot - s] = hooks.token(module, layer, kn, vn, pos).float()
+    if hooks is not None and hooks.token is not None and not attention_scored:
+        new = hooks.token(module, layer, k1, v1, pos, i).float()  # [N, Hkv]
+        old = layer.ring_prio.gather(2, ring).squeeze(2)
+        layer.ring_prio.scatter_(2, ring, torch.where((pos >= s)[:, None], new, old).unsqueeze(2))
     if attention_scored:
-        new_slot = layer.slot_of(pos)
-        layer.score[:, s + w:] = layer.slot_prio
-        layer.score[:, new_slot] = 0.0
-        g = q.shape[0] // hkv
-        logits = torch.einsum("hgd,hbd->hgb", q.float().view(hkv, g, -1), layer.keys.float()) * scaling
-        prob = torch.exp(logits - lse.view(hkv, g, 1)).mean(1)  # [Hkv, B], averaged over the group
+        layer.score[..., s + w:] = layer.slot_prio
+        layer.score.scatter_(2, layer.slot_of(pos)[:, None, None].expand(N, hkv, 1), 0.0)
+        g = q1.shape[1] // hkv
+        logits = torch.matmul(q1.float().view(N, hkv, g, -1), layer.keys.float().transpose(-1, -2)) * scaling
+        prob = torch.exp(logits - lse.view(N, hkv, g, 1)).mean(2)  # [N, Hkv, B], averaged over the group
         prob = torch.where(layer.slot_pos >= 0, prob, torch.zeros_like(prob))
         if layer.policy == "tova":
             layer.score.copy_(prob)
         else:
             layer.score.add_(prob)
-    layer.seen = pos + 1
+    layer.pos.add_(1)
     return out

@@ -19,7 +19,7 @@ from torch import nn
 
 from .config import KVpopConfig
 from .layer import kvpop_layers
-from .patching import get_config, is_patched, patch
+from .patching import get_config, is_patched, patch, unpatch
 
 __all__ = ["save_scorers", "load_scorers", "read_scorer_config", "FORMAT"]
 
@@ -44,16 +44,55 @@ def save_scorers(model: nn.Module, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
-def read_scorer_config(path: str | os.PathLike) -> KVpopConfig:
-    """The ``KVpopConfig`` stored in a scorer file (ValueError when the file is not one)."""
+def _check_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        hint = " (e.g. " + str(path / "scorers.safetensors") + ")" if (path / "scorers.safetensors").is_file() else ""
+        raise ValueError(f"{path} is a directory; give the scorer file written by kvpop.save_scorers{hint}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no scorer file at {path}")
+    return path
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for a file that is not one
+        raise ValueError(f"{path} is not a kvpop scorer file (not a safetensors file: {e})") from None
+
+
+def read_scorer_config(path: str | os.PathLike) -> KVpopConfig:
+    """The ``KVpopConfig`` stored in a scorer file (ValueError when the file is not one)."""
+    path = _check_path(path)
+    meta = _read_metadata(path)
     if meta.get("format") != FORMAT or "kvpop_config" not in meta:
         raise ValueError(f"{path} is not a kvpop scorer file (metadata format={meta.get('format')!r}, "
                          f"expected {FORMAT!r})")
-    return KVpopConfig.from_json(meta["kvpop_config"])
+    try:
+        return KVpopConfig.from_json(meta["kvpop_config"])
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"scorer file {path}: its kvpop_config metadata is not a valid KVpopConfig as JSON "
+                         f"({type(e).__name__}: {e})") from None
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        saved = load_file(str(path))
+    except Exception as e:
+        raise ValueError(f"cannot read the tensors of scorer file {path}: {e}") from None
+    for key, t in saved.items():
+        if not t.is_floating_point():
+            raise ValueError(f"scorer file {path}: tensor {key} has dtype {t.dtype}, expected floating point")
+        if not bool(torch.isfinite(t).all()):
+            n = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"scorer file {path}: tensor {key} holds {n} non-finite value(s) (NaN or inf); "
+                             f"the scorers it was saved from diverged")
+    return saved
 
 
 def load_scorers(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
@@ -62,14 +101,34 @@ def load_scorers(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     An unpatched model is first patched with the file's config.  A patched model keeps its own config,
     which must agree with the file's on the scorer's structure (``scorer``, ``scorer_hidden``,
     ``mlstm_dim``, the gamma range, and ``window`` for the mLSTM); budget, sinks and the training
-    options may differ.  Disagreeing configs, missing or unexpected tensors (``strict=True``) and
-    tensors of another shape (other number of layers, KV heads or head size) raise ``ValueError``.
+    options may differ.  Disagreeing configs, missing or unexpected tensors (``strict=True``), tensors
+    of another shape (other number of layers, KV heads or head size), non-finite values, a directory
+    and a file that is not a scorer file raise ``ValueError`` (a missing file ``FileNotFoundError``);
+    the file is checked in full before the model is touched, so after an error the model is exactly
+    as it was (an unpatched model is unpatched again).
     """
-    from safetensors.torch import load_file
-
     saved_cfg = read_scorer_config(path)
-    if not is_patched(model):
+    path = Path(path)
+    saved = _read_tensors(path)
+    was_patched = is_patched(model)
+    if not was_patched:
         patch(model, saved_cfg)
+    try:
+        expected = _check_fit(model, path, saved_cfg, saved, strict)
+    except Exception:
+        if not was_patched:
+            unpatch(model)
+        raise
+    with torch.no_grad():
+        for key, t in expected.items():
+            if key in saved:
+                t.copy_(saved[key].to(device=t.device, dtype=t.dtype))
+    return model
+
+
+def _check_fit(model: nn.Module, path: Path, saved_cfg: KVpopConfig, saved: dict[str, torch.Tensor],
+               strict: bool) -> dict[str, torch.Tensor]:
+    """The model's scorer tensors by file key, once the file is known to fit them (else ValueError)."""
     cfg = get_config(model)
     bad = cfg.structural_mismatch(saved_cfg)
     if bad:
@@ -77,24 +136,16 @@ def load_scorers(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
             f"scorer file {path} was saved with another scorer structure: "
             + ", ".join(f"{n}: file {getattr(saved_cfg, n)!r} vs model {getattr(cfg, n)!r}" for n in bad)
         )
-    saved = load_file(str(path))
-    layers = {layer.layer_idx: layer for layer in kvpop_layers(model)}
-    expected = {}
-    for idx, layer in layers.items():
-        for name, t in layer.state_dict().items():
-            expected[f"layers.{idx}.{name}"] = (layer, name, t)
+    expected = {f"layers.{layer.layer_idx}.{name}": t
+                for layer in kvpop_layers(model) for name, t in layer.state_dict().items()}
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     if strict and (missing or unexpected):
         raise ValueError(f"scorer file {path} does not fit the model: missing {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''} (another number of layers or scorer type?)")
-    for key, (layer, name, t) in expected.items():
+    for key, t in expected.items():
         if key in saved and saved[key].shape != t.shape:
             raise ValueError(f"scorer file {path}: tensor {key} has shape {tuple(saved[key].shape)}, the model "
                              f"needs {tuple(t.shape)} (another number of KV heads, head size or hidden size?)")
-    with torch.no_grad():
-        for key, (layer, name, t) in expected.items():
-            if key in saved:
-                t.copy_(saved[key].to(device=t.device, dtype=t.dtype))
-    return model
+    return expected

@@ -39,7 +39,7 @@ _BRACKET = 64.0
 _ITERS = 12
 
 
-def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: Any = None, *, target_keep: float = 0.1,
+def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: Any = None, *, target_keep: float = 0.04,
                  schedule_frac: float = 0.6, resume: bool = True, progress: bool = True, task_cfg: Any = None,
                  task: Any = T) -> Path:
     """Train DMS from ``base`` (left untouched): gates and model together, KL to the frozen original plus

@@ -131,3 +131,70 @@ def test_train_device_cuda_runs(tmp_path):
     data = _write_ids(tmp_path / "d.jsonl")
     assert main(["train", "--tiny", "--data", str(data), "--device", "cuda", "--steps", "1",
                  "--out", str(tmp_path / "run"), *FAST]) == 0
+
+
+# ----------------------------------------------------------------------------- point 10: eval, demo, schedule
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any model load or evaluation fails the test: a usage error must come before them."""
+    from kvpop.demo import evaluate as E
+
+    def work(*a, **k):
+        raise AssertionError("work started before the usage error")
+
+    for name in ("load_base_model", "evaluate", "retrofit"):
+        monkeypatch.setattr(E, name, work)
+
+
+@pytest.mark.parametrize("command", ["eval", "demo"])
+def test_eval_and_demo_check_their_arguments_before_any_work(tmp_path, capsys, no_work, command):
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("not a directory")
+    cases = [
+        (["--out", str(a_file)], "exists and is not a directory"),
+        (["--out", str(a_file / "sub")], "cannot create it"),
+        (["--n-sequences", "0"], "--n-sequences must be >= 1, got 0"),
+        (["--n-sequences", "-3"], "--n-sequences must be >= 1, got -3"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--window", "0"], "--window must be >= 1, got 0"),
+        (["--sinks", "-1"], "--sinks must be >= 0, got -1"),
+        (["--train-len", "0"], "--train-len must be >= 1, got 0"),
+        (["--budgets", "0,128"], "--budgets must be positive, got [0]"),
+        (["--lengths", ","], "--lengths lists no number"),
+    ]
+    if command == "demo":
+        cases += [(["--steps", "0"], "--steps must be >= 1"), (["--lr-scorer", "0"], "--lr-scorer must be a finite"),
+                  (["--tau", "nan"], "--tau must be a finite number > 0, got nan"),
+                  (["--train-length", "0"], "--train-length must be >= 1, got 0"),
+                  (["--dms-steps", "-1"], "--dms-steps must be >= 0"),
+                  (["--dms-target-keep", "0"], "--dms-target-keep must be in (0, 1]"),
+                  (["--dms-lr", "0"], "--dms-lr must be a finite number > 0")]
+    for extra, msg in cases:
+        argv = [command, *extra]
+        if "--out" not in extra:
+            argv += ["--out", str(tmp_path / "out")]
+        assert main(argv) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvpop {command}: error: ") and msg in err, (extra, err)
+
+
+def test_schedule_usage_errors(capsys):
+    for argv, msg in [(["--priorities", ","], "--priorities lists no number"),
+                      (["--priorities", " , ,"], "--priorities lists no number"),
+                      (["--window", "0"], "--window >= 1"), (["--sinks", "-2"], "--sinks must be >= 0")]:
+        with pytest.raises(SystemExit, match=msg):
+            main(["schedule", *argv])
+    assert main(["schedule", "--priorities", "1,nan,3,0.5", "--sinks", "1", "--window", "1", "--budget", "3"]) == 0
+    assert "head 0: S.#W" in capsys.readouterr().out  # NaN ranks as -inf: token 1 is the one evicted
+
+
+def test_demo_interrupted_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    from kvpop.demo import evaluate as E
+    from kvpop.training.train import TrainingInterrupted
+
+    def retrofit(*a, **k):  # what train raises once the step in flight is checkpointed
+        raise TrainingInterrupted(signal.SIGTERM, 2, tmp_path / "last.pt")
+
+    monkeypatch.setattr(E, "retrofit", retrofit)
+    assert main(["demo", "--quick", "--no-progress", "--out", str(tmp_path / "d")]) == 128 + signal.SIGTERM
+    assert "--resume to continue" in capsys.readouterr().err

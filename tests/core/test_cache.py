@@ -21,7 +21,7 @@ def _key_priority(key: torch.Tensor) -> torch.Tensor:
 
 HOOKS = PriorityHooks(
     prompt=lambda module, layer, key, value: _key_priority(key),
-    token=lambda module, layer, k1, v1, pos: 3.0 * k1[:, 0].float() - pos * LOG_GAMMA,
+    token=lambda module, layer, k1, v1, pos, i: 3.0 * k1[..., 0].float() - pos[:, None].float() * LOG_GAMMA,
 )
 STATE = SimpleNamespace(cfg=None)
 
@@ -138,7 +138,7 @@ def test_memory_is_flat(model):
                 sizes[i + 1] = cache.nbytes()
     assert sizes[30] == sizes[60] > 0
     for layer in cache.layers:
-        assert layer.keys.shape[1] == 10 and int((layer.slot_pos >= 0).sum(-1).max()) <= 10
+        assert layer.keys.shape[2] == 10 and int((layer.slot_pos >= 0).sum(-1).max()) <= 10
 
 
 def test_generate_with_explicit_cache(model):
@@ -150,11 +150,34 @@ def test_generate_with_explicit_cache(model):
     assert out.shape == (1, 37)
 
 
-def test_batch_above_one_is_refused(model):
-    STATE.cfg = cfg = _cfg(2, 4, 10, "streaming")
-    with pytest.raises(NotImplementedError, match="batch size 1"):
+@pytest.mark.parametrize("policy", ["kvpop", "streaming", "tova", "h2o"])
+def test_batch_rows_equal_rows_alone(model, policy):
+    """Three rows decoded together give each row's logits decoded alone, and the same cache rows."""
+    STATE.cfg = cfg = _cfg(2, 4, 10, policy)
+    ids = torch.randint(0, 64, (3, 30), generator=torch.Generator().manual_seed(4))
+
+    def run(x):
+        cache = KVpopCache(config=cfg, num_layers=2)
         with torch.no_grad():
-            model(torch.randint(0, 64, (2, 8)), past_key_values=KVpopCache(config=cfg, num_layers=2))
+            outs = [model(x[:, :9], past_key_values=cache).logits]
+            outs += [model(x[:, i:i + 1], past_key_values=cache).logits for i in range(9, 30)]
+        return torch.cat(outs, 1), cache
+
+    together, cache = run(ids)
+    for n in range(3):
+        alone, c1 = run(ids[n:n + 1])
+        torch.testing.assert_close(together[n:n + 1], alone, atol=1e-5, rtol=1e-5)
+        for a, b in zip(cache.layers, c1.layers):
+            assert torch.equal(a.slot_pos[n:n + 1], b.slot_pos) and torch.equal(a.pos[n:n + 1], b.pos)
+
+
+def test_batch_size_cannot_change_mid_sequence(model):
+    STATE.cfg = cfg = _cfg(2, 4, 10, "streaming")
+    cache = KVpopCache(config=cfg, num_layers=2)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 8)), past_key_values=cache)
+        with pytest.raises(ValueError, match="holds 2 sequences but the call has batch size 3"):
+            model(torch.randint(0, 64, (3, 1)), past_key_values=cache)
 
 
 def test_bad_config():

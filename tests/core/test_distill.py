@@ -120,3 +120,25 @@ def test_fused_batched_shapes_and_tied_weight():
         fused_distill_loss(h, emb, t, chunk_size=0)
     with pytest.raises(TypeError, match="TeacherTopK"):
         fused_distill_loss(h, emb, (t.logp, t.indices))
+
+
+def test_fused_under_autocast_matmuls_in_bf16_softmax_in_float32():
+    """Under bf16 autocast the head's matmuls run in bf16 (forward and recomputed backward), the loss is
+    float32 and close to the float32 one; gradients keep the inputs' dtypes."""
+    torch.manual_seed(7)
+    N, H, V = 19, 16, 70
+    h = torch.randn(N, H, requires_grad=True)
+    W = (0.3 * torch.randn(V, H)).requires_grad_(True)
+    t = fused_teacher_topk(torch.randn(N, H), W.detach(), 5, chunk_size=4)
+    ref = fused_distill_loss(h, W, t, chunk_size=4)
+    ref_g = torch.autograd.grad(ref, [h, W])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_distill_loss(h, W, t, chunk_size=4)
+        t_ac = fused_teacher_topk(torch.randn(N, H), W.detach(), 5, chunk_size=4)
+    assert got.dtype == torch.float32 and t_ac.logp.dtype == torch.float32
+    got_g = torch.autograd.grad(got, [h, W])
+    assert float((got - ref).detach().abs()) > 0  # bf16 matmuls really ran
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    for g, r in zip(got_g, ref_g):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, atol=2e-2, rtol=5e-2)

@@ -80,3 +80,79 @@ def test_crop_raises_a_clear_error():
     _greedy(m, torch.randint(0, 128, (1, 10)), 3, **{CACHE: cache})
     with pytest.raises(NotImplementedError, match=r"cannot be cropped.*cache.reset\(\)"):
         cache.crop(5)
+
+
+# ----------------------------------------------------------------------------- point 4: a failed load_scorers
+def _state(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}, m.config._attn_implementation
+
+
+def _unchanged(m, before):
+    sd, attn = before
+    now = m.state_dict()
+    return (not kvpop.is_patched(m) and m.config._attn_implementation == attn and now.keys() == sd.keys()
+            and all(torch.equal(now[k], sd[k]) for k in sd)
+            and not any(h for mod in m.modules() for h in (mod._forward_hooks, mod._forward_pre_hooks)))
+
+
+def test_a_failed_load_scorers_leaves_the_model_as_it_was(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "scorers.safetensors"
+    kvpop.save_scorers(kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=BUDGET), path)
+    tensors = load_file(str(path))
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    key = next(iter(tensors))
+    cases = {  # file -> what the error says
+        "nan": ({**tensors, key: tensors[key].clone().fill_(float("nan"))}, meta, "non-finite"),
+        "inf": ({**tensors, key: tensors[key].clone().fill_(float("inf"))}, meta, "non-finite"),
+        "json": (tensors, {**meta, "kvpop_config": "{not json"}, "not a valid KVpopConfig"),
+        "config": (tensors, {**meta, "kvpop_config": json.dumps({"budget": 3})}, "not a valid KVpopConfig"),
+    }
+    for name, (ts, md, msg) in cases.items():
+        bad = tmp_path / f"{name}.safetensors"
+        save_file(ts, str(bad), metadata=md)
+        m = tiny_model()
+        before = _state(m)
+        with pytest.raises(ValueError, match=msg):
+            kvpop.load_scorers(m, bad)
+        assert _unchanged(m, before), name
+    # a file that fits another model (4 KV heads): the patch the load needed is undone
+    m = tiny_model(num_key_value_heads=4)
+    before = _state(m)
+    with pytest.raises(ValueError, match="shape"):
+        kvpop.load_scorers(m, path)
+    assert _unchanged(m, before)
+    # a patched model keeps its scorers when a file does not fit
+    p = kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=BUDGET)
+    sd = _state(p)[0]
+    with pytest.raises(ValueError, match="non-finite"):
+        kvpop.load_scorers(p, tmp_path / "nan.safetensors")
+    assert all(torch.equal(p.state_dict()[k], v) for k, v in sd.items())
+    # a directory, a missing file and a file that is not safetensors
+    with pytest.raises(ValueError, match=r"is a directory.*scorers.safetensors"):
+        kvpop.load_scorers(tiny_model(), tmp_path)
+    with pytest.raises(FileNotFoundError, match="no scorer file"):
+        kvpop.load_scorers(tiny_model(), tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a kvpop scorer file"):
+        kvpop.load_scorers(tiny_model(), tmp_path / "junk.safetensors")
+
+
+# ----------------------------------------------------------------------------- point 7: output_attentions
+def test_output_attentions_is_refused_not_answered_with_nothing():
+    m = kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=BUDGET)
+    ids = torch.randint(0, 128, (1, 20))
+    with pytest.raises(ValueError, match="output_attentions=True.*kvpop.disabled"):
+        m(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        _greedy(m, ids, 2, output_attentions=True, return_dict_in_generate=True)
+    with kvpop.disabled(m):  # the dense weights, as the message says
+        m.config._attn_implementation = "eager"
+        out = m(ids, output_attentions=True)
+    assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 20, 20)

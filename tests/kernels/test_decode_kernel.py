@@ -63,21 +63,6 @@ def assert_same_state(state, ref_state, pos):
         assert torch.equal(a.cpu(), b.cpu()), f"{name} differs from the reference after the step at pos={pos}"
 
 
-@pytest.fixture(params=["triton", "torch"])
-def backend(request, monkeypatch):
-    """Route the public op to the Triton kernels (interpreter here) or to the PyTorch CPU path."""
-    if request.param == "torch":
-        monkeypatch.setattr(kutils, "interpreting", lambda: False)
-
-        def _no_triton(*a, **k):  # the CPU path must not launch a kernel
-            raise AssertionError("the PyTorch path launched the Triton kernel")
-
-        monkeypatch.setattr(decode_mod, "_triton_decode", _no_triton)
-    elif not (HAS_CUDA or kutils.interpreting()):
-        pytest.skip("no Triton backend (needs CUDA or TRITON_INTERPRET=1)")
-    return request.param
-
-
 def run_and_compare(Hkv, G, D, s, w, k, steps, *, dtype=torch.float32, ties=True, nan=True,
                     device="cpu", seed=0, atol=1e-4, rtol=1e-5, rms=1e-5, **kw):
     gen = torch.Generator().manual_seed(seed)
@@ -144,10 +129,11 @@ def test_torch_path_long_run(monkeypatch):
 def _warm_state(Hkv, G, D, s, w, k, steps, dtype, gen, ties=False):
     """A realistic cache after ``steps`` tokens, built with the PyTorch path."""
     state = empty_cache(Hkv, s + w + k, D, k, dtype)
-    with torch.no_grad():
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kutils, "interpreting", lambda: False)  # the PyTorch path
         for pos in range(steps):
             q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, dtype, ties=ties, nan=ties, gen=gen)
-            decode_mod._torch_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w, scale=D ** -0.5)
+            fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w)
     return state
 
 
@@ -310,7 +296,8 @@ def _good_args(Hq=4, Hkv=2, D=16, s=2, w=4, k=3, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("change,exc,match", [
-    (dict(q=torch.randn(4, 16, 1)), ValueError, "q must be 2-D"),
+    (dict(q=torch.randn(4, 16, 1, 1)), ValueError, "q must be 2-D"),
+    (dict(q=torch.randn(1, 4, 16)), ValueError, "k_new must be 3-D"),
     (dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
     (dict(q=torch.randn(3, 16)), ValueError, "multiple of the number of KV heads"),
     (dict(k_new=torch.randn(2, 15)), ValueError, r"k_new must be \[Hkv, D\]"),
@@ -369,12 +356,12 @@ def sig(fn, types, consts):
 
 for dt, arch, G, bd, warps in (("bf16", 90, 4, 128, 4), ("fp16", 80, 8, 64, 4), ("fp32", 90, 1, 128, 8)):
     p1 = dict(Q="*" + dt, KN="*" + dt, VN="*" + dt, KC="*" + dt, VC="*" + dt, SP="*i32", PR="*fp32",
-              LP="*fp32", MID_O="*fp32", MID_L="*fp32", DST="*i32", qk_scale="fp32")
+              LP="*fp32", POS="*i64", MID_O="*fp32", MID_L="*fp32", DST="*i32", qk_scale="fp32")
     c1 = dict(G=G, G_PAD=16, BLOCK_D=bd, BLOCK_N=32, BLOCK_K=1024, UPCAST=dt == "fp32")
     tcompile(ASTSource(fn=dm._decode_stage1, signature=sig(dm._decode_stage1, p1, c1), constexprs=c1),
              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": 2})
     p2 = dict(MID_O="*fp32", MID_L="*fp32", OUT="*" + dt, LSE="*fp32", DST="*i32", LP="*fp32", KN="*" + dt,
-              VN="*" + dt, KC="*" + dt, VC="*" + dt, SP="*i32", PR="*fp32")
+              VN="*" + dt, KC="*" + dt, VC="*" + dt, SP="*i32", PR="*fp32", POS="*i64")
     c2 = dict(G=G, BLOCK_S=32, BLOCK_D=bd)
     tcompile(ASTSource(fn=dm._decode_stage2, signature=sig(dm._decode_stage2, p2, c2), constexprs=c2),
              target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})

@@ -45,3 +45,12 @@ def test_kvpop_train_method_dms(tmp_path, capsys):
     cfg = D.read_dms_config(out / "gates.safetensors")
     assert (cfg.sinks, cfg.window, cfg.target_keep, cfg.schedule_steps) == (2, 8, 0.25, 3)
     assert "keep" in capsys.readouterr().out
+
+
+def test_kvpop_train_method_dms_user_errors(tmp_path):
+    base = ["train", "--method", "dms", "--tiny", "--task", "--seq-len", "64", "--window", "8", "--steps", "1",
+            "--no-progress"]
+    with pytest.raises(SystemExit, match="schedule_steps must be >= 1"):
+        main(base + ["--schedule-steps", "0", "--out", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="target_keep"):
+        main(base + ["--target-keep", "1.5", "--out", str(tmp_path / "b")])

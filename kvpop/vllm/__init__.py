@@ -1,0 +1,89 @@
+"""Serve a KVpop model in vLLM: an out-of-tree plugin (no fork of vLLM).
+
+Every request gets the flat ``B``-slot cache of ``kvpop.KVpopCache`` per layer and KV head, inside
+vLLM's paged KV cache: ``ceil(B / block_size)`` blocks per request, whatever its length, so the
+engine admits many more long generations for the same KV-cache memory.
+
+Install and serve (the pinned versions are in the README's vLLM section)::
+
+    pip install 'kvpop[vllm]'      # registers the entry point below
+    vllm serve /path/to/qwen3 --hf-overrides '{"architectures": ["KVpopQwen3ForCausalLM"],
+        "kvpop_scorers": "/path/to/scorers.safetensors"}' --no-enable-prefix-caching
+
+From Python, :func:`hf_overrides` builds that dictionary::
+
+    from vllm import LLM
+    import kvpop.vllm
+    llm = LLM(model=path, enable_prefix_caching=False,
+              hf_overrides=kvpop.vllm.hf_overrides(scorers="scorers.safetensors"))
+
+Settings read from the model's config (the keys of ``hf_overrides``):
+
+* ``kvpop_scorers``: a scorer file written by ``kvpop.save_scorers`` / ``kvpop train`` (its
+  ``KVpopConfig`` gives sinks, window and budget); required by the ``kvpop`` policy;
+* ``kvpop_policy``: ``"kvpop"`` (the learned MLP scorer, default) or ``"streaming"`` (sinks + a
+  sliding window of ``w + k`` tokens, no scorer needed);
+* ``kvpop_config``: a dict of ``KVpopConfig`` fields overriding the file's (``budget``, ``sinks``,
+  ``window``; e.g. re-budget a trained scorer), or the whole cache shape for ``streaming``.
+
+Layout: :mod:`kvpop.vllm.slots` (the cache operations, no vLLM import), :mod:`kvpop.vllm.settings`
+(the settings above), :mod:`kvpop.vllm.spec` (the KV-cache spec and manager that cap every request at
+``ceil(B / bs)`` blocks), :mod:`kvpop.vllm.model` (the Qwen3 model class and the attention op),
+:mod:`kvpop.vllm.backends` (the CPU backend, tested, and the GPU one, untested).
+This module imports no vLLM: :func:`register` does, when vLLM calls it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ARCHITECTURE", "register", "hf_overrides"]
+
+ARCHITECTURE = "KVpopQwen3ForCausalLM"
+"""The model architecture name that selects the plugin's model class."""
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers the model class and the KV-cache spec.
+
+    vLLM calls it in every process it starts (front end, engine core, workers), possibly several
+    times; registering twice is harmless.
+    """
+    from vllm import ModelRegistry
+    from vllm.config import CompilationConfig
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, "kvpop.vllm.model:KVpopQwen3ForCausalLM")
+    # vLLM fills in its built-in specs only while the registry is empty: let it do so first, or
+    # registering ours would leave FullAttentionSpec and the others unregistered.
+    KVCacheSpecRegistry._ensure_registered()
+    from .spec import FixedBudgetManager, FixedBudgetSpec
+
+    KVCacheSpecRegistry.register(FixedBudgetSpec, FixedBudgetManager, uniform_type_base_spec=FixedBudgetSpec)
+    # our attention op is where torch.compile splits the graph (piecewise CUDA graphs), like vLLM's own
+    from .model import OP_NAME
+
+    if OP_NAME not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(OP_NAME)
+
+
+def hf_overrides(scorers: str | None = None, *, policy: str = "kvpop", **config: Any) -> dict[str, Any]:
+    """The ``hf_overrides`` that serve a Qwen3 checkpoint with the plugin.
+
+    Args:
+        scorers: path of a kvpop scorer file (``kvpop.save_scorers``); required for ``policy="kvpop"``.
+        policy: ``"kvpop"`` or ``"streaming"``.
+        **config: ``KVpopConfig`` fields (``sinks``, ``window``, ``budget``) that override the file's.
+
+    Example: ``hf_overrides("scorers.safetensors", budget=2048)``; ``hf_overrides(policy="streaming",
+    sinks=4, window=256, budget=2048)``.
+    """
+    from .settings import resolve
+
+    out: dict[str, Any] = {"architectures": [ARCHITECTURE], "kvpop_policy": policy}
+    if scorers is not None:
+        out["kvpop_scorers"] = str(scorers)
+    if config:
+        out["kvpop_config"] = dict(config)
+    resolve(out)  # a mistake fails here, in the caller's process, with the same message
+    return out

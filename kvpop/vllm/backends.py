@@ -1,0 +1,197 @@
+"""Attention backends of the plugin: vLLM's own paged kernels, with kvpop writing the cache.
+
+Both subclass a stock vLLM backend and set ``forward_includes_kv_cache_update = True``: vLLM's
+position-based cache write (``slot_mapping``) is never used, the backend writes the fixed-budget
+layout of :mod:`kvpop.vllm.slots` itself.  Per forward, for each request of the batch:
+
+* a **decode** token (one new token after at least one cached): :func:`slots.decode_step` for all
+  decode requests at once (eviction + write), then the backend's unchanged paged decode kernel with
+  ``seq_len = min(n, B)``: it reads exactly the request's ``min(n, B)`` occupied slots;
+* a **prompt or a later chunk** (several tokens): :func:`slots.extend`, i.e. ``eviction_schedule`` +
+  ``sparse_attention`` over the cached slots and the chunk, then the kept tokens are written.
+
+Beside the KV cache each layer keeps two side tables ``[num_blocks, Hkv, bs]`` (int32 positions,
+float32 priorities): 8 bytes per slot and KV head, allocated on the first forward (vLLM does not
+count them in its KV-cache memory: 3% of the cache for a 32-wide float32 head, 1.6% for a 128-wide
+bfloat16 one).
+
+``KVpopCPUBackend`` (CPU_ATTN) is what the tests run.  ``KVpopTritonBackend`` (TRITON_ATTN, CUDA) is
+written alongside and **untested on a GPU**: a pure-decode batch takes one fixed-shape path with no
+host synchronisation and no Python loop over requests (CUDA-graph capturable: padded rows of a graph
+batch write into the null block 0), then vLLM's unified Triton kernel over ``min(n, B)`` slots; a batch
+with a prompt or chunk in it runs eagerly, request by request, through ``extend``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+from . import slots
+
+__all__ = ["KVpopCPUBackend", "KVpopCPUImpl", "KVpopTritonBackend", "KVpopTritonImpl"]
+
+
+class _FixedBudgetImpl:
+    """What both implementations share: side tables, request classification, the prompt/chunk path."""
+
+    _kvpop_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _check_supported(self) -> None:
+        if self.kv_cache_dtype != "auto":
+            raise NotImplementedError(f"kvpop serves unquantised KV caches only, got kv_cache_dtype="
+                                      f"{self.kv_cache_dtype!r}")
+        no_window = getattr(self, "sliding_window", None) in (None, -1, (-1, -1))
+        if not no_window or getattr(self, "alibi_slopes", None) is not None:
+            raise NotImplementedError("kvpop layers have no sliding window or ALiBi of their own")
+
+    def _tables(self, K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nb, hkv, bs, _ = K.shape
+        t = self._kvpop_tables
+        if t is None or t[0].shape != (nb, hkv, bs) or t[0].device != K.device:
+            t = (torch.full((nb, hkv, bs), -1, dtype=torch.int32, device=K.device),
+                 torch.full((nb, hkv, bs), float("-inf"), dtype=torch.float32, device=K.device))
+            self._kvpop_tables = t
+        return t
+
+    def _extend_rows(self, layer, rows, qsl, ctx, bt, query, key, value, prio, K, V, output) -> None:
+        """The prompt/chunk path, one request at a time (host-side bookkeeping; runs eagerly)."""
+        sp, pr = self._tables(K)
+        for r in rows:
+            a, b = qsl[r], qsl[r + 1]
+            output[a:b] = slots.extend(K, V, sp, pr, bt[r], ctx[r], query[a:b], key[a:b], value[a:b], prio[a:b],
+                                       sinks=layer.kvpop_sinks, window=layer.kvpop_window,
+                                       budget=layer.kvpop_budget, scale=self.scale).to(output.dtype)
+
+
+# ------------------------------------------------------------------------------------- CPU
+@functools.cache
+def _cpu_block_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple[bool, bool]:
+    """Whether CPU_ATTN stores keys / values transposed (``[D, bs]``) inside a block for this ISA.
+
+    Found by writing one block with vLLM's own cache-write op and comparing with both layouts, so a
+    layout this code does not know fails loudly instead of being misread.
+    """
+    from vllm import _custom_ops as ops
+
+    bs, D = block_size, head_size
+    kv = torch.zeros(1, 1, bs, 2 * D, dtype=dtype)
+    kc, vc = kv.view(1, 1, 2 * bs, D).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(bs, 1, D, generator=g).to(dtype)
+    v = torch.randn(bs, 1, D, generator=g).to(dtype)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(bs, dtype=torch.int64), isa)
+    out = []
+    for name, x, stored in (("keys", k, kc), ("values", v, vc)):
+        flat = stored.reshape(-1)
+        if torch.equal(flat, x[:, 0].reshape(-1)):
+            out.append(False)
+        elif torch.equal(flat, x[:, 0].t().reshape(-1)):
+            out.append(True)
+        else:
+            raise NotImplementedError(f"kvpop: CPU_ATTN's {name} layout for ISA {isa!r} ({dtype}, block {bs}, head "
+                                      f"{D}) is neither [bs, D] nor [D, bs] per block; not supported")
+    return out[0], out[1]
+
+
+def _logical(region: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``[nb, Hkv, bs, D]`` view of a CPU_ATTN key or value region (``[nb, Hkv, bs, D]``-shaped chunk)."""
+    nb, hkv, bs, D = region.shape
+    s0, s1 = region.stride(0), region.stride(1)
+    return region.as_strided((nb, hkv, bs, D), (s0, s1, 1, bs) if transposed else (s0, s1, D, 1),
+                             region.storage_offset())
+
+
+class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
+    def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output) -> None:
+        if meta is None:  # warm-up / profiling run
+            return
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        self._check_supported()
+        nb, hkv, bs, _ = kv_cache.shape
+        region_k, region_v = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
+        tk, tv = _cpu_block_layout(layer.isa, kv_cache.dtype, bs, self.head_size)
+        K, V = _logical(region_k, tk), _logical(region_v, tv)
+        sp, pr = self._tables(K)
+        B = layer.kvpop_budget
+        qsl_t = meta.query_start_loc.long()
+        R = qsl_t.shape[0] - 1
+        qlen = qsl_t[1:] - qsl_t[:-1]
+        ctx = meta.seq_lens[:R].long() - qlen
+        bt = meta.block_table[:R]
+        dec = ((qlen == 1) & (ctx > 0)).nonzero().flatten()
+        if dec.numel():
+            tok = qsl_t[dec]
+            slots.decode_step(K, V, sp, pr, bt[dec], ctx[dec], key[tok], value[tok], prio[tok],
+                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B)
+            nd = dec.numel()
+            q = query[tok].contiguous()
+            out = torch.empty_like(q)
+            d_qsl = torch.arange(nd + 1, dtype=torch.int32)
+            d_seq = (ctx[dec] + 1).clamp(max=B).to(torch.int32)
+            d_bt = bt[dec].contiguous()
+            sched = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=nd, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
+                seq_lens=d_seq, dtype=query.dtype, query_start_loc=d_qsl, causal=True, sliding_window_size=-1,
+                isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=region_k, value_cache=region_v, output=out, query_start_loc=d_qsl,
+                seq_lens=d_seq, scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=d_bt, softcap=0, scheduler_metadata=sched, s_aux=None, k_scale=layer._k_scale_float,
+                v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+            output[tok] = out
+        ext = ((qlen > 1) | ((qlen == 1) & (ctx == 0))).nonzero().flatten().tolist()
+        if ext:
+            self._extend_rows(layer, ext, qsl_t.tolist(), ctx.tolist(), bt, query, key, value, prio, K, V, output)
+
+
+class KVpopCPUBackend(CPUAttentionBackend):
+    forward_includes_kv_cache_update = True  # the write needs the eviction state: done inside forward
+
+    @staticmethod
+    def get_impl_cls():
+        return KVpopCPUImpl
+
+
+# ------------------------------------------------------------------------------------- GPU
+class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
+    """UNTESTED ON A GPU (no GPU was available when it was written); see the module docstring."""
+
+    def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output) -> None:
+        if meta is None:  # profiling run
+            output.zero_()
+            return
+        self._check_supported()
+        D = self.head_size
+        K, V = kv_cache[..., :D], kv_cache[..., D:]  # [nb, Hkv, bs, D] views of [nb, Hkv, bs, 2D]
+        sp, pr = self._tables(K)
+        B = layer.kvpop_budget
+        qsl = meta.query_start_loc
+        R = qsl.shape[0] - 1
+        if meta.max_query_len == 1:  # pure decode: fixed shapes, no host sync (graph capturable)
+            pos = meta.seq_lens[:R].long() - 1
+            valid = pos >= 0  # padded rows of a graph batch have seq_len 0 (and stale block-table rows)
+            slots.decode_step(K, V, sp, pr, meta.block_table[:R], pos, key[:R], value[:R], prio[:R],
+                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B, valid=valid)
+            clamped = dataclasses.replace(meta, seq_lens=meta.seq_lens.clamp(max=B))
+            self.forward(layer, query, key, value, kv_cache, clamped, output)
+            return
+        # a prompt or a chunk in the batch: eager, request by request (decode rows too)
+        q_host = qsl.tolist()
+        seq = meta.seq_lens[:R].tolist()
+        ctx = [seq[r] - (q_host[r + 1] - q_host[r]) for r in range(R)]
+        rows = [r for r in range(R) if q_host[r + 1] > q_host[r]]
+        self._extend_rows(layer, rows, q_host, ctx, meta.block_table, query, key, value, prio, K, V, output)
+
+
+class KVpopTritonBackend(TritonAttentionBackend):
+    forward_includes_kv_cache_update = True
+
+    @staticmethod
+    def get_impl_cls():
+        return KVpopTritonImpl

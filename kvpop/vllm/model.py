@@ -1,0 +1,206 @@
+"""``KVpopQwen3ForCausalLM``: vLLM's Qwen3 with kvpop scorers and the fixed-budget KV cache.
+
+Selected by the architecture name ``KVpopQwen3ForCausalLM`` (``hf_overrides``, see
+:func:`kvpop.vllm.hf_overrides`); the weights are the checkpoint's own Qwen3 weights, the scorers
+come from the ``kvpop_scorers`` file (``kvpop.save_scorers``'s format: ``layers.{i}.{name}``).
+
+Per attention layer the priorities of the step's tokens are computed in the model's forward, from the
+pre-RoPE key (the ``k_norm`` output) and the value, exactly as ``kvpop.patch`` does in transformers:
+``p = r_hat - position * log(gamma_h)`` (zeros for the ``streaming`` policy).  They enter the attention
+as an input of one registered custom op (``vllm::kvpop_attention``): handing them over through a
+module attribute would be invisible to ``torch.compile``, which would then reorder or drop it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.config import get_current_vllm_config
+from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
+from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, extract_layer_index, maybe_prefix
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op
+
+from kvpop import KVpopLayer
+
+from .settings import Settings, resolve
+from .spec import FixedBudgetSpec
+
+__all__ = ["KVpopQwen3ForCausalLM", "KVpopAttention", "OP_NAME", "load_scorer_file"]
+
+OP_NAME = "vllm::kvpop_attention"
+
+
+# ------------------------------------------------------------------------------------ the op
+@eager_break_during_capture
+def kvpop_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prio: torch.Tensor,
+                    output: torch.Tensor, layer_name: LayerNameType) -> None:
+    """``query [T, Hq, D]``, ``key/value [T, Hkv, D]`` (rotated keys), ``prio [T, Hkv]`` float32 -> ``output``."""
+    attn_metadata, layer, kv_cache, _ = get_attention_context(_resolve_layer_name(layer_name))
+    layer.impl.kvpop_forward(layer, query, key, value, prio, kv_cache, attn_metadata, output)
+
+
+def _kvpop_attention_fake(query, key, value, prio, output, layer_name) -> None:
+    return None
+
+
+direct_register_custom_op(op_name="kvpop_attention", op_func=kvpop_attention, mutates_args=["output"],
+                          fake_impl=_kvpop_attention_fake)
+
+
+def _backend() -> type:
+    from .backends import KVpopCPUBackend, KVpopTritonBackend
+
+    if current_platform.is_cpu():
+        return KVpopCPUBackend
+    if current_platform.is_cuda_alike():
+        return KVpopTritonBackend
+    raise NotImplementedError(f"the kvpop vLLM plugin runs on CPU and CUDA platforms, not {current_platform}")
+
+
+class KVpopAttention(Attention):
+    """vLLM's ``Attention`` with the kvpop backend, a fixed-budget KV-cache spec and a priority input."""
+
+    def __init__(self, *args, settings: Settings, **kwargs) -> None:
+        super().__init__(*args, attn_backend=_backend(), **kwargs)
+        c = settings.config
+        self.kvpop_sinks, self.kvpop_window, self.kvpop_budget = c.sinks, c.window, c.budget
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # type: ignore[override]
+                prio: torch.Tensor) -> torch.Tensor:
+        output = torch.empty(query.shape[0], self.num_heads * self.head_size_v, dtype=query.dtype,
+                             device=query.device)
+        torch.ops.vllm.kvpop_attention(
+            query.view(-1, self.num_heads, self.head_size), key.view(-1, self.num_kv_heads, self.head_size),
+            value.view(-1, self.num_kv_heads, self.head_size_v), prio,
+            output.view(-1, self.num_heads, self.head_size_v), _encode_layer_name(self.layer_name))
+        return output
+
+    def get_kv_cache_spec(self, vllm_config):
+        base = super().get_kv_cache_spec(vllm_config)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+        return FixedBudgetSpec(**fields, budget=self.kvpop_budget)
+
+
+class KVpopQwen3Attention(Qwen3Attention):
+    """Qwen3 attention that prices each token with the layer's scorer before attending."""
+
+    kvpop: KVpopLayer
+    kvpop_settings: Settings
+
+    @classmethod
+    def convert(cls, sa: Qwen3Attention, settings: Settings, layer_idx: int, cache_config, quant_config) -> None:
+        """Turn a stock ``Qwen3Attention`` into this class in place (its weights are untouched)."""
+        stock = sa.attn
+        name = stock.layer_name
+        # the stock layer registered itself under this name; ours takes the name over
+        del get_current_vllm_config().compilation_config.static_forward_context[name]
+        sa.__class__ = cls
+        sa.attn = KVpopAttention(stock.num_heads, stock.head_size, stock.impl.scale, num_kv_heads=stock.num_kv_heads,
+                                 cache_config=cache_config, quant_config=quant_config, prefix=name,
+                                 attn_type=stock.attn_type, settings=settings)
+        sa.kvpop_settings = settings
+        # scorers stay float32 whatever the model's dtype (as kvpop.patch creates them)
+        sa.kvpop = KVpopLayer(settings.config, sa.num_kv_heads, sa.head_dim, layer_idx).float()
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T = q.shape[0]
+        q = self.q_norm(q.view(T, -1, self.head_dim)).view(q.shape)
+        k_pre = self.k_norm(k.view(T, -1, self.head_dim))  # [T, Hkv, D]: what the scorer reads
+        k = k_pre.view(k.shape)
+        if self.kvpop_settings.uses_scorer:
+            v_heads = v.view(T, self.num_kv_heads, self.head_dim)
+            r = self.kvpop.scorer(k_pre.transpose(0, 1)[None], v_heads.transpose(0, 1)[None])[0]  # [Hkv, T]
+            prio = (r.float() - positions.float()[None] * self.kvpop.log_gamma()[:, None]).transpose(0, 1)
+        else:  # streaming: one constant priority, ties keep the newest
+            prio = torch.zeros(T, self.num_kv_heads, dtype=torch.float32, device=q.device)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, prio.contiguous())
+        output, _ = self.o_proj(out)
+        return output
+
+
+class KVpopQwen3DecoderLayer(Qwen3DecoderLayer):
+    def __init__(self, config, cache_config=None, quant_config=None, prefix: str = "", **kwargs) -> None:
+        super().__init__(config, cache_config, quant_config, prefix, **kwargs)
+        KVpopQwen3Attention.convert(self.self_attn, resolve(config), extract_layer_index(prefix), cache_config,
+                                    quant_config)
+
+
+class KVpopQwen3Model(Qwen3Model):
+    decoder_layer_type = KVpopQwen3DecoderLayer
+
+
+class KVpopQwen3ForCausalLM(Qwen3ForCausalLM):
+    """Qwen3 for causal LM served with kvpop's fixed-budget cache (see the module docstring)."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        config = vllm_config.model_config.hf_config
+        self.kvpop_settings = resolve(config)  # fails early, with the reason, on a bad setting
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("kvpop's fixed-budget cache cannot share prefix blocks (their content depends on what "
+                             "was evicted): start vLLM with enable_prefix_caching=False / --no-enable-prefix-caching")
+        if vllm_config.speculative_config is not None:
+            raise ValueError("kvpop's fixed-budget cache does not support speculative decoding: eviction is "
+                             "destructive, so rejected draft tokens could not be rolled back")
+        self.config = config
+        self.vllm_config = vllm_config
+        self.quant_config = vllm_config.quant_config
+        self.model = KVpopQwen3Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = AutoWeightsLoader(self).load_weights(weights)
+        layers = {name: m for name, m in self.named_modules() if isinstance(m, KVpopLayer)}
+        if self.kvpop_settings.scorers is not None:
+            loaded |= load_scorer_file(self.kvpop_settings.scorers, layers)
+        else:  # streaming: the scorers are never run, their parameters need no values
+            loaded |= {f"{name}.{p}" for name, m in layers.items() for p, _ in m.named_parameters()}
+        return loaded
+
+
+def load_scorer_file(path: str, layers: dict[str, KVpopLayer]) -> set[str]:
+    """Copy a kvpop scorer file into the model's ``KVpopLayer`` modules (by name); the names it filled.
+
+    ``layers`` maps a module name (``model.layers.{i}.self_attn.kvpop``) to its layer.  A file of another
+    number of layers, KV heads or head size raises ``ValueError`` naming the tensor.
+    """
+    from safetensors.torch import load_file
+
+    saved = load_file(path)
+    by_idx = {m.layer_idx: (name, m) for name, m in layers.items()}
+    want = {f"layers.{i}.{p}": (f"{name}.{p}", t) for i, (name, m) in by_idx.items() for p, t in m.state_dict().items()}
+    missing, unexpected = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"scorer file {path} does not fit the model: missing {missing[:6]}, unexpected "
+                         f"{unexpected[:6]} (a file for another number of layers?)")
+    filled = set()
+    params = dict((n, p) for name, m in layers.items() for n, p in
+                  ((f"{name}.{k}", v) for k, v in m.state_dict(keep_vars=True).items()))
+    with torch.no_grad():
+        for key, (pname, t) in want.items():
+            if saved[key].shape != t.shape:
+                raise ValueError(f"scorer file {path}: {key} has shape {tuple(saved[key].shape)}, the model needs "
+                                 f"{tuple(t.shape)} (another number of KV heads or head size?)")
+            params[pname].copy_(saved[key].to(dtype=params[pname].dtype, device=params[pname].device))
+            filled.add(pname)
+    return filled

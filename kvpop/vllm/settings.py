@@ -1,0 +1,67 @@
+"""The plugin's settings, read from the model config that ``hf_overrides`` extended (no vLLM import)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpop import KVpopConfig, read_scorer_config
+
+__all__ = ["Settings", "resolve", "POLICIES"]
+
+POLICIES = ("kvpop", "streaming")
+_KEYS = ("kvpop_scorers", "kvpop_policy", "kvpop_config")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the model class needs: the cache shape, the policy and where the scorers are."""
+
+    config: KVpopConfig
+    policy: str
+    scorers: str | None
+
+    @property
+    def uses_scorer(self) -> bool:
+        return self.policy == "kvpop"
+
+
+def _get(cfg: Any, key: str) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key)
+    return getattr(cfg, key, None)
+
+
+def resolve(cfg: Any) -> Settings:
+    """``Settings`` from a mapping or a config object carrying the ``kvpop_*`` keys.
+
+    Raises ``ValueError`` naming the key for: an unknown policy, a ``kvpop`` policy without a scorer
+    file, a missing or foreign file, unknown ``kvpop_config`` fields, an mLSTM scorer (not served yet).
+    """
+    policy = _get(cfg, "kvpop_policy") or "kvpop"
+    if policy not in POLICIES:
+        raise ValueError(f"kvpop_policy must be one of {list(POLICIES)} in vLLM, got {policy!r} (the attention-"
+                         f"scored baselines tova/h2o need attention weights that a paged kernel does not return)")
+    scorers = _get(cfg, "kvpop_scorers")
+    overrides = _get(cfg, "kvpop_config") or {}
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"kvpop_config must be a dict of KVpopConfig fields, got {type(overrides).__name__}")
+    base = KVpopConfig()
+    if scorers is not None:
+        if not os.path.isfile(str(scorers)):
+            raise ValueError(f"kvpop_scorers={scorers!r} is not a file (a scorer file written by kvpop.save_scorers)")
+        base = read_scorer_config(str(scorers))
+    elif policy == "kvpop":
+        raise ValueError("kvpop_policy='kvpop' needs kvpop_scorers= (a scorer file written by kvpop.save_scorers or "
+                         "kvpop train); use kvpop_policy='streaming' to serve without a scorer")
+    config = base.replace(**dict(overrides)) if overrides else base
+    if scorers is not None and config.structural_mismatch(base):
+        raise ValueError(f"kvpop_config changes the scorer's structure ({config.structural_mismatch(base)}); only "
+                         f"the cache shape (budget, sinks, window of an MLP scorer) may differ from the file")
+    if policy == "kvpop" and config.scorer != "mlp":
+        raise ValueError(
+            f"the vLLM plugin serves the MLP scorer only; {scorers} holds an {config.scorer!r} scorer. The mLSTM "
+            f"scorer keeps a recurrent state per request (see the README's vLLM section); serve it with "
+            f"kvpop.KVpopCache in transformers, or use kvpop_policy='streaming'")
+    return Settings(config=config, policy=policy, scorers=None if scorers is None else str(scorers))

@@ -1,0 +1,66 @@
+"""The KV-cache spec and manager that give every request ``ceil(B / block_size)`` blocks, for ever.
+
+``FixedBudgetSpec`` is vLLM's full-attention spec with a budget ``B`` (slots per KV head and layer);
+``FixedBudgetManager`` allocates blocks for ``min(num_tokens, ceil(B / bs) * bs)`` tokens, so a
+request's allocation stops growing once it holds its budget.  The scheduler's admission control and
+the "maximum concurrency" vLLM reports both follow from ``max_memory_usage_bytes``.
+
+Prefix caching is switched off for these layers: a block's content depends on every token that
+was evicted before it was written, so two requests with one prefix do not share blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+__all__ = ["FixedBudgetSpec", "FixedBudgetManager"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FixedBudgetSpec(FullAttentionSpec):
+    budget: int = 0
+    """``B = s + w + k``: slots per KV head and layer."""
+
+    @property
+    def budget_blocks(self) -> int:
+        return cdiv(self.budget, self.block_size)
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        return min(self.budget_blocks, cdiv(vllm_config.model_config.max_model_len, self.block_size)) \
+            * self.page_size_bytes
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return False
+
+    @classmethod
+    def merge(cls, specs):
+        # the parent rebuilds cls(...) from FullAttentionSpec's fields only: carry the budget over
+        budgets = {s.budget for s in specs}
+        if len(budgets) != 1:
+            raise ValueError(f"all kvpop layers of one KV-cache group need one budget, got {sorted(budgets)}")
+        return dataclasses.replace(super().merge(specs), budget=specs[0].budget)
+
+
+class FixedBudgetManager(FullAttentionManager):
+    """Full-attention manager whose per-request allocation stops at ``ceil(B / bs)`` blocks."""
+
+    def _cap(self, num_tokens: int) -> int:
+        return min(num_tokens, self.kv_cache_spec.budget_blocks * self.block_size)
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
+        return super().get_num_blocks_to_allocate(request_id, self._cap(num_tokens), *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+        return super().allocate_new_blocks(request_id, self._cap(num_tokens), self._cap(num_tokens_main_model))
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+    def cache_blocks(self, *args, **kwargs) -> None:
+        return None
