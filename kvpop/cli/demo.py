@@ -22,7 +22,7 @@ For each task:
    method's recipe: scorers and model together, the model with a KL loss to the frozen original) and
    ``fixed-finetune`` (the model fine-tuned under the fixed StreamingLLM mask at 12.5 % of its
    training length), and the learned baseline ``dms`` (gates and model together, ``kvpop.demo.dms``,
-   ``--dms-steps``; its settings are not searched);
+   ``--dms-steps``; its own defaults, not searched here);
 2. evaluates dense, streaming, tova, h2o, the five retrofits and dms at budgets of 6.25 %, 12.5 % and
    25 % of L_train (re-budgeting with ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
    on test sequences, every sequence through a ``kvpop.KVpopCache``;
