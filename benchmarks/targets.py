@@ -101,9 +101,17 @@ TARGETS: tuple[Target, ...] = (
            key="kvpop_over_dense_b32_ctx32k", op=">=", goal=3, device="cuda",
            file="benchmarks/test_batched_decode.py", test="test_batched_decode"),
     Target("batched-decode-cpu-scaling", 12, "CPU, tiny model, 4K context: kvpop tokens/s at batch 32 / batch 1",
-           key="kvpop_b32_over_b1", op=">=", goal=10, device="cpu"),
+           key="kvpop_b32_over_b1", op=">=", goal=10, device="cpu",
+           file="benchmarks/test_batched_decode.py", test="test_batched_decode"),
     Target("batched-decode-cpu-vs-dense", 12, "CPU, tiny model, 4K context: kvpop tokens/s / dense's at batch 32",
-           key="kvpop_over_dense_b32", op=">=", goal=1, device="cpu"),
+           key="kvpop_over_dense_b32", op=">=", goal=1, device="cpu",
+           file="benchmarks/test_batched_decode.py", test="test_batched_decode"),
+    Target("batched-fit-131k-kvpop", 12, "Qwen3-8B, 131K tokens: sequences whose kvpop cache (B=2048) fits beside "
+           "the weights on this GPU", key="kvpop_max_batch_ctx131k", op=None, goal=None, device="cuda",
+           file="benchmarks/test_batched_decode.py", test="test_batch_that_fits_131k", unit=" seqs"),
+    Target("batched-fit-131k-dense", 12, "Qwen3-8B, 131K tokens: sequences whose dense cache fits beside the "
+           "weights on this GPU", key="dense_max_batch_ctx131k", op=None, goal=None, device="cuda",
+           file="benchmarks/test_batched_decode.py", test="test_batch_that_fits_131k", unit=" seqs"),
     # issue 13 (training at scale).  The loss-memory figure comes from a CPU run of ~20 GB outside CI (under
     # --benchmark-disable its benchmark runs a small case without the figure): matched by key
     Target("train-loss-memory", 13, "training step, V=151936, S=8192: memory the fused chunked loss adds over "

@@ -101,6 +101,7 @@ def test_pretrain_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, signum):
     cfg = TrainConfig(steps=5, grad_accum=2, lr_model=1e-3, lr_scorer=1e-2, warmup_steps=2, progress=False)
+    before = signal.getsignal(signal.SIGINT)  # the default handler, or SIG_IGN in a background job
     m_full, t_full = _fresh()
     train(m_full, _data(), cfg, teacher=t_full, checkpoint_dir=str(tmp_path / "full"))
 
@@ -112,7 +113,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, sign
     assert e.value.step == 3 and e.value.signum == signum and isinstance(e.value, KeyboardInterrupt)
     assert load_checkpoint(part / "last.pt")["step"] == 3
     assert [h["step"] for h in _lines(part / "history.jsonl")] == [1, 2, 3]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 
     # a line of a step the checkpoint did not finish (a crash between checkpoints) is dropped on resume
     with open(part / "history.jsonl", "a") as f:
@@ -134,13 +135,14 @@ def test_a_second_signal_aborts_at_once(tmp_path):
                     os.kill(os.getpid(), self.signum)
                 yield b
 
+    before = signal.getsignal(signal.SIGINT)
     m, t = _fresh()
     with pytest.raises(KeyboardInterrupt) as e:
         train(m, Twice(_data(), 2, signal.SIGINT), TrainConfig(steps=5, progress=False),
               teacher=t, checkpoint_dir=str(tmp_path))
     assert not isinstance(e.value, TrainingInterrupted) and "second SIGINT" in str(e.value)
     assert not (tmp_path / "last.pt").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 PRETRAIN_TINY = ["--curriculum", "64:2", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
