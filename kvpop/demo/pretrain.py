@@ -1,9 +1,9 @@
 """Dense pre-training of the tiny Qwen3 model on the key-value trace task (:mod:`kvpop.demo.task`).
 
-Usage (the lead wires this as ``kvpop pretrain``)::
+Usage (``kvpop pretrain``, or ``python -m kvpop.demo.pretrain``)::
 
-    python -m kvpop.pretrain --out runs/tiny --steps 6000 --threads 1
-    python -m kvpop.pretrain --out runs/tiny --resume          # continue exactly where it stopped
+    python -m kvpop.demo.pretrain --out runs/tiny --steps 6000 --threads 1
+    python -m kvpop.demo.pretrain --out runs/tiny --resume          # continue exactly where it stopped
 
 The model is a ``transformers`` ``Qwen3ForCausalLM`` (GQA, head_dim 32). Training follows a
 curriculum over sequence lengths (``--curriculum 128:64,256:32,512:16,1024:8,2048:4`` = length:batch);
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = ([int(x) for x in args.export_lengths.split(",")] if args.export_lengths
                    else [L_train // 2, L_train, 2 * L_train])
         rec = export_model(out / args.export_from, args.export, lengths=lengths, n=args.eval_n,
-                           command="python -m kvpop.pretrain " + " ".join(argv if argv is not None
+                           command="kvpop pretrain " + " ".join(argv if argv is not None
                                                                          else sys.argv[1:]),
                            task=task)
         print(json.dumps(rec["test_accuracy"]))
