@@ -36,21 +36,26 @@ __all__ = ["ATTN_NAME", "TARGET_ATTN_NAME", "register", "kvpop_mask", "kvpop_att
 
 ATTN_NAME = "kvpop"
 TARGET_ATTN_NAME = "kvpop_target"
-_REGISTERED = False
+_REGISTERED: set[str] = set()
 
 
-def register() -> None:
-    global _REGISTERED
-    if _REGISTERED:
+def register_attention(name: str, fn: Any) -> None:
+    """Register ``fn`` once per process as transformers' attention implementation ``name``, with the
+    mask function :func:`kvpop_mask` (no 4D mask is built; the kernels apply the eviction mask)."""
+    if name in _REGISTERED:
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTN_NAME, kvpop_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, kvpop_mask)
-    AttentionInterface.register(TARGET_ATTN_NAME, target_attention_forward)
-    AttentionMaskInterface.register(TARGET_ATTN_NAME, kvpop_mask)
-    _REGISTERED = True
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, kvpop_mask)
+    _REGISTERED.add(name)
+
+
+def register() -> None:
+    """The ``"kvpop"`` attention function and the teacher-target one (``"kvpop_target"``)."""
+    register_attention(ATTN_NAME, kvpop_attention_forward)
+    register_attention(TARGET_ATTN_NAME, target_attention_forward)
 
 
 def kvpop_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:

@@ -54,6 +54,9 @@ import kvpop_kernels
 from kvpop.models import adapter_for, cache_kwarg_name
 from kvpop_kernels import NEVER
 
+from .attention import register_attention
+from .patching import is_patched, state_owner
+
 __all__ = ["DMSConfig", "DMSLayer", "DMSCache", "DMSCacheLayer", "gumbel_sigmoid", "logistic_noise",
            "dms_attention", "gate_evict_at", "dms_target", "patch_dms", "unpatch_dms", "is_dms_patched",
            "get_dms_config", "dms_layers", "dms_loss", "set_dms_step", "make_dms_teacher", "save_dms",
@@ -262,21 +265,8 @@ def dms_layers(model: nn.Module) -> list[DMSLayer]:
 
 
 # ----------------------------------------------------------------------------------- attention function
-_REGISTERED = False
-
-
 def _register() -> None:
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from .attention import kvpop_mask
-
-    AttentionInterface.register(DMS_ATTN_NAME, dms_attention_forward)
-    AttentionMaskInterface.register(DMS_ATTN_NAME, kvpop_mask)
-    _REGISTERED = True
+    register_attention(DMS_ATTN_NAME, dms_attention_forward)
 
 
 def dms_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -329,13 +319,7 @@ def is_dms_patched(model: nn.Module) -> bool:
 
 
 def _owner(model: nn.Module) -> nn.Module | None:
-    if getattr(model, _STATE_ATTR, None) is not None:
-        return model
-    if isinstance(model, nn.Module):
-        for m in model.modules():
-            if getattr(m, _STATE_ATTR, None) is not None:
-                return m
-    return None
+    return state_owner(model, _STATE_ATTR)
 
 
 def get_dms_config(model: nn.Module) -> DMSConfig:
@@ -351,8 +335,6 @@ def patch_dms(model: nn.Module, config: DMSConfig | None = None, **overrides: An
     A DMS-patched model takes a new config (e.g. ``patch_dms(model, threshold=1.5)``) without losing its
     gates.  A KVpop-patched model raises ``ValueError`` (``kvpop.unpatch`` it first).
     """
-    from .patching import is_patched
-
     adapter = adapter_for(model)
     adapter.check_config(model.config.get_text_config())
     if is_patched(model):

@@ -63,16 +63,20 @@ def _check_model(model: Any) -> Any:
     return adapter
 
 
-def _patched_owner(model: nn.Module) -> nn.Module | None:
-    """The module carrying the patch state: ``model`` itself or, for a wrapper (DDP, FSDP, a
-    ``torch.compile`` module), the first submodule that does."""
-    if getattr(model, _STATE_ATTR, None) is not None:
+def state_owner(model: nn.Module, attr: str) -> nn.Module | None:
+    """The module carrying the patch state ``attr``: ``model`` itself or, for a wrapper (DDP, FSDP, a
+    ``torch.compile`` module), the first submodule that does (shared by kvpop's and DMS's patches)."""
+    if getattr(model, attr, None) is not None:
         return model
     if isinstance(model, nn.Module):
         for m in model.modules():
-            if getattr(m, _STATE_ATTR, None) is not None:
+            if getattr(m, attr, None) is not None:
                 return m
     return None
+
+
+def _patched_owner(model: nn.Module) -> nn.Module | None:
+    return state_owner(model, _STATE_ATTR)
 
 
 def is_patched(model: nn.Module) -> bool:
