@@ -2,21 +2,23 @@
 
 ::
 
-    kvpop demo --out demo-out                                   # the kvtrace task
-    kvpop demo --task lookahead --model RUN/model --out demo-out  # a model pre-trained on the lookahead task
+    kvpop demo --out demo-out                    # the kvtrace task
+    kvpop demo --task lookahead --out demo-out   # the lookahead task
+    kvpop demo --task all --out demo-out         # both
 
 Two synthetic tasks (``--task``):
 
 * ``kvtrace`` (``kvpop.demo.task``, the shipped dense model ``kvpop/data/tiny_qwen3``, L_train 2048): a
   fact is one dedicated token, recognisable from its own key/value vector;
-* ``lookahead`` (``kvpop.demo.lookahead_task``, L_train 640): whether a fact will be read is told only
-  by a KEEP/DROP marker after it (inside the window), so a scorer that reads the token alone
-  (``kvpop-mlp``) cannot know; one that waits for the window (``kvpop-mlstm``) can.  Its dense model
-  is not shipped yet (``kvpop pretrain --task lookahead``; pass it with ``--model``).
+* ``lookahead`` (``kvpop.demo.lookahead_task``, the shipped dense model ``kvpop/data/tiny_qwen3_lookahead``,
+  L_train 512): whether a fact will be read is told only by a KEEP/DROP marker after it (inside the
+  window), so a scorer that reads the token alone (``kvpop-mlp``) cannot know; one that waits for the
+  window (``kvpop-mlstm``) can.
 
 For each task:
 
-1. retrofits, each a short ``kvpop.train`` run on training sequences of L_train / 2 tokens, saved into
+1. retrofits, each a short ``kvpop.train`` run on training sequences (L_train / 2 tokens for kvtrace, L_train
+   for lookahead: the task module's ``DEMO_TRAIN_LENGTH``), saved into
    ``OUT/<task>/<policy>`` as soon as it finishes: ``kvpop-mlp`` and ``kvpop-mlstm`` (scorers only,
    ``mask_source="scorer"``, the model frozen), ``kvpop-mlp-joint`` and ``kvpop-mlstm-joint`` (the
    method's recipe: scorers and model together, the model with a KL loss to the frozen original) and
@@ -24,7 +26,7 @@ For each task:
    training length), and the learned baseline ``dms`` (gates and model together, ``kvpop.demo.dms``,
    ``--dms-steps``; its own defaults, not searched here);
 2. evaluates dense, streaming, tova, h2o, the five retrofits and dms at budgets of 6.25 %, 12.5 % and
-   25 % of L_train (re-budgeting with ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
+   25 % of L_train (lookahead: 9.4 %, 12.5 %, 25 %, the task's ``BUDGET_FRACTIONS``) (re-budgeting with ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
    on test sequences, every sequence through a ``kvpop.KVpopCache``;
 3. prints the table and writes ``results.json``, ``table.md`` and ``accuracy_vs_budget.png``.
 
@@ -64,7 +66,7 @@ GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model
 best of those at every number of steps.  Joint: the scorer-only choice of the same scorer with every
 ``joint_lr_model``.  fixed-finetune: every (finetune_lr_model, finetune_steps).  A grid of one value
 fixes that setting (the CPU budget of a 2-core machine shared by many jobs: each candidate is a retrofit
-plus a validation run)."""
+plus a validation run).  A task module's ``DEMO_GRID`` replaces some of these entries for its task."""
 
 CHOSEN = {
     "kvtrace": {
@@ -179,11 +181,12 @@ def _settings(args: argparse.Namespace, task: str) -> dict:
         "task": task,
         "train_len": train_len,
         "lengths": _ints(args.lengths) or [train_len, 2 * train_len],
-        "budgets": _ints(args.budgets),
+        "budgets": _ints(args.budgets) or (None if q else _task_budgets(mod, train_len)),
         "n_sequences": args.n_sequences if args.n_sequences is not None else (1 if q else 6),
         "sinks": sinks,
         "window": window,
-        "train_length": args.train_length if args.train_length is not None else (train_len if q else train_len // 2),
+        "train_length": (args.train_length if args.train_length is not None
+                         else train_len if q else getattr(mod, "DEMO_TRAIN_LENGTH", train_len // 2)),
         "tau": 1.0 if args.tau is None else args.tau,
         "retrofits": retro,
         "dms_steps": (QUICK["steps"] if q else 100) if args.dms_steps is None else args.dms_steps,
@@ -191,6 +194,14 @@ def _settings(args: argparse.Namespace, task: str) -> dict:
         "dms_lr": 0.05 if args.dms_lr is None else args.dms_lr,
         "dms_lr_model": 1e-4 if args.lr_model is None else args.lr_model,
     }
+
+
+def _task_budgets(mod, train_len: int) -> list[int]:
+    """The task's evaluation budgets: its ``BUDGET_FRACTIONS`` of ``train_len`` (6.25/12.5/25 % unless the task
+    module says otherwise)."""
+    from kvpop.demo.evaluate import BUDGET_FRACTIONS, budgets_for
+
+    return budgets_for(train_len, getattr(mod, "BUDGET_FRACTIONS", BUDGET_FRACTIONS))
 
 
 def _retrofit_config(E, s: dict, policy: str, c: dict):
@@ -335,8 +346,9 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
     base = E.load_base_model(_base_model_dir(args, task))
     pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
     out.mkdir(parents=True, exist_ok=True)
-    grid = ({**{k: v[:1] for k, v in GRID.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],)}
-            if args.quick else GRID)
+    full = {**GRID, **getattr(mod, "DEMO_GRID", {})}
+    grid = ({**{k: v[:1] for k, v in full.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],)}
+            if args.quick else full)
     record = {"task": task, "grid": grid, "criterion": "mean validation accuracy over the budgets at L_train",
               "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})",
                              "length": s["train_len"], "budgets": vcfg.budgets, "sinks": vcfg.sinks,

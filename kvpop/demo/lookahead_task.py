@@ -7,19 +7,20 @@ needed and as never-needed tokens, and nothing at or before a token tells which 
 written after it does.
 
 A *fact* is one token ``FACT(k, v)`` (as in the first task).  Facts come in *blocks* of
-``block_records`` consecutive facts followed by one marker token, ``KEEP`` or ``DROP``, drawn
-independently per block (``KEEP`` with probability ``keep_prob``).  Later, *reads* ``KEY(k) VALUE(v)``
-ask only for keys of facts in ``KEEP`` blocks: the model must predict the value right after the key,
-which it can do only if it still sees the fact.  Facts in ``DROP`` blocks are never read.  Keys are
-distinct within a sequence, so every answer is unique and the dense model never needs the markers;
-an eviction policy does.  Every ``FACT`` id occurs in kept and in dropped blocks.
+``block_records`` facts (``fact_gap`` filler tokens between two facts) followed by one marker token,
+``KEEP`` or ``DROP``; a fixed share of the blocks (``keep_frac``, at least one) is ``KEEP``, which ones
+drawn at random.  Later, *reads* ``KEY(k) VALUE(v)`` ask only for keys of facts in ``KEEP`` blocks: the
+model must predict the value right after the key, which it can do only if it still sees the fact.  Facts
+in ``DROP`` blocks are never read.  Keys are distinct within a sequence, so every answer is unique and
+the dense model never needs the markers; an eviction policy does.  Every ``FACT`` id occurs in kept and
+in dropped blocks.
 
-Timing, with the demo's window ``w = 32`` in mind: the marker lies at most ``block_records`` tokens
-after every fact of its block (inside the window that an mLSTM scorer reads before it scores the
-token), and blocks start at least ``block_period > w`` tokens apart, so the window after a fact
-never holds the marker of the *next* block.  A scorer that sees only the token and its left context
-(the MLP scorer; TOVA and H2O, for which no read has happened yet when facts are written) cannot
-tell ``KEEP`` from ``DROP`` facts; a scorer that has read the ``w`` tokens after the token can.
+Timing, with the demo's window ``w = 32`` in mind: the marker lies at most ``block_span`` tokens after
+every fact of its block (inside the window that an mLSTM scorer reads before it scores the token), and
+blocks start at least ``block_period > w`` tokens apart, so the window after a fact never holds the
+marker of the *next* block.  A scorer that sees only the token and its left context (the MLP scorer;
+TOVA and H2O, for which no read has happened yet when facts are written) cannot tell ``KEEP`` from
+``DROP`` facts; a scorer that has read the ``w`` tokens after the token can.
 
 Layout of a sequence of length ``L`` (positions count from 0)::
 
@@ -30,16 +31,16 @@ Layout of a sequence of length ``L`` (positions count from 0)::
     [record_end, L)          ``n_reads`` reads ``KEY(k) VALUE(v)`` (k from KEEP blocks, each once
                              before any is repeated) at random places, filler elsewhere
 
-with ``record_end = round(record_frac * L)``.  At least one block per sequence is ``KEEP``.  Blocks
-are full (``block_records`` facts) from ``full_length`` tokens on; shorter sequences (the first
-stages of a pre-training curriculum) have fewer facts per block.  Filler is runs of counting tokens
-with random restarts, as in the first task.  The graded positions are the KEY tokens of the reads;
-accuracy is the greedy argmax over the whole vocabulary.
+with ``record_end = round(record_frac * L)``.  Blocks are full (``block_records`` facts) from
+``full_length`` tokens on; shorter sequences (the first stages of a pre-training curriculum) have
+fewer facts per block.  Filler is runs of counting tokens with random restarts, as in the first task.
+The graded positions are the KEY tokens of the reads; accuracy is the greedy argmax over the whole
+vocabulary.
 
-Budgets at the shipped model's training length (L_train = 640: 11 blocks, 132 facts, on average
-38 of them kept, 42 reads): with sinks 4 and window 32, the budgets 40 / 80 / 160 (6.25 / 12.5 / 25 %)
-leave 4 / 44 / 124 long-range slots per layer and KV head: about enough for the kept facts at
-12.5 %, a third of all facts; nearly all of them at 25 %.
+Budgets at the shipped model's training length (L_train = 512: 9 blocks of 6 facts, 54 facts, 3 blocks
+= 18 facts kept, 34 reads): with sinks 4 and window 32, the demo's budgets 48 / 64 / 128 (9.4 / 12.5 /
+25 %, :data:`BUDGET_FRACTIONS`) leave 12 / 28 / 92 long-range slots per layer and KV head: two thirds
+of the kept facts, all of them with room to spare (but only half of all facts), and every fact.
 
 Seeds: train ``[0, TEST_SEED_BASE)``, test ``TEST_SEED_BASE + i``, validation
 ``VALID_SEED_BASE + i`` (disjoint from both for ``i < VALID_SEED_BASE - TEST_SEED_BASE``).  The
@@ -97,8 +98,20 @@ NAME = "lookahead"
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "data" / "tiny_qwen3_lookahead"
 """The tiny Qwen3 trained densely on this task (``kvpop pretrain --task lookahead``)."""
-TRAIN_LEN = 640
+TRAIN_LEN = 512
 """The training length ``L_train`` of the shipped model."""
+BUDGET_FRACTIONS = (0.09375, 0.125, 0.25)
+"""The demo's budgets as fractions of ``L_train``: 48 / 64 / 128 entries at 512 (6.25 % would be 32, below
+sinks 4 + window 32).  Long-range slots: 12 / 28 / 92, against 18 kept facts of 54."""
+DEMO_GRID = {"k": (12, 28, 64), "lr_scorer": (1e-2, 3e-2), "steps": (100, 200), "joint_lr_model": (1e-4, 1e-3),
+             "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30, 100)}
+"""``kvpop demo --select``'s candidates on this task (``kvpop.cli.demo.GRID``'s keys): the training budget's
+long-range slots ``k`` at the smallest and the middle budget's (12, 28) and beyond the largest kept set (64);
+two scorer learning rates, two step counts, two model learning rates for the joint and fixed-pattern
+fine-tunes."""
+DEMO_TRAIN_LENGTH = 512
+"""The demo's retrofits train on sequences of ``L_train`` tokens (half of it would hold only 4 blocks, one of
+them kept)."""
 
 
 
@@ -112,9 +125,11 @@ class LookaheadConfig(TokenIds):
         n_values: size of the value vocabulary (chance accuracy is ``1 / n_values``).
         n_filler: size of the filler vocabulary.
         block_records: records per block; the marker follows the last one.
+        fact_gap: filler tokens between two facts of a block.
         block_period: least distance between two block starts (``> window`` of the scorer).
         max_blocks: most blocks per sequence.
-        keep_prob: probability that a block is ``KEEP``.
+        keep_frac: share of the blocks that are ``KEEP`` (exactly ``round(keep_frac * n_blocks)``,
+            at least one; which ones is random).
         read_spacing: on average one read per this many tokens of the read region.
         max_reads: most reads per sequence.
         record_frac: blocks are written in ``[8, record_frac * L)``, reads happen after.
@@ -122,28 +137,40 @@ class LookaheadConfig(TokenIds):
         full_length: sequences of at least this length have full blocks (:meth:`records_per_block`).
     """
 
-    n_keys: int = 256
+    n_keys: int = 64
     n_values: int = 8
     n_filler: int = 64
-    block_records: int = 12
+    block_records: int = 6
+    fact_gap: int = 0
     block_period: int = 33
-    max_blocks: int = 20
-    keep_prob: float = 1.0 / 3.0
+    max_blocks: int = 9
+    keep_frac: float = 1.0 / 3.0
     read_spacing: int = 6
     max_reads: int = 256
     record_frac: float = 0.6
     restart_prob: float = 0.1
-    full_length: int = 512
+    full_length: int = 256
 
     def __post_init__(self) -> None:
-        if self.block_period < self.block_records + 1:
-            raise ValueError(f"block_period {self.block_period} must be >= block_records + 1 = "
-                             f"{self.block_records + 1}")
+        if self.fact_gap < 0:
+            raise ValueError(f"fact_gap must be >= 0, got {self.fact_gap}")
+        if self.block_period < self.block_span + 1:
+            raise ValueError(f"block_period {self.block_period} must be >= the block's span + 1 = "
+                             f"block_records * (fact_gap + 1) + 1 = {self.block_span + 1}")
         if self.n_keys < self.max_blocks * self.block_records:
             raise ValueError(f"n_keys {self.n_keys} must be >= max_blocks * block_records = "
                              f"{self.max_blocks * self.block_records} (keys are distinct in a sequence)")
-        if not 0.0 < self.keep_prob <= 1.0:
-            raise ValueError(f"keep_prob must be in (0, 1], got {self.keep_prob}")
+        if not 0.0 < self.keep_frac <= 1.0:
+            raise ValueError(f"keep_frac must be in (0, 1], got {self.keep_frac}")
+
+    @property
+    def block_span(self) -> int:
+        """Tokens from a block's first fact to its marker (exclusive) with full blocks."""
+        return self.block_records * (self.fact_gap + 1)
+
+    def n_keep_for(self, n_blocks: int) -> int:
+        """``KEEP`` blocks among ``n_blocks``: ``round(keep_frac * n_blocks)``, at least 1."""
+        return int(max(1, min(n_blocks, round(self.keep_frac * n_blocks))))
 
     # ---- token ids (kvpop.demo.task.TokenIds, then KEEP, DROP, the filler) ----------------
     @property
@@ -224,13 +251,13 @@ def make_example(seed: int, length: int, cfg: LookaheadConfig = DEFAULT) -> dict
     slot = (record_end - 8) // n_b
     span = min(slot, cfg.block_period)
     starts_b = 8 + np.arange(n_b) * slot + rng.integers(0, max(1, slot - span + 1), size=n_b)
-    keep = rng.random(n_b) < cfg.keep_prob
-    if not keep.any():
-        keep[rng.integers(0, n_b)] = True
+    keep = np.zeros(n_b, dtype=bool)
+    keep[rng.permutation(n_b)[:cfg.n_keep_for(n_b)]] = True
     keys = rng.choice(cfg.n_keys, size=n_b * R, replace=False)
     vals = rng.integers(0, cfg.n_values, size=n_b * R)
-    fpos = (starts_b[:, None] + np.arange(R)[None, :]).reshape(-1)
-    mpos = starts_b + R
+    step = cfg.fact_gap + 1
+    fpos = (starts_b[:, None] + step * np.arange(R)[None, :]).reshape(-1)
+    mpos = starts_b + step * R
     if mpos[-1] >= L:
         raise ValueError(f"length {L} too short for a block of {R} records")
     ids[fpos] = cfg.fact_base + keys * cfg.n_values + vals
@@ -283,7 +310,7 @@ def accuracy(logits: torch.Tensor, example: dict) -> float:
 def describe(cfg: LookaheadConfig = DEFAULT) -> str:
     """One-paragraph human description of the task (for reports and results.json)."""
     return (f"lookahead-trace: up to {cfg.max_blocks} blocks of {cfg.block_records} facts FACT(key,value), "
-            f"each block followed by a KEEP (p={cfg.keep_prob:.2f}) or DROP marker, in the first "
+            f"each block followed by a KEEP ({cfg.keep_frac:.0%} of blocks) or DROP marker, in the first "
             f"{cfg.record_frac:.0%} of the sequence; reads KEY->VALUE of KEEP facts only in the rest "
             f"(one per {cfg.read_spacing} tokens); {cfg.n_keys} keys (distinct per sequence), "
             f"{cfg.n_values} values, vocab {cfg.vocab_size}")

@@ -44,7 +44,7 @@ from . import task as T
 __all__ = ["TASKS", "get_task", "build_model", "main", "evaluate", "export_model", "parse_curriculum"]
 
 TASKS = {"kvtrace": ("kvpop.demo.task", "128:64,256:32,512:16,1024:8,2048:4"),
-         "lookahead": ("kvpop.demo.lookahead_task", "128:32,256:16,640:6")}
+         "lookahead": ("kvpop.demo.lookahead_task", "128:64,256:32,512:16")}
 """Task name -> (module, default curriculum).  A task module has ``TaskConfig``, ``DEFAULT``,
 ``make_batch``, ``train_seed``, ``test_seed`` and ``describe`` (see ``kvpop.demo.task``)."""
 

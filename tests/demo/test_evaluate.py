@@ -11,6 +11,7 @@ from kvpop.cli import main
 from kvpop.core import dms as D
 from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
+from kvpop.models import cache_kwarg_name
 
 L = 128  # task minimum is 64; 8 graded reads at 128
 
@@ -119,7 +120,8 @@ def test_small_budget_changes_something(models, base):
         dense = base(ids).logits
         m = models["streaming"]
         kvpop.patch(m, budget=8)
-        sparse = m(ids, past_key_values=kvpop.KVpopCache(m, policy="streaming")).logits
+        kw = {cache_kwarg_name(): kvpop.KVpopCache(m, policy="streaming")}  # cache= or past_key_values=
+        sparse = m(ids, **kw).logits
     assert (dense - sparse).abs().max() > 1e-3
 
 

@@ -79,10 +79,13 @@ def test_the_same_fact_ids_occur_kept_and_dropped():
             seen[t].add(keep)
     both = sum(len(v) == 2 for v in seen.values())
     assert len(seen) > 0.9 * CFG.n_keys * CFG.n_values and both > 0.8 * len(seen)
-    # kept blocks come at the rate keep_prob, independent of position
-    keeps = torch.cat([T.make_example(T.train_seed(s), 1024)["record_keep"].view(-1, CFG.block_records)[:, 0]
-                       for s in range(300)]).float()
-    assert abs(keeps.mean().item() - CFG.keep_prob) < 0.05
+    # every sequence keeps exactly round(keep_frac * n_blocks) blocks; which ones does not depend on position
+    keeps = torch.stack([T.make_example(T.train_seed(s), 1024)["record_keep"].view(-1, CFG.block_records)[:, 0]
+                         for s in range(300)]).float()  # [300, n_blocks]
+    n_b = CFG.n_blocks_for(1024)
+    assert keeps.shape == (300, n_b) and bool((keeps.sum(1) == CFG.n_keep_for(n_b)).all())
+    assert CFG.n_keep_for(n_b) == max(1, round(CFG.keep_frac * n_b))
+    assert float((keeps.mean(0) - CFG.keep_frac).abs().max()) < 0.1
 
 
 def test_seeds_deterministic_and_splits_disjoint():
@@ -110,6 +113,24 @@ def test_batch_and_errors():
         T.LookaheadConfig(n_keys=10)
     with pytest.raises(ValueError, match="block_period"):
         T.LookaheadConfig(block_period=5)
+    with pytest.raises(ValueError, match="block_period"):
+        T.LookaheadConfig(fact_gap=5)  # 6 facts 6 apart do not fit a period of 33
+    with pytest.raises(ValueError, match="fact_gap"):
+        T.LookaheadConfig(fact_gap=-1)
+    with pytest.raises(ValueError, match="keep_frac"):
+        T.LookaheadConfig(keep_frac=0.0)
+
+
+@pytest.mark.parametrize("gap", [0, 1, 3])
+def test_facts_of_a_block_are_fact_gap_apart_and_the_marker_follows(gap):
+    cfg = T.LookaheadConfig(fact_gap=gap)
+    e = T.make_example(T.train_seed(11), 512, cfg)
+    fpos = e["fact_positions"].view(-1, cfg.block_records)
+    assert bool((fpos.diff(dim=1) == gap + 1).all())
+    assert torch.equal(e["marker_positions"], fpos[:, -1] + gap + 1)
+    ids = e["input_ids"]
+    between = [p for row in fpos.tolist() for a, b in zip(row, row[1:]) for p in range(a + 1, b)]
+    assert all(int(ids[p]) >= cfg.filler_base for p in between)
 
 
 def test_pretrain_on_the_task_starts_facts_from_their_key_and_value(tmp_path):
