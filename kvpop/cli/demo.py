@@ -26,7 +26,8 @@ For each task:
    training length), and the learned baseline ``dms`` (gates and model together, ``kvpop.demo.dms``,
    ``--dms-steps``; its own defaults, not searched here);
 2. evaluates dense, streaming, tova, h2o, the five retrofits and dms at budgets of 6.25 %, 12.5 % and
-   25 % of L_train (lookahead: 9.4 %, 12.5 %, 25 %, the task's ``BUDGET_FRACTIONS``) (re-budgeting with ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
+   25 % of L_train (lookahead: 9.4 %, 12.5 %, 25 %, the task's ``BUDGET_FRACTIONS``; re-budgeting with
+   ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
    on test sequences, every sequence through a ``kvpop.KVpopCache``;
 3. prints the table and writes ``results.json``, ``table.md`` and ``accuracy_vs_budget.png``.
 
