@@ -77,12 +77,11 @@ CHOSEN = {
         "kvpop-mlstm-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
         "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
     },
-    # not chosen yet: the lookahead task has no shipped model to run --select on; the kvtrace choice until then
-    "lookahead": {
-        "kvpop-mlp": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
-        "kvpop-mlstm": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
-        "kvpop-mlp-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
-        "kvpop-mlstm-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
+    "lookahead": {  # kvpop demo --select --task lookahead, 2026-11-30 (DEMO_GRID of kvpop.demo.lookahead_task)
+        "kvpop-mlp": {"steps": 200, "k": 12, "lr_scorer": 1e-2},
+        "kvpop-mlstm": {"steps": 100, "k": 12, "lr_scorer": 3e-2},
+        "kvpop-mlp-joint": {"steps": 200, "k": 12, "lr_scorer": 1e-2, "lr_model": 1e-4},
+        "kvpop-mlstm-joint": {"steps": 100, "k": 12, "lr_scorer": 3e-2, "lr_model": 1e-4},
         "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
     },
 }

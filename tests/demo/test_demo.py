@@ -81,7 +81,7 @@ def test_select_quick_chooses_on_validation_sequences(tmp_path, capsys):
     assert "chosen" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("task", ["kvtrace"])
+@pytest.mark.parametrize("task", ["kvtrace", "lookahead"])
 def test_the_demo_defaults_are_the_shipped_validation_choice(task):
     """CHOSEN (the demo's defaults) is what `kvpop demo --select` chose, as recorded with its figures."""
     sel = json.loads((RESULTS / task / "selection.json").read_text())
