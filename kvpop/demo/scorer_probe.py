@@ -1,0 +1,164 @@
+"""Can a scorer tell the facts that will be read from the rest, given a clean label?  (lookahead task)
+
+The demo trains KVpop's scorers on the method's own target, the attention a token receives from the
+queries after it left the window.  When a retrofit fails on the lookahead task, two causes are
+possible: the scorer cannot express the rule (a fact is needed iff the marker after it is ``KEEP``), or
+the target does not single out the needed facts.  This probe separates them.
+
+:func:`target_breakdown` measures the second: the mean log target of kept facts, dropped facts and
+filler per layer and KV head of a dense model, and how many kept facts the target's own top-``k``
+holds.  :func:`probe` measures the first: it trains a fresh scorer of each kind on the pre-RoPE keys and
+values of one layer of the frozen dense model with a *clean* binary label (1 for a fact of a ``KEEP``
+block, 0 for every other token) and reports, on validation sequences, how many kept facts its top-``k``
+tokens of the record region hold (the fraction a cache with ``k`` long-range slots would keep).
+
+::
+
+    python -m kvpop.demo.scorer_probe            # both scorers, layer 0, 300 steps (a few minutes)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpop.core.scorers import MLPScorer, MLSTMScorer
+
+from . import lookahead_task as T
+
+__all__ = ["layer_inputs", "target_breakdown", "probe", "main"]
+
+
+def layer_inputs(model: nn.Module, input_ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-RoPE keys and values ``[B, Hkv, S, D]`` of one attention layer of a dense Qwen3 model."""
+    attn = model.model.layers[layer].self_attn
+    cfg = model.config
+    hkv, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    got: dict[str, torch.Tensor] = {}
+    hooks = [attn.k_norm.register_forward_hook(lambda m, a, o: got.__setitem__("k", o)),
+             attn.v_proj.register_forward_hook(lambda m, a, o: got.__setitem__("v", o))]
+    try:
+        with torch.no_grad():
+            model(input_ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    B, S = input_ids.shape
+    k = got["k"].reshape(B, S, hkv, d).transpose(1, 2).float()
+    v = got["v"].reshape(B, S, hkv, d).transpose(1, 2).float()
+    return k, v
+
+
+def _label(ex: dict, S: int) -> torch.Tensor:
+    y = torch.zeros(S)
+    y[ex["fact_positions"][ex["record_keep"]]] = 1.0
+    return y
+
+
+def _kept_in_topk(score: torch.Tensor, ex: dict, k: int) -> float:
+    """Share of the kept facts among the ``k`` best-scored tokens of the record region (positions 4 ..
+    the last marker), i.e. what ``k`` long-range slots would keep if the score ranked them."""
+    end = int(ex["marker_positions"][-1]) + 1
+    top = score[4:end].topk(min(k, end - 4)).indices + 4
+    kept = set(ex["fact_positions"][ex["record_keep"]].tolist())
+    return len(kept & set(top.tolist())) / max(1, len(kept))
+
+
+def target_breakdown(model: nn.Module, ex: dict, *, window: int = 32, k: int = 28) -> list[dict[str, Any]]:
+    """Per layer and KV head of a dense model: the mean log of the method's target (attention received
+    from queries ``u >= t + window``, summed over the head's query group) of kept facts, dropped facts
+    and filler of the record region, and the share of kept facts in the target's own top-``k``."""
+    ids = ex["input_ids"][None]
+    S = ids.shape[1]
+    impl = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            att = model(ids, output_attentions=True, use_cache=False).attentions
+    finally:
+        model.config._attn_implementation = impl
+    t = torch.arange(S)
+    fut = (t[:, None] >= t[None, :] + window).float()
+    fp, keep = ex["fact_positions"], ex["record_keep"]
+    end = int(ex["marker_positions"][-1]) + 1
+    region = torch.arange(S) < end
+    filler = (ex["input_ids"] >= T.DEFAULT.filler_base) & region
+    out = []
+    for li, a in enumerate(att):
+        a = a[0]
+        hkv = model.config.num_key_value_heads
+        g = a.shape[0] // hkv
+        for h in range(hkv):
+            col = torch.log((a[h * g:(h + 1) * g] * fut).sum((0, 1)) + 1e-9)
+            out.append({"layer": li, "kv_head": h, "kept_facts": round(float(col[fp[keep]].mean()), 3),
+                        "dropped_facts": round(float(col[fp[~keep]].mean()), 3),
+                        "filler": round(float(col[filler].mean()), 3),
+                        f"kept_in_target_top{k}": round(_kept_in_topk(col, ex, k), 3)})
+    return out
+
+
+def probe(model: nn.Module, scorer: str, *, layer: int = 0, steps: int = 300, lr: float = 1e-2,
+          length: int = T.TRAIN_LEN, window: int = 32, k: int = 28, n_valid: int = 8, seed: int = 0) -> dict:
+    """Train a fresh ``scorer`` (``"mlp"`` or ``"mlstm"``) on one layer's keys and values with the clean
+    label (binary cross-entropy, one training sequence a step) and return its validation figures."""
+    if scorer not in ("mlp", "mlstm"):
+        raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    cfg = model.config
+    hkv, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    torch.manual_seed(seed)
+    net = MLPScorer(hkv, d) if scorer == "mlp" else MLSTMScorer(hkv, d, window)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    for i in range(steps):
+        ex = T.make_example(T.train_seed(10_000 + i), length)
+        kf, vf = layer_inputs(model, ex["input_ids"][None], layer)
+        y = _label(ex, length).expand(1, hkv, -1)
+        pos = float(y.sum()) or 1.0
+        loss = F.binary_cross_entropy_with_logits(net(kf, vf), y, pos_weight=torch.tensor((y.numel() - pos) / pos))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    shares = []
+    with torch.no_grad():
+        for j in range(n_valid):
+            ex = T.make_example(T.valid_seed(j), length)
+            kf, vf = layer_inputs(model, ex["input_ids"][None], layer)
+            r = net(kf, vf)[0].mean(0)  # the heads learn the same label: average them
+            shares.append(_kept_in_topk(r, ex, k))
+    return {"scorer": scorer, "layer": layer, "steps": steps, "lr": lr, "k": k, "last_loss": float(loss.detach()),
+            f"kept_in_top{k}": sum(shares) / len(shares), "n_valid": n_valid}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvpop.demo.scorer_probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(T.SHIPPED_MODEL), help="dense model of the lookahead task")
+    p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--k", type=int, default=28, help="long-range slots (28: the 12.5 %% budget at L_train)")
+    p.add_argument("--n-valid", type=int, default=8)
+    args = p.parse_args(argv)
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        print(f"--lr must be a finite number > 0, got {args.lr}", file=sys.stderr)
+        return 2
+    from kvpop.demo.evaluate import load_base_model
+
+    model = load_base_model(args.model)
+    ex = T.make_example(T.valid_seed(0), T.TRAIN_LEN)
+    res = {"target_breakdown": target_breakdown(model, ex, k=args.k)}
+    for s in ("mlp", "mlstm"):
+        res[s] = probe(model, s, layer=args.layer, steps=args.steps, lr=args.lr, k=args.k, n_valid=args.n_valid)
+        print(json.dumps(res[s]), flush=True)
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
