@@ -79,6 +79,8 @@ __all__ = [
     "policy_logits",
     "sequence_predictions",
     "sequence_correct",
+    "batch_correct",
+    "BATCHED",
     "evaluate",
     "results_dict",
     "format_table",
@@ -91,6 +93,9 @@ __all__ = [
 POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
             "kvpop-mlstm-joint", "dms")
 """Policy names, in table order."""
+BATCHED = ("tova", "h2o")
+"""Policies :func:`evaluate` runs on all sequences of a length at once (token-by-token decoding, whose cost
+per token hardly grows with the batch on a CPU); the others run one sequence at a time."""
 CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
                 "kvpop-mlp": "kvpop", "kvpop-mlstm": "kvpop", "kvpop-mlp-joint": "kvpop", "kvpop-mlstm-joint": "kvpop"}
 """The ``KVpopCache`` policy that serves each non-dense policy."""
@@ -227,14 +232,17 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget
     Batch 1, one call ``model(input_ids, past_key_values=KVpopCache(model, policy=...))`` (``dense``: the
     unpatched model's plain forward): the static policies prefill through the patched model's
     ``sparse_attention`` forward with the policy's eviction schedule, ``tova``/``h2o`` decode token by token.
+    ``dense``, ``tova`` and ``h2o`` (:data:`BATCHED`) also take a batch ``[n, L]`` of sequences of one length
+    (the batched cache decodes them together, each row evicting on its own; ``[n, L, V]`` logits).
     ``model`` is :func:`policy_model`'s model for ``policy``; ``budget`` re-budgets it with
     ``kvpop.patch(model, budget=...)`` first.
     """
     ids = input_ids
     if ids.dim() == 1:
         ids = ids[None]
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"one sequence at a time (batch 1), got input_ids of shape {tuple(input_ids.shape)}")
+    if ids.dim() != 2 or (ids.shape[0] != 1 and policy not in ("dense", *BATCHED)):
+        raise ValueError(f"one sequence at a time (batch 1; dense, {', '.join(BATCHED)}: a batch of equal "
+                         f"lengths), got input_ids of shape {tuple(input_ids.shape)} for policy {policy!r}")
     dev = next(model.parameters()).device
     ids = ids.to(dev)
     if policy == "dense":
@@ -269,6 +277,24 @@ def sequence_correct(model: nn.Module, example: dict, policy: str, budget: int |
     pred = sequence_predictions(model, example, policy, budget)
     ans = example["answers"].reshape(-1).to(pred.device)
     return int((pred == ans).sum()), int(ans.numel())
+
+
+@torch.no_grad()
+def batch_correct(model: nn.Module, examples: Sequence[dict], policy: str, budget: int | None = None
+                  ) -> tuple[int, int]:
+    """``(correct, graded)`` summed over ``examples`` (all of one length) decoded as one batch under
+    ``policy`` (one of :data:`BATCHED`); the same counts as :func:`sequence_correct` one by one."""
+    if not examples:
+        return 0, 0
+    ids = torch.stack([ex["input_ids"].reshape(-1) for ex in examples])
+    logits = policy_logits(model, ids, policy, budget)
+    correct = graded = 0
+    for i, ex in enumerate(examples):
+        pos = ex["answer_positions"].reshape(-1).to(logits.device)
+        ans = ex["answers"].reshape(-1).to(logits.device)
+        correct += int((logits[i, pos].argmax(-1) == ans).sum())
+        graded += int(ans.numel())
+    return correct, graded
 
 
 def _row_key(policy: str, budget: int, length: int) -> str:
@@ -327,7 +353,12 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
             if bar is not None:
                 bar.set_postfix_str(f"{p} B={b} L={L}")
             correct = graded = 0
-            for ex in examples[L]:
+            if p in BATCHED:
+                c, g = batch_correct(models[p], examples[L], p, b)
+                correct, graded = c, g
+                if bar is not None:
+                    bar.update(len(examples[L]))
+            for ex in examples[L] if p not in BATCHED else ():
                 c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b)
                 correct, graded = correct + c, graded + g
                 if bar is not None:

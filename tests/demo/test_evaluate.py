@@ -125,6 +125,29 @@ def test_small_budget_changes_something(models, base):
     assert (dense - sparse).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("policy", E.BATCHED)
+def test_batched_decoding_counts_what_one_by_one_counts(models, policy):
+    """evaluate() decodes TOVA/H2O sequences of one length as one batch: the same logits (within float
+    noise) and the same counts as one sequence at a time, at a budget that evicts."""
+    exs = [T.make_example(T.test_seed(i), L) for i in range(3)]
+    ids = torch.stack([e["input_ids"] for e in exs])
+    together = E.policy_logits(models[policy], ids, policy, 24)
+    for i, e in enumerate(exs):
+        alone = E.policy_logits(models[policy], e["input_ids"], policy, 24)
+        torch.testing.assert_close(together[i:i + 1], alone, rtol=1e-4, atol=1e-4)
+    one_by_one = [E.sequence_correct(models[policy], e, policy, 24) for e in exs]
+    assert E.batch_correct(models[policy], exs, policy, 24) == (sum(c for c, _ in one_by_one),
+                                                               sum(g for _, g in one_by_one))
+    # and the batch is not a no-op: at this budget the cache changes the logits
+    assert (together - E.policy_logits(models["dense"], ids, "dense")).abs().max() > 1e-3
+
+
+def test_only_the_batched_policies_take_a_batch(models):
+    ids = torch.stack([T.make_example(T.test_seed(i), L)["input_ids"] for i in range(2)])
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        E.policy_logits(models["streaming"], ids, "streaming", 24)
+
+
 def test_rows_are_reused(models):
     first = E.evaluate({"dense": models["dense"], "streaming": models["streaming"]}, _cfg())
     seen = []
