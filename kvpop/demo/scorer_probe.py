@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,21 +105,35 @@ def target_breakdown(model: nn.Module, ex: dict, *, window: int = 32, k: int = 2
 
 
 def probe(model: nn.Module, scorer: str, *, layer: int = 0, steps: int = 300, lr: float = 1e-2,
-          length: int = T.TRAIN_LEN, window: int = 32, k: int = 28, n_valid: int = 8, seed: int = 0) -> dict:
-    """Train a fresh ``scorer`` (``"mlp"`` or ``"mlstm"``) on one layer's keys and values with the clean
-    label (binary cross-entropy, one training sequence a step) and return its validation figures."""
+          length: int = T.TRAIN_LEN, window: int = 32, k: int = 28, n_valid: int = 8, seed: int = 0,
+          features: str = "model") -> dict:
+    """Train a fresh ``scorer`` (``"mlp"`` or ``"mlstm"``) with the clean label (binary cross-entropy, one
+    training sequence a step) and return its validation figures.
+
+    ``features``: ``"model"``, the pre-RoPE keys and values of ``layer`` of the frozen ``model``; or
+    ``"random"``, a fixed random vector per token id as both key and value (what the rule needs and
+    nothing else: no model in the way)."""
     if scorer not in ("mlp", "mlstm"):
         raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
+    if features not in ("model", "random"):
+        raise ValueError(f"features must be 'model' or 'random', got {features!r}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     cfg = model.config
     hkv, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     torch.manual_seed(seed)
+    table = torch.randn(T.DEFAULT.vocab_size, d) if features == "random" else None
+
+    def inputs(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if table is None:
+            return layer_inputs(model, ids, layer)
+        x = table[ids][:, None].expand(-1, hkv, -1, -1)
+        return x, x
     net = MLPScorer(hkv, d) if scorer == "mlp" else MLSTMScorer(hkv, d, window)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     for i in range(steps):
         ex = T.make_example(T.train_seed(10_000 + i), length)
-        kf, vf = layer_inputs(model, ex["input_ids"][None], layer)
+        kf, vf = inputs(ex["input_ids"][None])
         y = _label(ex, length).expand(1, hkv, -1)
         pos = float(y.sum()) or 1.0
         loss = F.binary_cross_entropy_with_logits(net(kf, vf), y, pos_weight=torch.tensor((y.numel() - pos) / pos))
@@ -129,10 +144,11 @@ def probe(model: nn.Module, scorer: str, *, layer: int = 0, steps: int = 300, lr
     with torch.no_grad():
         for j in range(n_valid):
             ex = T.make_example(T.valid_seed(j), length)
-            kf, vf = layer_inputs(model, ex["input_ids"][None], layer)
+            kf, vf = inputs(ex["input_ids"][None])
             r = net(kf, vf)[0].mean(0)  # the heads learn the same label: average them
             shares.append(_kept_in_topk(r, ex, k))
-    return {"scorer": scorer, "layer": layer, "steps": steps, "lr": lr, "k": k, "last_loss": float(loss.detach()),
+    return {"scorer": scorer, "features": features, "layer": layer, "steps": steps, "lr": lr, "k": k,
+            "last_loss": float(loss.detach()),
             f"kept_in_top{k}": sum(shares) / len(shares), "n_valid": n_valid}
 
 
@@ -144,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--k", type=int, default=28, help="long-range slots (28: the 12.5 %% budget at L_train)")
     p.add_argument("--n-valid", type=int, default=8)
+    p.add_argument("--features", choices=("model", "random"), default="model",
+                   help="the layer's keys and values, or a random vector per token id")
+    p.add_argument("--scorers", default="mlp,mlstm", help="comma-separated: mlp, mlstm")
+    p.add_argument("--out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if not (math.isfinite(args.lr) and args.lr > 0):
         print(f"--lr must be a finite number > 0, got {args.lr}", file=sys.stderr)
@@ -152,11 +172,19 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_base_model(args.model)
     ex = T.make_example(T.valid_seed(0), T.TRAIN_LEN)
+    scorers = [x.strip() for x in args.scorers.split(",") if x.strip()]
+    bad = [x for x in scorers if x not in ("mlp", "mlstm")]
+    if bad or not scorers:
+        print(f"--scorers takes mlp and/or mlstm, got {args.scorers!r}", file=sys.stderr)
+        return 2
     res = {"target_breakdown": target_breakdown(model, ex, k=args.k)}
-    for s in ("mlp", "mlstm"):
-        res[s] = probe(model, s, layer=args.layer, steps=args.steps, lr=args.lr, k=args.k, n_valid=args.n_valid)
+    for s in scorers:
+        res[s] = probe(model, s, layer=args.layer, steps=args.steps, lr=args.lr, k=args.k, n_valid=args.n_valid,
+                       features=args.features)
         print(json.dumps(res[s]), flush=True)
     print(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), **res}, indent=1) + "\n")
     return 0
 
 

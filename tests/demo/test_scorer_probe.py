@@ -43,10 +43,25 @@ def test_target_breakdown_rows(model):
         assert 0.0 <= r["kept_in_target_top8"] <= 1.0
 
 
+@pytest.mark.parametrize("features", ["model", "random"])
 @pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
-def test_probe_trains_and_reports(model, scorer):
-    r = P.probe(model, scorer, steps=2, length=128, n_valid=1, k=4)
-    assert r["scorer"] == scorer and 0.0 <= r["kept_in_top4"] <= 1.0 and r["last_loss"] > 0
+def test_probe_trains_and_reports(model, scorer, features):
+    r = P.probe(model, scorer, steps=2, length=128, n_valid=1, k=4, features=features)
+    assert r["scorer"] == scorer and r["features"] == features
+    assert 0.0 <= r["kept_in_top4"] <= 1.0 and r["last_loss"] > 0
+
+
+def test_probe_cli(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    assert P.main(["--steps", "1", "--n-valid", "1", "--scorers", "mlp", "--features", "random",
+                   "--out", str(out)]) == 0
+    import json
+
+    rec = json.loads(out.read_text())
+    assert set(rec) >= {"command", "target_breakdown", "mlp"} and "mlstm" not in rec
+    assert P.main(["--scorers", "lstm"]) == 2
+    assert "--scorers takes" in capsys.readouterr().err
+    assert P.main(["--lr", "nan"]) == 2
 
 
 def test_probe_bad_inputs(model):
@@ -54,3 +69,5 @@ def test_probe_bad_inputs(model):
         P.probe(model, "lstm", steps=1)
     with pytest.raises(ValueError, match="steps must be"):
         P.probe(model, "mlp", steps=0)
+    with pytest.raises(ValueError, match="features must be"):
+        P.probe(model, "mlp", steps=1, features="zeros")
