@@ -567,6 +567,7 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
     else:
         kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
                          mask_source="scorer", tau=cfg.tau)
+    torch.manual_seed(cfg.seed)  # the scorers' initialisation: a retrofit is the same whatever ran before it
     patch(model, kv)
     ckpt = out / "train.pt"
     stamp = ckpt / "settings.json"

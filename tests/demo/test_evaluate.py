@@ -194,3 +194,19 @@ def test_cli_eval(base, tmp_path, capsys):
 def test_cli_eval_bad_inputs(argv, msg, capsys):
     assert main(["eval", "--no-progress", "--threads", "1"] + argv) == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["kvpop-mlp", "kvpop-mlstm"])
+def test_a_retrofit_does_not_depend_on_what_ran_before_it(base, tmp_path, policy):
+    """The scorers' initialisation is seeded: two retrofits with the same settings give the same scorers,
+    however much of the global random stream ran in between (the demo trains several in one process)."""
+    from safetensors.torch import load_file
+
+    cfg = E.RetrofitConfig(steps=2, length=L, budget=24, sinks=2, window=4, checkpoint_every=2)
+    a = E.retrofit(base, policy, tmp_path / "a", cfg, progress=False)
+    torch.randn(12345)  # move the global random stream
+    b = E.retrofit(base, policy, tmp_path / "b", cfg, progress=False)
+    sa, sb = load_file(a / "scorers.safetensors"), load_file(b / "scorers.safetensors")
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
