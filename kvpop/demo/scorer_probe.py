@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res[s]), flush=True)
     print(json.dumps(res, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), **res}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"command": "python -m kvpop.demo.scorer_probe " + " ".join(
+            argv if argv is not None else sys.argv[1:]), **res}, indent=1) + "\n")
     return 0
 
 
