@@ -70,11 +70,11 @@ fixes that setting (the CPU budget of a 2-core machine shared by many jobs: each
 plus a validation run).  A task module's ``DEMO_GRID`` replaces some of these entries for its task."""
 
 CHOSEN = {
-    "kvtrace": {
+    "kvtrace": {  # kvpop demo --select, 2026-11-30 (DEMO_GRID of kvpop.demo.task)
         "kvpop-mlp": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
-        "kvpop-mlstm": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
+        "kvpop-mlstm": {"steps": 200, "k": 4, "lr_scorer": 1e-2},
         "kvpop-mlp-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
-        "kvpop-mlstm-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
+        "kvpop-mlstm-joint": {"steps": 200, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
         "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
     },
     "lookahead": {  # kvpop demo --select --task lookahead, 2026-11-30 (DEMO_GRID of kvpop.demo.lookahead_task)
