@@ -206,9 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the synthetic task: kvtrace (kvpop.demo.task, the default) or lookahead "
                         "(kvpop.demo.lookahead_task)")
     p.add_argument("--curriculum", default=None,
-                   help="comma-separated LENGTH:BATCH stages; the last length is L_train (default "
-                        "128:64,256:32,512:16,1024:8,2048:4 for kvtrace, 128:32,256:16,640:6 "
-                        "for lookahead)")
+                   help="comma-separated LENGTH:BATCH stages; the last length is L_train (default: "
+                        + "; ".join(f"{name} {spec}" for name, (_, spec) in TASKS.items()) + ")")
     p.add_argument("--advance-acc", type=float, default=0.9,
                    help="move to the next stage when the train-accuracy EMA passes this")
     p.add_argument("--min-stage-steps", type=int, default=50)
