@@ -354,15 +354,15 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
                 bar.set_postfix_str(f"{p} B={b} L={L}")
             correct = graded = 0
             if p in BATCHED:
-                c, g = batch_correct(models[p], examples[L], p, b)
-                correct, graded = c, g
+                correct, graded = batch_correct(models[p], examples[L], p, b)
                 if bar is not None:
                     bar.update(len(examples[L]))
-            for ex in examples[L] if p not in BATCHED else ():
-                c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b)
-                correct, graded = correct + c, graded + g
-                if bar is not None:
-                    bar.update(1)
+            else:
+                for ex in examples[L]:
+                    c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b)
+                    correct, graded = correct + c, graded + g
+                    if bar is not None:
+                        bar.update(1)
             row = {"policy": p, "budget": int(b), "length": int(L), "accuracy": correct / graded,
                    "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences,
                    **dms_row_stats(models[p])}

@@ -37,12 +37,15 @@ __all__ = ["layer_inputs", "target_breakdown", "probe", "main"]
 
 
 def layer_inputs(model: nn.Module, input_ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-RoPE keys and values ``[B, Hkv, S, D]`` of one attention layer of a dense Qwen3 model."""
-    attn = model.model.layers[layer].self_attn
-    cfg = model.config
-    hkv, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    """Pre-RoPE keys and values ``[B, Hkv, S, D]`` of one attention layer of a dense model (the key from the
+    family's key tap, as ``kvpop.patch`` reads it; the value from ``v_proj``)."""
+    from kvpop.models import adapter_for
+
+    ad = adapter_for(model)
+    attn = ad.attention_modules(model)[layer]
+    hkv, d = ad.num_kv_heads(attn), ad.head_dim(attn)
     got: dict[str, torch.Tensor] = {}
-    hooks = [attn.k_norm.register_forward_hook(lambda m, a, o: got.__setitem__("k", o)),
+    hooks = [ad.key_tap_module(attn).register_forward_hook(lambda m, a, o: got.__setitem__("k", o)),
              attn.v_proj.register_forward_hook(lambda m, a, o: got.__setitem__("v", o))]
     try:
         with torch.no_grad():
@@ -51,7 +54,7 @@ def layer_inputs(model: nn.Module, input_ids: torch.Tensor, layer: int) -> tuple
         for h in hooks:
             h.remove()
     B, S = input_ids.shape
-    k = got["k"].reshape(B, S, hkv, d).transpose(1, 2).float()
+    k = ad.pre_rope_key(got["k"], d).transpose(1, 2).float()
     v = got["v"].reshape(B, S, hkv, d).transpose(1, 2).float()
     return k, v
 
@@ -72,31 +75,21 @@ def _kept_in_topk(score: torch.Tensor, ex: dict, k: int) -> float:
 
 
 def target_breakdown(model: nn.Module, ex: dict, *, window: int = 32, k: int = 28) -> list[dict[str, Any]]:
-    """Per layer and KV head of a dense model: the mean log of the method's target (attention received
-    from queries ``u >= t + window``, summed over the head's query group) of kept facts, dropped facts
-    and filler of the record region, and the share of kept facts in the target's own top-``k``."""
+    """Per layer and KV head of a dense model: the mean of the method's target ``r_tgt`` (exactly what
+    ``target_source="teacher"`` trains on: ``kvpop.teacher_targets``, docs/DESIGN.md section 3) over the kept
+    facts, the dropped facts and the filler of the record region, and the share of kept facts among the
+    target's own ``k`` best tokens there."""
+    from kvpop import KVpopConfig, teacher_targets
+
     ids = ex["input_ids"][None]
-    S = ids.shape[1]
-    impl = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        with torch.no_grad():
-            att = model(ids, output_attentions=True, use_cache=False).attentions
-    finally:
-        model.config._attn_implementation = impl
-    t = torch.arange(S)
-    fut = (t[:, None] >= t[None, :] + window).float()
+    with torch.no_grad(), teacher_targets(model, KVpopConfig(sinks=4, window=window, budget=4 + window + k)) as st:
+        model(ids, use_cache=False)
     fp, keep = ex["fact_positions"], ex["record_keep"]
     end = int(ex["marker_positions"][-1]) + 1
-    region = torch.arange(S) < end
-    filler = (ex["input_ids"] >= T.DEFAULT.filler_base) & region
+    filler = (ex["input_ids"] >= T.DEFAULT.filler_base) & (torch.arange(ids.shape[1]) < end)
     out = []
-    for li, a in enumerate(att):
-        a = a[0]
-        hkv = model.config.num_key_value_heads
-        g = a.shape[0] // hkv
-        for h in range(hkv):
-            col = torch.log((a[h * g:(h + 1) * g] * fut).sum((0, 1)) + 1e-9)
+    for li in sorted(st):
+        for h, col in enumerate(st[li][0]):
             out.append({"layer": li, "kv_head": h, "kept_facts": round(float(col[fp[keep]].mean()), 3),
                         "dropped_facts": round(float(col[fp[~keep]].mean()), 3),
                         "filler": round(float(col[filler].mean()), 3),
@@ -162,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-valid", type=int, default=8)
     p.add_argument("--features", choices=("model", "random"), default="model",
                    help="the layer's keys and values, or a random vector per token id")
-    p.add_argument("--scorers", default="mlp,mlstm", help="comma-separated: mlp, mlstm")
+    p.add_argument("--scorers", default="mlp,mlstm", help="comma-separated: mlp, mlstm; none: the target only")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if not (math.isfinite(args.lr) and args.lr > 0):
@@ -172,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_base_model(args.model)
     ex = T.make_example(T.valid_seed(0), T.TRAIN_LEN)
-    scorers = [x.strip() for x in args.scorers.split(",") if x.strip()]
+    scorers = [] if args.scorers == "none" else [x.strip() for x in args.scorers.split(",") if x.strip()]
     bad = [x for x in scorers if x not in ("mlp", "mlstm")]
-    if bad or not scorers:
-        print(f"--scorers takes mlp and/or mlstm, got {args.scorers!r}", file=sys.stderr)
+    if bad or (not scorers and args.scorers != "none"):
+        print(f"--scorers takes mlp and/or mlstm, or none, got {args.scorers!r}", file=sys.stderr)
         return 2
     res = {"target_breakdown": target_breakdown(model, ex, k=args.k)}
     for s in scorers:
