@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq", type=int, required=True)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--top-k", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=None,
+                   help="positions per chunk of the fused head (default: kvpop's, about 128 MiB of logits)")
     args = p.parse_args(argv)
 
     import torch
@@ -95,13 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
         log_ps = torch.log_softmax(logits.gather(-1, idx).float(), -1)
         loss = (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean() + score_loss(model)
     else:
-        topk = teacher_step(teacher, ids, args.top_k)
-        kl, ls, _ = _Step(model)(ids, topk)
+        topk = teacher_step(teacher, ids, args.top_k, chunk_size=args.chunk)
+        kl, ls, _ = _Step(model, args.chunk)(ids, topk)
         loss = kl + ls
     loss.backward()
     wall = time.perf_counter() - t0
-    out = {"mode": args.mode, "seq": args.seq, "vocab": args.vocab, "step_peak_bytes": _peak_bytes() - before,
-           "rss_before_bytes": before, "wall_s": wall, "loss": float(loss.detach())}
+    out = {"mode": args.mode, "seq": args.seq, "vocab": args.vocab, "chunk": args.chunk,
+           "step_peak_bytes": _peak_bytes() - before, "rss_before_bytes": before,
+           "wall_s": wall, "loss": float(loss.detach())}
     print(json.dumps(out))
     return out
 
