@@ -7,8 +7,8 @@ the budget, and ragged caches are slow to execute.
 Groups ``decode-dms-step-B*``: ONE layer's batch-1 decode step, at context ``CTX``:
 
 * ``kvpop``: ``kvpop_kernels.fixed_budget_decode`` over ``B`` slots per head;
-* ``dms-uniform``: the ``DMSCache`` decode step (the code ``generate`` runs) with every head at ``B``
-  entries (the ragged code without raggedness);
+* ``dms-uniform``: the ``DMSCache`` decode step (the code ``generate`` runs: one step over all heads
+  of the paged store, no host read) with every head at ``B`` entries (the ragged code without raggedness);
 * ``dms-measured``: the same step with per-head lengths in the proportions a trained DMS produced
   (``DMS_PROFILE``, mean 1, scaled to mean ``B``);
 * ``dms-padded``: the alternative way to run a ragged cache: one batched attention over every head
@@ -84,10 +84,11 @@ def _dms_layer(lengths: list[int], gen: torch.Generator) -> D.DMSCacheLayer:
     layer.fixed_k.copy_(torch.randn(layer.fixed_k.shape, generator=gen))
     layer.fixed_v.copy_(torch.randn(layer.fixed_v.shape, generator=gen))
     layer.ring_evict.fill_(True)
-    for h, n in enumerate(lengths):
-        m = n - SINKS - WINDOW
-        k = torch.randn(m, HD, generator=gen).to(DEVICE, DTYPE)
-        layer._append(h, k, torch.randn(m, HD, generator=gen).to(DEVICE, DTYPE), list(range(SINKS, SINKS + m)))
+    m = max(lengths) - SINKS - WINDOW
+    keep = torch.arange(m).view(1, m) < torch.tensor([n - SINKS - WINDOW for n in lengths]).view(HKV, 1)
+    k = torch.randn(HKV, m, HD, generator=gen).to(DEVICE, DTYPE)
+    v = torch.randn(HKV, m, HD, generator=gen).to(DEVICE, DTYPE)
+    layer.extend(keep.to(DEVICE), k, v, torch.arange(SINKS, SINKS + m, device=DEVICE))
     layer.seen = CTX
     return layer
 
@@ -166,7 +167,7 @@ def test_decode_dms_step(benchmark, monkeypatch, provider, budget):
     for _ in range(5):
         run()
     if provider.startswith("dms") and provider != "dms-padded":
-        assert layer.head_entries() == [min(layer.seen, SINKS + WINDOW) + n for n in layer.kept_len]
+        assert layer.head_entries() == [min(layer.seen, SINKS + WINDOW) + n for n in layer.kept_len.tolist()]
         assert sum(layer.head_entries()) == sum(lengths)  # every ring token was marked: nothing appended
     t = torch.tensor(lengths, dtype=torch.float32)
     info = {"provider": provider, "context": CTX, "mean_budget": budget, "Hq": HQ, "Hkv": HKV, "head_dim": HD,

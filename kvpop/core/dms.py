@@ -28,9 +28,10 @@ whole method on the model side (docs/DESIGN.md, "DMS"):
   (straight-through) decisions of all layers, heads and tokens ``t >= s`` of sequence ``b``, with
   ``target_evict = 1 - 1/CR(step)`` and ``CR`` rising linearly from 1 to ``1 / target_keep`` over
   ``schedule_steps`` (:func:`dms_target`).
-* **Ragged cache** (:class:`DMSCache`): per layer and KV head the sinks, a ring of the window, and a
-  per-head list of the long-range tokens it kept (``kept_len[h]`` of them); memory is what each head
-  keeps (capacity grows geometrically per head), not a padded maximum.
+* **Ragged cache** (:class:`DMSCache`): per layer and KV head the sinks, a ring of the window, and the
+  long-range tokens it kept (``kept_len[h]`` of them) in pages of a pool the layer's heads share;
+  memory is what each head keeps (plus a partial page per head and a bounded spare pool), not a
+  padded maximum; a decode step reads nothing back to the host.
 
 ``patch_dms`` / ``unpatch_dms`` attach and remove it (the same model families as ``kvpop.patch``; a
 model carries KVpop or DMS, not both).  ``kvpop train --method dms`` trains it (kvpop.training.train).
@@ -503,23 +504,37 @@ def load_dms(model: nn.Module, path: str | os.PathLike, **overrides: Any) -> nn.
 
 # ----------------------------------------------------------------------------------- the ragged cache
 class DMSCacheLayer(CacheLayerMixin):
-    """One layer of :class:`DMSCache` (batch 1).
+    """One layer of :class:`DMSCache` (batch 1): per KV head a fixed part and a paged long-range store.
 
-    Per KV head: ``s`` sink slots and a ring of ``w`` window slots (token ``t`` in slot
-    ``s + (t - s) % w``; ``fixed_k/fixed_v [Hkv, s + w, D]``, the same for every head), the gate decision
-    of each ring token (``ring_evict [Hkv, w]``), and the head's own long-range store: the tokens it kept
-    when they left the window, in order (``long_k[h][:kept_len[h]]``, ``long_pos[h]``), grown by
-    ``growth`` when full.  Nothing is ever removed from a long-range store (a DMS decision is final).
+    Fixed part: ``s`` sink slots and a ring of ``w`` window slots per head (token ``t`` in slot
+    ``s + (t - s) % w``; ``fixed_k/fixed_v [Hkv, s + w, D]``) and the gate decision of each ring token
+    (``ring_evict [Hkv, w]``).  Long-range store: the tokens a head kept when they left the window, in
+    order, in pages of ``page`` tokens from a pool the layer's heads share (``pool_k/pool_v [n_pages,
+    page, D]``, ``pool_pos [n_pages, page]``); head ``h``'s ``i``-th kept token sits at
+    ``pool[table[h, i // page], i % page]`` and ``kept_len[h]`` counts them (all on the device).  Page 0
+    is a scratch page no head owns (the writes of heads that keep nothing land there) and the table's
+    last column a write-off column.  Nothing is ever removed (a DMS decision is final).
+
+    A decode step reads nothing back to the host: the host keeps upper bounds of the pages in use and
+    of the longest head since it last read them (at most one new page per head every ``page`` steps),
+    and reads them again only when the bounds could pass the capacity, then grows the pool and table
+    by ``growth`` (or to room for ``lookahead`` more pages per head, whichever is more).  Memory is the
+    pages the heads fill (at most ``page - 1`` spare slots each) plus that spare pool, never a padded
+    maximum over heads.
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, *, sinks: int, window: int, threshold: float, growth: float = 1.25, min_block: int = 16):
+    def __init__(self, *, sinks: int, window: int, threshold: float, page: int = 16, growth: float = 1.25,
+                 lookahead: int = 4):
         super().__init__()
+        _check_int("page", page, 1)
+        _check_int("lookahead", lookahead, 1)
+        _check_float("growth", growth, 1.0)
         self.sinks, self.window, self.threshold = sinks, window, threshold
-        self.growth, self.min_block = growth, min_block
+        self.page, self.growth, self.lookahead = page, growth, lookahead
         self.seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -531,10 +546,13 @@ class DMSCacheLayer(CacheLayerMixin):
         self.fixed_k = torch.zeros(hkv, n, d, dtype=dt, device=dev)
         self.fixed_v = torch.zeros(hkv, n, value_states.shape[-1], dtype=dt, device=dev)
         self.ring_evict = torch.zeros(hkv, self.window, dtype=torch.bool, device=dev)
-        self.long_k = [torch.empty(0, d, dtype=dt, device=dev) for _ in range(hkv)]
-        self.long_v = [torch.empty(0, value_states.shape[-1], dtype=dt, device=dev) for _ in range(hkv)]
-        self.long_pos: list[list[int]] = [[] for _ in range(hkv)]
-        self.kept_len = [0] * hkv
+        self.pool_k = torch.zeros(1, self.page, d, dtype=dt, device=dev)
+        self.pool_v = torch.zeros(1, self.page, value_states.shape[-1], dtype=dt, device=dev)
+        self.pool_pos = torch.full((1, self.page), -1, dtype=torch.int32, device=dev)
+        self.table = torch.zeros(hkv, 1, dtype=torch.int64, device=dev)  # no page column yet + write-off
+        self.kept_len = torch.zeros(hkv, dtype=torch.int64, device=dev)
+        self.next_free = torch.ones((), dtype=torch.int64, device=dev)
+        self._read_pages, self._read_longest, self._steps = 1, 0, 0
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -566,34 +584,91 @@ class DMSCacheLayer(CacheLayerMixin):
     def slot_of(self, pos: int) -> int:
         return pos if pos < self.sinks else self.sinks + (pos - self.sinks) % self.window
 
-    def _reserve(self, h: int, need: int) -> None:
-        cap = self.long_k[h].shape[0]
-        if need <= cap:
-            return
-        new = max(need, self.min_block, int(math.ceil(cap * self.growth)))
-        for store in (self.long_k, self.long_v):
-            buf = torch.empty(new, store[h].shape[1], dtype=store[h].dtype, device=store[h].device)
-            buf[:cap] = store[h]
-            store[h] = buf
+    # -- capacity (host) -------------------------------------------------------------------------------
+    def _bounds(self, steps: int) -> tuple[int, int]:
+        """Upper bounds of (pages in use, longest head) after ``steps`` more one-token appends."""
+        k = self._steps + steps
+        return self._read_pages + self.kept_len.shape[0] * -(-k // self.page), self._read_longest + k
 
-    def _append(self, h: int, k: torch.Tensor, v: torch.Tensor, pos: list[int]) -> None:
-        n, m = self.kept_len[h], k.shape[0]
-        self._reserve(h, n + m)
-        self.long_k[h][n:n + m] = k
-        self.long_v[h][n:n + m] = v
-        self.long_pos[h].extend(pos)
-        self.kept_len[h] = n + m
+    def _read_back(self) -> None:
+        self._read_pages, self._read_longest = (int(x) for x in torch.stack([self.next_free,
+                                                                              self.kept_len.max()]).tolist())
+        self._steps = 0
+
+    def _grow(self, pages: int, longest: int) -> None:
+        """Pool of at least ``pages`` pages and a table of at least ``ceil(longest / page)`` columns."""
+        cap = self.pool_k.shape[0]
+        if pages > cap:
+            new = max(pages, math.ceil(cap * self.growth))
+            for name in ("pool_k", "pool_v", "pool_pos"):
+                old = getattr(self, name)
+                buf = old.new_full((new, *old.shape[1:]), -1 if name == "pool_pos" else 0)
+                buf[:cap] = old
+                setattr(self, name, buf)
+        cols, width = -(-longest // self.page), self.table.shape[1] - 1
+        if cols > width:
+            new = max(cols, math.ceil(width * self.growth))
+            buf = torch.zeros(self.table.shape[0], new + 1, dtype=torch.int64, device=self.table.device)
+            buf[:, :width] = self.table[:, :width]
+            self.table = buf
+
+    def _reserve_steps(self, steps: int) -> None:
+        """Room for ``steps`` more one-token appends per head; reads back only when the bounds pass."""
+        pages, longest = self._bounds(steps)
+        if pages <= self.pool_k.shape[0] and -(-longest // self.page) <= self.table.shape[1] - 1:
+            return
+        self._read_back()
+        self._grow(*self._bounds(max(steps, self.lookahead * self.page)))
+
+    # -- the long-range store (device) -----------------------------------------------------------------
+    def _write(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append, per head ``h``, the tokens ``i`` with ``keep[h, i]`` (``keep [Hkv, m]``, ``k/v [Hkv, m, D]``,
+        ``pos [m]``), in order; the capacity must have been reserved."""
+        P = self.page
+        H, m = keep.shape
+        W = self.table.shape[1] - 1
+        idx = torch.where(keep, self.kept_len[:, None] + keep.long().cumsum(1) - 1, 0)  # [H, m]
+        newp = keep & (idx % P == 0)
+        ids = self.next_free + newp.flatten().long().cumsum(0).view(H, m) - 1
+        self.table.scatter_(1, torch.where(newp, idx // P, W), torch.where(newp, ids, 0))
+        page = torch.where(keep, self.table.gather(1, (idx // P).clamp(max=W)), 0).flatten()
+        off = torch.where(keep, idx % P, 0).flatten()
+        self.pool_k.index_put_((page, off), k.reshape(H * m, -1).to(self.pool_k.dtype))
+        self.pool_v.index_put_((page, off), v.reshape(H * m, -1).to(self.pool_v.dtype))
+        self.pool_pos.index_put_((page, off), pos.to(torch.int32).expand(H, m).reshape(-1))
+        self.kept_len += keep.sum(1)
+        self.next_free += newp.sum()
+
+    def extend(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append many tokens at once (a prefill): reads the per-head counts back once and reserves exactly."""
+        lens = self.kept_len.tolist()
+        adds = keep.sum(1).tolist()
+        P = self.page
+        new_pages = sum(-(-(n + a) // P) - -(-n // P) for n, a in zip(lens, adds))
+        self._read_back()
+        self._grow(self._read_pages + new_pages, max(n + a for n, a in zip(lens, adds)))
+        self._write(keep, k, v, pos)
+        self._read_back()
+
+    def long_positions(self) -> list[list[int]]:
+        """Positions of the long-range tokens each head holds, in order (reads the device)."""
+        out = []
+        for h, n in enumerate(self.kept_len.tolist()):
+            i = torch.arange(n, device=self.table.device)
+            out.append(self.pool_pos[self.table[h, i // self.page], i % self.page].tolist())
+        return out
 
     def head_entries(self) -> list[int]:
         """Entries each KV head holds now: sinks and window tokens seen, plus its kept long-range tokens."""
         fixed = min(self.seen, self.sinks + self.window)
-        return [fixed + n for n in self.kept_len] if self.is_initialized else []
+        return [fixed + n for n in self.kept_len.tolist()] if self.is_initialized else []
 
     def nbytes(self) -> int:
-        """Bytes allocated by this layer: the fixed slots and each head's own long-range capacity."""
+        """Bytes allocated by this layer: the fixed slots, the page pool and its tables."""
         if not self.is_initialized:
             return 0
-        ts = [self.fixed_k, self.fixed_v, self.ring_evict, *self.long_k, *self.long_v]
+        ts = [self.fixed_k, self.fixed_v, self.ring_evict, self.pool_k, self.pool_v, self.pool_pos, self.table,
+              self.kept_len]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def kept_bytes(self) -> int:
@@ -604,20 +679,42 @@ class DMSCacheLayer(CacheLayerMixin):
         per = fk.shape[-1] * fk.element_size() + fv.shape[-1] * fv.element_size()
         return per * sum(self.head_entries())
 
+    def attend(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query per query head ``q [Hq, D]`` over what each KV head holds -> ``[Hq, D]`` (q's dtype)."""
+        H, G = self.fixed_k.shape[0], q.shape[0] // self.fixed_k.shape[0]
+        n_fixed = min(self.seen, self.sinks + self.window)
+        qf = q.float().view(H, G, -1)
+        sc = qf @ self.fixed_k[:, :n_fixed].float().transpose(1, 2)  # [H, G, n_fixed]
+        cols = min(-(-self._bounds(0)[1] // self.page), self.table.shape[1] - 1)
+        if cols:
+            pages = self.table[:, :cols]  # every head padded to the longest bound; masked by its length
+            kl = self.pool_k[pages].reshape(H, cols * self.page, -1).float()
+            vl = self.pool_v[pages].reshape(H, cols * self.page, -1).float()
+            valid = torch.arange(cols * self.page, device=q.device) < self.kept_len[:, None]
+            sl = (qf @ kl.transpose(1, 2)).masked_fill(~valid[:, None], float("-inf"))
+            sc = torch.cat([sc, sl], dim=-1)
+        att = torch.softmax(sc * scale, dim=-1)
+        o = att[..., :n_fixed] @ self.fixed_v[:, :n_fixed].float()
+        if cols:
+            o = o + att[..., n_fixed:] @ vl
+        return o.reshape(q.shape[0], -1).to(q.dtype)
+
 
 class DMSCache(Cache):
     """Per-KV-head ragged cache for batch-1 decoding with a DMS-patched model (:func:`patch_dms`).
 
     Each head keeps the sinks, the window and the long-range tokens its gates kept, so heads hold
-    different numbers of tokens (:meth:`head_entries`); memory (:meth:`nbytes`) is the sum of what the
-    heads hold plus each head's spare capacity (at most ``growth - 1`` of its own), never a padded
-    maximum over heads.  Prefill (the first call, several tokens) is the teacher-forced hard-gate forward
-    (``sparse_attention`` with :func:`gate_evict_at`); every later token is one ragged decode step.
+    different numbers of tokens (:meth:`head_entries`); the long-range tokens live in pages of ``page``
+    tokens (:class:`DMSCacheLayer`), so memory (:meth:`nbytes`) is what the heads hold plus at most
+    ``page - 1`` slots per head and a spare pool of at most ``growth - 1`` of the pages in use or
+    ``lookahead`` pages per head, never a padded maximum over heads.  Prefill (the first call, several
+    tokens) is the teacher-forced hard-gate forward (``sparse_attention`` with :func:`gate_evict_at`);
+    every later token is one decode step over all heads at once, which reads nothing back to the host.
     ``threshold`` overrides the model's ``DMSConfig.threshold``.
     """
 
     def __init__(self, model: Any = None, *, config: DMSConfig | None = None, num_layers: int | None = None,
-                 threshold: float | None = None):
+                 threshold: float | None = None, page: int = 16, lookahead: int = 4):
         if config is None and model is not None:
             config = getattr(model, "dms_config", None)
         if config is None:
@@ -628,8 +725,8 @@ class DMSCache(Cache):
             num_layers = model.config.get_text_config().num_hidden_layers
         self.dms_config = config
         thr = config.threshold if threshold is None else float(threshold)
-        super().__init__(layers=[DMSCacheLayer(sinks=config.sinks, window=config.window, threshold=thr)
-                                 for _ in range(num_layers)])
+        super().__init__(layers=[DMSCacheLayer(sinks=config.sinks, window=config.window, threshold=thr, page=page,
+                                               lookahead=lookahead) for _ in range(num_layers)])
 
     def head_entries(self) -> torch.Tensor:
         """Entries held per layer and KV head, int64 ``[num_layers, Hkv]``."""
@@ -680,43 +777,28 @@ def _prefill(layer: DMSCacheLayer, query, key, value, evict, scale) -> torch.Ten
         layer.fixed_v[:, slots] = vv[:, win]
         layer.ring_evict[:, slots - s] = evict[:, win]
     left = torch.arange(s, max(s, S - w), device=kk.device)  # tokens that have left the window
-    for h in range(kk.shape[0]):
-        keep = left[~evict[h, left]]
-        if keep.numel():
-            layer._append(h, kk[h, keep], vv[h, keep], keep.tolist())
+    if left.numel():
+        layer.extend(~evict[:, left], kk[:, left], vv[:, left], left)
     layer.seen = S
     return out.transpose(1, 2)
 
 
 def _decode(layer: DMSCacheLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, evict: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """One token at position ``layer.seen``: ``q [Hq, D]``, ``k/v [Hkv, D]``, ``evict [Hkv]`` -> ``[Hq, D]``."""
+    """One token at position ``layer.seen``: ``q [Hq, D]``, ``k/v [Hkv, D]``, ``evict [Hkv]`` -> ``[Hq, D]``.
+    No value is read back to the host (but for a rare capacity check, :class:`DMSCacheLayer`)."""
     s, w = layer.sinks, layer.window
     p = layer.seen
     slot = layer.slot_of(p)
     if p >= s + w:  # token p - w leaves the window now: the heads that kept it store it
-        leaving_keep = (~layer.ring_evict[:, slot - s]).tolist()
-        for h, keep in enumerate(leaving_keep):
-            if keep:
-                layer._append(h, layer.fixed_k[h, slot:slot + 1], layer.fixed_v[h, slot:slot + 1], [p - w])
+        layer._reserve_steps(1)
+        pos = torch.full((1,), p - w, dtype=torch.int64, device=k.device)
+        layer._write(~layer.ring_evict[:, slot - s, None], layer.fixed_k[:, slot:slot + 1],
+                     layer.fixed_v[:, slot:slot + 1], pos)
+        layer._steps += 1
     layer.fixed_k[:, slot] = k
     layer.fixed_v[:, slot] = v
     if p >= s:
         layer.ring_evict[:, slot - s] = evict
     layer.seen = p + 1
-    n_fixed = min(p + 1, s + w)
-    Hkv = k.shape[0]
-    G = q.shape[0] // Hkv
-    outs = []
-    for h in range(Hkv):  # ragged: every head attends over its own number of keys
-        qh = q[h * G:(h + 1) * G].float()
-        sc = qh @ layer.fixed_k[h, :n_fixed].float().T
-        n = layer.kept_len[h]
-        if n:
-            sc = torch.cat([sc, qh @ layer.long_k[h][:n].float().T], dim=-1)
-        att = torch.softmax(sc * scale, dim=-1)
-        o = att[:, :n_fixed] @ layer.fixed_v[h, :n_fixed].float()
-        if n:
-            o = o + att[:, n_fixed:] @ layer.long_v[h][:n].float()
-        outs.append(o.to(q.dtype))
-    return torch.cat(outs, dim=0)
+    return layer.attend(q, scale)

@@ -181,24 +181,73 @@ def test_ragged_cache_prefill_and_decoding_equal_the_teacher_forced_forward(prom
         ev = la.last_logits[0] > 0
         kept = [(~ev[h, s:S - w]).sum().item() for h in range(ev.shape[0])]
         assert ent[li].tolist() == [s + w + n for n in kept]
-        assert cache.layers[li].long_pos == [[t for t in range(s, S - w) if not ev[h, t]] for h in range(ev.shape[0])]
+        want = [[t for t in range(s, S - w) if not ev[h, t]] for h in range(ev.shape[0])]
+        assert cache.layers[li].long_positions() == want
 
 
-def test_ragged_cache_memory_is_what_the_heads_keep():
+@pytest.mark.parametrize("page,lookahead", [(16, 4), (4, 1), (1, 2)])
+def test_ragged_cache_memory_is_what_the_heads_keep(page, lookahead):
     model = _gated(tiny_model(), seed=3)
     ids = torch.randint(0, 128, (1, 120))
     with torch.no_grad():
-        cache = D.DMSCache(model)
+        cache = D.DMSCache(model, page=page, lookahead=lookahead)
         model(ids, **{cache_kwarg_name(): cache})
-        for i in range(40):
+        for i in range(60):
             model(torch.randint(0, 128, (1, 1)), **{cache_kwarg_name(): cache})
     ent = cache.head_entries()
     assert ent.unique().numel() > 1, "the heads keep different numbers of tokens"
     per_token = 2 * 32 * 4  # key + value, head_dim 32, float32
     assert cache.kept_bytes() == int(ent.sum()) * per_token
-    padded = ent.shape[0] * ent.shape[1] * int(ent.max()) * per_token
-    assert cache.kept_bytes() <= cache.nbytes() < padded
-    assert cache.nbytes() <= 1.3 * cache.kept_bytes() + ent.numel() * 16 * per_token
+    for la, e in zip(cache.layers, ent.tolist()):
+        H, fixed = len(e), min(la.seen, la.sinks + la.window)
+        kept = [n - fixed for n in e]
+        # pages in use: one per started page of each head, plus the scratch page
+        used = 1 + sum(-(-n // page) for n in kept)
+        assert int(la.next_free) == used
+        # the pool: at most `growth` x (pages in use + lookahead pages per head), + 1 for rounding up
+        assert used <= la.pool_k.shape[0] <= la.growth * (used + H * lookahead) + 1
+        # the table: one column per page of the longest head, grown by `growth`, + the write-off column
+        assert la.table.shape[1] - 1 <= la.growth * -(-(max(kept) + lookahead * page) // page) + 1
+        # each head's pages are its own: no page is listed by two heads
+        owned = torch.cat([la.table[h, :-(-n // page)] for h, n in enumerate(kept)])
+        assert owned.unique().numel() == owned.numel() and int(owned.min()) >= 1
+
+
+def test_ragged_cache_memory_follows_the_heads_not_the_longest():
+    """One head keeps every token, the other none: the cache holds about one head's worth (and the spare pool), where a
+    cache padded to the longest head would hold two."""
+    model = _gated(tiny_model(), seed=3)
+    with torch.no_grad():
+        for la in D.dms_layers(model):
+            la.gate.weight.zero_()
+            la.gate.bias.copy_(torch.tensor([-10.0, 10.0]))  # head 0 keeps all, head 1 evicts all
+        ids = torch.randint(0, 128, (1, 600))
+        cache = D.DMSCache(model)
+        model(ids[:, :500], **{cache_kwarg_name(): cache})
+        for i in range(500, 600):
+            model(ids[:, i:i + 1], **{cache_kwarg_name(): cache})
+    assert cache.head_entries().tolist() == [[600, 8], [600, 8]]
+    per_token = 2 * 32 * 4
+    padded = 2 * 2 * 600 * per_token
+    assert cache.nbytes() < 0.75 * padded, (cache.nbytes(), padded)  # 0.69: pages + the spare pool
+
+
+def test_decode_step_reads_nothing_back_between_capacity_checks(monkeypatch):
+    """A decode step syncs with the host only when its capacity bounds could pass: with 16-token pages
+    and room reserved for 4 pages per head, at most one read-back every 64 steps of a layer."""
+    model = _gated(tiny_model(), seed=3)
+    ids = torch.randint(0, 128, (1, 40))
+    reads = []
+    orig = D.DMSCacheLayer._read_back
+    monkeypatch.setattr(D.DMSCacheLayer, "_read_back", lambda self: (reads.append(self.seen), orig(self))[1])
+    with torch.no_grad():
+        cache = D.DMSCache(model, page=16, lookahead=4)
+        model(ids, **{cache_kwarg_name(): cache})
+        n_prefill = len(reads)
+        for i in range(200):
+            model(torch.randint(0, 128, (1, 1)), **{cache_kwarg_name(): cache})
+    decode_reads = len(reads) - n_prefill
+    assert 0 < decode_reads <= 2 * -(-200 // 64), reads
 
 
 def test_generate_decodes_through_a_dms_cache():
