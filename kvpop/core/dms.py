@@ -279,12 +279,17 @@ def dms_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if not isinstance(layer, DMSLayer):
         raise RuntimeError(f"attention implementation {DMS_ATTN_NAME!r} is set but {type(module).__name__} carries "
                            f"no DMSLayer: use kvpop.core.dms.patch_dms(model)")
-    if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask.bool().all())):
+    hidden, layer.hidden = layer.hidden, None
+    cache, layer.active_cache = layer.active_cache, None
+    # the mask is checked once per sequence: a DMSCache past its prefill only appends real tokens (and
+    # the check reads the mask back to the host, which a decode step must not)
+    decoding = (isinstance(cache, DMSCache) and module.layer_idx < len(cache.layers)
+                and cache.layers[module.layer_idx].seen > 0)
+    if attention_mask is not None and not decoding and (attention_mask.dim() != 2
+                                                         or not bool(attention_mask.bool().all())):
         raise ValueError("DMS attention supports no padding or custom masks; pass equal-length rows or batch 1")
     if dropout:
         raise ValueError(f"DMS attention has no attention dropout; got dropout={dropout}")
-    hidden, layer.hidden = layer.hidden, None
-    cache, layer.active_cache = layer.active_cache, None
     if hidden is None or hidden.shape[:2] != (query.shape[0], query.shape[2]):
         raise RuntimeError(f"DMS: the input of attention layer {layer.layer_idx} was not captured "
                            f"(got {None if hidden is None else tuple(hidden.shape)})")

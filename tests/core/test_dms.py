@@ -1,4 +1,5 @@
 """DMS, the learned baseline: gate relaxation, delayed-eviction mask, ragged cache, patching, training."""
+import copy
 import math
 
 import pytest
@@ -248,6 +249,59 @@ def test_decode_step_reads_nothing_back_between_capacity_checks(monkeypatch):
             model(torch.randint(0, 128, (1, 1)), **{cache_kwarg_name(): cache})
     decode_reads = len(reads) - n_prefill
     assert 0 < decode_reads <= 2 * -(-200 // 64), reads
+
+
+def test_decode_step_never_reads_the_device_outside_its_capacity_check(monkeypatch):
+    """Between capacity checks a decode step (append + attention of all heads) reads no tensor value
+    back: every host read of a tensor raises here unless it comes from ``_read_back``."""
+    model = _gated(tiny_model(), seed=3)
+    with torch.no_grad():
+        cache = D.DMSCache(model, page=4, lookahead=2)
+        model(torch.randint(0, 128, (1, 30)), **{cache_kwarg_name(): cache})
+    layer = cache.layers[0]
+    ref = copy.deepcopy(layer)
+    inside = []
+    orig_read = D.DMSCacheLayer._read_back
+
+    def read_back(self):
+        inside.append(True)
+        try:
+            return orig_read(self)
+        finally:
+            inside.pop()
+
+    def forbid(name):
+        orig = getattr(torch.Tensor, name)
+
+        def f(self, *a, **k):
+            if not inside:
+                raise AssertionError(f"host read Tensor.{name} in a decode step")
+            return orig(self, *a, **k)
+        return f
+
+    g = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(4, 32, generator=g), torch.randn(2, 32, generator=g), torch.randn(2, 32, generator=g),
+              torch.rand(2, generator=g) < 0.5) for _ in range(40)]
+    with monkeypatch.context() as mp:
+        mp.setattr(D.DMSCacheLayer, "_read_back", read_back)
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+            mp.setattr(torch.Tensor, name, forbid(name))
+        outs = [D._decode(layer, q, k, v, ev, 0.2) for q, k, v, ev in steps]
+    # the same steps with host reads allowed give the same outputs and the same store
+    for (q, k, v, ev), out in zip(steps, outs):
+        torch.testing.assert_close(out, D._decode(ref, q, k, v, ev, 0.2))
+    assert layer.long_positions() == ref.long_positions()
+
+
+def test_dms_rejects_padding():
+    model = _gated(tiny_model())
+    ids = torch.randint(0, 128, (1, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="no padding"):
+        model(ids, attention_mask=mask)
+    with torch.no_grad(), pytest.raises(ValueError, match="no padding"):
+        model(ids, attention_mask=mask, **{cache_kwarg_name(): D.DMSCache(model)})
 
 
 def test_generate_decodes_through_a_dms_cache():
