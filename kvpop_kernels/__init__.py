@@ -8,6 +8,7 @@ This package never imports transformers.
 from ._utils import NEVER
 from .decode import fixed_budget_decode
 from .future_target import future_attention_target
+from .paged_decode import ragged_paged_decode
 from .schedule import eviction_decisions, eviction_schedule
 from .sparse_attention import sparse_attention
 
@@ -18,4 +19,5 @@ __all__ = [
     "future_attention_target",
     "sparse_attention",
     "fixed_budget_decode",
+    "ragged_paged_decode",
 ]

@@ -95,6 +95,17 @@ def check_int(name: str, value: object, *, minimum: int) -> int:
     return value
 
 
+def check_split_options(num_splits: object, block_n: object) -> None:
+    """The Triton decode launchers' options: ``num_splits`` an int >= 1 or None, ``block_n`` a power of
+    two >= 16 or None."""
+    if num_splits is not None:
+        check_int("num_splits", num_splits, minimum=1)
+    if block_n is not None:
+        check_int("block_n", block_n, minimum=16)
+        if block_n & (block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+
+
 def check_gqa(hq: int, hkv: int) -> int:
     """Return the group size ``G = Hq // Hkv`` or raise when ``Hq`` is not a multiple of ``Hkv``."""
     if hkv < 1 or hq % hkv != 0:

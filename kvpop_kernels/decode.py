@@ -63,7 +63,16 @@ import math
 
 import torch
 
-from ._utils import check_gqa, check_int, check_tensor, default_scale, empty, interpreting, use_triton
+from ._utils import (
+    check_gqa,
+    check_int,
+    check_split_options,
+    check_tensor,
+    default_scale,
+    empty,
+    interpreting,
+    use_triton,
+)
 
 try:
     import triton
@@ -93,6 +102,29 @@ float16, whose numpy arithmetic is real; bfloat16 arithmetic is wrong in the int
 if triton is not None:
     _INT32_MAX_C = tl.constexpr(_INT32_MAX)
     _LN2_C = tl.constexpr(math.log(2.0))
+
+    @triton.jit
+    def _online_softmax_tile(q, k, v, valid, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr):
+        """One tile of keys ``k, v [BLOCK_N, BLOCK_D]`` (``valid [BLOCK_N]``) for the query tile ``q``:
+        the base-2 online-softmax update of ``(m_i, l_i, acc)`` in float32 (``qk_scale`` has log2(e)
+        folded in).  ``UPCAST``: float32 operands and an ieee ``tl.dot``, else 16-bit operands."""
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
     def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, LP, POS, MID_O, MID_L, DST,
@@ -178,24 +210,7 @@ if triton is not None:
             kv_mask = valid[:, None] & d_ok[None, :]
             k = tl.load(kc + nn[:, None].to(tl.int64) * s_kc_b + d[None, :] * s_kc_d, mask=kv_mask, other=0.0)
             v = tl.load(vc + nn[:, None].to(tl.int64) * s_vc_b + d[None, :] * s_vc_d, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if UPCAST:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, qk_scale, m_i, l_i, acc, UPCAST)
 
         # -- 4. partial output and natural-log LSE of this split (-inf / 0 for an empty chunk)
         nonempty = l_i > 0
@@ -207,20 +222,10 @@ if triton is not None:
         tl.store(MID_L + mrow, lse, mask=g_ok)
 
     @triton.jit
-    def _decode_stage2(MID_O, MID_L, OUT, LSE, DST, LP, KN, VN, KC, VC, SP, PR, POS,
-                       s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
-                       s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
-                       HKV, D, NS, SINKS, WINDOW,
-                       G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        qh = tl.program_id(0)  # one program per query head of every batch row (batch-flat)
-        row = qh // G  # its (batch row, KV head), flattened
-        n64 = (row // HKV).to(tl.int64)
-        h64 = (row % HKV).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < D
-
-        # -- LSE merge of the splits (natural log), BLOCK_S splits per vector step
-        row0 = qh.to(tl.int64) * NS
+    def _merge_splits(MID_O, MID_L, row0, NS, D, d, d_ok, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Online-softmax merge of ``NS`` normalised partial outputs ``MID_O[row0 + i, :D]`` with their
+        natural-log LSEs ``MID_L[row0 + i]`` (``-inf`` for an empty split), ``BLOCK_S`` splits per vector
+        step -> ``(out [BLOCK_D], lse)``; zeros and ``-inf`` when every split is empty."""
         m_i = float("-inf")
         l_i = 0.0
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -238,8 +243,25 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(beta, axis=0)
             m_i = m_new
         l_div = tl.where(l_i > 0, l_i, 1.0)
-        tl.store(OUT + qh.to(tl.int64) * D + d, (acc / l_div).to(OUT.dtype.element_ty), mask=d_ok)
-        tl.store(LSE + qh, m_i + tl.log(l_div))
+        return acc / l_div, m_i + tl.log(l_div)
+
+    @triton.jit
+    def _decode_stage2(MID_O, MID_L, OUT, LSE, DST, LP, KN, VN, KC, VC, SP, PR, POS,
+                       s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
+                       s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
+                       HKV, D, NS, SINKS, WINDOW,
+                       G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        qh = tl.program_id(0)  # one program per query head of every batch row (batch-flat)
+        row = qh // G  # its (batch row, KV head), flattened
+        n64 = (row // HKV).to(tl.int64)
+        h64 = (row % HKV).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+
+        # -- LSE merge of the splits (natural log)
+        o, lse = _merge_splits(MID_O, MID_L, qh.to(tl.int64) * NS, NS, D, d, d_ok, BLOCK_S, BLOCK_D)
+        tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
+        tl.store(LSE + qh, lse)
 
         # -- the cache update of KV head h, by its first query head's program only: no other
         #    program of this launch touches these slots, and stage 1 (which read them) is done
@@ -552,12 +574,7 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     if not isinstance(pos, torch.Tensor):
         pos = torch.full((q.shape[0],), pos, dtype=torch.int64, device=q.device)
     if use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio):
-        if num_splits is not None:
-            check_int("num_splits", num_splits, minimum=1)
-        if block_n is not None:
-            check_int("block_n", block_n, minimum=16)
-            if block_n & (block_n - 1):
-                raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+        check_split_options(num_splits, block_n)
         out, lse = _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
                                   sinks=sinks, window=window, scale=scale, num_splits=num_splits,
                                   block_n=block_n)

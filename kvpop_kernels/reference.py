@@ -35,6 +35,7 @@ __all__ = [
     "sparse_attention",
     "dense_causal_attention",
     "fixed_budget_decode",
+    "ragged_paged_decode",
 ]
 
 
@@ -226,3 +227,34 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     lse = torch.logsumexp(logits, dim=-1)
     out = torch.einsum("hb,hbd->hd", torch.softmax(logits, dim=-1), vv)
     return out.to(q.dtype), lse.float()
+
+
+def ragged_paged_decode(q: torch.Tensor, fixed_k: torch.Tensor, fixed_v: torch.Tensor, n_fixed: int,
+                        pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, *,
+                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per query head over each KV head's own keys: head ``h`` holds ``fixed_k[h, :n_fixed]``
+    and then its ``lengths[h]`` long-range tokens, token ``i`` at ``pool_k[table[h, i // P], i % P]``
+    (``P = pool_k.shape[1]``).  Query head ``g`` reads KV head ``g // (Hq // Hkv)``.  Returns
+    ``(out [Hq, D] in q's dtype, lse float32 [Hq])``; a head with no key gives zeros and ``-inf``."""
+    Hq, D = q.shape
+    Hkv = fixed_k.shape[0]
+    G = Hq // Hkv
+    P = pool_k.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.zeros(Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((Hq,), float("-inf"), dtype=torch.float32, device=q.device)
+    for h in range(Hkv):
+        keys = [fixed_k[h, j].float() for j in range(n_fixed)]
+        vals = [fixed_v[h, j].float() for j in range(n_fixed)]
+        for i in range(int(lengths[h])):
+            page = int(table[h, i // P])
+            keys.append(pool_k[page, i % P].float())
+            vals.append(pool_v[page, i % P].float())
+        if not keys:
+            continue
+        kk, vv = torch.stack(keys), torch.stack(vals)
+        for g in range(h * G, (h + 1) * G):
+            logits = kk @ q[g].float() * scale
+            lse[g] = torch.logsumexp(logits, dim=0)
+            out[g] = torch.softmax(logits, dim=0) @ vv
+    return out.to(q.dtype), lse

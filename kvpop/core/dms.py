@@ -685,24 +685,14 @@ class DMSCacheLayer(CacheLayerMixin):
         return per * sum(self.head_entries())
 
     def attend(self, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query per query head ``q [Hq, D]`` over what each KV head holds -> ``[Hq, D]`` (q's dtype)."""
-        H, G = self.fixed_k.shape[0], q.shape[0] // self.fixed_k.shape[0]
+        """One query per query head ``q [Hq, D]`` over what each KV head holds -> ``[Hq, D]`` (q's dtype):
+        ``kvpop_kernels.ragged_paged_decode`` (each head costs its own length on the Triton path), over
+        the table's columns up to the host's bound of the longest head."""
         n_fixed = min(self.seen, self.sinks + self.window)
-        qf = q.float().view(H, G, -1)
-        sc = qf @ self.fixed_k[:, :n_fixed].float().transpose(1, 2)  # [H, G, n_fixed]
         cols = min(-(-self._bounds(0)[1] // self.page), self.table.shape[1] - 1)
-        if cols:
-            pages = self.table[:, :cols]  # every head padded to the longest bound; masked by its length
-            kl = self.pool_k[pages].reshape(H, cols * self.page, -1).float()
-            vl = self.pool_v[pages].reshape(H, cols * self.page, -1).float()
-            valid = torch.arange(cols * self.page, device=q.device) < self.kept_len[:, None]
-            sl = (qf @ kl.transpose(1, 2)).masked_fill(~valid[:, None], float("-inf"))
-            sc = torch.cat([sc, sl], dim=-1)
-        att = torch.softmax(sc * scale, dim=-1)
-        o = att[..., :n_fixed] @ self.fixed_v[:, :n_fixed].float()
-        if cols:
-            o = o + att[..., n_fixed:] @ vl
-        return o.reshape(q.shape[0], -1).to(q.dtype)
+        out, _ = kvpop_kernels.ragged_paged_decode(q, self.fixed_k, self.fixed_v, n_fixed, self.pool_k, self.pool_v,
+                                                   self.table[:, :cols], self.kept_len, scale=scale)
+        return out
 
 
 class DMSCache(Cache):

@@ -214,6 +214,28 @@ def test_ragged_cache_memory_is_what_the_heads_keep(page, lookahead):
         assert owned.unique().numel() == owned.numel() and int(owned.min()) >= 1
 
 
+def test_ragged_cache_decodes_through_the_triton_kernel(monkeypatch):
+    """The same equality with the decode steps on the Triton path (``ragged_paged_decode`` through the
+    interpreter: each head attends over its own pages)."""
+    import kvpop_kernels.paged_decode as pd
+
+    model = _gated(tiny_model())
+    ids = torch.randint(0, 128, (1, 40))
+    calls = []
+    orig = pd._triton_paged
+    monkeypatch.setattr(pd, "_triton_paged", lambda *a, **k: (calls.append(1), orig(*a, **k))[1])
+    with torch.no_grad():
+        ref = model(ids).logits
+        cache = D.DMSCache(model, page=4)
+        kw = {"use_cache": True, cache_kwarg_name(): cache}
+        outs = [model(ids[:, :9], **kw).logits]
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        for i in range(9, ids.shape[1]):
+            outs.append(model(ids[:, i:i + 1], **kw).logits)
+    assert len(calls) == 2 * (ids.shape[1] - 9)  # every layer's every step
+    torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_ragged_cache_memory_follows_the_heads_not_the_longest():
     """One head keeps every token, the other none: the cache holds about one head's worth (and the spare pool), where a
     cache padded to the longest head would hold two."""

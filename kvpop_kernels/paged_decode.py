@@ -1,0 +1,261 @@
+"""``ragged_paged_decode``: one decode query per query head over per-KV-head ragged, paged stores.
+
+The attention of DMS's cache (``kvpop.core.dms.DMSCacheLayer``), where every KV head holds its own
+number of tokens.  KV head ``h`` attends over
+
+* the first ``n_fixed`` slots of ``fixed_k[h] / fixed_v[h]`` (sinks and window: the same count for
+  every head), then
+* its ``lengths[h]`` long-range tokens, token ``i`` at ``pool[table[h, i // P], i % P]`` (pages of
+  ``P`` tokens from a pool that the heads share; ``table`` is the per-head page table).
+
+Semantics: ``reference.ragged_paged_decode``.  Reads only (the cache's appends are the caller's).
+
+Triton (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): stage 1, grid ``(Hkv,
+num_splits)``, program ``(h, i)`` reads ``lengths[h]`` on the device and takes the ``i``-th of
+``num_splits`` equal chunks (whole ``block_n`` tiles) of *its own head's* ``n_fixed + lengths[h]``
+keys, so a head costs its own length, never the longest head's (a padded layout pays the longest
+for every head).  Each tile loads its keys through the page table (one masked load from the fixed
+part, one from the pool) and runs the group's ``G`` queries as one ``[G_PAD, D]`` ``tl.dot`` tile,
+base-2 online softmax in float32 (``decode._online_softmax_tile``, shared with
+``fixed_budget_decode``'s stage 1); it writes a normalised
+partial output and its LSE.  Stage 2, grid ``(Hq,)``: the LSE merge of the splits
+(``decode._merge_splits``, shared with ``fixed_budget_decode``).  No value goes back to the host, so
+the launch depends on no data (``num_splits`` is planned from the table's width, a shape).
+
+PyTorch path (other CPU tensors): every head gathered to the table's full width and masked by its
+length (compute padded to the table, memory untouched), vectorised over heads.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import decode as _decode
+from ._utils import (
+    check_gqa,
+    check_int,
+    check_split_options,
+    check_tensor,
+    default_scale,
+    empty,
+    interpreting,
+    use_triton,
+)
+from .decode import _CACHE_DTYPES, _LOG2E, _sm_count
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .decode import _merge_splits, _online_softmax_tile
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+
+__all__ = ["ragged_paged_decode"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+if triton is not None:
+    _LN2 = tl.constexpr(0.6931471805599453)
+
+    @triton.jit
+    def _paged_stage1(Q, FK, FV, PK, PV, TAB, LEN, MID_O, MID_L,
+                      s_fk_h, s_fk_n, s_fk_d, s_fv_h, s_fv_n, s_fv_d,
+                      s_pk_p, s_pk_n, s_pk_d, s_pv_p, s_pv_n, s_pv_d, s_tab_h, s_tab_w,
+                      N_FIXED, D, PAGE, NS, qk_scale,
+                      G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      UPCAST: tl.constexpr):
+        h = tl.program_id(0)
+        split = tl.program_id(1)
+        h64 = h.to(tl.int64)
+        total = N_FIXED + tl.load(LEN + h).to(tl.int32)  # this head's own number of keys
+        chunk = tl.cdiv(tl.cdiv(total, NS), BLOCK_N) * BLOCK_N
+        start = split * chunk
+        end = tl.minimum(start + chunk, total)
+        g = tl.arange(0, G_PAD)
+        g_ok = g < G
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        qh = h64 * G + g  # query heads of this KV head (HF repeat_kv order)
+        q = tl.load(Q + qh[:, None] * D + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        fk = FK + h64 * s_fk_h
+        fv = FV + h64 * s_fv_h
+        tab = TAB + h64 * s_tab_h
+        m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            ok = j < end
+            fixed = ok & (j < N_FIXED)
+            paged = ok & (j >= N_FIXED)
+            i = tl.maximum(j - N_FIXED, 0)
+            page = tl.load(tab + (i // PAGE) * s_tab_w, mask=paged, other=0).to(tl.int64)
+            off = (i % PAGE).to(tl.int64)
+            jf = j.to(tl.int64)
+            fmask = fixed[:, None] & d_ok[None, :]
+            pmask = paged[:, None] & d_ok[None, :]
+            k = (tl.load(fk + jf[:, None] * s_fk_n + d[None, :] * s_fk_d, mask=fmask, other=0.0)
+                 + tl.load(PK + page[:, None] * s_pk_p + off[:, None] * s_pk_n + d[None, :] * s_pk_d, mask=pmask,
+                           other=0.0))
+            v = (tl.load(fv + jf[:, None] * s_fv_n + d[None, :] * s_fv_d, mask=fmask, other=0.0)
+                 + tl.load(PV + page[:, None] * s_pv_p + off[:, None] * s_pv_n + d[None, :] * s_pv_d, mask=pmask,
+                           other=0.0))
+            m_i, l_i, acc = _online_softmax_tile(q, k, v, ok, qk_scale, m_i, l_i, acc, UPCAST)
+        nonempty = l_i > 0
+        l_div = tl.where(nonempty, l_i, 1.0)
+        lse = tl.where(nonempty, (m_i + tl.log2(l_div)) * _LN2, float("-inf"))
+        mrow = qh * NS + split
+        tl.store(MID_O + mrow[:, None] * D + d[None, :], acc / l_div[:, None], mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(MID_L + mrow, lse, mask=g_ok)
+
+    @triton.jit
+    def _paged_stage2(MID_O, MID_L, OUT, LSE, D, NS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        qh = tl.program_id(0)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        o, lse = _merge_splits(MID_O, MID_L, qh.to(tl.int64) * NS, NS, D, d, d_ok, BLOCK_S, BLOCK_D)
+        tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
+        tl.store(LSE + qh, lse)
+
+
+def _plan(Hkv: int, max_keys: int, block_n: int, num_splits: int | None, device: torch.device) -> int:
+    if num_splits is not None:
+        return num_splits
+    target = 2 * _sm_count(device) if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(max(max_keys, 1), block_n), triton.cdiv(target, Hkv)))
+
+
+def _triton_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, *, scale, num_splits, block_n):
+    Hq, D = q.shape
+    Hkv = fixed_k.shape[0]
+    P = pool_k.shape[1]
+    dev = q.device
+    upcast = q.dtype == torch.float32 or (interpreting() and not _decode._NATIVE_DOT_IN_INTERPRETER)
+    if block_n is None:
+        block_n = 32 if dev.type == "cuda" else 64
+    num_warps = 4 if (not upcast or dev.type != "cuda") and D <= 128 else 8
+    block_d = max(16, triton.next_power_of_2(D))
+    ns = _plan(Hkv, n_fixed + table.shape[1] * P, block_n, num_splits, dev)
+    q_c = q.contiguous()
+    lens = lengths.contiguous()
+    # a zero-size tensor has no usable pointer: a one-page dummy pool / table (never read: lengths 0)
+    if pool_k.shape[0] == 0 or table.shape[1] == 0:
+        pool_k = pool_v = torch.zeros(1, max(P, 1), D, dtype=q.dtype, device=dev)
+        table = torch.zeros(Hkv, 1, dtype=torch.int64, device=dev)
+    if fixed_k.shape[1] == 0:
+        fixed_k = fixed_v = torch.zeros(Hkv, 1, D, dtype=q.dtype, device=dev)
+    mid_o = empty((Hq, ns, D), dtype=torch.float32, device=dev)
+    mid_l = empty((Hq, ns), dtype=torch.float32, device=dev)
+    out = empty((Hq, D), dtype=q.dtype, device=dev)
+    lse = empty((Hq,), dtype=torch.float32, device=dev)
+    _paged_stage1[(Hkv, ns)](
+        q_c, fixed_k, fixed_v, pool_k, pool_v, table, lens, mid_o, mid_l,
+        *fixed_k.stride(), *fixed_v.stride(), *pool_k.stride(), *pool_v.stride(), *table.stride(),
+        n_fixed, D, P, ns, scale * _LOG2E,
+        G=Hq // Hkv, G_PAD=max(16, triton.next_power_of_2(Hq // Hkv)), BLOCK_D=block_d, BLOCK_N=block_n,
+        UPCAST=upcast, num_warps=num_warps, num_stages=2,
+    )
+    _paged_stage2[(Hq,)](mid_o, mid_l, out, lse, D, ns, BLOCK_S=min(32, triton.next_power_of_2(ns)),
+                         BLOCK_D=block_d, num_warps=4)
+    return out, lse
+
+
+@torch.no_grad()
+def _torch_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, *, scale):
+    Hq, D = q.shape
+    Hkv = fixed_k.shape[0]
+    G = Hq // Hkv
+    P = pool_k.shape[1]
+    qf = q.float().view(Hkv, G, D)
+    keys = [fixed_k[:, :n_fixed].float()]
+    vals = [fixed_v[:, :n_fixed].float()]
+    valid = [torch.ones(Hkv, n_fixed, dtype=torch.bool, device=q.device)]
+    W = table.shape[1]
+    if W and pool_k.shape[0]:
+        pages = table.long().clamp(0, pool_k.shape[0] - 1)  # entries past a head's pages: any value
+        ok = torch.arange(W * P, device=q.device) < lengths.long()[:, None]
+        keys.append(pool_k[pages].reshape(Hkv, W * P, D).float())
+        vals.append(pool_v[pages].reshape(Hkv, W * P, D).float().masked_fill(~ok[..., None], 0.0))
+        valid.append(ok)
+    k, v, ok = torch.cat(keys, 1), torch.cat(vals, 1), torch.cat(valid, 1)
+    sc = (qf @ k.transpose(1, 2)).mul_(scale).masked_fill_(~ok[:, None], float("-inf"))  # [Hkv, G, n]
+    lse = torch.logsumexp(sc, dim=-1)  # -inf for a head with no key
+    p = torch.exp(sc - lse.nan_to_num(neginf=0.0)[..., None])
+    out = p @ v
+    return out.reshape(Hq, D).to(q.dtype), lse.reshape(Hq)
+
+
+def _check(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths):
+    check_tensor("q", q, 2)
+    check_tensor("fixed_k", fixed_k, 3)
+    check_tensor("fixed_v", fixed_v, 3)
+    check_tensor("pool_k", pool_k, 3)
+    check_tensor("pool_v", pool_v, 3)
+    check_tensor("table", table, 2, dtypes=_INDEX_DTYPES)
+    check_tensor("lengths", lengths, 1, dtypes=_INDEX_DTYPES)
+    if q.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, x in (("fixed_k", fixed_k), ("fixed_v", fixed_v), ("pool_k", pool_k), ("pool_v", pool_v)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype} (cast one of them)")
+    Hq, D = q.shape
+    Hkv, F, _ = fixed_k.shape
+    check_gqa(Hq, Hkv)
+    if tuple(fixed_k.shape) != (Hkv, F, D) or tuple(fixed_v.shape) != (Hkv, F, D):
+        raise ValueError(f"fixed_k and fixed_v must both be [Hkv, F, D] with D = q.shape[-1] = {D}, got "
+                         f"{tuple(fixed_k.shape)} and {tuple(fixed_v.shape)}")
+    check_int("n_fixed", n_fixed, minimum=0)
+    if n_fixed > F:
+        raise ValueError(f"n_fixed must be <= fixed_k.shape[1] = {F}, got {n_fixed}")
+    Np, P, Dp = pool_k.shape
+    if P < 1 or Dp != D or tuple(pool_v.shape) != (Np, P, D):
+        raise ValueError(f"pool_k and pool_v must both be [pages, P >= 1, D] with D = {D}, got "
+                         f"{tuple(pool_k.shape)} and {tuple(pool_v.shape)}")
+    if table.shape[0] != Hkv or tuple(lengths.shape) != (Hkv,):
+        raise ValueError(f"table must be [Hkv, W] and lengths [Hkv] with Hkv = {Hkv}, got {tuple(table.shape)} and "
+                         f"{tuple(lengths.shape)}")
+
+
+def ragged_paged_decode(q: torch.Tensor, fixed_k: torch.Tensor, fixed_v: torch.Tensor, n_fixed: int,
+                        pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, *,
+                        scale: float | None = None, num_splits: int | None = None, block_n: int | None = None,
+                        validate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per query head over what each KV head holds, ragged over heads and paged.
+
+    Args:
+        q: ``[Hq, D]`` float16/bfloat16/float32 (rotated), ``Hq`` a multiple of ``Hkv``; query head
+            ``g`` belongs to KV head ``g // (Hq // Hkv)``.
+        fixed_k, fixed_v: ``[Hkv, F, D]`` q's dtype; the first ``n_fixed`` slots of every head are keys.
+        n_fixed: ``0 <= n_fixed <= F``.
+        pool_k, pool_v: ``[pages, P, D]`` q's dtype: the shared page pool.
+        table: ``[Hkv, W]`` int32/int64 page table (any strides); entries ``table[h, :ceil(lengths[h] / P)]``
+            must be pages of the pool, the rest are never read.
+        lengths: ``[Hkv]`` int32/int64, ``0 <= lengths[h] <= W * P``: the long-range tokens of each head.
+        scale: softmax scale, default ``D ** -0.5``.
+        num_splits, block_n: Triton only: split-K programs per head (default: about two programs per SM
+            over all heads, planned from the table's width) and keys per tile (a power of two >= 16).
+        validate: read ``table`` and ``lengths`` back to the host and check the rules above (a host
+            synchronisation: for debugging; by default their values are not checked, as a decode step
+            must not read the device).
+
+    Returns ``(out [Hq, D] in q's dtype, lse float32 [Hq])``, natural-log LSE (``-inf`` and zeros for a
+    head with no key).  Not differentiable.
+    """
+    _check(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths)
+    scale = default_scale(scale, q.shape[-1])
+    if validate:
+        lens = lengths.long().cpu()
+        W, P, Np = table.shape[1], pool_k.shape[1], pool_k.shape[0]
+        if bool((lens < 0).any()) or bool((lens > W * P).any()):
+            raise ValueError(f"lengths must lie in [0, W * P] = [0, {W * P}], got {lens.tolist()}")
+        for h, n in enumerate(lens.tolist()):
+            used = table[h, :-(-n // P)].long().cpu()
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= Np):
+                raise ValueError(f"table[{h}] lists pages outside the pool's {Np}: {used.tolist()}")
+    if use_triton(q, fixed_k, fixed_v, pool_k, pool_v, table, lengths):
+        check_split_options(num_splits, block_n)
+        return _triton_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, scale=scale,
+                             num_splits=num_splits, block_n=block_n)
+    return _torch_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, scale=scale)
