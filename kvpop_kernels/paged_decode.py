@@ -22,8 +22,7 @@ partial output and its LSE.  Stage 2, grid ``(Hq,)``: the LSE merge of the split
 (``decode._merge_splits``, shared with ``fixed_budget_decode``).  No value goes back to the host, so
 the launch depends on no data (``num_splits`` is planned from the table's width, a shape).
 
-PyTorch path (other CPU tensors): every head gathered to the table's full width and masked by its
-length (compute padded to the table, memory untouched), vectorised over heads.
+PyTorch path (other CPU tensors): vectorised over heads, no gather of keys or values (``_torch_paged``).
 """
 from __future__ import annotations
 
@@ -164,26 +163,33 @@ def _triton_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, 
 
 @torch.no_grad()
 def _torch_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, *, scale):
+    """The CPU path, vectorised over heads and with no gather of keys or values: every query scores
+    every pool row in one matmul (a pool holds what all heads keep, so this costs ``Hkv`` times the
+    ideal, but reads the pool once, contiguously), each head then takes its own rows' scores by index,
+    and its probabilities go back to pool rows for one matmul with the values, in which the rows no
+    valid entry refers to get probability 0: they must hold finite values (masking the pool instead
+    cost a pool-sized copy per step, more than the rest of the step)."""
     Hq, D = q.shape
     Hkv = fixed_k.shape[0]
     G = Hq // Hkv
-    P = pool_k.shape[1]
-    qf = q.float().view(Hkv, G, D)
-    keys = [fixed_k[:, :n_fixed].float()]
-    vals = [fixed_v[:, :n_fixed].float()]
-    valid = [torch.ones(Hkv, n_fixed, dtype=torch.bool, device=q.device)]
+    Np, P, _ = pool_k.shape
     W = table.shape[1]
-    if W and pool_k.shape[0]:
-        pages = table.long().clamp(0, pool_k.shape[0] - 1)  # entries past a head's pages: any value
-        ok = torch.arange(W * P, device=q.device) < lengths.long()[:, None]
-        keys.append(pool_k[pages].reshape(Hkv, W * P, D).float())
-        vals.append(pool_v[pages].reshape(Hkv, W * P, D).float().masked_fill(~ok[..., None], 0.0))
-        valid.append(ok)
-    k, v, ok = torch.cat(keys, 1), torch.cat(vals, 1), torch.cat(valid, 1)
-    sc = (qf @ k.transpose(1, 2)).mul_(scale).masked_fill_(~ok[:, None], float("-inf"))  # [Hkv, G, n]
-    lse = torch.logsumexp(sc, dim=-1)  # -inf for a head with no key
-    p = torch.exp(sc - lse.nan_to_num(neginf=0.0)[..., None])
-    out = p @ v
+    qf = q.float()
+    s_fix = (qf.view(Hkv, G, D) @ fixed_k[:, :n_fixed].float().transpose(1, 2)) * scale  # [Hkv, G, n_fixed]
+    if not (W and Np):
+        lse = torch.logsumexp(s_fix, dim=-1)
+        p_fix = torch.exp(s_fix - lse.nan_to_num(neginf=0.0)[..., None])
+        return (p_fix @ fixed_v[:, :n_fixed].float()).reshape(Hq, D).to(q.dtype), lse.reshape(Hq)
+    rows = (table.long().clamp(0, Np - 1)[:, :, None] * P + torch.arange(P, device=q.device)).reshape(Hkv, W * P)
+    ok = torch.arange(W * P, device=q.device) < lengths.long()[:, None]  # [Hkv, W * P]
+    pk, pv = pool_k.reshape(Np * P, D).float(), pool_v.reshape(Np * P, D).float()
+    s_all = (qf @ pk.T).view(Hkv, G, Np * P) * scale
+    s_pool = s_all.gather(2, rows[:, None, :].expand(Hkv, G, W * P)).masked_fill_(~ok[:, None], float("-inf"))
+    lse = torch.logaddexp(torch.logsumexp(s_fix, dim=-1), torch.logsumexp(s_pool, dim=-1))  # [Hkv, G]
+    m = lse.nan_to_num(neginf=0.0)[..., None]
+    p_pool = torch.zeros(Hkv, G, Np * P, device=q.device).scatter_add_(2, rows[:, None, :].expand(Hkv, G, W * P),
+                                                                       torch.exp(s_pool - m))
+    out = torch.exp(s_fix - m) @ fixed_v[:, :n_fixed].float() + p_pool @ pv
     return out.reshape(Hq, D).to(q.dtype), lse.reshape(Hq)
 
 
@@ -229,7 +235,9 @@ def ragged_paged_decode(q: torch.Tensor, fixed_k: torch.Tensor, fixed_v: torch.T
             ``g`` belongs to KV head ``g // (Hq // Hkv)``.
         fixed_k, fixed_v: ``[Hkv, F, D]`` q's dtype; the first ``n_fixed`` slots of every head are keys.
         n_fixed: ``0 <= n_fixed <= F``.
-        pool_k, pool_v: ``[pages, P, D]`` q's dtype: the shared page pool.
+        pool_k, pool_v: ``[pages, P, D]`` q's dtype: the shared page pool.  Pages no head refers to are
+            never read on the Triton path; the PyTorch path multiplies their values by 0, so there they
+            must be finite (a zero-initialised pool is).
         table: ``[Hkv, W]`` int32/int64 page table (any strides); entries ``table[h, :ceil(lengths[h] / P)]``
             must be pages of the pool, the rest are never read.
         lengths: ``[Hkv]`` int32/int64, ``0 <= lengths[h] <= W * P``: the long-range tokens of each head.

@@ -689,9 +689,12 @@ class DMSCacheLayer(CacheLayerMixin):
         ``kvpop_kernels.ragged_paged_decode`` (each head costs its own length on the Triton path), over
         the table's columns up to the host's bound of the longest head."""
         n_fixed = min(self.seen, self.sinks + self.window)
-        cols = min(-(-self._bounds(0)[1] // self.page), self.table.shape[1] - 1)
-        out, _ = kvpop_kernels.ragged_paged_decode(q, self.fixed_k, self.fixed_v, n_fixed, self.pool_k, self.pool_v,
-                                                   self.table[:, :cols], self.kept_len, scale=scale)
+        pages, longest = self._bounds(0)
+        pages = min(pages, self.pool_k.shape[0])  # the spare pool is never referenced
+        cols = min(-(-longest // self.page), self.table.shape[1] - 1)
+        out, _ = kvpop_kernels.ragged_paged_decode(q, self.fixed_k, self.fixed_v, n_fixed, self.pool_k[:pages],
+                                                   self.pool_v[:pages], self.table[:, :cols], self.kept_len,
+                                                   scale=scale)
         return out
 
 
