@@ -317,6 +317,14 @@ def test_decode_step_never_reads_the_device_outside_its_capacity_check(monkeypat
     assert layer.long_positions() == ref.long_positions()
 
 
+def test_dms_cache_rejects_bad_page_settings():
+    model = _gated(tiny_model())
+    with pytest.raises(ValueError, match="page must be >= 1"):
+        D.DMSCache(model, page=0)
+    with pytest.raises(TypeError, match="lookahead must be an int"):
+        D.DMSCache(model, lookahead=1.5)
+
+
 def test_dms_rejects_padding():
     model = _gated(tiny_model())
     ids = torch.randint(0, 128, (1, 12))
