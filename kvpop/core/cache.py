@@ -249,6 +249,21 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return [t for t in state if isinstance(t, torch.Tensor)]
 
 
+def cache_settings(name: str, model: Any, config: Any, num_layers: int | None, *, attr: str,
+                   how: str) -> tuple[Any, int]:
+    """``(config, num_layers)`` of a cache built for ``model`` (its ``attr`` config and layer count) or from
+    an explicit ``config=`` and ``num_layers=``; ``ValueError`` naming ``how`` when neither is given."""
+    if config is None and model is not None:
+        config = getattr(model, attr, None)
+    if config is None:
+        raise ValueError(f"{name} needs {how}")
+    if num_layers is None:
+        if model is None:
+            raise ValueError(f"{name}(config=...) also needs num_layers=")
+        num_layers = model.config.get_text_config().num_hidden_layers
+    return config, num_layers
+
+
 class KVpopCache(Cache):
     """Fixed-budget cache for decoding one or many sequences with a ``kvpop``-patched model.
 
@@ -270,14 +285,8 @@ class KVpopCache(Cache):
 
     def __init__(self, model: Any = None, *, config: Any = None, num_layers: int | None = None,
                  policy: str | None = None, compileable: bool = False):
-        if config is None and model is not None:
-            config = getattr(model, "kvpop_config", None)
-        if config is None:
-            raise ValueError("KVpopCache needs a kvpop-patched model (kvpop.patch(model)) or config=KVpopConfig(...)")
-        if num_layers is None:
-            if model is None:
-                raise ValueError("KVpopCache(config=...) also needs num_layers=")
-            num_layers = model.config.get_text_config().num_hidden_layers
+        config, num_layers = cache_settings("KVpopCache", model, config, num_layers, attr="kvpop_config",
+                                            how="a kvpop-patched model (kvpop.patch(model)) or config=KVpopConfig(...)")
         policy = policy or getattr(config, "policy", "kvpop")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

@@ -56,6 +56,7 @@ from kvpop.models import adapter_for, cache_kwarg_name
 from kvpop_kernels import NEVER
 
 from .attention import register_attention
+from .cache import cache_settings
 from .patching import is_patched, state_owner
 
 __all__ = ["DMSConfig", "DMSLayer", "DMSCache", "DMSCacheLayer", "gumbel_sigmoid", "logistic_noise",
@@ -713,14 +714,8 @@ class DMSCache(Cache):
 
     def __init__(self, model: Any = None, *, config: DMSConfig | None = None, num_layers: int | None = None,
                  threshold: float | None = None, page: int = 16, lookahead: int = 4):
-        if config is None and model is not None:
-            config = getattr(model, "dms_config", None)
-        if config is None:
-            raise ValueError("DMSCache needs a DMS-patched model (patch_dms(model)) or config=DMSConfig(...)")
-        if num_layers is None:
-            if model is None:
-                raise ValueError("DMSCache(config=...) also needs num_layers=")
-            num_layers = model.config.get_text_config().num_hidden_layers
+        config, num_layers = cache_settings("DMSCache", model, config, num_layers, attr="dms_config",
+                                            how="a DMS-patched model (patch_dms(model)) or config=DMSConfig(...)")
         self.dms_config = config
         thr = config.threshold if threshold is None else float(threshold)
         super().__init__(layers=[DMSCacheLayer(sinks=config.sinks, window=config.window, threshold=thr, page=page,

@@ -318,6 +318,11 @@ def test_decode_step_never_reads_the_device_outside_its_capacity_check(monkeypat
 
 
 def test_dms_cache_rejects_bad_page_settings():
+    with pytest.raises(ValueError, match=r"DMSCache needs a DMS-patched model"):
+        D.DMSCache()
+    with pytest.raises(ValueError, match=r"DMSCache\(config=...\) also needs num_layers="):
+        D.DMSCache(config=D.DMSConfig())
+    assert len(D.DMSCache(config=D.DMSConfig(), num_layers=3).layers) == 3
     model = _gated(tiny_model())
     with pytest.raises(ValueError, match="page must be >= 1"):
         D.DMSCache(model, page=0)
