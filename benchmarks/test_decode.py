@@ -220,11 +220,20 @@ def test_decode_step_speedup(benchmark, monkeypatch, budget):
         info["speedup_source"] = "graph" if "speedup_graph" in info else "eager"
         info["speedup"] = info.get("speedup_graph", info["speedup_eager"])
     else:
-        t_kv = best_time(kv_step, reps=30, warmup=0)
         t_sd = best_time(sd_step, reps=30, warmup=0)
-        # the step's cost must not grow with the context (target: time(32K) <= 1.3 x time(1K))
-        kv1_at, _ = _make_kvpop(CONTEXTS[0], budget, q, kn, vn, gen)
-        t_kv1 = best_time(_stepper(kv1_at, CONTEXTS[0], None), reps=30, warmup=3)
+        # the step's cost must not grow with the context (target: time(32K) <= 1.3 x time(1K)).  Two
+        # caches of each context, timed in alternating rounds, best of all: a slow spell of the shared
+        # machine falls on both contexts, and a cache that happens to sit badly in memory (one process
+        # measured 1.35x, the next 1.0x, at equal work) does not decide the ratio
+        steps = {c: [_stepper(_make_kvpop(c, budget, q, kn, vn, gen)[0], c, None) for _ in range(2)]
+                 for c in (CONTEXTS[0], ctx)}
+        steps[ctx][0] = kv_step
+        best = {c: float("inf") for c in steps}
+        for _ in range(5):
+            for c, fns in steps.items():
+                for fn in fns:
+                    best[c] = min(best[c], best_time(fn, reps=6, warmup=1))
+        t_kv, t_kv1 = best[ctx], best[CONTEXTS[0]]
         info.update(kvpop_s=t_kv, sdpa_s=t_sd, speedup=t_sd / t_kv, kvpop_s_first_ctx=t_kv1,
                     ratio_longest_over_first_ctx=t_kv / t_kv1)
     benchmark.extra_info.update(info)
