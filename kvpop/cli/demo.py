@@ -17,7 +17,7 @@ Two synthetic tasks (``--task``):
 
 For each task:
 
-1. retrofits, each a short ``kvpop.train`` run on training sequences (L_train / 2 tokens for kvtrace, L_train
+1. retrofits, each a short ``kvpop.training.train`` run on training sequences (L_train / 2 tokens for kvtrace, L_train
    for lookahead: the task module's ``DEMO_TRAIN_LENGTH``), saved into
    ``OUT/<task>/<policy>`` as soon as it finishes: ``kvpop-mlp`` and ``kvpop-mlstm`` (scorers only,
    ``mask_source="scorer"``, the model frozen), ``kvpop-mlp-joint`` and ``kvpop-mlstm-joint`` (the

@@ -17,7 +17,7 @@ with random weights, seeded by ``--seed``) or, by default, the shipped ``kvpop/d
 The teacher is a frozen copy of that model as loaded.  The data: ``--data FILE.jsonl``
 (``kvpop.training.data``: ``{"input_ids": [...]}`` or ``{"text": "..."}`` per line, texts tokenised with the
 model directory's tokenizer) cut into sequences of ``--seq-len`` tokens, or ``--task`` (the synthetic
-trace task of ``kvpop.task``, generated on the fly at ``--seq-len``).
+trace task of ``kvpop.demo.task``, generated on the fly at ``--seq-len``).
 
 What ``--out DIR`` receives: ``last.pt`` (the full training state, written atomically every
 ``--checkpoint-every`` steps and at the end), ``scorers.safetensors`` (``kvpop.save_scorers``; load with
@@ -34,7 +34,7 @@ signal number.
 
 Under ``torchrun`` (``WORLD_SIZE > 1``) each process joins the process group (NCCL on CUDA, gloo on the
 CPU), uses ``cuda:LOCAL_RANK`` when CUDA is available, and takes every ``WORLD_SIZE``-th batch; the model
-is replicated (``--dist ddp``) or sharded with FSDP2 (``--dist fsdp``, see ``kvpop.train``).  With
+is replicated (``--dist ddp``) or sharded with FSDP2 (``--dist fsdp``, see ``kvpop.training.train``).  With
 ``--batch-size B`` on ``W`` processes a step sees ``W * B * --grad-accum`` sequences.
 """
 from __future__ import annotations
@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dat = src.add_mutually_exclusive_group()
     dat.add_argument("--data", type=str, default=None,
                      help='JSONL file, one {"input_ids": [...]} or {"text": "..."} per line')
-    dat.add_argument("--task", action="store_true", help="train on the synthetic trace task (kvpop.task), on the fly")
+    dat.add_argument("--task", action="store_true",
+                     help="train on the synthetic trace task (kvpop.demo.task), generated on the fly")
     src.add_argument("--seq-len", type=int, default=4096,
                      help="tokens per sequence: records are cut into pieces of this length (default 4096)")
     src.add_argument("--pack", action="store_true",

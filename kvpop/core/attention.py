@@ -171,7 +171,7 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
                 f"kvpop: target_source='teacher' but layer {layer.layer_idx} holds no teacher target of shape "
                 f"{(B, Hkv, S)} (got {None if r_tgt is None else tuple(r_tgt.shape)}): run the frozen teacher "
                 f"under kvpop.teacher_targets(teacher, config) and hand the result to "
-                f"kvpop.set_teacher_targets(model, targets) before the student's forward (kvpop.train does)"
+                f"kvpop.set_teacher_targets(model, targets) before the student's forward (kvpop.training.train does)"
             )
         r_tgt = r_tgt.to(device=query.device, dtype=torch.float32)
     with torch.no_grad():
