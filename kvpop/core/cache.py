@@ -1,59 +1,9 @@
-"""``KVpopCache``: a transformers ``Cache`` of exactly ``B = s + w + k`` entries per layer and KV head.
+"""``KVpopCache``: a transformers ``Cache`` of exactly ``B = s + w + k`` entries per layer, batch row and KV head.
 
-Layout of one layer (see ``kvpop_kernels.reference.fixed_budget_decode``): per batch row and KV
-head ``B`` slots: ``[0, s)`` sinks, ``[s, s+w)`` a ring for the window (token ``t`` in slot
-``s + (t - s) % w``), ``[s+w, B)`` the ``k`` long-range slots with their static priorities.
-Beside the keys and values (``[N, Hkv, B, D]``) it holds ``slot_pos`` (int32 ``[N, Hkv, B]``,
-the position of each slot's token, ``-1`` when empty), ``slot_prio`` (``[N, Hkv, k]``), the
-priorities of the tokens in the window (``ring_prio``, ``[N, Hkv, w]``), for the baseline
-policies an attention score per slot (``score``, ``[N, Hkv, B]``), and ``pos`` (int64 ``[N]``,
-the number of real tokens each row has seen, i.e. the position of its next token).  All are
-allocated at the first call and keep their shapes (and storage) afterwards: nothing grows with
-the number of tokens seen.  ``get_seq_length`` counts the columns seen (padding included), as
-transformers' attention masks do.
-
-Batches and padding
--------------------
-Rows are independent.  Left-padded prompts (``attention_mask`` with zeros at the start of a row)
-work: a row's pad tokens never take a slot, its sinks are its own first ``s`` real tokens, and its
-positions count its real tokens only (transformers' position ids for left padding, ``cumsum - 1``
-of the mask).  The prompt is prefilled per group of rows of equal real length; every later step
-decodes all rows at once (each at its own position, read on the device).  Beam search reorders the
-rows in place (``reorder_cache``); ``batch_select_indices`` / ``batch_repeat_interleave`` change
-the batch.
-
-How it plugs into transformers
-------------------------------
-A Qwen3 attention layer calls ``cache.update(k, v, layer_idx)`` and then the attention
-function.  ``update`` cannot attend (it has no query), so it only stashes the new keys and
-values and marks the layer as pending; the ``kvpop`` attention function (which received the
-cache through a forward pre-hook on the attention module, see ``kvpop.core.layer``) then calls
-:func:`cache_attention`, which does the real work:
-
-* **prefill** (the first call, several tokens, a static-priority policy): priorities of the
-  prompt -> ``eviction_schedule`` -> ``sparse_attention`` over the prompt, then the layer keeps
-  exactly what the schedule keeps at the prompt's last position;
-* **decode** (one token, or any later chunk token by token, and every token of the
-  attention-scored baselines): the fused ``fixed_budget_decode`` step over all rows.  The step
-  reads no value back to the host (positions live in ``pos`` on the device), so one layer's step
-  traces into a single graph (``torch.compile(fullgraph=True)``, see ``tests/core/test_no_sync.py``).
-
-So prefill + decoding gives the same outputs as one teacher-forced ``sparse_attention``
-forward with the same priorities (tested in ``tests/core/test_cache.py``).
-
-Policies (``KVpopConfig.policy``)
----------------------------------
-* ``"kvpop"``: the learned scorer's static priorities ``p = r_hat - t log(gamma)``;
-* ``"streaming"``: one constant priority, so ties keep the newest: sinks + a sliding
-  window of ``w + k`` tokens (StreamingLLM);
-* ``"tova"``: a token's score is the attention it received from the latest query, averaged
-  over the query heads of its group; the token leaving the window replaces the long-range
-  slot of lowest score if its own score is higher (the decision at step ``q`` uses the scores
-  of query ``q - 1``, the last one computed);
-* ``"h2o"``: as ``tova`` with the attention accumulated over all queries so far.
-
-The sinks and the window are protected under every policy, so all of them hold the same
-``B`` entries.
+``update`` only stashes the new keys and values (it has no query); the ``kvpop`` attention function then
+calls :func:`cache_attention`, which prefills (schedule + sparse attention over the prompt) or takes one
+fused ``fixed_budget_decode`` step.  The slot layout, batches and padding, the policies and the
+no-host-sync rule are the contract in docs/DESIGN.md (sections 5 and 7).
 """
 from __future__ import annotations
 

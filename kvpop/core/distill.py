@@ -1,42 +1,10 @@
 """The distillation KL: the student against the frozen teacher's top-``k`` log-probabilities, with a rest bucket.
 
-The loss (docs/DESIGN.md section 3, "Distillation")
-    Per position, let ``K`` be the teacher's top-``k`` token ids (default ``k = 256``).  Both models'
-    probabilities use their **full-vocabulary** normaliser: ``log p(i) = z_i - logsumexp_V(z)``.  The
-    vocabulary is folded into ``k + 1`` outcomes, the tokens of ``K`` and one *rest* bucket holding
-    each model's leftover mass ``p(rest) = 1 - sum_{i in K} p(i)``, and the loss is the exact KL
-    between the two folded distributions::
-
-        KL = sum_{i in K} pT(i) log(pT(i) / pS(i)) + pT(rest) log(pT(rest) / pS(rest))
-
-    averaged over positions.  It is ``>= 0``, ``0`` when the student equals the teacher, and a student
-    that moves mass outside ``K`` pays for it twice over: its ``pS(i)`` on ``K`` fall (the first sum)
-    and its rest bucket outgrows the teacher's (the second term).  The teacher's tail is kept as one
-    number per position rather than renormalising the teacher over ``K``: renormalising would make a
-    student equal to the teacher pay ``-log pT(K)`` and would ask it for more mass on ``K`` than the
-    teacher has.  With ``k >= V`` the rest bucket is empty and the loss is the full-vocabulary KL.
-
-    Gradient with respect to the student's logit ``z_j`` (``pS = softmax(z)``)::
-
-        j in K:      pS(j) - pT(j)
-        j not in K:  pS(j) - pT(rest) * pS(j) / pS(rest)
-
-    (the teacher's rest mass is spread over the tokens outside ``K`` in the student's own proportions).
-
-What crosses from teacher to student: :class:`TeacherTopK` ``(logp [.., k] float32, indices [.., k]
-int64, rest [..] float32)``: the teacher's log-probabilities of its top-``k`` tokens and the log of its
-leftover mass (``-inf`` when ``k >= V``).  ``O(S k)`` memory.
-
-No ``[S, V]`` logits (:func:`fused_teacher_topk`, :func:`fused_distill_loss`)
-    Both run the LM head ``hidden @ W^T`` themselves in chunks of positions and keep only per-position
-    results; the student's loss is a custom ``autograd.Function`` whose backward recomputes each
-    chunk's logits from the saved hidden states and the weight and writes the chunk's gradient to
-    the hidden states and (accumulated, float32) to the weight.  Peak memory of the head: a few
-    ``[chunk, V]`` float32 buffers, whatever ``S``.  :func:`fused_output_head` makes a causal LM's
-    own forward call such a function in place of its LM head, so the model's forward (and FSDP's
-    unsharded weights, DDP's used-parameter tracking) sees the weight used where it always is.
-
-:func:`distill_loss` is the same KL on dense logits (the reference the fused path is tested against).
+:func:`distill_loss` computes it on dense logits (the reference); :func:`fused_teacher_topk` and
+:func:`fused_distill_loss` run the LM head themselves in chunks of positions and never form ``[S, V]``
+logits (the student's backward recomputes each chunk); :func:`fused_output_head` puts such a function
+in place of a causal LM's head.  The loss, its gradient and the rest-bucket decision: docs/DESIGN.md
+section 3, "Distillation" and "No [S, V] logits".
 """
 from __future__ import annotations
 

@@ -1,32 +1,7 @@
-"""The two losses of KVpop training: the scorer's ``L_score`` and the model's top-k KL to the teacher.
+"""The scorer's loss ``L_score`` from the teacher's decisions (:func:`score_loss_terms` per layer, :func:`score_loss`).
 
-``L_score`` (docs/DESIGN.md "Training target and loss")
-    Per layer, with the teacher's priorities ``p_tgt = r_tgt - t log(gamma_h)`` (gamma detached) the
-    teacher decisions ``(y, bnd) = eviction_decisions(p_tgt)``; for every decided token ``t``
-    (``y != 0``)::
-
-        delta[t] = (r_hat[t] - r_hat[bnd]) + (bnd - t) * log(gamma_h)       # grads to r_hat and gamma
-        loss[t]  = omega[t] * softplus(-y[t] * delta[t] / tau)
-
-    ``omega = tie * balance``:
-
-    * ``tie = 1 - exp(-|p_tgt[t] - p_tgt[bnd]| / tie_margin)``: near-ties of the teacher (whose label
-      is noise) weigh ~0, clear decisions ~1.  ``p_tgt`` is a log of mean attention, so the margin is
-      a ratio: with the default ``tie_margin = 0.5`` a decision between tokens whose mean future
-      attention differs by a factor 1.2 gets weight 0.3, by a factor 2.7 weight 0.86.
-      ``tie_margin = 0`` switches the discount off (``tie = 1``).
-    * ``balance``: keep (``y = +1``) and drop (``y = -1``) decisions of a layer are reweighted so that
-      each class carries half of the layer's total weight: ``N / (2 N_keep)`` and ``N / (2 N_drop)``
-      (pooled over the batch and the KV heads of the layer; ``1`` when one class is absent).  With
-      ``k << S`` most decisions are drops, and an unweighted loss would learn "drop everything".
-
-    The layer's loss is ``sum(omega * softplus(...)) / N`` (``N`` = number of decisions, which is the
-    same in every layer); :func:`score_loss` averages the layers pooled over decisions.
-
-Distillation
-    The KL to the frozen teacher's top-``k`` log-probabilities with a rest bucket lives in
-    ``kvpop.core.distill`` (``distill_loss`` on dense logits, ``fused_distill_loss`` /
-    ``fused_teacher_topk`` on hidden states without ``[S, V]`` logits); it is re-exported here.
+The loss and its weights (near-tie discount, keep/drop balance): docs/DESIGN.md section 3.  The
+distillation KL lives in ``kvpop.core.distill`` and is re-exported here.
 """
 from __future__ import annotations
 

@@ -1,52 +1,9 @@
 """The two KVpop scorers: ``MLPScorer`` and ``MLSTMScorer`` (one module per layer, batched over KV heads).
 
-Both map a layer's keys and values to a raw score ``r_hat [B, Hkv, S]`` (float32), one per token
-and KV head; the priority used for eviction is ``p = r_hat - t * log(gamma_h)`` (``kvpop.patch``).
-Every weight has a leading KV-head axis, so one einsum scores all heads at once.
-
-Inputs: pre-RoPE keys
-    The scorers read the key *before* the rotary embedding (the output of ``k_norm``), together
-    with the value.  A post-RoPE key is the same content vector rotated by an angle proportional to
-    the token's absolute position; a scorer fed with it has to learn to undo the rotation, and the
-    slow RoPE frequencies (periods far beyond the training length) turn it into an absolute-position
-    feature that does not generalise to decoding lengths beyond the training length (131K against
-    16K).  Age is already handled explicitly by the learned decay ``gamma_h``, so the scorer should
-    see content only.  The attention interface of transformers hands the attention function the
-    rotated key only, so ``kvpop.patch`` captures the pre-RoPE key with a forward hook on each
-    ``Qwen3Attention.k_norm`` (see ``kvpop.patch``).  Both inputs are RMS-normalised per head
-    (no learned weight) and cast to float32 before the first layer, so the scorer sees inputs of
-    unit scale whatever the model's dtype.  Callers pass detached tensors: the scorer learns only
-    from ``L_score``.
-
-``MLPScorer`` (``scorer="mlp"``)
-    ``r_hat[h,t] = w2[h] . silu(W1[h]^T [k_t; v_t] + b1[h])`` (no output bias: only score
-    differences matter): scores a token from its own key and value; available as soon as the token
-    exists (``lookahead = 0``).
-
-``MLSTMScorer`` (``scorer="mlstm"``)
-    An mLSTM cell (xLSTM, Beck et al. 2024) per KV head: a matrix memory ``C [d, d]`` and a
-    normaliser ``n [d]`` that every token ``j`` updates with its features
-    ``kf_j = W_k x_j / sqrt(d)``, ``vf_j = W_v x_j`` (``x_j = [k_j; v_j]``), an exponential input
-    gate ``i_j = exp(ĩ_j)`` and a sigmoid forget gate ``f_j = sigmoid(f̃_j)``::
-
-        C_a = f_a C_{a-1} + i_a kf_a vf_a^T,     n_a = f_a n_{a-1} + i_a kf_a.
-
-    Token ``t`` is scored when it leaves the window, at ``a = t + w``, by reading the memory with
-    a query built from its own features ``qf_t = W_q x_t``::
-
-        h_t = C_a^T qf_t / max(|n_a . qf_t|, 1),   r_hat_t = MLP([x_t; h_t])
-
-    so the score uses the ``w`` tokens that followed ``t``.  Tokens with ``t + w > S - 1`` (still
-    in the window at the end of the sequence, never evicted there) are read from the last state
-    ``a = S - 1``.  For numerical range both forms carry a log-space stabiliser
-    ``m_a = max(log f_a + m_{a-1}, ĩ_a)`` and the stabilised state ``C̃ = exp(-m) C`` (the read-out
-    is ``C̃^T q / max(|ñ.q|, exp(-m))``, mathematically independent of ``m``; ``m`` is detached).
-
-    Training uses a chunkwise-parallel form (:meth:`MLSTMScorer.forward`, chunks of 128 tokens:
-    memory ``O(S * chunk)`` per head); decoding the recurrent form (:meth:`init_state`,
-    :meth:`step`, :meth:`score_token`).  They agree to float32 rounding (tests/core/test_scorers.py).
-    Decoding order at query position ``q``: ``step`` the state with token ``q`` first, then
-    ``score_token`` for ``t_new = q - w`` (whose key and value are still in the window ring).
+Both map a layer's pre-RoPE keys and values to a raw score ``r_hat [B, Hkv, S]`` (float32).  The
+mLSTM has a chunkwise-parallel form for training (:meth:`MLSTMScorer.forward`) and a recurrent one for
+decoding (:meth:`~MLSTMScorer.init_state`, :meth:`~MLSTMScorer.step`, :meth:`~MLSTMScorer.score_token`).
+The formulas, the inputs and the timing: docs/DESIGN.md section 3 ("Scorers") and section 7.
 """
 from __future__ import annotations
 
