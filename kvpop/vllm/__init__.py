@@ -1,36 +1,10 @@
 """Serve a KVpop model in vLLM: an out-of-tree plugin (no fork of vLLM).
 
-Every request gets the flat ``B``-slot cache of ``kvpop.KVpopCache`` per layer and KV head, inside
-vLLM's paged KV cache: ``ceil(B / block_size)`` blocks per request, whatever its length, so the
-engine admits many more long generations for the same KV-cache memory.
-
-Install and serve (the pinned versions are in the README's vLLM section)::
-
-    pip install 'kvpop[vllm]'      # registers the entry point below
-    vllm serve /path/to/qwen3 --hf-overrides '{"architectures": ["KVpopQwen3ForCausalLM"],
-        "kvpop_scorers": "/path/to/scorers.safetensors"}' --no-enable-prefix-caching
-
-From Python, :func:`hf_overrides` builds that dictionary::
-
-    from vllm import LLM
-    import kvpop.vllm
-    llm = LLM(model=path, enable_prefix_caching=False,
-              hf_overrides=kvpop.vllm.hf_overrides(scorers="scorers.safetensors"))
-
-Settings read from the model's config (the keys of ``hf_overrides``):
-
-* ``kvpop_scorers``: a scorer file written by ``kvpop.save_scorers`` / ``kvpop train`` (its
-  ``KVpopConfig`` gives sinks, window and budget); required by the ``kvpop`` policy;
-* ``kvpop_policy``: ``"kvpop"`` (the learned MLP scorer, default) or ``"streaming"`` (sinks + a
-  sliding window of ``w + k`` tokens, no scorer needed);
-* ``kvpop_config``: a dict of ``KVpopConfig`` fields overriding the file's (``budget``, ``sinks``,
-  ``window``; e.g. re-budget a trained scorer), or the whole cache shape for ``streaming``.
-
-Layout: :mod:`kvpop.vllm.slots` (the cache operations, no vLLM import), :mod:`kvpop.vllm.settings`
-(the settings above), :mod:`kvpop.vllm.spec` (the KV-cache spec and manager that cap every request at
-``ceil(B / bs)`` blocks), :mod:`kvpop.vllm.model` (the Qwen3 model class and the attention op),
-:mod:`kvpop.vllm.backends` (the CPU backend, tested, and the GPU one, untested).
-This module imports no vLLM: :func:`register` does, when vLLM calls it.
+Every request gets the flat ``B``-slot cache of ``kvpop.KVpopCache`` per layer and KV head inside vLLM's
+paged KV cache, ``ceil(B / block_size)`` blocks whatever its length.  :func:`hf_overrides` builds the
+model's settings; :func:`register` (the ``vllm.general_plugins`` entry point) registers the model class
+and the KV-cache spec, and is the only place this module imports vLLM.  Installing and serving: the
+README's vLLM section; the settings, the modules and the cache contract: docs/DESIGN.md section 5.
 """
 from __future__ import annotations
 

@@ -1,37 +1,9 @@
 """The fixed-budget cache of many requests inside a paged KV cache (no vLLM import here).
 
-Every request owns ``B = s + w + k`` logical slots per layer and KV head, in the layout of
-``kvpop_kernels.reference.fixed_budget_decode``: ``[0, s)`` sinks, ``[s, s + w)`` a ring for the
-window (token ``t`` in slot ``s + (t - s) % w``), ``[s + w, B)`` the ``k`` long-range slots.  Logical
-slot ``j`` of the request in row ``r`` of a block table lives in physical block
-``block_table[r, j // bs]`` at offset ``j % bs`` (``bs`` the block size), exactly where a paged
-attention kernel looks for the ``j``-th token of a sequence.  So a request that has seen ``n`` tokens
-occupies the slots ``[0, min(n, B))`` and nothing else, and an *unchanged* paged decode kernel run
-with ``seq_len = min(n, B)`` attends over exactly the tokens the request keeps.
-
-Why the occupied slots stay contiguous: the new token always goes to its sink slot or its ring slot;
-only the token *leaving* the window moves, per head, into the long-range slot of lowest priority
-(an empty slot ranks lowest, and of several empty slots the lowest index is taken), so long-range
-slots fill in order ``s + w, s + w + 1, ...`` and stay full afterwards.
-
-Beside the keys and values, two side tables with one entry per physical slot, ``[num_blocks, Hkv,
-bs]``: ``slot_pos`` (int32, the token's position) and ``slot_prio`` (float32, its static priority
-``p = r - t log(gamma)``, read when it leaves the window and when it competes for a long-range
-slot).  A slot at or past ``min(n, B)`` holds stale data from an earlier owner of the block and is
-never read, so freed blocks need no reset.
-
-Keys and values are passed as *logical* views ``[num_blocks, Hkv, bs, D]`` of the physical cache
-(strided views, no copy: each backend builds them from its own layout); every write goes through
-those views into the cache itself.
-
-Two operations, both written once for every backend:
-
-* :func:`decode_step`: one new token for each of ``N`` requests at once (no Python loop over
-  requests, no host synchronisation, fixed shapes: CUDA-graph capturable);
-* :func:`extend`: a prompt, or a later chunk of ``L`` tokens, of one request: the cached slots and
-  the chunk form one *virtual sequence* (the cached tokens ordered by position, then the chunk), on
-  which ``eviction_schedule`` + ``sparse_attention`` run exactly as on a whole prompt; then the
-  request's slots are rewritten with what the schedule keeps at the chunk's last token.
+:func:`decode_step` writes one new token for each of ``N`` requests at once; :func:`extend` runs a prompt
+or a later chunk of one request.  The slot layout, why the occupied slots stay ``[0, min(n, B))``, the
+side tables and what each operation guarantees: docs/DESIGN.md section 5, "How the vLLM plugin holds
+the cache".
 """
 from __future__ import annotations
 
