@@ -1,62 +1,9 @@
 """``sparse_attention``: sink + window + top-k masked attention, forward and backward.
 
-Mask (docs/DESIGN.md, ``reference.visible_mask``), evaluated inside every kernel from ``evict_at``:
-key ``t`` is visible to query ``q`` iff ``t <= q and (t < s or t > q - w or q < evict_at[h, t])``.
-The kernels use the same rule in interval form, ``t <= q < e_t`` with ``e_t = max(t + w,
-evict_at[t])`` for ``t >= s`` and ``e_t = +inf`` for sinks: ``e_t`` is computed once per key
-column, so a tile's mask costs two comparisons per element (one on gathered tiles, where
-``t <= q`` always holds).
-
-How the kernels visit only the live keys (the choice, and why)
------------------------------------------------------------------
-A query ``q`` sees at most ``B = s + w + k`` keys.  For KVpop's priorities the kept long-range
-keys are scattered: with random (or learned) priorities almost every block of 64 consecutive
-keys holds one key that survives to the end of the sequence, so skipping key *blocks* by their
-largest ``evict_at`` skips next to nothing (counted on ``eviction_schedule`` of random
-priorities, S=16384, B=2048: block skipping leaves 1.00x of the dense causal work; all figures
-here come from ``benchmarks/test_sparse_attention.py::test_visited_work``).  So:
-
-* **Forward and dq: a compact list of live key indices per (batch, KV head, query block).**
-  For queries ``[q0, q0+BLOCK_Q)`` the keys are split into the dense band
-  ``[lo, q0+BLOCK_Q)`` with ``lo = max(q0-w+1, 0)`` (window and diagonal, contiguous loads) and
-  the list ``{t < lo : t < s or evict_at[t] > q0}`` (sinks + the long-range set kept at ``q0``,
-  at most ``s + k`` entries; gathered row loads).  Every visible key of every query of the block
-  lies in one of the two (a key ``t < lo <= q - w + 1`` with ``evict_at[t] <= q0 <= q`` is not
-  visible to any of them), and the exact rule is applied per element on top, so the lists
-  over-approximate and never drop a key.  A small Triton kernel builds the lists (a counting pass,
-  one host sync for the width, a writing pass).  A full list (nothing before the band evicted yet:
-  early blocks, ``B >= S``, dense teacher passes with ``evict_at = NEVER``) is not stored: the
-  kernels read ``[0, lo)`` with contiguous loads instead.  One program takes up to 4 query heads of one KV
-  group (a power of 2 dividing G) times ``BLOCK_Q`` queries as its 128 rows (GPU: 4 x 32 for
-  Qwen3's G = 4), so every gathered K/V tile is loaded once for all of them.  Tile work: 1.035x
-  the visible pairs, 0.24x dense at S=16K, B=2048 (1.02x and 0.45x at B=4096).
-* **dk/dv: key tiles of permuted keys, each iterating only the queries that can see them.**
-  The queries that see key ``t`` form one interval ``[t, e_t)``, ``e_t = S`` for sinks and
-  ``min(S, max(t + w, evict_at[t]))`` otherwise.  Keys are sorted by ``e_t`` inside chunks of
-  ``_DKDV_CHUNK`` (1024) positions and cut into tiles of ``BLOCK_N``; a tile iterates the queries
-  ``[min t, max e_t)``, for every query head of its group (GQA gradients summed in registers),
-  and scatters dk/dv to its keys' rows: every key is in exactly one tile, so no atomics.  The
-  chunk trades the spread of ``t`` in a tile against the spread of ``e_t`` (work / visible pairs
-  at S=16K, B=2048, counted the same way for other chunk sizes: chunk 64 (= plain block
-  skipping) 4.3x, 256 1.5x, 1024 1.28x, 4096 1.76x; with 1024: 0.30x dense, and 1.16x / 0.51x
-  at B=4096).  Tiles run longest first.
-
-The CPU path (no interpreter) is PyTorch, chunked over queries: each chunk gathers its live keys
-per KV head (the same union as above), so memory stays ``O(chunk * (B + chunk))`` per head and
-never ``S x S`` (chunks of at most 256 queries, fewer when B * Hq * S is large).  Its
-autograd function saves only q, k, v, out and lse; the backward recomputes the probabilities
-chunk by chunk (FlashAttention's recurrence in plain torch ops), so its memory stays bounded too.
-
-On the GPU, 16-bit inputs feed ``tl.dot`` in their own dtype with float32 accumulation; float32
-inputs are multiplied as three TF32 products (``tf32x3``, about float32 accuracy); under the
-interpreter every input is upcast to float32 right after the load.  The tiles that shape the plan
-are fixed (128 rows per forward/dq program, 64-key dk/dv tiles for 16-bit inputs); the key step of
-the forward/dq, the query step of dk/dv, warps and stages are autotuned.  Checked without a GPU by
-building for sm_90 (``tests/kernels/test_sparse_attention.py::test_kernels_compile_for_sm90``): shared
-memory fits and the K/V and Q/dO streams are pipelined (cp.async).  Registers (bf16, D=128, read
-off the sm_90 cubins): 8-warp forward/dq builds do not spill (170-255 registers), the 4-warp ones
-do; dk/dv does not spill at a 32-query step, and spills 48 bytes at 64 with 3 stages.  Building the
-lists costs one host synchronisation per forward (their width), so the op is not CUDA-graph capturable.
+Triton kernels (a list of live keys per query block for the forward and dq; key tiles sorted by the
+query at which they are evicted for dk/dv) and a chunked PyTorch path for CPU tensors.  The mask is
+docs/DESIGN.md section 2 (``reference.visible_mask``); how the kernels visit only the live keys, their
+measured work, precision and tuning: docs/DESIGN.md section 9.
 """
 from __future__ import annotations
 
