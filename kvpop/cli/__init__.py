@@ -29,7 +29,7 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpop",
-        description="Learned fixed-budget KV-cache eviction (KVpop) for Qwen3 models.",
+        description="Learned fixed-budget KV-cache eviction (KVpop) for Qwen3, Qwen2 and Llama models.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -37,10 +37,8 @@ fewer facts per block.  Filler is runs of counting tokens with random restarts, 
 The graded positions are the KEY tokens of the reads; accuracy is the greedy argmax over the whole
 vocabulary.
 
-Budgets at the shipped model's training length (L_train = 512: 9 blocks of 6 facts, 54 facts, 3 blocks
-= 18 facts kept, 34 reads): with sinks 4 and window 32, the demo's budgets 48 / 64 / 128 (9.4 / 12.5 /
-25 %, :data:`BUDGET_FRACTIONS`) leave 12 / 28 / 92 long-range slots per layer and KV head: two thirds
-of the kept facts, all of them with room to spare (but only half of all facts), and every fact.
+What the demo's budgets leave at the shipped model's training length, and what was measured:
+``kvpop/data/demo_results/README.md``.
 
 Seeds: train ``[0, TEST_SEED_BASE)``, test ``TEST_SEED_BASE + i``, validation
 ``VALID_SEED_BASE + i`` (disjoint from both for ``i < VALID_SEED_BASE - TEST_SEED_BASE``).  The
