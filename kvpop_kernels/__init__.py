@@ -9,13 +9,14 @@ from ._utils import NEVER
 from .decode import fixed_budget_decode
 from .future_target import future_attention_target
 from .paged_decode import ragged_paged_decode
-from .schedule import eviction_decisions, eviction_schedule
+from .schedule import eviction_decisions, eviction_schedule, visible_at
 from .sparse_attention import sparse_attention
 
 __all__ = [
     "NEVER",
     "eviction_schedule",
     "eviction_decisions",
+    "visible_at",
     "future_attention_target",
     "sparse_attention",
     "fixed_budget_decode",

@@ -59,8 +59,6 @@ merge, and the whole cache update.  NOT fused: the scorer's forward that produce
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._utils import (
@@ -70,13 +68,15 @@ from ._utils import (
     check_tensor,
     default_scale,
     empty,
-    interpreting,
     use_triton,
 )
+from .splitk import CACHE_DTYPES, LOG2E, plan_splits, upcast_operands
 
 try:
     import triton
     import triton.language as tl
+
+    from .splitk import merge_splits, online_softmax_tile, store_split
 except Exception:  # pragma: no cover - depends on the install
     triton = None
 
@@ -91,40 +91,19 @@ def slot_of(pos, *, sinks: int, window: int):
         return torch.where(pos < sinks, pos, sinks + (pos.clamp_min(sinks) - sinks) % window)
     return pos if pos < sinks else sinks + (pos - sinks) % window
 
-_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT32_MAX = 2**31 - 1
-_LOG2E = 1.4426950408889634
-_NATIVE_DOT_IN_INTERPRETER = False
-"""Tests only: feed 16-bit operands to ``tl.dot`` under the interpreter as on the GPU (right for
-float16, whose numpy arithmetic is real; bfloat16 arithmetic is wrong in the interpreter)."""
 
 # ------------------------------------------------------------------------------ Triton
 if triton is not None:
     _INT32_MAX_C = tl.constexpr(_INT32_MAX)
-    _LN2_C = tl.constexpr(math.log(2.0))
 
     @triton.jit
-    def _online_softmax_tile(q, k, v, valid, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr):
-        """One tile of keys ``k, v [BLOCK_N, BLOCK_D]`` (``valid [BLOCK_N]``) for the query tile ``q``:
-        the base-2 online-softmax update of ``(m_i, l_i, acc)`` in float32 (``qk_scale`` has log2(e)
-        folded in).  ``UPCAST``: float32 operands and an ieee ``tl.dot``, else 16-bit operands."""
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc * alpha[:, None] + pv
+    def _guarded_pos(POS, n64):
+        """Row ``n``'s position read on the device, and whether it lies outside ``[0, 2**31 - 2]`` (the
+        device-side guard: such a row computes with position 0, writes nothing and returns NaN)."""
+        p = tl.load(POS + n64).to(tl.int64)
+        bad = (p < 0) | (p >= _INT32_MAX_C)
+        return tl.where(bad, 0, p).to(tl.int32), bad
 
     @triton.jit
     def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, LP, POS, MID_O, MID_L, DST,
@@ -143,7 +122,7 @@ if triton is not None:
         prp = PR + n64 * s_pr_n + h64 * s_pr_h
         # this row's position, read on the device (no host value): the new token's slot and the
         # token leaving the window follow from it
-        pos = tl.load(POS + n64).to(tl.int32)
+        pos, pos_bad = _guarded_pos(POS, n64)
         t_new = pos - WINDOW
         slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
         LR0 = SINKS + WINDOW
@@ -176,7 +155,8 @@ if triton is not None:
             best_j = tl.where(better, jmin, best_j)
         lp = tl.load(LP + row)
         lp = tl.where(lp != lp, float("-inf"), lp)  # NaN ranks as -inf
-        keep = (t_new >= SINKS) & (K_LR > 0) & ((lp > best_p) | ((lp == best_p) & (t_new > best_t)))
+        keep = (t_new >= SINKS) & (best_j >= 0) & ((lp > best_p) | ((lp == best_p) & (t_new > best_t)))
+        keep = keep & (pos_bad == 0)
         dst = tl.where(keep, LR0 + best_j, -1)
         tl.store(DST + row, dst, mask=split == 0)
 
@@ -210,40 +190,11 @@ if triton is not None:
             kv_mask = valid[:, None] & d_ok[None, :]
             k = tl.load(kc + nn[:, None].to(tl.int64) * s_kc_b + d[None, :] * s_kc_d, mask=kv_mask, other=0.0)
             v = tl.load(vc + nn[:, None].to(tl.int64) * s_vc_b + d[None, :] * s_vc_d, mask=kv_mask, other=0.0)
-            m_i, l_i, acc = _online_softmax_tile(q, k, v, valid, qk_scale, m_i, l_i, acc, UPCAST)
+            m_i, l_i, acc = online_softmax_tile(q, k, v, valid, qk_scale, m_i, l_i, acc, UPCAST)
 
-        # -- 4. partial output and natural-log LSE of this split (-inf / 0 for an empty chunk)
-        nonempty = l_i > 0
-        l_div = tl.where(nonempty, l_i, 1.0)
-        o = acc / l_div[:, None]
-        lse = tl.where(nonempty, (m_i + tl.log2(l_div)) * _LN2_C, float("-inf"))
-        mrow = qh * NS + split
-        tl.store(MID_O + mrow[:, None] * D + d[None, :], o, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(MID_L + mrow, lse, mask=g_ok)
-
-    @triton.jit
-    def _merge_splits(MID_O, MID_L, row0, NS, D, d, d_ok, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Online-softmax merge of ``NS`` normalised partial outputs ``MID_O[row0 + i, :D]`` with their
-        natural-log LSEs ``MID_L[row0 + i]`` (``-inf`` for an empty split), ``BLOCK_S`` splits per vector
-        step -> ``(out [BLOCK_D], lse)``; zeros and ``-inf`` when every split is empty."""
-        m_i = float("-inf")
-        l_i = 0.0
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i0 in range(0, NS, BLOCK_S):
-            i = i0 + tl.arange(0, BLOCK_S)
-            i_ok = i < NS
-            lse_i = tl.load(MID_L + row0 + i, mask=i_ok, other=float("-inf"))
-            o_i = tl.load(MID_O + (row0 + i)[:, None] * D + d[None, :], mask=i_ok[:, None] & d_ok[None, :],
-                          other=0.0)
-            m_new = tl.maximum(m_i, tl.max(lse_i, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            beta = tl.exp(lse_i - m_safe)  # 0 for empty splits (lse = -inf)
-            acc = acc * alpha + tl.sum(o_i * beta[:, None], axis=0)
-            l_i = l_i * alpha + tl.sum(beta, axis=0)
-            m_i = m_new
-        l_div = tl.where(l_i > 0, l_i, 1.0)
-        return acc / l_div, m_i + tl.log(l_div)
+        # -- 4. partial output and natural-log LSE of this split (-inf / 0 for an empty chunk; NaN for a
+        #    row whose position the guard refused)
+        store_split(MID_O, MID_L, qh * NS + split, m_i, l_i, acc, pos_bad, g_ok, d, d_ok, D)
 
     @triton.jit
     def _decode_stage2(MID_O, MID_L, OUT, LSE, DST, LP, KN, VN, KC, VC, SP, PR, POS,
@@ -259,7 +210,7 @@ if triton is not None:
         d_ok = d < D
 
         # -- LSE merge of the splits (natural log)
-        o, lse = _merge_splits(MID_O, MID_L, qh.to(tl.int64) * NS, NS, D, d, d_ok, BLOCK_S, BLOCK_D)
+        o, lse = merge_splits(MID_O, MID_L, qh.to(tl.int64) * NS, NS, D, d, d_ok, BLOCK_S, BLOCK_D)
         tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
         tl.store(LSE + qh, lse)
 
@@ -269,7 +220,7 @@ if triton is not None:
             kc = KC + n64 * s_kc_n + h64 * s_kc_h
             vc = VC + n64 * s_vc_n + h64 * s_vc_h
             spp = SP + n64 * s_sp_n + h64 * s_sp_h
-            pos = tl.load(POS + n64).to(tl.int32)
+            pos, pos_bad = _guarded_pos(POS, n64)
             t_new = pos - WINDOW
             slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
             LR0 = SINKS + WINDOW
@@ -286,36 +237,12 @@ if triton is not None:
             lp = tl.where(lp != lp, float("-inf"), lp)
             tl.store(spp + dst_c * s_sp_b, t_new, mask=kept)
             tl.store(PR + n64 * s_pr_n + h64 * s_pr_h + (dst_c - LR0) * s_pr_j, lp, mask=kept)
-            kn = tl.load(KN + row.to(tl.int64) * D + d, mask=d_ok)
-            vn = tl.load(VN + row.to(tl.int64) * D + d, mask=d_ok)
-            tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kn, mask=d_ok)
-            tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vn, mask=d_ok)
-            tl.store(spp + slot_new * s_sp_b, pos)
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def _plan_splits(B: int, Hkv: int, block_n: int, num_splits: int | None, device: torch.device) -> tuple[int, int]:
-    """``(num_splits, chunk)``: chunk is a multiple of ``block_n``; split ``i`` takes slots
-    ``[i*chunk, (i+1)*chunk)``."""
-    n_blocks = triton.cdiv(B, block_n)
-    if num_splits is None:
-        # enough programs to cover the GPU about twice; a few in the interpreter
-        target = 2 * _sm_count(device) if device.type == "cuda" else 4
-        num_splits = max(1, min(n_blocks, triton.cdiv(target, Hkv)))
-        chunk = triton.cdiv(n_blocks, num_splits) * block_n
-        return triton.cdiv(B, chunk), chunk
-    # an explicit count is honoured as given (trailing splits may be empty)
-    chunk = triton.cdiv(n_blocks, num_splits) * block_n
-    return num_splits, chunk
+            nd_ok = d < tl.where(pos_bad, 0, D)  # a refused position writes nothing
+            kn = tl.load(KN + row.to(tl.int64) * D + d, mask=nd_ok)
+            vn = tl.load(VN + row.to(tl.int64) * D + d, mask=nd_ok)
+            tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kn, mask=nd_ok)
+            tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vn, mask=nd_ok)
+            tl.store(spp + slot_new * s_sp_b, pos, mask=pos_bad == 0)
 
 
 def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, *, sinks,
@@ -327,7 +254,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
     s, w = sinks, window
     K = B - s - w
     dev = q.device
-    upcast = k_cache.dtype == torch.float32 or (interpreting() and not _NATIVE_DOT_IN_INTERPRETER)
+    upcast = upcast_operands(k_cache.dtype)
     if block_n is None:  # 32 on the GPU (no register spills at D <= 128, as SGLang's grouped decode)
         block_n = 32 if dev.type == "cuda" else 64
     # fp32 operands (ieee dot) and wide heads need 8 warps to stay clear of register spills (sm_90)
@@ -336,7 +263,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
     g_pad = max(16, triton.next_power_of_2(G))
     block_k = 1024 if dev.type == "cuda" else 256
     rows = N * Hkv  # one (batch row, KV head) per program of stage 1 (times its splits)
-    ns, chunk = _plan_splits(B, rows, block_n, num_splits, dev)
+    ns, chunk = plan_splits(B, rows, block_n, num_splits, dev)
 
     q_c = q.contiguous()
     kn = k_new.contiguous()
@@ -355,7 +282,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
 
     _decode_stage1[(rows, ns)](
         q_c, kn, vn, k_cache, v_cache, slot_pos, pr, lp, pos_c, mid_o, mid_l, dst, *strides,
-        Hkv, B, D, K, s, w, chunk, ns, scale * _LOG2E,
+        Hkv, B, D, K, s, w, chunk, ns, scale * LOG2E,
         G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
         num_warps=num_warps, num_stages=2,
     )
@@ -447,7 +374,7 @@ def _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio,
             raise ValueError(f"pos must fit in int32 slot positions (< {_INT32_MAX}), got {pos}")
     s = check_int("sinks", sinks, minimum=0)
     w = check_int("window", window, minimum=1)
-    if q.dtype not in _CACHE_DTYPES:
+    if q.dtype not in CACHE_DTYPES:
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != q.dtype:

@@ -16,10 +16,9 @@ num_splits)``, program ``(h, i)`` reads ``lengths[h]`` on the device and takes t
 keys, so a head costs its own length, never the longest head's (a padded layout pays the longest
 for every head).  Each tile loads its keys through the page table (one masked load from the fixed
 part, one from the pool) and runs the group's ``G`` queries as one ``[G_PAD, D]`` ``tl.dot`` tile,
-base-2 online softmax in float32 (``decode._online_softmax_tile``, shared with
-``fixed_budget_decode``'s stage 1); it writes a normalised
-partial output and its LSE.  Stage 2, grid ``(Hq,)``: the LSE merge of the splits
-(``decode._merge_splits``, shared with ``fixed_budget_decode``).  No value goes back to the host, so
+base-2 online softmax in float32 (``splitk.online_softmax_tile``, shared with
+``fixed_budget_decode``'s stage 1); it writes a normalised partial output and its LSE.  Stage 2,
+grid ``(Hq,)``: the LSE merge of the splits (``splitk.merge_splits``).  No value goes back to the host, so
 the launch depends on no data (``num_splits`` is planned from the table's width, a shape).
 
 PyTorch path (other CPU tensors): vectorised over heads, no gather of keys or values (``_torch_paged``).
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from . import decode as _decode
 from ._utils import (
     check_gqa,
     check_int,
@@ -36,16 +34,15 @@ from ._utils import (
     check_tensor,
     default_scale,
     empty,
-    interpreting,
     use_triton,
 )
-from .decode import _CACHE_DTYPES, _LOG2E, _sm_count
+from .splitk import CACHE_DTYPES, LOG2E, plan_splits, upcast_operands
 
 try:
     import triton
     import triton.language as tl
 
-    from .decode import _merge_splits, _online_softmax_tile
+    from .splitk import merge_splits, online_softmax_tile, store_split
 except Exception:  # pragma: no cover - depends on the install
     triton = None
 
@@ -54,19 +51,22 @@ __all__ = ["ragged_paged_decode"]
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 if triton is not None:
-    _LN2 = tl.constexpr(0.6931471805599453)
-
     @triton.jit
     def _paged_stage1(Q, FK, FV, PK, PV, TAB, LEN, MID_O, MID_L,
                       s_fk_h, s_fk_n, s_fk_d, s_fv_h, s_fv_n, s_fv_d,
                       s_pk_p, s_pk_n, s_pk_d, s_pv_p, s_pv_n, s_pv_d, s_tab_h, s_tab_w,
-                      N_FIXED, D, PAGE, NS, qk_scale,
+                      N_FIXED, D, PAGE, NPAGES, W, NS, qk_scale,
                       G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                       UPCAST: tl.constexpr):
         h = tl.program_id(0)
         split = tl.program_id(1)
         h64 = h.to(tl.int64)
-        total = N_FIXED + tl.load(LEN + h).to(tl.int32)  # this head's own number of keys
+        # this head's own number of keys; the device-side guard: a length outside [0, W * PAGE] or a
+        # page outside the pool is never followed (the head reads nothing there and returns NaN)
+        n_lr = tl.load(LEN + h).to(tl.int64)
+        len_bad = (n_lr < 0) | (n_lr > W * PAGE)
+        total = N_FIXED + tl.where(len_bad, 0, n_lr).to(tl.int32)
+        bad = len_bad.to(tl.int32)
         chunk = tl.cdiv(tl.cdiv(total, NS), BLOCK_N) * BLOCK_N
         start = split * chunk
         end = tl.minimum(start + chunk, total)
@@ -90,40 +90,31 @@ if triton is not None:
             fixed = ok & (j < N_FIXED)
             paged = ok & (j >= N_FIXED)
             i = tl.maximum(j - N_FIXED, 0)
-            page = tl.load(tab + (i // PAGE) * s_tab_w, mask=paged, other=0).to(tl.int64)
+            page = tl.load(tab + (i // PAGE).to(tl.int64) * s_tab_w, mask=paged, other=0).to(tl.int64)
+            page_bad = paged & ((page < 0) | (page >= NPAGES))
+            bad = tl.maximum(bad, tl.max(page_bad.to(tl.int32), axis=0))
+            page = tl.where(page_bad, 0, page)
             off = (i % PAGE).to(tl.int64)
             jf = j.to(tl.int64)
             fmask = fixed[:, None] & d_ok[None, :]
-            pmask = paged[:, None] & d_ok[None, :]
+            pmask = (paged & (page_bad == 0))[:, None] & d_ok[None, :]
             k = (tl.load(fk + jf[:, None] * s_fk_n + d[None, :] * s_fk_d, mask=fmask, other=0.0)
                  + tl.load(PK + page[:, None] * s_pk_p + off[:, None] * s_pk_n + d[None, :] * s_pk_d, mask=pmask,
                            other=0.0))
             v = (tl.load(fv + jf[:, None] * s_fv_n + d[None, :] * s_fv_d, mask=fmask, other=0.0)
                  + tl.load(PV + page[:, None] * s_pv_p + off[:, None] * s_pv_n + d[None, :] * s_pv_d, mask=pmask,
                            other=0.0))
-            m_i, l_i, acc = _online_softmax_tile(q, k, v, ok, qk_scale, m_i, l_i, acc, UPCAST)
-        nonempty = l_i > 0
-        l_div = tl.where(nonempty, l_i, 1.0)
-        lse = tl.where(nonempty, (m_i + tl.log2(l_div)) * _LN2, float("-inf"))
-        mrow = qh * NS + split
-        tl.store(MID_O + mrow[:, None] * D + d[None, :], acc / l_div[:, None], mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(MID_L + mrow, lse, mask=g_ok)
+            m_i, l_i, acc = online_softmax_tile(q, k, v, ok, qk_scale, m_i, l_i, acc, UPCAST)
+        store_split(MID_O, MID_L, qh * NS + split, m_i, l_i, acc, bad > 0, g_ok, d, d_ok, D)
 
     @triton.jit
     def _paged_stage2(MID_O, MID_L, OUT, LSE, D, NS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         qh = tl.program_id(0)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        o, lse = _merge_splits(MID_O, MID_L, qh.to(tl.int64) * NS, NS, D, d, d_ok, BLOCK_S, BLOCK_D)
+        o, lse = merge_splits(MID_O, MID_L, qh.to(tl.int64) * NS, NS, D, d, d_ok, BLOCK_S, BLOCK_D)
         tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
         tl.store(LSE + qh, lse)
-
-
-def _plan(Hkv: int, max_keys: int, block_n: int, num_splits: int | None, device: torch.device) -> int:
-    if num_splits is not None:
-        return num_splits
-    target = 2 * _sm_count(device) if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(max(max_keys, 1), block_n), triton.cdiv(target, Hkv)))
 
 
 def _triton_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, *, scale, num_splits, block_n):
@@ -131,12 +122,13 @@ def _triton_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, 
     Hkv = fixed_k.shape[0]
     P = pool_k.shape[1]
     dev = q.device
-    upcast = q.dtype == torch.float32 or (interpreting() and not _decode._NATIVE_DOT_IN_INTERPRETER)
+    upcast = upcast_operands(q.dtype)
     if block_n is None:
         block_n = 32 if dev.type == "cuda" else 64
     num_warps = 4 if (not upcast or dev.type != "cuda") and D <= 128 else 8
     block_d = max(16, triton.next_power_of_2(D))
-    ns = _plan(Hkv, n_fixed + table.shape[1] * P, block_n, num_splits, dev)
+    Np, W = pool_k.shape[0], table.shape[1]  # the real sizes, for the guard (before any dummy below)
+    ns, _ = plan_splits(n_fixed + W * P, Hkv, block_n, num_splits, dev)
     q_c = q.contiguous()
     lens = lengths.contiguous()
     # a zero-size tensor has no usable pointer: a one-page dummy pool / table (never read: lengths 0)
@@ -152,7 +144,7 @@ def _triton_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, 
     _paged_stage1[(Hkv, ns)](
         q_c, fixed_k, fixed_v, pool_k, pool_v, table, lens, mid_o, mid_l,
         *fixed_k.stride(), *fixed_v.stride(), *pool_k.stride(), *pool_v.stride(), *table.stride(),
-        n_fixed, D, P, ns, scale * _LOG2E,
+        n_fixed, D, P, Np, W, ns, scale * LOG2E,
         G=Hq // Hkv, G_PAD=max(16, triton.next_power_of_2(Hq // Hkv)), BLOCK_D=block_d, BLOCK_N=block_n,
         UPCAST=upcast, num_warps=num_warps, num_stages=2,
     )
@@ -201,7 +193,7 @@ def _check(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths):
     check_tensor("pool_v", pool_v, 3)
     check_tensor("table", table, 2, dtypes=_INDEX_DTYPES)
     check_tensor("lengths", lengths, 1, dtypes=_INDEX_DTYPES)
-    if q.dtype not in _CACHE_DTYPES:
+    if q.dtype not in CACHE_DTYPES:
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     for name, x in (("fixed_k", fixed_k), ("fixed_v", fixed_v), ("pool_k", pool_k), ("pool_v", pool_v)):
         if x.dtype != q.dtype:

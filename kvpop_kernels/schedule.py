@@ -210,7 +210,7 @@ def eviction_schedule(priority: torch.Tensor, *, sinks: int, window: int, k: int
         k: ``k >= 0`` long-range slots.
 
     ``NEVER = 2**31 - 1`` marks sinks, tokens never evicted within the sequence and tokens still
-    in the window at its end.  The visibility rule is ``reference.visible_mask``.
+    in the window at its end.  Which keys a query sees: :func:`visible_at`.
     """
     sinks, window, k = _check(priority, sinks, window, k)
     if use_triton(priority):
@@ -242,3 +242,25 @@ def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int,
         return y, bnd
     _, y, bnd = _cpu_schedule(priority, sinks, window, k, decisions=True)
     return torch.from_numpy(y).to(priority.device), torch.from_numpy(bnd).to(priority.device)
+
+
+def visible_at(evict_at: torch.Tensor, q: int, *, sinks: int, window: int) -> torch.Tensor:
+    """Bool ``[..., S]``: which keys query ``q`` sees, from ``evict_at [..., S]`` (int, any leading dims).
+
+    The mask rule of docs/DESIGN.md section 2 for one query: key ``t`` is visible iff
+    ``t <= q and (t < s or t > q - w or q < evict_at[t])``.  ``O(S)`` per head (one row of the mask,
+    never the ``[S, S]`` one)."""
+    if not isinstance(evict_at, torch.Tensor):
+        raise TypeError(f"evict_at must be a torch.Tensor, got {type(evict_at).__name__}")
+    if evict_at.dtype not in (torch.int32, torch.int64) or evict_at.dim() < 1:
+        raise ValueError(f"evict_at must be an int32/int64 tensor [..., S], got {evict_at.dtype} "
+                         f"{tuple(evict_at.shape)}")
+    S = evict_at.shape[-1]
+    check_int("q", q, minimum=0)
+    if q >= S:
+        raise ValueError(f"q must be a query of the sequence, 0 <= q < S = {S}, got {q}")
+    check_int("sinks", sinks, minimum=0)
+    check_int("window", window, minimum=1)
+    t = torch.arange(S, device=evict_at.device)
+    protected = (t <= q) & ((t < sinks) | (t > q - window))
+    return (t <= q) & (protected | (evict_at.to(torch.int64) > q))

@@ -45,8 +45,7 @@ def strip(visible: list[bool], sinks: int, window: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpop_kernels import NEVER, eviction_schedule
-    from kvpop_kernels.reference import visible_mask
+    from kvpop_kernels import NEVER, eviction_schedule, visible_at
 
     if args.sinks < 0 or args.window < 1:
         raise SystemExit(f"kvpop schedule: --sinks must be >= 0 and --window >= 1, got {args.sinks} and {args.window}")
@@ -77,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     q = S - 1
     print(f"S={S} sinks={args.sinks} window={args.window} k={k} (budget {args.budget}); "
           f"what query {q} sees: S sink, W window, # long-range, . evicted")
-    last = visible_mask(ev[None], sinks=args.sinks, window=args.window)[0, :, q]  # [H, S]
+    last = visible_at(ev, q, sinks=args.sinks, window=args.window)  # [H, S]
     for h, row in enumerate(ev.tolist()):
         vis = last[h].tolist()
         kept = [t for t in range(args.sinks, max(q - args.window + 1, args.sinks)) if vis[t]]

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import kvpop_kernels._utils as kutils
-from kvpop_kernels import decode as decode_mod
-from kvpop_kernels import eviction_schedule, fixed_budget_decode, reference
+from kvpop_kernels import eviction_schedule, fixed_budget_decode, reference, splitk
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -214,7 +213,7 @@ def test_triton_native_fp16_dot(monkeypatch):
     run in the interpreter with float16 (its numpy arithmetic is real, unlike bfloat16's)."""
     if HAS_CUDA or not kutils.interpreting():
         pytest.skip("interpreter-only check (on CUDA the gpu tests run this branch)")
-    monkeypatch.setattr(decode_mod, "_NATIVE_DOT_IN_INTERPRETER", True)
+    monkeypatch.setattr(splitk, "NATIVE_DOT_IN_INTERPRETER", True)
     run_and_compare(2, 4, 64, 2, 4, 5, 14, dtype=torch.float16, atol=1e-2, rtol=1e-2, rms=1e-2, block_n=16)
 
 

@@ -9,24 +9,9 @@ import pytest
 import torch
 
 import kvpop_kernels._utils as kutils
-from kvpop_kernels import paged_decode as paged_mod
 from kvpop_kernels import ragged_paged_decode, reference
 
 HAS_CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(params=["triton", "torch"])
-def backend(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(kutils, "interpreting", lambda: False)
-
-        def _no_triton(*a, **k):
-            raise AssertionError("the PyTorch path launched the Triton kernel")
-
-        monkeypatch.setattr(paged_mod, "_triton_paged", _no_triton)
-    elif not (HAS_CUDA or kutils.interpreting()):
-        pytest.skip("no Triton backend (needs CUDA or TRITON_INTERPRET=1)")
-    return request.param
 
 
 def make_store(Hkv, G, D, F, n_fixed, P, lengths, *, dtype=torch.float32, spare_pages=3, gen=None,

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import kvpop_kernels
 import kvpop_kernels._utils as kutils
-from kvpop_kernels import NEVER, eviction_decisions, eviction_schedule
+from kvpop_kernels import NEVER, eviction_decisions, eviction_schedule, visible_at
 from kvpop_kernels import reference as ref
 
 
@@ -36,6 +36,9 @@ def _check_against_reference(p, s, w, k):
     torch.testing.assert_close(ev.cpu(), ev_ref, rtol=0, atol=0)
     torch.testing.assert_close(y.cpu(), y_ref, rtol=0, atol=0)
     torch.testing.assert_close(bnd.cpu(), bnd_ref, rtol=0, atol=0)
+    mask = ref.visible_mask(ev_ref, sinks=s, window=w)  # [B, H, S, S]
+    for q in range(p.shape[-1]):  # the one-query mask row (kvpop schedule's) is the oracle's row q
+        assert torch.equal(visible_at(ev, q, sinks=s, window=w).cpu(), mask[..., q, :])
     return ev, y, bnd
 
 
@@ -176,6 +179,18 @@ def test_bad_input(kwargs, err, match):
     for fn in (eviction_schedule, eviction_decisions):
         with pytest.raises(err, match=match):
             fn(prio, **args)
+
+
+def test_visible_at_bad_input():
+    ev = torch.full((1, 2, 5), NEVER, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"0 <= q < S = 5, got 5"):
+        visible_at(ev, 5, sinks=1, window=2)
+    with pytest.raises(ValueError, match="int32/int64"):
+        visible_at(ev.float(), 0, sinks=1, window=2)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        visible_at([NEVER], 0, sinks=1, window=2)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        visible_at(ev, 0, sinks=1, window=0)
 
 
 def test_public_api_exports_never():
