@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command != "schedule":  # the commands that load models: no transformers bar into a log file
+        from kvpop.progress import quiet_library_bars
+
+        quiet_library_bars()
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

@@ -150,7 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with several processes (torchrun): ddp or fsdp (FSDP2) (default ddp)")
     run.add_argument("--device", type=str, default=None,
                      help="device (default: cuda[:LOCAL_RANK] when available, else cpu)")
-    run.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
 
 
 class _UserError(Exception):

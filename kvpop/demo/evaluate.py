@@ -340,9 +340,9 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
                     jobs.append((p, b, L))
     bar = None
     if cfg.progress and jobs:
-        from tqdm.auto import tqdm
+        from kvpop.progress import progress
 
-        bar = tqdm(total=len(jobs) * cfg.n_sequences, desc="kvpop eval", dynamic_ncols=True)
+        bar = progress(len(jobs) * cfg.n_sequences, desc="kvpop eval")
     rows = dict(done)
     examples: dict[int, list[dict]] = {}
     try:

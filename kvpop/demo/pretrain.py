@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-from", default="model", help="subdirectory of OUT to export")
     p.add_argument("--export-lengths", default=None,
                    help="comma-separated lengths to evaluate on export (default L_train/2, L_train, 2 L_train)")
-    p.add_argument("--no-progress", action="store_true", help="disable the tqdm bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress report (a tqdm bar on a terminal, else a line per N steps)")
     return p
 
 
@@ -302,12 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
                      "args": vars(args), "task": task_cfg.to_dict(), "rng": rng_state()}, ckpt_path)
 
-    try:
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, initial=state["step"], disable=args.no_progress,
-                   mininterval=5.0, dynamic_ncols=True)
-    except ImportError:  # pragma: no cover
-        bar = None
+    from kvpop.progress import progress
+
+    bar = progress(args.steps, desc="kvpop pretrain", initial=state["step"], enabled=not args.no_progress,
+                   mininterval=5.0)
     signals = StopSignals(name="kvpop pretrain").install()  # checkpoint and stop cleanly on SIGTERM / SIGINT
     t0 = time.time() - state["elapsed_s"]
     log = open(out / "log.jsonl", "a")
@@ -334,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                "ema": round(state["ema_acc"], 4), "gn": round(float(gn), 3),
                "t": round(state["elapsed_s"], 1)}
         if bar is not None:
-            bar.update(1)
             bar.set_postfix(L=length, loss=f"{float(loss):.3f}", acc=f"{state['ema_acc']:.3f}")
+            bar.update(1)
         advanced = False
         if (state["stage"] + 1 < len(stages) and state["stage_step"] >= args.min_stage_steps
                 and state["ema_acc"] >= args.advance_acc):

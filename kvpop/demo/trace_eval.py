@@ -118,10 +118,9 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
     policies = [p for p in cfg.policies if p in models and p != "dense"]
     bar = None
     if cfg.progress:
-        from tqdm.auto import tqdm
+        from kvpop.progress import progress
 
-        bar = tqdm(total=len(traces) * (1 + len(policies) * len(cfg.budgets)), desc="kvpop eval --data",
-                   dynamic_ncols=True)
+        bar = progress(len(traces) * (1 + len(policies) * len(cfg.budgets)), desc="kvpop eval --data")
     dense = []  # per trace: (nll [L-1], argmax [L-1]) from position 0
     rows = []
     try:

@@ -11,7 +11,8 @@
 * every ``grad_accum`` micro-batches: gradient clipping (model and scorers separately), one AdamW step
   with two parameter groups (``lr_model`` for the model, ``lr_scorer`` for scorers and decays; no weight
   decay on the decays), a linear warm-up of ``warmup_steps``;
-* a tqdm bar with ``kl``, ``score``, the scorer's decision accuracy and the gamma range;
+* progress with ``kl``, ``score``, the scorer's decision accuracy and the gamma range (``kvpop.progress``:
+  a tqdm bar on a terminal, a line every few steps when stderr is a file or a pipe);
 * checkpoints every ``checkpoint_every`` steps (and at the end) into ``checkpoint_dir``:
   ``last.pt`` (model and scorer state, optimiser, scheduler, step, micro-batches consumed, RNG states,
   the history so far) written to a temporary file and renamed, plus ``scorers.safetensors``
@@ -521,9 +522,9 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     batches = _micro_batches(data, consumed, rank, world)
     bar = None
     if cfg.progress and rank == 0:
-        from tqdm.auto import tqdm
+        from kvpop.progress import progress
 
-        bar = tqdm(total=cfg.steps, initial=step, desc="kvpop train", dynamic_ncols=True)
+        bar = progress(cfg.steps, initial=step, desc="kvpop train")
     stop = StopSignals(enabled=ckpt_dir is not None, name="kvpop train").install()
     try:
         while step < cfg.steps:
@@ -578,8 +579,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             history.append(rec)
             if hist_path is not None:
                 append_jsonl(hist_path, rec)
-            if bar is not None:
-                bar.update(1)
+            if bar is not None:  # the step's figures first: a line-per-N-steps report prints them at update
                 if dms:
                     bar.set_postfix(kl=f"{kl_acc:.4f}", aux=f"{ls_acc:.4f}", keep=f"{rec['keep_frac']:.3f}",
                                     target=f"{rec['target_keep']:.3f}")
@@ -587,6 +587,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                     acc = rec.get("accuracy", math.nan)
                     bar.set_postfix(kl=f"{kl_acc:.4f}", score=f"{ls_acc:.4f}", acc=f"{acc:.3f}",
                                     gamma=f"{rec['gamma_min']:.6f}..{rec['gamma_max']:.6f}")
+                bar.update(1)
             saved = bool(ckpt_dir is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
             if saved:
                 save()

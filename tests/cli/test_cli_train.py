@@ -123,8 +123,10 @@ def test_task_with_the_shipped_model_scorers_only(tmp_path, capsys):
             *[a for a in FAST if a != "--no-progress"]]
     args[args.index("--seq-len") + 1] = "64"
     assert main(args) == 0
-    err = capsys.readouterr().err  # the tqdm bar shows the losses
+    err = capsys.readouterr().err  # the progress report shows the losses
     assert "kvpop train" in err and "score=" in err and "kl=" in err and "acc=" in err
+    # stderr is not a terminal here: plain lines (step 1 and 2 of 2), no bar redrawn with carriage returns
+    assert "\r" not in err and "kvpop train: 2/2 (100%)" in err
     hist = _history(out)
     assert len(hist) == 2 and all(h["kl"] == 0.0 and h["score"] > 0 for h in hist)
     assert not (out / "model").exists()  # scorers only: the model is unchanged, not written
