@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-from", default="model", help="subdirectory of OUT to export")
     p.add_argument("--export-lengths", default=None,
                    help="comma-separated lengths to evaluate on export (default L_train/2, L_train, 2 L_train)")
-    p.add_argument("--no-progress", action="store_true", help="no progress report (a tqdm bar on a terminal, else a line per N steps)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress report (a tqdm bar on a terminal, else a line per N steps)")
     return p
 
 
