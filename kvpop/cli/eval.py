@@ -2,25 +2,33 @@
 
 Example (after ``kvpop demo --out demo``, which writes the retrofitted parts)::
 
-    kvpop eval --scorers kvpop-mlp=demo/kvpop-mlp/scorers.safetensors \\
-               --scorers kvpop-mlstm=demo/kvpop-mlstm/scorers.safetensors \\
-               --finetuned fixed-finetune=demo/fixed-finetune/model --out eval-out
+    kvpop eval --run demo/kvtrace/kvpop-mlp --run demo/kvtrace/kvpop-mlstm-joint --run demo/kvtrace/dms \
+               --run fixed-finetune=demo/kvtrace/fixed-finetune --out eval-out
+
+``--run [POLICY=]DIR`` takes a ``kvpop train --out`` directory whole, whatever the method (scorers,
+fine-tuned model, DMS gates, and the settings they were trained with; ``kvpop.cli.trained`` says which policy
+a directory serves); ``--scorers POLICY=FILE``, ``--finetuned POLICY=DIR`` and ``--dms DIR`` name the parts
+one by one.  Sinks and window are the runs' own (saved in the scorer / gate file): a ``--sinks`` or
+``--window`` that contradicts them is refused with both values named, as is a set of runs trained at
+different ones; the budgets may differ from training on purpose, and the table's "trained at" column says
+what each run was trained at.
 
 Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.demo.evaluate``), the
-``dms`` row through ``kvpop.core.dms.patch_dms`` + ``DMSCache`` at the same mean budget (``--dms DIR``).
+``dms`` row through ``kvpop.core.dms.patch_dms`` + ``DMSCache`` at the same mean budget.
 Policies without what they need (scorers, a fine-tuned model) are skipped unless named in
 ``--policies``, which then raises a clear error.
 
 On your own model and traces (``--data``; see ``kvpop.demo.trace_eval``)::
 
-    kvpop eval --model my-model --data traces.jsonl --scorers kvpop-mlstm=run/scorers.safetensors \
-               --out eval-out
+    kvpop eval --model my-model --data traces.jsonl --run runs/mlstm --run runs/dms --out eval-out
 
 ``--model`` is any local directory saved with ``save_pretrained`` (a family ``kvpop.patch``
 supports); ``--data`` is JSONL of ``{"input_ids": [...]}`` or ``{"text": "..."}`` (tokenized with the
 model directory's tokenizer).  Each trace is run teacher-forced under every policy and budget; the
-table gives, over the positions past the budget, the mean next-token NLL's increase over the dense
-model and the top-1 agreement with the dense model's predictions (``results.json``, ``table.md``,
+table gives, over the positions past the largest budget (the same positions for every column, so the
+dense reference is one number), the mean next-token NLL's increase over the dense model and the top-1
+agreement with the dense model's predictions, and for DMS the entries its heads held (mean / min / max
+over heads, at the last position and per quarter of the positions) (``results.json``, ``table.md``,
 ``nll_vs_budget.png``).
 """
 from __future__ import annotations
@@ -90,33 +98,48 @@ def check_out(out: str | None) -> Path | None:
     return path
 
 
-def add_common(p: argparse.ArgumentParser) -> None:
-    """Options shared by ``kvpop eval`` and ``kvpop demo``."""
+def add_common(p: argparse.ArgumentParser, *, of_runs: bool = False) -> None:
+    """Options shared by ``kvpop eval`` and ``kvpop demo`` (``of_runs``: sinks and window default to the
+    evaluated runs' own, as in ``kvpop eval``)."""
     p.add_argument("--model", default=None, help="base model directory (default: the shipped tiny_qwen3)")
     p.add_argument("--train-len", type=int, default=None, help="L_train of the model (default 2048)")
     p.add_argument("--lengths", default=None, help="test lengths, comma-separated (default L_train,2*L_train)")
     p.add_argument("--budgets", default=None,
                    help="budgets, comma-separated (default 6.25%%,12.5%%,25%% of L_train: 128,256,512)")
     p.add_argument("--n-sequences", type=int, default=None, help="test sequences per length")
-    p.add_argument("--sinks", type=int, default=None, help="sink tokens (default 4)")
+    runs = ("the trained runs' own, else " if of_runs else "")
+    refused = ("; a value other than the runs' is refused" if of_runs else "")
+    p.add_argument("--sinks", type=int, default=None, help=f"sink tokens (default {runs}4{refused})")
     p.add_argument("--window", type=int, default=None,
-                   help="recent window (default 32: the package default 256 does not fit a 128-entry budget)")
+                   help=f"recent window (default {runs}32: the package default 256 does not fit a 128-entry "
+                        f"budget{refused})")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the tiny model's ops are too small for more; "
                         "2 threads made token-by-token decoding 3-15x slower on a busy 2-core machine)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG plot")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common(p)
+    add_common(p, of_runs=True)
+    p.add_argument("--run", action="append", metavar="[POLICY=]DIR",
+                   help="a kvpop train --out directory (or a kvpop demo OUT/<task>/<policy>), whatever the method: its "
+                        "scorers, fine-tuned model, DMS gates and the settings they were trained with; the policy is "
+                        "read from what DIR holds (scorers alone: kvpop-mlp / kvpop-mlstm; scorers + model/: "
+                        "kvpop-mlp-joint / kvpop-mlstm-joint; gates: dms; model alone: name it, fixed-finetune=DIR); "
+                        "POLICY= overrides it (e.g. kvpop-mlp=DIR serves a joint run's scorers as kvpop-mlp); "
+                        "repeatable, one run per policy")
     p.add_argument("--scorers", action="append", metavar="POLICY=FILE",
-                   help="scorer file for kvpop-mlp / kvpop-mlstm (repeatable)")
+                   help="special case of --run: a scorer file alone, for kvpop-mlp, kvpop-mlstm, kvpop-mlp-joint or "
+                        "kvpop-mlstm-joint (the joint ones with --finetuned POLICY=DIR, the model trained with them; "
+                        "repeatable)")
     p.add_argument("--finetuned", action="append", metavar="POLICY=DIR",
-                   help="fine-tuned model directory for fixed-finetune (or to serve kvpop-* scorers; repeatable)")
+                   help="special case of --run: a fine-tuned model directory for fixed-finetune, or the model to serve "
+                        "a --scorers policy on (repeatable)")
     p.add_argument("--dms", default=None, metavar="DIR",
-                   help="a DMS run for the dms policy: DIR/gates.safetensors and DIR/model (kvpop train --method dms "
-                        "--out DIR, or the demo's OUT/dms)")
+                   help="special case of --run: a DMS run for the dms policy, DIR/gates.safetensors and DIR/model "
+                        "(kvpop train --method dms --out DIR, or the demo's OUT/kvtrace/dms)")
     p.add_argument("--policies", default=None, help="comma-separated policies (default: all that can run)")
     p.add_argument("--out", default=None, help="directory for results.json, table.md and accuracy_vs_budget.png")
     p.add_argument("--data", default=None, metavar="JSONL",
@@ -141,42 +164,94 @@ def finish(results: dict, out: Path | None, plot: bool) -> None:
         print(f"wrote {out / 'results.json'}" + (f" and {out / 'accuracy_vs_budget.png'}" if plot else ""))
 
 
-def _policy_models(E, base, cfg_policies, wanted, scorers: dict, finetuned: dict, *, sinks: int, window: int,
-                   budget: int, load, dms_dir: str | None = None) -> dict:
-    """policy -> model for every policy of ``cfg_policies`` that has what it needs (``dms``: the DMS run
-    ``dms_dir`` holding ``gates.safetensors`` and ``model/``)."""
+def _trained(args: argparse.Namespace) -> dict:
+    """policy -> :class:`kvpop.cli.trained.Trained` from ``--run``, ``--scorers``, ``--finetuned`` and ``--dms``
+    (files checked and configs read here, before any model is loaded)."""
+    from kvpop.core.checkpoint import read_scorer_config
+    from kvpop.core.dms import read_dms_config
+    from kvpop.demo import evaluate as E
+
+    from .trained import GATES_FILE, Trained, model_dir, read_run
+
+    out: dict[str, Trained] = {}
+
+    def add(t: Trained) -> None:
+        if t.policy in out:
+            raise ValueError(f"policy {t.policy!r} is given twice: {out[t.policy].source} and {t.source}")
+        out[t.policy] = t
+
+    for spec in args.run or []:
+        add(read_run(spec))
+    for p, path in _pairs(args.scorers, "scorers").items():
+        if p not in E.SCORER_OF:
+            raise ValueError(f"--scorers is for {', '.join(E.SCORER_OF)}, got {p!r}")
+        add(Trained(p, f"--scorers {p}={path}", scorers=Path(path), config=read_scorer_config(path)))
+    if args.dms is not None:
+        d = Path(args.dms)
+        if not (d / GATES_FILE).is_file():
+            raise FileNotFoundError(f"--dms {d}: no {GATES_FILE} there (kvpop train --method dms --out DIR writes it)")
+        add(Trained("dms", f"--dms {d}", gates=d / GATES_FILE, model=model_dir(d),
+                    config=read_dms_config(d / GATES_FILE)))
+    for p, path in _pairs(args.finetuned, "finetuned").items():
+        if p in out and out[p].model is not None:
+            raise ValueError(f"policy {p!r} has two fine-tuned models: {out[p].model} ({out[p].source}) and {path}")
+        if p in out:
+            out[p].model = Path(path)
+        else:
+            out[p] = Trained(p, f"--finetuned {p}={path}", model=Path(path))
+    return out
+
+
+def _policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, window: int, budget: int,
+                   load) -> dict:
+    """policy -> model for every policy of ``cfg_policies`` that has what it needs (``trained``: policy ->
+    :class:`kvpop.cli.trained.Trained`); a policy named in ``wanted`` without it raises ValueError."""
     models = {"dense": base}
     shared = None
     for p in cfg_policies:
         if p == "dense":
             continue
+        t = trained.get(p)
         if p == "dms":
-            if dms_dir is None:
+            if t is None:
                 if wanted is not None:
-                    raise ValueError("policy 'dms' needs --dms DIR (a kvpop train --method dms run)")
+                    raise ValueError("policy 'dms' needs a DMS run: --run DIR or --dms DIR (kvpop train --method dms)")
                 continue
-            models[p] = E.policy_model(base, "dms", scorers=Path(dms_dir) / "gates.safetensors",
-                                       finetuned=load(Path(dms_dir) / "model"), sinks=sinks, window=window)
+            models[p] = E.policy_model(base, "dms", scorers=t.gates, sinks=sinks, window=window,
+                                       finetuned=load(t.model) if t.model is not None else base)
             continue
-        ft = load(finetuned[p]) if p in finetuned else None
-        if p in E.SCORER_OF and p not in scorers:
+        ft = load(t.model) if t is not None and t.model is not None else None
+        if p in E.SCORER_OF and (t is None or t.scorers is None):
             if wanted is not None:
-                raise ValueError(f"policy {p!r} needs --scorers {p}=FILE")
+                raise ValueError(f"policy {p!r} needs its scorers: --run {p}=DIR or --scorers {p}=FILE")
             continue
         if p == "fixed-finetune" and ft is None:
             if wanted is not None:
-                raise ValueError("policy 'fixed-finetune' needs --finetuned fixed-finetune=DIR")
+                raise ValueError("policy 'fixed-finetune' needs a fine-tuned model: --run fixed-finetune=DIR or "
+                                 "--finetuned fixed-finetune=DIR")
             continue
         if p in ("streaming", "tova", "h2o") and ft is None:
             shared = shared or E.policy_model(base, "streaming", sinks=sinks, window=window, budget=budget)
             models[p] = shared
             continue
-        models[p] = E.policy_model(base, p, scorers=scorers.get(p), finetuned=ft, sinks=sinks, window=window,
-                                   budget=budget)
+        models[p] = E.policy_model(base, p, scorers=t.scorers if t is not None else None, finetuned=ft, sinks=sinks,
+                                   window=window, budget=budget)
     return models
 
 
-def _run_traces(args: argparse.Namespace, scorers: dict, finetuned: dict, wanted) -> int:
+def _settings(args: argparse.Namespace, trained: dict, wanted) -> tuple[int, int, dict]:
+    """Sinks and window (the runs' own; a contradicting --sinks / --window raises) and ``results['trained']``."""
+    from kvpop.demo import evaluate as E
+
+    from .trained import trained_window
+
+    runs = [t for p, t in trained.items() if wanted is None or p in wanted]
+    sinks, window = trained_window(runs, args.sinks, args.window, default_sinks=E.DEFAULT_SINKS,
+                                   default_window=E.DEFAULT_WINDOW)
+    return sinks, window, {t.policy: t.summary() for t in runs}
+
+
+def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
     import torch
 
     from kvpop.demo import evaluate as E
@@ -191,6 +266,7 @@ def _run_traces(args: argparse.Namespace, scorers: dict, finetuned: dict, wanted
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} is for the synthetic task, not --data "
                                  f"(use --seq-len / --budgets)")
+        sinks, window, summary = _settings(args, trained, wanted)
         base = TE.load_model(args.model)
         records = data_io.read_jsonl(args.data, vocab_size=base.config.vocab_size,
                                      tokenizer=lambda: data_io.load_tokenizer(args.model),
@@ -201,22 +277,20 @@ def _run_traces(args: argparse.Namespace, scorers: dict, finetuned: dict, wanted
             traces = [torch.tensor(r, dtype=torch.int64) for r in records if len(r) >= 2]
         if args.n_sequences is not None:
             traces = traces[:args.n_sequences]
-        cfg = TE.TraceEvalConfig(budgets=_ints(args.budgets),
-                                 sinks=E.DEFAULT_SINKS if args.sinks is None else args.sinks,
-                                 window=E.DEFAULT_WINDOW if args.window is None else args.window,
+        cfg = TE.TraceEvalConfig(budgets=_ints(args.budgets), sinks=sinks, window=window,
                                  policies=wanted or E.POLICIES, progress=not args.no_progress)
         lengths = [int(t.numel()) for t in traces]
         cfg.resolve(lengths)
-        models = _policy_models(E, base, cfg.policies, wanted, scorers, finetuned, sinks=cfg.sinks,
-                                window=cfg.window, budget=cfg.budgets[0], load=TE.load_model, dms_dir=args.dms)
+        models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
+                                budget=cfg.budgets[0], load=TE.load_model)
         rows = TE.evaluate_traces(models, traces, cfg)
     except (ValueError, FileNotFoundError, TypeError, NotImplementedError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
     results = TE.trace_results(rows, cfg, lengths=lengths, extra={
         "model": str(args.model), "data": str(args.data), "seq_len": args.seq_len,
-        "scorers": scorers, "finetuned": finetuned, "threads": torch.get_num_threads(),
-        "eval_seconds": round(time.time() - t0, 1)})
+        "trained": {p: summary[p] for p in summary if p in models},
+        "threads": torch.get_num_threads(), "eval_seconds": round(time.time() - t0, 1)})
     table = TE.format_trace_table(results)
     print(table)
     if args.out:
@@ -236,11 +310,6 @@ def run(args: argparse.Namespace) -> int:
     from kvpop.demo import evaluate as E
 
     try:
-        scorers = _pairs(args.scorers, "scorers")
-        finetuned = _pairs(args.finetuned, "finetuned")
-        for p in scorers:
-            if p not in E.SCORER_OF:
-                raise ValueError(f"--scorers is for kvpop-mlp / kvpop-mlstm, got {p!r}")
         wanted = None if args.policies is None else [x.strip() for x in args.policies.split(",") if x.strip()]
         if wanted is not None:
             E._check_policies(wanted)
@@ -248,24 +317,25 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--seq-len is for --data")
         check_common(args)
         check_out(args.out)
+        trained = _trained(args)
         torch.set_num_threads(args.threads)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
     if args.data is not None:
-        return _run_traces(args, scorers, finetuned, wanted)
+        return _run_traces(args, trained, wanted)
     try:
+        sinks, window, summary = _settings(args, trained, wanted)
         cfg = E.EvalConfig(train_len=args.train_len or 2048, lengths=_ints(args.lengths),
                            budgets=_ints(args.budgets), n_sequences=4 if args.n_sequences is None else args.n_sequences,
-                           sinks=E.DEFAULT_SINKS if args.sinks is None else args.sinks,
-                           window=E.DEFAULT_WINDOW if args.window is None else args.window,
-                           policies=wanted or E.POLICIES, progress=not args.no_progress)
+                           sinks=sinks, window=window, policies=wanted or E.POLICIES, progress=not args.no_progress)
         base = E.load_base_model(args.model)
-        models = _policy_models(E, base, cfg.policies, wanted, scorers, finetuned, sinks=cfg.sinks,
-                                window=cfg.window, budget=cfg.budgets[0], load=E.load_base_model, dms_dir=args.dms)
+        models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
+                                budget=cfg.budgets[0], load=E.load_base_model)
         t0 = time.time()
         results = E.evaluate(models, cfg)
         results["eval_seconds"] = round(time.time() - t0, 1)
+        results["trained"] = {p: summary[p] for p in summary if p in models}
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2

@@ -31,10 +31,13 @@ from kvpop.models import cache_kwarg_name
 
 from . import task as T
 
-__all__ = ["retrofit_dms", "dms_policy_model", "calibrate_threshold", "dms_logits", "row_stats", "GATES"]
+__all__ = ["retrofit_dms", "dms_policy_model", "calibrate_threshold", "dms_logits", "row_stats", "entries_by_position",
+           "GATES", "RANGES"]
 
 GATES = "gates.safetensors"
 _LOG = "_kvpop_dms_eval_log"
+RANGES = 4
+"""Position ranges of :func:`row_stats`' ``dms_entries_by_range`` (quarters of the sequence)."""
 _BRACKET = 64.0
 _ITERS = 12
 
@@ -178,19 +181,52 @@ def dms_logits(model: nn.Module, ids: torch.Tensor, budget: int) -> torch.Tensor
     logits = model(ids, **{cache_kwarg_name(): cache}).logits
     ent = cache.head_entries().float()
     log = model.__dict__.setdefault(_LOG, [])
+    by_pos = entries_by_position(cache)
+    ranges = []
+    for r in range(RANGES):  # each head's mean over the range's positions, then the spread over heads
+        lo, hi = r * by_pos.shape[1] // RANGES, (r + 1) * by_pos.shape[1] // RANGES
+        per_head = by_pos[:, lo:max(hi, lo + 1)].float().mean(1)
+        ranges.append((float(per_head.mean()), float(per_head.min()), float(per_head.max())))
     log.append({"threshold": thr, "mean": float(ent.mean()), "min": float(ent.min()), "max": float(ent.max()),
-                "std": float(ent.std())})
+                "std": float(ent.std()), "ranges": ranges})
     return logits
+
+
+def entries_by_position(cache: D.DMSCache) -> torch.Tensor:
+    """Entries each (layer, KV head) held after each position of the sequence a :class:`DMSCache` has seen:
+    int64 ``[layers * Hkv, L]``, row ``layer * Hkv + h``.  After position ``p`` a head holds the sinks and
+    window tokens seen, ``min(p + 1, s + w)``, plus the long-range tokens it kept that had left the window,
+    ``s <= t < p + 1 - w`` (a token's gate decision does not change later, so these are the cache's kept
+    tokens below that position).  Its last column is ``cache.head_entries()``."""
+    rows = []
+    for layer in cache.layers:
+        s, w, n = layer.sinks, layer.window, layer.seen
+        pos = torch.arange(n, dtype=torch.int64)
+        kept = layer.long_positions()  # per head, in order
+        longest = max((len(k) for k in kept), default=0)
+        table = torch.full((len(kept), longest + 1), n + w + 1, dtype=torch.int64)  # padding past every bound
+        for h, k in enumerate(kept):
+            table[h, :len(k)] = torch.tensor(k, dtype=torch.int64)
+        left = (pos + 1 - w).expand(len(kept), n).contiguous()
+        rows.append((pos + 1).clamp(max=s + w) + torch.searchsorted(table, left))
+    return torch.cat(rows)
 
 
 def row_stats(model: nn.Module) -> dict:
     """Summary of the sequences evaluated since the last call (then forgotten): the entries DMS held per
-    head at the last position, mean / min / max / std over heads (each averaged over sequences), and
-    the mean calibrated threshold.  ``{}`` for a model that logged nothing."""
+    head at the last position, mean / min / max / std over heads (each averaged over sequences); per
+    position range (``dms_entries_by_range``: the sequence cut in :data:`RANGES` equal ranges of
+    positions) each head's mean entries over the range, mean / min / max over heads (DMS's budget is
+    matched at the last position; it holds fewer entries earlier); and the mean calibrated threshold.
+    ``{}`` for a model that logged nothing."""
     log = model.__dict__.pop(_LOG, None)
     if not log:
         return {}
     n = len(log)
     out = {f"dms_entries_{k}": round(sum(r[k] for r in log) / n, 2) for k in ("mean", "min", "max", "std")}
+    out["dms_entries_by_range"] = [
+        {"from": r / RANGES, "to": (r + 1) / RANGES,
+         **{k: round(sum(x["ranges"][r][i] for x in log) / n, 2) for i, k in enumerate(("mean", "min", "max"))}}
+        for r in range(RANGES)]
     out["dms_threshold"] = round(sum(r["threshold"] for r in log) / n, 3)
     return out

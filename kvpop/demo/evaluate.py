@@ -85,6 +85,7 @@ __all__ = [
     "results_dict",
     "format_table",
     "write_results",
+    "trained_label",
     "plot_results",
     "retrofit",
     "RetrofitConfig",
@@ -416,7 +417,8 @@ def format_table(results: dict) -> str:
     budgets = sorted({r["budget"] for r in rows if r["policy"] != "dense"})
     cell = {(r["policy"], r["budget"], r["length"]): r for r in rows}
     train_len = results.get("train_len")
-    head = ["policy"]
+    with_trained = bool(results.get("trained"))
+    head = ["policy"] + (["trained at"] if with_trained else [])
     for L in lengths:
         for b in budgets:
             frac = f" ({100 * b / train_len:g}%)" if train_len else ""
@@ -424,7 +426,7 @@ def format_table(results: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     pols = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
     for p in pols:
-        line = [p]
+        line = [p] + ([trained_label(results, p)] if with_trained else [])
         for L in lengths:
             for b in budgets:
                 r = cell.get((p, L if p == "dense" else b, L))
@@ -437,6 +439,17 @@ def format_table(results: dict) -> str:
                     line.append(f"{r['accuracy']:.3f} ({rel:.0%})" if rel is not None else f"{r['accuracy']:.3f}")
         lines.append("| " + " | ".join(line) + " |")
     return "\n".join(lines)
+
+
+def trained_label(results: dict, policy: str) -> str:
+    """What ``results['trained'][policy]`` (``kvpop eval``'s record of the runs) says the policy was trained
+    at: ``B=96`` for a fixed-budget retrofit, ``keep 0.125`` for DMS, ``-`` when unknown or untrained."""
+    t = (results.get("trained") or {}).get(policy) or {}
+    if "budget" in t:
+        return f"B={t['budget']}"
+    if "target_keep" in t:
+        return f"keep {t['target_keep']:g}"
+    return "-"
 
 
 def write_results(results: dict, path: str | os.PathLike) -> None:

@@ -4,9 +4,12 @@ For each trace (token ids, batch 1) and each (policy, budget ``B``), the model r
 over the whole trace through the code a user runs (:func:`kvpop.demo.evaluate.policy_logits`): the static
 policies (``streaming``, ``fixed-finetune``, ``kvpop-*``) through the patched model's sparse-attention
 prefill with the policy's eviction schedule, ``tova``/``h2o`` through a ``KVpopCache`` that decodes
-token by token, ``dense`` through the unpatched model.  Only positions ``p >= B`` are scored (there
-the cache holds ``p + 1 > B`` tokens, so eviction has happened); at each such position the logits
-predict ``input_ids[p + 1]``.  Per (policy, budget):
+token by token, ``dense`` through the unpatched model.  Every policy at every budget is scored over the
+same positions: ``p >= max(budgets)`` (there every budget's cache holds ``p + 1 > B`` tokens, so
+eviction has happened under each), so the columns of the table compare and the dense reference is one
+number; at each such position the logits predict ``input_ids[p + 1]``.  (Scoring each budget from its own
+``B`` would make the dense reference, and the positions, change from column to column.)  Per (policy,
+budget):
 
 * ``nll``: mean next-token negative log-likelihood (nats) over those positions of all traces;
 * ``dense_nll`` and ``delta_nll = nll - dense_nll``: the dense model on the same positions;
@@ -28,7 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .evaluate import DEFAULT_SINKS, DEFAULT_WINDOW, POLICIES, _check_policies, policy_logits
+from .dms import RANGES
+from .dms import row_stats as dms_row_stats
+from .evaluate import DEFAULT_SINKS, DEFAULT_WINDOW, POLICIES, _check_policies, policy_logits, trained_label
 
 __all__ = ["TraceEvalConfig", "load_model", "sequence_scores", "evaluate_traces", "trace_results",
            "format_trace_table", "plot_trace_results"]
@@ -116,6 +121,7 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
     traces = [t.reshape(-1).long() for t in traces]
     cfg.resolve([int(t.numel()) for t in traces])
     policies = [p for p in cfg.policies if p in models and p != "dense"]
+    start = max(cfg.budgets)  # every policy and budget over the same positions (module docstring)
     bar = None
     if cfg.progress:
         from kvpop.progress import progress
@@ -137,22 +143,22 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                 nll = dnll = 0.0
                 agree = n = n_seq = 0
                 for t, (d_nll, d_arg) in zip(traces, dense):
-                    if t.numel() - 1 <= b:  # no position past the budget
+                    if t.numel() - 1 <= start:  # no position past the largest budget
                         if bar is not None:
                             bar.update(1)
                         continue
-                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, p, b), t, b)
+                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, p, b), t, start)
                     nll += float(p_nll.sum())
-                    dnll += float(d_nll[b:].sum())
-                    agree += int((p_arg == d_arg[b:]).sum())
+                    dnll += float(d_nll[start:].sum())
+                    agree += int((p_arg == d_arg[start:]).sum())
                     n += int(p_nll.numel())
                     n_seq += 1
                     if bar is not None:
                         bar.update(1)
-                row = {"policy": p, "budget": int(b), "positions": n, "n_sequences": n_seq,
+                row = {"policy": p, "budget": int(b), "scored_from": start, "positions": n, "n_sequences": n_seq,
                        "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,
                        "delta_nll": (nll - dnll) / n if n else math.nan,
-                       "top1_agreement": agree / n if n else math.nan}
+                       "top1_agreement": agree / n if n else math.nan, **dms_row_stats(models[p])}
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
@@ -166,8 +172,9 @@ def trace_results(rows: list[dict], cfg: TraceEvalConfig, *, lengths: Sequence[i
                   extra: Mapping[str, Any] | None = None) -> dict:
     """The ``results.json`` object of ``kvpop eval --data``."""
     order = {p: i for i, p in enumerate(POLICIES)}
-    res = {"kind": "traces", "metric": "teacher-forced next-token NLL (nats) at positions >= budget",
-           "budgets": list(cfg.budgets), "sinks": cfg.sinks, "window": cfg.window,
+    res = {"kind": "traces",
+           "metric": "teacher-forced next-token NLL (nats) at positions >= the largest budget, the same for all",
+           "scored_from": max(cfg.budgets), "budgets": list(cfg.budgets), "sinks": cfg.sinks, "window": cfg.window,
            "n_traces": len(lengths), "trace_lengths": {"min": min(lengths), "max": max(lengths),
                                                        "total": int(sum(lengths))},
            "rows": sorted(rows, key=lambda r: (order.get(r["policy"], 99), r["budget"]))}
@@ -177,20 +184,39 @@ def trace_results(rows: list[dict], cfg: TraceEvalConfig, *, lengths: Sequence[i
 
 
 def format_trace_table(results: dict) -> str:
-    """Markdown table: one row per policy, per budget the NLL increase over dense and top-1 agreement."""
+    """Markdown: a caption (the positions scored, the same for every column), one row per policy with per
+    budget the NLL increase over dense and top-1 agreement (and, when ``results['trained']`` says, the
+    budget each policy was trained at); then, when DMS ran, the entries its heads held."""
     rows = results["rows"]
     budgets = sorted({r["budget"] for r in rows})
     cell = {(r["policy"], r["budget"]): r for r in rows}
-    head = ["policy"] + [f"B={b}: ΔNLL / top-1 agree" for b in budgets]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    start = results.get("scored_from", max(budgets) if budgets else 0)
+    with_trained = bool(results.get("trained"))
+    caption = (f"Next-token NLL increase over dense (nats/token) / top-1 agreement with dense, at every position "
+               f">= {start} (the largest budget; the same positions in every column) of "
+               f"{results.get('n_traces', '?')} traces; sinks {results.get('sinks')}, window {results.get('window')}.")
+    head = ["policy"] + (["trained at"] if with_trained else []) + [f"B={b}" for b in budgets]
+    lines = [caption, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dn = [cell.get((rows[0]["policy"], b), {}).get("dense_nll", math.nan) for b in budgets] if rows else []
-    lines.append("| dense (NLL) | " + " | ".join(f"{x:.4f}" for x in dn) + " |")
+    lines.append("| dense (NLL) | " + ("- | " if with_trained else "") + " | ".join(f"{x:.4f}" for x in dn) + " |")
     for p in [p for p in POLICIES if any(r["policy"] == p for r in rows)]:
-        line = [p]
+        line = [p] + ([trained_label(results, p)] if with_trained else [])
         for b in budgets:
             r = cell.get((p, b))
             line.append("-" if r is None else f"{r['delta_nll']:+.4f} / {r['top1_agreement']:.3f}")
         lines.append("| " + " | ".join(line) + " |")
+    dms = [cell[("dms", b)] for b in budgets if ("dms", b) in cell and "dms_entries_mean" in cell[("dms", b)]]
+    if dms:
+        lines += ["", "DMS entries held per layer and KV head, mean [min, max] over heads (averaged over traces): "
+                      "at the last position (where the mean is matched to B), and each head's mean over each "
+                      "quarter of the positions.", ""]
+        rng = [f"positions {100 * k // RANGES}-{100 * (k + 1) // RANGES}%" for k in range(RANGES)]
+        lines += ["| budget | last position | " + " | ".join(rng) + " |", "|" + "---|" * (2 + RANGES)]
+        for r in dms:
+            by = r.get("dms_entries_by_range", [])
+            lines.append(f"| B={r['budget']} | {r['dms_entries_mean']:.1f} [{r['dms_entries_min']:.0f}, "
+                         f"{r['dms_entries_max']:.0f}] | "
+                         + " | ".join(f"{x['mean']:.1f} [{x['min']:.0f}, {x['max']:.0f}]" for x in by) + " |")
     return "\n".join(lines)
 
 

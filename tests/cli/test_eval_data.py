@@ -57,19 +57,20 @@ def test_scores_match_a_brute_force_streaming_reference(shipped):
                              progress=False)
     rows = TE.evaluate_traces(models, traces, cfg)
     assert [(r["policy"], r["budget"]) for r in rows] == [("streaming", 40), ("streaming", 64)]
+    start = max(budgets)  # every budget is scored over the positions past the largest one
     for r in rows:
         b = r["budget"]
         nll = dnll = agree = n = 0
         for t in traces:
             ref = _streaming_reference(shipped, t, b)[0]
             dense = shipped(t[None], use_cache=False).logits[0].detach()
-            lp = torch.log_softmax(ref[b:-1].double(), -1)
-            tgt = t[b + 1:]
+            lp = torch.log_softmax(ref[start:-1].double(), -1)
+            tgt = t[start + 1:]
             nll += float(-lp.gather(1, tgt[:, None]).sum())
-            dnll += float(-torch.log_softmax(dense[b:-1].double(), -1).gather(1, tgt[:, None]).sum())
-            agree += int((ref[b:-1].argmax(-1) == dense[b:-1].argmax(-1)).sum())
+            dnll += float(-torch.log_softmax(dense[start:-1].double(), -1).gather(1, tgt[:, None]).sum())
+            agree += int((ref[start:-1].argmax(-1) == dense[start:-1].argmax(-1)).sum())
             n += len(tgt)
-        assert r["positions"] == n == 2 * (160 - 1 - b)
+        assert r["positions"] == n == 2 * (160 - 1 - start) and r["scored_from"] == start
         assert r["nll"] == pytest.approx(nll / n, rel=1e-4)
         assert r["dense_nll"] == pytest.approx(dnll / n, rel=1e-4)
         assert r["delta_nll"] == pytest.approx((nll - dnll) / n, rel=1e-3, abs=1e-5)
@@ -88,13 +89,16 @@ def test_cli_on_token_ids_with_the_shipped_model(tmp_path, capsys):
     assert res["kind"] == "traces" and res["budgets"] == [40, 80] and res["n_traces"] == 3
     got = {(r["policy"], r["budget"]) for r in res["rows"]}
     assert got == {(p, b) for p in ("streaming", "tova", "h2o") for b in (40, 80)}
+    assert res["scored_from"] == 80  # the same positions for every budget: the dense reference is one number
+    assert len({r["dense_nll"] for r in res["rows"]}) == 1
     for r in res["rows"]:
-        assert r["positions"] == 3 * (160 - 1 - r["budget"]) and r["n_sequences"] == 3
+        assert r["positions"] == 3 * (160 - 1 - 80) and r["n_sequences"] == 3
         assert 0.0 <= r["top1_agreement"] <= 1.0
         assert r["delta_nll"] == pytest.approx(r["nll"] - r["dense_nll"], abs=1e-9)
     assert (out / "nll_vs_budget.png").stat().st_size > 1000
     table = (out / "table.md").read_text()
     assert "| streaming |" in table and "B=40" in table and table in capsys.readouterr().out
+    assert "at every position >= 80 (the largest budget; the same positions in every column)" in table
 
 
 def test_cli_text_records_use_the_models_tokenizer(tmp_path):
@@ -120,7 +124,7 @@ def test_user_errors(tmp_path, capsys):
         (["--model", ship, "--data", str(data)], "default"),  # 6.25% of 100 tokens is too small
         (["--model", ship, "--data", str(data), "--budgets", "99"], "no position past the budget"),
         (["--model", ship, "--data", str(tmp_path / "missing.jsonl")], "does not exist"),
-        (["--model", ship, "--data", str(data), "--budgets", "40", "--policies", "kvpop-mlp"], "needs --scorers"),
+        (["--model", ship, "--data", str(data), "--budgets", "40", "--policies", "kvpop-mlp"], "needs its scorers"),
         (["--model", ship, "--data", str(data), "--lengths", "64"], "for the synthetic task"),
         (["--seq-len", "64"], "--seq-len is for --data"),
     ]

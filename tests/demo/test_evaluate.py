@@ -188,7 +188,7 @@ def test_cli_eval(base, tmp_path, capsys):
 @pytest.mark.parametrize("argv, msg", [
     (["--policies", "dense,lru"], "unknown policy 'lru'"),
     (["--budgets", "10"], "too small"),
-    (["--policies", "kvpop-mlp"], "needs --scorers kvpop-mlp=FILE"),
+    (["--policies", "kvpop-mlp"], "needs its scorers: --run kvpop-mlp=DIR or --scorers kvpop-mlp=FILE"),
     (["--scorers", "lru=x.safetensors"], "unknown policy 'lru'"),
 ])
 def test_cli_eval_bad_inputs(argv, msg, capsys):

@@ -1,0 +1,149 @@
+"""What ``kvpop eval`` evaluates: trained runs (``--run``, ``--scorers``, ``--finetuned``, ``--dms``) and the
+sinks / window they were trained with.
+
+A ``kvpop train --out DIR`` directory (or one of ``kvpop demo``'s ``OUT/<task>/<policy>``) holds, depending on
+the method: ``scorers.safetensors`` (KVpop's scorers, with the ``KVpopConfig`` they were trained with),
+``gates.safetensors`` (DMS's gates, with their ``DMSConfig``) and ``model/`` (the fine-tuned model; not
+with ``--no-train-model``).  :func:`read_run` tells the policy from what is there:
+
+====================================================  =====================
+the directory holds                                   policy
+====================================================  =====================
+``gates.safetensors`` (+ ``model/``)                  ``dms``
+``scorers.safetensors`` of an MLP / mLSTM scorer      ``kvpop-mlp`` / ``kvpop-mlstm``
+the same + ``model/`` (the default ``kvpop train``)   ``kvpop-mlp-joint`` / ``kvpop-mlstm-joint``
+scorers trained under ``mask_source="streaming"``     ``fixed-finetune`` (needs ``model/``)
++ ``model/``, or ``model/`` alone (name it)
+====================================================  =====================
+
+:func:`trained_window` takes sinks and window from the runs' saved configs: a scorer's features and a DMS
+model's eviction delay depend on them, so evaluating at another window is refused, naming both values.
+The budget may differ on purpose (one retrofit at several budgets); the table states both.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCORERS_FILE = "scorers.safetensors"
+GATES_FILE = "gates.safetensors"
+MODEL_DIR = "model"
+
+
+@dataclass
+class Trained:
+    """One trained policy: its files and the config it was trained with (``None`` when unknown)."""
+
+    policy: str
+    source: str  # how the user named it, for messages
+    scorers: Path | None = None
+    gates: Path | None = None
+    model: Path | None = None
+    config: Any = None  # KVpopConfig or DMSConfig
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """What ``results.json`` records of the training (``trained``)."""
+        out: dict[str, Any] = {"source": self.source}
+        c = self.config
+        if c is not None:
+            out.update(sinks=c.sinks, window=c.window)
+            if self.gates is not None:
+                out["target_keep"] = c.target_keep
+            else:
+                out["budget"] = c.budget
+        return out
+
+
+def model_dir(d: Path) -> Path | None:
+    m = d / MODEL_DIR
+    return m if (m / "config.json").is_file() else None
+
+
+def _infer(d: Path, source: str) -> Trained:
+    from kvpop.core.checkpoint import read_scorer_config
+    from kvpop.core.dms import read_dms_config
+    from kvpop.demo.evaluate import SCORER_OF
+
+    model = model_dir(d)
+    if (d / GATES_FILE).is_file():
+        return Trained("dms", source, gates=d / GATES_FILE, model=model, config=read_dms_config(d / GATES_FILE))
+    if (d / SCORERS_FILE).is_file():
+        cfg = read_scorer_config(d / SCORERS_FILE)
+        if cfg.mask_source == "streaming":
+            if model is None:
+                raise ValueError(f"--run {source}: the run was trained under the fixed streaming mask "
+                                 f"(fixed-finetune) but {d / MODEL_DIR} holds no model")
+            return Trained("fixed-finetune", source, model=model, config=cfg)
+        name = next(p for p, s in SCORER_OF.items() if s == cfg.scorer and p.endswith("-joint") == (model is not None))
+        return Trained(name, source, scorers=d / SCORERS_FILE, model=model, config=cfg)
+    if model is not None:
+        done = d / "done.json"  # kvpop demo's retrofit directories say which policy they are
+        policy = None
+        if done.is_file():
+            try:
+                policy = json.loads(done.read_text()).get("settings", {}).get("policy")
+            except (ValueError, AttributeError):
+                policy = None
+        if policy == "fixed-finetune":
+            return Trained("fixed-finetune", source, model=model)
+        raise ValueError(f"--run {source}: {d} holds only a model ({d / MODEL_DIR}); name the policy it serves, "
+                         f"e.g. --run fixed-finetune={d}")
+    raise ValueError(f"--run {source}: {d} holds no trained run (expected {SCORERS_FILE}, {GATES_FILE} or "
+                     f"{MODEL_DIR}/, what kvpop train --out writes)")
+
+
+def read_run(spec: str) -> Trained:
+    """``[POLICY=]DIR`` -> the :class:`Trained` policy in ``DIR`` (module docstring); with ``POLICY`` the
+    directory must be able to serve that policy (e.g. ``kvpop-mlp`` from a joint run uses its model)."""
+    from kvpop.demo.evaluate import POLICIES, SCORER_OF
+
+    name, path = (spec.split("=", 1) if "=" in spec else (None, spec))
+    if name is not None and name not in POLICIES and Path(spec).is_dir():
+        name, path = None, spec  # a directory whose name holds '='
+    if name is not None and (name not in POLICIES or name == "dense"):
+        raise ValueError(f"--run: unknown policy {name!r}; allowed: {[p for p in POLICIES if p != 'dense']} "
+                         f"(or --run DIR alone: the policy is read from the run)")
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"--run {spec}: {d} is not a directory (give a kvpop train --out directory)")
+    if name == "fixed-finetune" and not (d / GATES_FILE).is_file() and not (d / SCORERS_FILE).is_file():
+        model = model_dir(d)
+        if model is None:
+            raise ValueError(f"--run {spec}: fixed-finetune needs a fine-tuned model in {d / MODEL_DIR}")
+        return Trained("fixed-finetune", spec, model=model)
+    run = _infer(d, spec)
+    if name is None or name == run.policy:
+        return run
+    same_scorer = name in SCORER_OF and run.policy in SCORER_OF and SCORER_OF[name] == SCORER_OF[run.policy]
+    if same_scorer and not name.endswith("-joint"):
+        run.policy = name  # the scorers served on the model they were trained with
+        return run
+    raise ValueError(f"--run {spec}: {d} holds a {run.policy} run"
+                     + (" (no fine-tuned model in it)" if same_scorer else "") + f", not {name}")
+
+
+def trained_window(runs: list[Trained], sinks: int | None, window: int | None, *,
+                   default_sinks: int, default_window: int) -> tuple[int, int]:
+    """The sinks and window to evaluate at: the runs' own (all runs must agree), the command line's when
+    no run carries a config, else the defaults; a command line that contradicts a run raises ValueError
+    naming both values."""
+    known = [r for r in runs if r.config is not None]
+    pairs = {(r.config.sinks, r.config.window) for r in known}
+    if len(pairs) > 1:
+        raise ValueError("the runs were trained with different sinks / window: "
+                         + "; ".join(f"{r.policy} ({r.source}): sinks={r.config.sinks}, window={r.config.window}"
+                                     for r in known)
+                         + " -- evaluate them in separate kvpop eval commands")
+    if not pairs:
+        return (default_sinks if sinks is None else sinks), (default_window if window is None else window)
+    s, w = pairs.pop()
+    for flag, given, saved in (("--sinks", sinks, s), ("--window", window, w)):
+        if given is not None and given != saved:
+            who = ", ".join(f"{r.policy} ({r.source})" for r in known)
+            raise ValueError(f"{flag} {given} differs from the {flag[2:]} {saved} that {who} "
+                             f"{'was' if len(known) == 1 else 'were'} trained with; leave {flag} out to evaluate "
+                             f"at {saved} (the budget may differ from training: give --budgets)")
+    return s, w
