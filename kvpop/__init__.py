@@ -22,6 +22,7 @@ from .core import (
                    MLSTMScorer,
                    TeacherTopK,
                    build_scorer,
+                   decay_range_for_context,
                    disabled,
                    distill_loss,
                    fused_distill_loss,
@@ -51,5 +52,5 @@ __all__ = [
     "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head", "teacher_targets",
     "set_teacher_targets",
     "save_scorers", "load_scorers", "read_scorer_config", "KVpopLayer", "MLPScorer", "MLSTMScorer",
-    "build_scorer", "SUPPORTED_MODEL_TYPES",
+    "build_scorer", "SUPPORTED_MODEL_TYPES", "decay_range_for_context",
 ]

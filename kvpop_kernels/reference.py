@@ -117,24 +117,34 @@ def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int, k: in
 
 
 def future_attention_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, window: int,
-                            eps: float = 1e-6, scale: float | None = None) -> torch.Tensor:
-    """Dense training target ``r_tgt [B, Hkv, S]`` (float32).
+                            eps: float = 1e-6, scale: float | None = None, label: str = "mean",
+                            power: float = 4.0) -> torch.Tensor:
+    """Dense training target ``r_tgt [B, Hkv, S]`` (float32), by brute force over the ``S x S`` probabilities.
 
-    ``m[h,g,t] = (1/N_t) sum_{u=t+w}^{S-1} exp(scale * q_u . k_t - lse_u)``, ``N_t = max(1, S-t-w)``,
+    ``p[h,g,u,t] = exp(scale * q_u . k_t - lse_u)`` for ``u >= t + w`` (else 0), ``N_t = max(1, S-t-w)``,
+    ``m[h,g,t] = sum_u p / N_t`` (``label="mean"``), ``max_u p`` (``"max"``) or
+    ``(sum_u p^power / N_t)^(1/power)`` (``"power"``, computed literally in float64),
     ``r_tgt[h,t] = max_g log(eps + m[h,g,t])``.  ``q [B,Hq,S,D]``, ``k [B,Hkv,S,D]``, ``lse [B,Hq,S]``.
     """
     Bsz, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
-    kk = k.float().repeat_interleave(G, dim=1)  # query head h*G+g reads KV head h
-    logits = torch.einsum("bhud,bhtd->bhut", q.float(), kk) * scale
+    kk = k.double().repeat_interleave(G, dim=1)  # query head h*G+g reads KV head h
+    logits = torch.einsum("bhud,bhtd->bhut", q.double(), kk) * scale
     u = torch.arange(S, device=q.device).view(S, 1)
     t = torch.arange(S, device=q.device).view(1, S)
     keep = u >= t + window
-    prob = torch.exp(logits - lse.float().unsqueeze(-1)) * keep
-    n = torch.clamp(S - torch.arange(S, device=q.device) - window, min=1).float()
-    m = prob.sum(dim=2) / n  # [B, Hq, S]
+    prob = torch.exp(logits - lse.double().unsqueeze(-1)) * keep
+    n = torch.clamp(S - torch.arange(S, device=q.device) - window, min=1).double()
+    if label == "mean":
+        m = prob.sum(dim=2) / n  # [B, Hq, S]
+    elif label == "max":
+        m = prob.amax(dim=2)
+    elif label == "power":
+        m = (prob.pow(power).sum(dim=2) / n).pow(1.0 / power)
+    else:
+        raise ValueError(f"label must be 'mean', 'max' or 'power', got {label!r}")
     r = torch.log(eps + m).view(Bsz, Hkv, G, S).amax(dim=2)
     return r.float()
 

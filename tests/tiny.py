@@ -25,3 +25,28 @@ def tiny_model(seed=0, family="qwen3", **kw):
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_config(family, **kw)).eval()
+
+
+def record_qk(model, ids):
+    """``({layer_idx: (q, k, scale)}, logits)`` of a plain dense forward of an unpatched ``model``: every layer's
+    rotated queries and keys, through a recording attention function (dense reference attention)."""
+    from transformers import AttentionInterface
+
+    from kvpop_kernels import reference
+
+    rec = {}
+
+    def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        rec[module.layer_idx] = (query.detach().clone(), key.detach().clone(), scaling)
+        out, _ = reference.dense_causal_attention(query, key, value, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("kvpop_test_record", record)
+    prev = model.config._attn_implementation
+    model.config._attn_implementation = "kvpop_test_record"
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+    finally:
+        model.config._attn_implementation = prev
+    return rec, logits

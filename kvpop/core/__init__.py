@@ -9,7 +9,7 @@
 from .attention import set_teacher_targets, teacher_targets
 from .cache import KVpopCache
 from .checkpoint import load_scorers, read_scorer_config, save_scorers
-from .config import KVpopConfig
+from .config import KVpopConfig, decay_range_for_context
 from .layer import KVpopLayer, kvpop_layers
 from .loss import (
     TeacherTopK,
@@ -26,7 +26,8 @@ from .patching import SUPPORTED_MODEL_TYPES, disabled, get_config, is_patched, m
 from .scorers import MLPScorer, MLSTMScorer, build_scorer
 
 __all__ = [
-    "KVpopConfig", "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
+    "KVpopConfig", "decay_range_for_context",
+    "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
     "disabled", "make_teacher", "score_loss", "score_loss_terms", "score_stats", "distill_loss", "teacher_topk",
     "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head", "teacher_targets",
     "set_teacher_targets",

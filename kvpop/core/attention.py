@@ -180,7 +180,7 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
         elif cfg.mask_source == "teacher":
             if r_tgt is None:
                 r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), dense_lse(),
-                                                              window=cfg.window, eps=cfg.eps, scale=scaling)
+                                                              scale=scaling, **cfg.target_kwargs())
             prio = r_tgt - tpos * log_gamma.detach()[:, None]
         else:
             prio = r_hat.detach().float() - tpos * log_gamma.detach()[:, None]
@@ -197,7 +197,7 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
             if r_tgt is None:
                 lse_t = dense_lse() if cfg.target_lse == "dense" else lse.detach()
                 r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), lse_t,
-                                                              window=cfg.window, eps=cfg.eps, scale=scaling)
+                                                              scale=scaling, **cfg.target_kwargs())
         layer.loss_terms = score_loss_terms(r_hat, r_tgt, log_gamma, sinks=cfg.sinks, window=cfg.window, k=k_long,
                                             tau=cfg.tau, tie_margin=cfg.tie_margin, balance=cfg.balance)
     layer.last_priority = prio.detach()
@@ -238,8 +238,8 @@ def target_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         never = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=query.device)
         out, lse = kvpop_kernels.sparse_attention(query, key, value, never, sinks=cfg.sinks, window=cfg.window,
                                                   scale=scaling)
-        store[int(module.layer_idx)] = kvpop_kernels.future_attention_target(query, key, lse, window=cfg.window,
-                                                                             eps=cfg.eps, scale=scaling)
+        store[int(module.layer_idx)] = kvpop_kernels.future_attention_target(query, key, lse, scale=scaling,
+                                                                             **cfg.target_kwargs())
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -251,8 +251,8 @@ def teacher_targets(teacher: nn.Module, config: KVpopConfig) -> Iterator[dict[in
     possibly FSDP2-sharded).  Its attention runs densely through :func:`target_attention_forward`
     (same outputs as its own attention, to rounding), which keeps only ``r_tgt [B, Hkv, S]`` float32
     per layer: the target of docs/DESIGN.md section 3 with the teacher's queries, keys and dense LSE
-    (``config``'s ``window`` and ``eps``).  Yields the dict ``{layer_idx: r_tgt}`` that the forward
-    fills; hand it to :func:`set_teacher_targets` for a student patched with
+    (``config``'s ``window``, ``eps``, ``label`` and ``label_power``).  Yields the dict
+    ``{layer_idx: r_tgt}`` that the forward fills; hand it to :func:`set_teacher_targets` for a student patched with
     ``target_source="teacher"``.  Run the teacher under ``torch.no_grad()``.
     """
     if not isinstance(config, KVpopConfig):

@@ -13,9 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KVpopConfig", "SCORERS", "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "STRUCTURAL_FIELDS"]
+__all__ = ["KVpopConfig", "SCORERS", "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS",
+           "STRUCTURAL_FIELDS", "decay_range_for_context"]
 
 SCORERS = ("mlp", "mlstm")
+LABELS = ("mean", "max", "power")  # kvpop_kernels.future_target.LABELS (this module imports no kernels)
 MASK_SOURCES = ("scorer", "teacher", "streaming")
 TARGET_LSES = ("sparse", "dense")
 TARGET_SOURCES = ("student", "teacher")
@@ -66,6 +68,11 @@ class KVpopConfig:
 
     Training (see ``kvpop.loss`` and ``kvpop.patch``)
         eps: ``epsilon`` of the target ``log(eps + m)`` (default 1e-6).
+        label: how the target pools the attention a token receives from the queries after it left
+            the window (docs/DESIGN.md section 3): ``"mean"`` (default, the method's), ``"max"`` (its
+            strongest later reader) or ``"power"`` (the power mean ``(mean_u p^a)^(1/a)``).
+        label_power: the exponent ``a > 0`` of ``label="power"`` (default 4.0; ``a = 1`` is the mean,
+            large ``a`` approaches the max); validated whatever the label.
         tau: temperature of the logistic score loss ``softplus(-y * delta / tau)`` (default 1.0).
         tie_margin: scale of the near-tie discount ``1 - exp(-|p_tgt[t] - p_tgt[bnd]| / tie_margin)``
             (default 0.5, in natural-log units of mean attention; ``0`` switches the discount off).
@@ -100,6 +107,8 @@ class KVpopConfig:
     scorer_hidden: int = 128
     mlstm_dim: int = 64
     eps: float = 1e-6
+    label: str = "mean"
+    label_power: float = 4.0
     tau: float = 1.0
     tie_margin: float = 0.5
     balance: bool = True
@@ -130,6 +139,14 @@ class KVpopConfig:
         _int("scorer_hidden", self.scorer_hidden, 1)
         _int("mlstm_dim", self.mlstm_dim, 1)
         _pos_float("eps", self.eps)
+        if not isinstance(self.label, str) or self.label not in LABELS:
+            raise ValueError(f"label must be one of {list(LABELS)}, got {self.label!r}")
+        if isinstance(self.label_power, bool) or not isinstance(self.label_power, (int, float)):
+            raise TypeError(f"label_power must be a float, got {type(self.label_power).__name__} "
+                            f"({self.label_power!r})")
+        if not (math.isfinite(self.label_power) and self.label_power > 0):
+            raise ValueError(f"label_power must be a finite number > 0 (1 is the mean; for the max use "
+                             f"label='max'), got {self.label_power!r}")
         _pos_float("tau", self.tau)
         if isinstance(self.tie_margin, bool) or not isinstance(self.tie_margin, (int, float)) \
                 or not math.isfinite(self.tie_margin) or self.tie_margin < 0:
@@ -142,6 +159,10 @@ class KVpopConfig:
             raise ValueError(
                 f"gamma_init must lie strictly inside ({self.gamma_min}, {self.gamma_max}), got {self.gamma_init}"
             )
+
+    def target_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``kvpop_kernels.future_attention_target`` that this config sets."""
+        return {"window": self.window, "eps": self.eps, "label": self.label, "power": float(self.label_power)}
 
     @property
     def k(self) -> int:
@@ -182,3 +203,30 @@ class KVpopConfig:
         if self.scorer == "mlstm" or other.scorer == "mlstm":
             names.append("window")
         return [n for n in names if getattr(self, n) != getattr(other, n)]
+
+
+def decay_range_for_context(train_len: int, span_nats: float, *, gamma_max: float | None = None,
+                            gamma_init: float | None = None) -> dict[str, float]:
+    """The learned decay's range tied to the training length: ``{"gamma_min", "gamma_max", "gamma_init"}``.
+
+    ``gamma_min = exp(-span_nats / train_len)``: at the lower end of the range the age penalty
+    ``-(q - t) log(gamma)`` grows by ``span_nats`` nats over a token's whole life in a training
+    sequence (``q - t = train_len``), whatever the length.  The seed's fixed lower end 0.999 spans
+    ``-16384 log(0.999) = 16.4`` nats at its training length 16,384, but only 0.51 nats at 512.
+    ``gamma_max`` defaults to ``KVpopConfig``'s (0.999999); ``gamma_init`` to ``KVpopConfig``'s 0.9999
+    when that lies strictly inside the range, else to the geometric middle of ``1 - gamma``
+    (``1 - sqrt((1 - gamma_min)(1 - gamma_max))``).  The learned per-head decay is
+    ``gamma_min + (gamma_max - gamma_min) sigmoid(logit)`` (``KVpopLayer``): free to reach the lower end.
+    Pass the result to ``KVpopConfig(**...)`` or ``kvpop.patch(model, **...)``.
+    """
+    _int("train_len", train_len, 1)
+    _pos_float("span_nats", span_nats)
+    d = KVpopConfig()
+    gmax = d.gamma_max if gamma_max is None else gamma_max
+    gmin = math.exp(-float(span_nats) / train_len)
+    if not (0.0 < gmin < gmax < 1.0):
+        raise ValueError(f"span_nats={span_nats} over train_len={train_len} gives gamma_min={gmin!r}, which must lie "
+                         f"below gamma_max={gmax!r} (a span of at least {-train_len * math.log(gmax):.4g} nats)")
+    if gamma_init is None:
+        gamma_init = d.gamma_init if gmin < d.gamma_init < gmax else 1.0 - math.sqrt((1.0 - gmin) * (1.0 - gmax))
+    return {"gamma_min": gmin, "gamma_max": gmax, "gamma_init": float(gamma_init)}

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from tiny import SMALL, tiny_model
+from tiny import SMALL, record_qk, tiny_model
 
 import kvpop
 from kvpop_kernels import reference
@@ -14,35 +14,13 @@ def cpu_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-def _record_qk(teacher, ids):
-    """Every layer's rotated q, k of a plain dense forward, through a recording attention function."""
-    from transformers import AttentionInterface
-
-    rec = {}
-
-    def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        rec[module.layer_idx] = (query.detach().clone(), key.detach().clone(), scaling)
-        out, _ = reference.dense_causal_attention(query, key, value, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("kvpop_test_record", record)
-    prev = teacher.config._attn_implementation
-    teacher.config._attn_implementation = "kvpop_test_record"
-    try:
-        with torch.no_grad():
-            logits = teacher(ids).logits
-    finally:
-        teacher.config._attn_implementation = prev
-    return rec, logits
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_teacher_targets_match_the_reference(family):
     torch.manual_seed(0)
     teacher = kvpop.make_teacher(tiny_model(family=family))
     cfg = kvpop.KVpopConfig(**SMALL, eps=1e-5)
     ids = torch.randint(0, 128, (2, 37))
-    rec, ref_logits = _record_qk(teacher, ids)
+    rec, ref_logits = record_qk(teacher, ids)
     prev = teacher.config._attn_implementation
     with torch.no_grad(), kvpop.teacher_targets(teacher, cfg) as targets:
         logits = teacher(ids).logits

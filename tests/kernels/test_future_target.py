@@ -202,6 +202,185 @@ def test_cpu_long_sequence_matches_reference_rows():
     assert_matches(out, want)
 
 
+# ------------------------------------------------------------------------ the label family
+# (label, power): the max, the power mean at a = 1 (the mean), a non-integer a and a large a
+LABELS = [("max", 4.0), ("power", 1.0), ("power", 2.5), ("power", 8.0), ("power", 40.0)]
+
+
+def _ids(lp):
+    return f"{lp[0]}{'' if lp[0] == 'max' else lp[1]}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_Hq{}_Hkv{}_S{}_D{}_w{}".format(*s))
+@pytest.mark.parametrize("lp", LABELS, ids=_ids)
+def test_label_triton_matches_reference(shape, lp, device):
+    B, Hq, Hkv, S, D, w = shape
+    q, k, lse = make(B, Hq, Hkv, S, D, device=device, lse_kind="sparse", window=w, seed=3)
+    want = ref.future_attention_target(q, k, lse, window=w, label=lp[0], power=lp[1])
+    out = kvpop_kernels.future_attention_target(q, k, lse, window=w, label=lp[0], power=lp[1])
+    assert_matches(out, want)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_Hq{}_Hkv{}_S{}_D{}_w{}".format(*s))
+@pytest.mark.parametrize("lp", LABELS, ids=_ids)
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_label_cpu_path_matches_reference(shape, lp, chunk):
+    B, Hq, Hkv, S, D, w = shape
+    q, k, lse = make(B, Hq, Hkv, S, D, lse_kind="dense", window=w, seed=4)
+    want = ref.future_attention_target(q, k, lse, window=w, label=lp[0], power=lp[1])
+    out = ft._cpu_target(q, k, lse, w, 1e-6, D ** -0.5, chunk=chunk, label=lp[0], power=lp[1])
+    assert_matches(out, want)
+
+
+@pytest.mark.parametrize("bt,bu", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("lp", [("max", 4.0), ("power", 3.0)], ids=_ids)
+def test_label_triton_tile_sizes(bt, bu, lp, device):
+    """The running max crosses block boundaries (diagonal blocks, full blocks, a ragged tail)."""
+    q, k, lse = make(1, 2, 1, 150, 40, device=device, lse_kind="sparse", window=9)
+    want = ref.future_attention_target(q, k, lse, window=9, label=lp[0], power=lp[1])
+    out = ft._triton_target(q, k, lse, 9, 1e-6, 40 ** -0.5, block_t=bt, block_u=bu, label=lp[0], power=lp[1])
+    assert_matches(out, want)
+
+
+@pytest.mark.parametrize("path", ["triton", "cpu"])
+def test_power_one_is_the_mean_and_large_power_tends_to_the_max(path, device):
+    """a = 1 gives the mean; for a = 1000 the power mean lies within log(N_t)/a below the max, and the
+    three labels differ on these inputs (the test can fail)."""
+    S, w, D = 90, 6, 32
+    q, k, lse = make(2, 4, 2, S, D, device=device, window=w, seed=5)
+
+    def run(label, power=4.0):
+        if path == "triton":
+            return kvpop_kernels.future_attention_target(q, k, lse, window=w, label=label, power=power).cpu()
+        return ft._cpu_target(q.cpu(), k.cpu(), lse.cpu(), w, 1e-6, D ** -0.5, label=label, power=power)
+
+    mean, mx, p1, p4, big = run("mean"), run("max"), run("power", 1.0), run("power", 4.0), run("power", 1000.0)
+    torch.testing.assert_close(p1, mean, atol=2e-5, rtol=1e-5)
+    n = torch.clamp(S - torch.arange(S) - w, min=1).float()
+    gap = mx - big  # log(eps + max) - log(eps + power mean): in [0, log(N_t)/a] (up to rounding)
+    assert float(gap.min()) > -1e-4
+    assert torch.all(gap <= torch.log(n) / 1000.0 + 1e-4)
+    assert torch.all(mean <= p4 + 1e-5) and torch.all(p4 <= mx + 1e-5)  # power means grow with a
+    assert float((mx - mean).max()) > 1.0 and float((p4 - mean).max()) > 0.5
+
+
+@pytest.mark.parametrize("path", ["triton", "cpu"])
+def test_power_mean_is_computed_in_the_log_domain(path, device):
+    """p^a of the small probabilities of a long, flat attention underflows float32 (so a direct
+    float32 power mean would return log(eps)); the log-domain one matches the float64 brute force."""
+    S, w, D, a = 400, 4, 16, 24.0
+    q, k, lse = make(1, 2, 1, S, D, device=device, window=w, seed=6)
+    q = q * 0.1  # flat attention: p ~ 1/u
+    lse = ref.dense_causal_attention(q, k, k)[1]
+    eps = 1e-30
+    want = ref.future_attention_target(q, k, lse, window=w, label="power", power=a, eps=eps)
+    logits = torch.einsum("bhud,bhtd->bhut", q.float(), k.float().repeat_interleave(2, 1)) * D ** -0.5
+    p = torch.exp(logits - lse.float()[..., None])
+    t = 200  # float32 p^a of key t's later attention: nothing left
+    assert float(p[0, 0, t + w:, t].pow(a).sum()) == 0.0 and float(p[0, 1, t + w:, t].pow(a).sum()) == 0.0
+    if path == "triton":
+        out = kvpop_kernels.future_attention_target(q, k, lse, window=w, label="power", power=a, eps=eps)
+    else:
+        out = ft._cpu_target(q.cpu(), k.cpu(), lse.cpu(), w, eps, D ** -0.5, label="power", power=a)
+    assert float(want[0, 0, t]) > math.log(eps) + 20  # the true label is far above log(eps)
+    assert_matches(out.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("path", ["triton", "cpu"])
+@pytest.mark.parametrize("lp", [("max", 4.0), ("power", 4.0)], ids=_ids)
+def test_label_no_future_query_gives_log_eps(lp, path, device):
+    """Keys with no query u >= t + w get log(eps) under every label (no NaN from -inf - -inf)."""
+    eps, S, w = 1e-3, 20, 6
+    q, k, lse = make(1, 4, 2, S, 32, device=device, window=w)
+    if path == "triton":
+        out = kvpop_kernels.future_attention_target(q, k, lse, window=w, eps=eps, label=lp[0], power=lp[1])
+    else:
+        out = ft._cpu_target(q.cpu(), k.cpu(), lse.cpu(), w, eps, 32 ** -0.5, label=lp[0], power=lp[1])
+    out = out.cpu()
+    assert torch.isfinite(out).all()
+    assert torch.all(out[..., S - w:] == torch.tensor(math.log(eps), dtype=torch.float32))
+    assert torch.all(out[..., :S - w] > math.log(eps))
+    big = kvpop_kernels.future_attention_target(q, k, lse, window=S, eps=eps, label=lp[0], power=lp[1])
+    torch.testing.assert_close(big.cpu(), torch.full((1, 2, S), math.log(eps)), atol=1e-6, rtol=0)
+
+
+def test_label_max_over_group_and_no_grad(device):
+    """The group max is taken for the new labels too, and the output carries no gradient (the target is a
+    label: there is no backward)."""
+    q, k, lse = make(1, 4, 1, 40, 16, device=device, window=3)
+    q.requires_grad_(True)
+    for label in ("max", "power"):
+        per_head = torch.stack([ref.future_attention_target(q[:, g:g + 1].detach(), k, lse[:, g:g + 1], window=3,
+                                                            label=label) for g in range(4)], dim=0)
+        out = kvpop_kernels.future_attention_target(q, k, lse, window=3, label=label)
+        assert not out.requires_grad
+        assert_matches(out, per_head.amax(dim=0))
+        assert (per_head.amax(0) - per_head.amin(0)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("label,power,exc,match", [
+    ("median", 4.0, ValueError, "label must be one of"),
+    (None, 4.0, ValueError, "label must be one of"),
+    ("power", 0.0, ValueError, "power"),
+    ("power", -2.0, ValueError, "power"),
+    ("power", float("inf"), ValueError, "label='max'"),
+    ("power", float("nan"), ValueError, "power"),
+    ("max", "4", TypeError, "power"),
+    ("power", True, TypeError, "power"),
+])
+def test_bad_label(label, power, exc, match):
+    q, k, lse = _ok()
+    with pytest.raises(exc, match=match):
+        kvpop_kernels.future_attention_target(q, k, lse, window=2, label=label, power=power)
+
+
+_SM90_SCRIPT = r"""
+import importlib, json, sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except Exception as exc:
+    print(json.dumps({"skip": repr(exc)})); sys.exit(0)
+ft = importlib.import_module("kvpop_kernels.future_target")
+fn = ft._target_kernel
+out = {}
+for label in (0, 1, 2):
+    for P, bt, bu, prec in (("*bf16", 128, 64, "tf32"), ("*fp32", 64, 32, "tf32x3")):
+        cx = dict(BLOCK_T=bt, BLOCK_U=bu, BLOCK_D=128, EVEN_D=True, UPCAST=P == "*fp32", DOT_PREC=prec, LABEL=label)
+        ptrs = dict(Q=P, K=P, L="*fp32", OUT="*fp32")
+        sig = {n: "constexpr" if n in cx else ptrs.get(n) or ("fp32" if n in ("qk_scale", "eps", "power") else "i32")
+               for n in fn.arg_names}
+        k = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 8, "num_stages": 2})
+        out[f"{label}{P}"] = {"shared": k.metadata.shared}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_label_kernels_compile_for_sm90():
+    """The target kernel builds for an H100/H200 (sm_90) with each label, bf16 and fp32 inputs, in a process
+    without the interpreter (no GPU needed): no compile error, shared memory within one block's 227 KiB."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in res:
+        pytest.skip(f"Triton's compiler API is not reachable: {res['skip']}")
+    assert len(res) == 6
+    for name, r in res.items():
+        assert r["shared"] <= 227 * 1024, (name, r)
+
+
 # ----------------------------------------------------------------------------- bad input
 def _ok():
     return make(1, 4, 2, 10, 16, window=2)
@@ -224,6 +403,7 @@ def _ok():
     ("q_3d", ValueError, "4-D"),
     ("q_list", TypeError, "torch.Tensor"),
     ("scale_neg", ValueError, "scale"),
+    ("label", ValueError, "label"),
 ])
 def test_bad_input(case, exc, match):
     q, k, lse = _ok()
@@ -260,6 +440,8 @@ def test_bad_input(case, exc, match):
         q = q.tolist()
     elif case == "scale_neg":
         kw["scale"] = -1.0
+    elif case == "label":
+        kw["label"] = "sum"
     with pytest.raises(exc, match=match):
         kvpop_kernels.future_attention_target(q, k, lse, **kw)
 
@@ -303,3 +485,13 @@ def test_gpu_memory_is_linear_in_S():
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     assert torch.cuda.max_memory_allocated() - base <= 2 * out.numel() * 4 + (1 << 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lp", [("max", 4.0), ("power", 4.0)], ids=_ids)
+def test_gpu_labels_bf16(lp):
+    q, k, lse = make(1, 8, 2, 1500, 128, device="cuda", dtype=torch.bfloat16, lse_kind="sparse", window=128,
+                     sinks=4, kslots=300)
+    want = ref.future_attention_target(q, k, lse, window=128, label=lp[0], power=lp[1])
+    out = kvpop_kernels.future_attention_target(q, k, lse, window=128, label=lp[0], power=lp[1])
+    assert_matches(out, want, atol=2e-2, rtol=2e-2, rms=1e-2)

@@ -74,7 +74,7 @@ def jit_function(kernel):
 def source_ir(kernel, ptrs, constexprs):
     # the kernel's IR as written (before any optimisation), for an sm_90 build
     fn = jit_function(kernel)
-    sig = {n: "constexpr" if n in constexprs else ptrs.get(n) or ("fp32" if n in ("qk_scale", "scale", "eps")
+    sig = {n: "constexpr" if n in constexprs else ptrs.get(n) or ("fp32" if n in ("qk_scale", "scale", "eps", "power")
                                                                      else "i32") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs)
     try:
@@ -114,7 +114,8 @@ kernels = {
                                           ORDER="*i32", DO=P, LSE="*fp32", DELTA="*fp32", DK=P, DV=P),
                     dict(BLOCK_M=64, BLOCK_N=64, **common)),
     "future target": (ft._target_kernel, dict(Q=P, K=P, L="*fp32", OUT="*fp32"),
-                      dict(BLOCK_T=64, BLOCK_U=64, BLOCK_D=128, EVEN_D=True, UPCAST=False, DOT_PREC="tf32")),
+                      dict(BLOCK_T=64, BLOCK_U=64, BLOCK_D=128, EVEN_D=True, UPCAST=False, DOT_PREC="tf32",
+                           LABEL=1)),
 }
 res = {}
 for name, (kernel, ptrs, constexprs) in kernels.items():

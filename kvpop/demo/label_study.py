@@ -1,0 +1,252 @@
+"""Label and decay study on the lookahead task: the oracle for each label, then learned scorers next to it.
+
+The *oracle* is the teacher's exact label (``kvpop.teacher_targets``: the frozen dense model's queries,
+keys and dense LSE, docs/DESIGN.md section 3) used directly as the priority of the eviction mask, no
+scorer (``mask_source="teacher"``, ``target_source="teacher"``), at a fixed decay ``gamma``.  Its
+accuracy is the ceiling of a scorer trained on that label at that decay: the gap between the two is the
+scorer's.  Every forward is the teacher-forced full-sequence forward of a patched model (the same
+schedule as a ``KVpopCache`` prefill, tests/core/test_cache.py), on a batch of sequences.
+
+Stages (settings chosen on validation sequences, the test sequences used once):
+
+1. ``oracle``: the accuracy of the oracle for each label (``mean``, ``max``, ``power`` at several
+   exponents) and each decay on the validation sequences.
+2. ``scorers``: MLP and mLSTM scorers (scorer-only: the model frozen) trained on the label and decay of
+   the best oracle cell (ties: the earlier cell of the grid), the decay learned from there within
+   ``decay_range_for_context`` (``--span-nats`` over the training length); validation accuracy every
+   ``--eval-every`` steps, the best state kept (early stopping with ``--patience`` evaluations).
+3. ``test``: the chosen oracle cell, the seed's label at the same decay, and each scorer's best state
+   on the test sequences, once.
+
+::
+
+    python -m kvpop.demo.label_study --out label_study.json      # the full study (see docs/RESULTS.md)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpop.core.attention import set_teacher_targets, teacher_targets
+from kvpop.core.config import KVpopConfig, decay_range_for_context
+from kvpop.core.layer import kvpop_layers
+from kvpop.core.loss import score_loss
+from kvpop.core.patching import patch
+
+from . import lookahead_task as T
+
+__all__ = ["LABEL_GRID", "GAMMA_GRID", "fixed_decay", "oracle_config", "accuracy", "oracle_grid",
+           "train_scorer", "main"]
+
+LABEL_GRID = (("mean", 1.0), ("max", 1.0), ("power", 2.0), ("power", 4.0), ("power", 8.0))
+GAMMA_GRID = (0.999999, 0.9999, 0.999, 0.995, 0.99)
+SINKS, WINDOW = 4, 32
+
+
+def fixed_decay(gamma: float) -> dict[str, float]:
+    """A decay range around ``gamma`` with ``gamma_init = gamma`` (the oracle's decay is not trained)."""
+    if not 0.0 < gamma < 1.0:
+        raise ValueError(f"gamma must lie in (0, 1), got {gamma!r}")
+    return {"gamma_min": 1.0 - 2.0 * (1.0 - gamma), "gamma_max": 1.0 - 0.5 * (1.0 - gamma), "gamma_init": gamma}
+
+
+def oracle_config(label: str, power: float, gamma: float, budget: int) -> KVpopConfig:
+    """The oracle's config: the teacher's exact label of ``label``/``power`` as the priority at decay ``gamma``."""
+    return KVpopConfig(sinks=SINKS, window=WINDOW, budget=budget, mask_source="teacher", target_source="teacher",
+                       label=label, label_power=power, compute_loss=False, **fixed_decay(gamma))
+
+
+def _teacher_targets(base: nn.Module, cfg: KVpopConfig, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    with torch.no_grad(), teacher_targets(base, cfg) as store:
+        base(ids, use_cache=False)
+    return dict(store)
+
+
+@torch.no_grad()
+def accuracy(base: nn.Module, model: nn.Module, batch: dict, *, chunk: int = 16) -> float:
+    """Accuracy at the graded positions of ``batch`` (``lookahead_task.make_batch``) under the patched ``model``
+    (teacher-forced full-sequence forward; its config's ``target_source="teacher"`` gets the teacher's labels
+    from ``base``), in chunks of ``chunk`` sequences."""
+    cfg = kvpop_layers(model)[0].config
+    model.eval()
+    correct = graded = 0
+    ids_all = batch["input_ids"]
+    for i in range(0, ids_all.shape[0], chunk):
+        ids = ids_all[i:i + chunk]
+        if cfg.target_source == "teacher":
+            set_teacher_targets(model, _teacher_targets(base, cfg, ids))
+        logits = model(ids, use_cache=False).logits
+        set_teacher_targets(model, None)
+        pos = batch["answer_positions"][i:i + chunk]
+        ans = batch["answers"][i:i + chunk]
+        pred = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).argmax(-1)
+        correct += int((pred == ans).sum())
+        graded += int(ans.numel())
+    return correct / max(1, graded)
+
+
+def oracle_grid(base: nn.Module, batch: dict, budget: int, labels=LABEL_GRID, gammas=GAMMA_GRID) -> list[dict]:
+    """The oracle's accuracy on ``batch`` for every (label, decay) of the grid."""
+    rows = []
+    for label, power in labels:
+        for gamma in gammas:
+            t0 = time.time()
+            m = patch(copy.deepcopy(base), oracle_config(label, power, gamma, budget))
+            acc = accuracy(base, m, batch)
+            rows.append({"label": label, "power": power, "gamma": gamma, "accuracy": acc,
+                         "wall_s": round(time.time() - t0, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def train_scorer(base: nn.Module, scorer: str, *, label: str, power: float, gamma: float, budget: int,
+                 valid: dict, steps: int, eval_every: int, patience: int, lr: float, span_nats: float,
+                 batch: int = 4, seed: int = 0) -> dict[str, Any]:
+    """Train ``scorer`` (model frozen) on the teacher's ``label`` with the decay learned from ``gamma``.
+
+    Returns the history of validation accuracies, the best step, and the best state (in memory)."""
+    rng = decay_range_for_context(T.TRAIN_LEN, span_nats)
+    rng["gamma_min"] = min(rng["gamma_min"], 1.0 - 2.0 * (1.0 - gamma))
+    rng["gamma_max"] = max(rng["gamma_max"], 1.0 - 0.5 * (1.0 - gamma))
+    cfg = KVpopConfig(sinks=SINKS, window=WINDOW, budget=budget, scorer=scorer, mask_source="scorer",
+                      target_source="teacher", label=label, label_power=power, gamma_min=rng["gamma_min"],
+                      gamma_max=rng["gamma_max"], gamma_init=gamma)
+    torch.manual_seed(seed)
+    model = patch(copy.deepcopy(base), cfg)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = [p for layer in kvpop_layers(model) for p in layer.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=lr)
+    hist: list[dict] = []
+    best = {"accuracy": -1.0, "step": 0, "state": None}
+    bad = 0
+    t0 = time.time()
+    for step in range(1, steps + 1):
+        seeds = [T.train_seed(seed * 1_000_003 + step * batch + j) for j in range(batch)]
+        ids = T.make_batch(seeds, T.TRAIN_LEN)["input_ids"]
+        set_teacher_targets(model, _teacher_targets(base, cfg, ids))
+        model.train()
+        model(ids, use_cache=False)
+        loss = score_loss(model)
+        set_teacher_targets(model, None)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % eval_every == 0 or step == steps:
+            acc = accuracy(base, model, valid)
+            g = torch.cat([layer.gamma().detach() for layer in kvpop_layers(model)])
+            hist.append({"step": step, "loss": float(loss), "valid_accuracy": acc, "gamma_min": float(g.min()),
+                         "gamma_max": float(g.max()), "wall_s": round(time.time() - t0, 1)})
+            print(json.dumps({"scorer": scorer, **hist[-1]}), flush=True)
+            if acc > best["accuracy"]:
+                best = {"accuracy": acc, "step": step,
+                        "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+                bad = 0
+            else:
+                bad += 1
+                if bad >= patience:
+                    break
+    model.load_state_dict(best["state"])
+    return {"model": model, "history": hist, "best_step": best["step"], "best_valid": best["accuracy"],
+            "config": cfg.to_dict(), "train_wall_s": round(time.time() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvpop.demo.label_study", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(T.SHIPPED_MODEL))
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--n-valid", type=int, default=64)
+    p.add_argument("--n-test", type=int, default=64)
+    p.add_argument("--stages", default="oracle,scorers,test")
+    p.add_argument("--scorers", default="mlp,mlstm")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--patience", type=int, default=6)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--span-nats", type=float, default=8.0,
+                   help="age penalty over the training length at the decay's lower end (decay_range_for_context)")
+    p.add_argument("--choice", default=None, help="LABEL:POWER:GAMMA: skip the oracle grid, use this cell")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    from kvpop.demo.evaluate import load_base_model
+
+    torch.manual_seed(0)
+    base = load_base_model(args.model)
+    for q in base.parameters():
+        q.requires_grad_(False)
+    stages = set(args.stages.split(","))
+    out_path = Path(args.out)
+    res: dict[str, Any] = json.loads(out_path.read_text()) if out_path.exists() else {}
+    res["command"] = "python -m kvpop.demo.label_study " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    valid = T.make_batch([T.valid_seed(i) for i in range(args.n_valid)], T.TRAIN_LEN)
+
+    def save() -> None:
+        out_path.write_text(json.dumps(res, indent=1) + "\n")
+
+    if "oracle" in stages:
+        t0 = time.time()
+        res["oracle_valid"] = oracle_grid(base, valid, args.budget)
+        res["oracle_wall_s"] = round(time.time() - t0, 1)
+        save()
+    if args.choice:
+        lab, pw, gm = args.choice.split(":")
+        choice = {"label": lab, "power": float(pw), "gamma": float(gm)}
+    else:
+        rows = res.get("oracle_valid")
+        if not rows:
+            print("no oracle grid: run the oracle stage or pass --choice", file=sys.stderr)
+            return 2
+        choice = max(rows, key=lambda r: r["accuracy"])  # max() keeps the first of equal cells
+        choice = {k: choice[k] for k in ("label", "power", "gamma")}
+    res["choice"] = choice
+    print("choice", json.dumps(choice), flush=True)
+    trained = {}
+    if "scorers" in stages:
+        res["scorers"] = {}
+        for s in [x for x in args.scorers.split(",") if x]:
+            r = train_scorer(base, s, budget=args.budget, valid=valid, steps=args.steps, eval_every=args.eval_every,
+                             patience=args.patience, lr=args.lr, span_nats=args.span_nats, batch=args.batch,
+                             **choice)
+            trained[s] = r.pop("model")
+            res["scorers"][s] = r
+            save()
+    if "test" in stages:
+        test = T.make_batch([T.test_seed(i) for i in range(args.n_test)], T.TRAIN_LEN)
+        rows = {}
+        t0 = time.time()
+        for name, (lab, pw) in {"oracle (chosen label)": (choice["label"], choice["power"]),
+                                "oracle (mean label)": ("mean", 1.0)}.items():
+            m = patch(copy.deepcopy(base), oracle_config(lab, pw, choice["gamma"], args.budget))
+            rows[name] = accuracy(base, m, test)
+        for s, m in trained.items():
+            rows[f"kvpop-{s} (scorer-only, {choice['label']} label)"] = accuracy(base, m, test)
+        rows["dense"] = _dense_accuracy(base, test)
+        res["test"] = rows
+        res["test_wall_s"] = round(time.time() - t0, 1)
+        print(json.dumps(rows, indent=1), flush=True)
+        save()
+    save()
+    return 0
+
+
+@torch.no_grad()
+def _dense_accuracy(base: nn.Module, batch: dict) -> float:
+    logits = base(batch["input_ids"], use_cache=False).logits
+    pred = logits.gather(1, batch["answer_positions"][..., None].expand(-1, -1, logits.shape[-1])).argmax(-1)
+    return float((pred == batch["answers"]).float().mean())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
