@@ -4,14 +4,14 @@ Run on a GPU as ``pytest benchmarks/ --benchmark-only`` (Qwen3-8B shapes, bf16).
 the same files run small shapes through the PyTorch CPU path (the Triton interpreter is a
 correctness tool, not something to time); CI runs them once with ``--benchmark-disable``.
 The ``gpu`` marker and the interpreter switch live in the repository's root ``conftest.py``.
-Every session ends with the verdict table of ``benchmarks/targets.py`` (``_recorder.py``).
+Every session ends with the verdict table of ``benchmarks/tools/targets.py`` (``benchmarks/tools/recorder.py``).
 """
 import pytest
 import torch
 
 import kvpop_kernels._utils as kutils
 
-from ._recorder import register
+from .tools.recorder import register
 
 HAS_CUDA = torch.cuda.is_available()
 

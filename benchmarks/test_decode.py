@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import kvpop_kernels._utils as kutils
 from kvpop_kernels import fixed_budget_decode
 
-from ._timing import best_time
+from .tools.timing import best_time
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -39,7 +39,7 @@ from kvpop.core import dms as D
 from kvpop.models import cache_kwarg_name
 from kvpop_kernels import fixed_budget_decode
 
-from ._timing import best_time
+from .tools.timing import best_time
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

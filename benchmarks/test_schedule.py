@@ -9,7 +9,7 @@ import torch
 
 from kvpop_kernels import eviction_decisions, eviction_schedule
 
-from ._timing import best_time, timed
+from .tools.timing import best_time, timed
 
 SINKS, WINDOW, BUDGET = 4, 256, 2048
 K = BUDGET - SINKS - WINDOW

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import kvpop_kernels._utils as kutils
 from kvpop_kernels import NEVER, eviction_schedule, reference, sparse_attention
 
-from ._timing import best_time, sync, timed
+from .tools.timing import best_time, sync, timed
 
 CUDA = torch.cuda.is_available()
 SINKS, WINDOW = 4, 256

@@ -1,6 +1,6 @@
 """Peak memory of one KVpop training step at a 151,936-token vocabulary: dense logits vs the fused head (CPU).
 
-Each step runs in a fresh process (``benchmarks/_train_step_memory.py``, one thread, the PyTorch CPU
+Each step runs in a fresh process (``benchmarks/tools/train_step_memory.py``, one thread, the PyTorch CPU
 path) and reports what the step adds to the process's resident set; modes:
 
 * ``base``: the model's own activations (student forward + backward, no LM head);
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("_train_step_memory.py")
+SCRIPT = Path(__file__).parent / "tools" / "train_step_memory.py"
 V_BIG, V_SMALL = 151936, 32768
 SMOKE_CHUNK = 32
 GB = 1e9

@@ -1,4 +1,4 @@
-"""The verdict table of ``benchmarks/targets.py`` and the GPU check driver ``benchmarks/gpu_check.py``.
+"""The verdict table of ``benchmarks/tools/targets.py`` and the GPU check driver ``benchmarks/tools/gpu_check.py``.
 
 Pure Python apart from two short subprocesses (the driver's time cap, the recorder plugin in a pytest
 run of a generated benchmark file)."""
@@ -16,17 +16,17 @@ import pytest
 
 def _root() -> Path:
     for p in Path(__file__).resolve().parents:
-        if (p / "benchmarks" / "targets.py").exists():
+        if (p / "benchmarks" / "tools" / "targets.py").exists():
             return p
-    raise RuntimeError("benchmarks/targets.py not found above this test")
+    raise RuntimeError("benchmarks/tools/targets.py not found above this test")
 
 
 ROOT = _root()
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-tg = importlib.import_module("benchmarks.targets")
-recorder = importlib.import_module("benchmarks._recorder")
-spec = importlib.util.spec_from_file_location("kvpop_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+tg = importlib.import_module("benchmarks.tools.targets")
+recorder = importlib.import_module("benchmarks.tools.recorder")
+spec = importlib.util.spec_from_file_location("kvpop_gpu_check", ROOT / "benchmarks" / "tools" / "gpu_check.py")
 gc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gc)
 
@@ -240,7 +240,7 @@ def test_the_recorder_writes_each_benchmark_as_it_finishes(tmp_path):
     out = tmp_path / "rec.jsonl"
     env = dict(os.environ, KVPOP_RECORDS=str(out), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "benchmarks.gpu_plugin", "-p",
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "benchmarks.tools.gpu_plugin", "-p",
                           "no:cacheprovider", "--benchmark-disable", "test_fake_bench.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 1, res.stdout + res.stderr  # the failing test

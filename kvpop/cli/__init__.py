@@ -1,8 +1,7 @@
 """The ``kvpop`` console command.
 
-Subcommands are registered in ``SUBCOMMANDS``: each entry names a module with
-``add_arguments(parser)`` and ``run(args) -> int``.  Entries of ``PASSTHROUGH`` name a
-module with its own ``main(argv)``; their arguments go to it unparsed.
+Subcommands are registered in ``SUBCOMMANDS``: each entry names a module of ``kvpop.cli`` with
+``add_arguments(parser)`` and ``run(args) -> int``.
 """
 from __future__ import annotations
 
@@ -18,11 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("kvpop.cli.eval", "eviction policies at fixed cache budgets: accuracy on the synthetic task, or "
                                "NLL / top-1 agreement with dense on your model's own traces (--data)"),
     "demo": ("kvpop.cli.demo", "retrofit the shipped tiny model, evaluate, write results.json and a plot"),
-}
-
-# name -> (module with main(argv), one-line help)
-PASSTHROUGH: dict[str, tuple[str, str]] = {
-    "pretrain": ("kvpop.demo.pretrain", "dense pre-training of the shipped tiny model on the synthetic task"),
+    "pretrain": ("kvpop.cli.pretrain", "dense pre-training of the shipped tiny model on the synthetic task"),
 }
 
 
@@ -36,15 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)
-    for name, (module, help_text) in PASSTHROUGH.items():
-        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in PASSTHROUGH:
-        return int(importlib.import_module(PASSTHROUGH[argv[0]][0]).main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -1,9 +1,7 @@
 """Dense pre-training of the tiny Qwen3 model on the key-value trace task (:mod:`kvpop.demo.task`).
 
-Usage (``kvpop pretrain``, or ``python -m kvpop.demo.pretrain``)::
-
-    python -m kvpop.demo.pretrain --out runs/tiny --steps 6000 --threads 1
-    python -m kvpop.demo.pretrain --out runs/tiny --resume          # continue exactly where it stopped
+The command is ``kvpop pretrain`` (its arguments and ``main``: :mod:`kvpop.cli.pretrain`); this module
+holds the training itself (:func:`pretrain`).
 
 The model is a ``transformers`` ``Qwen3ForCausalLM`` (GQA, head_dim 32). Training follows a
 curriculum over sequence lengths (``--curriculum 128:64,256:32,512:16,1024:8,2048:4`` = length:batch);
@@ -41,7 +39,7 @@ from kvpop.training.runstate import (
 
 from . import task as T
 
-__all__ = ["TASKS", "get_task", "build_model", "main", "evaluate", "export_model", "parse_curriculum"]
+__all__ = ["TASKS", "get_task", "build_model", "pretrain", "evaluate", "export_model", "parse_curriculum"]
 
 TASKS = {"kvtrace": ("kvpop.demo.task", "128:64,256:32,512:16,1024:8,2048:4"),
          "lookahead": ("kvpop.demo.lookahead_task", "128:64,256:32,512:16")}
@@ -195,56 +193,9 @@ def _lr_at(step: int, args) -> float:
     return args.lr
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpop pretrain", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="run directory (checkpoints, log, model)")
-    p.add_argument("--steps", type=int, default=6000, help="total optimiser steps")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--task", default="kvtrace", choices=sorted(TASKS),
-                   help="the synthetic task: kvtrace (kvpop.demo.task, the default) or lookahead "
-                        "(kvpop.demo.lookahead_task)")
-    p.add_argument("--curriculum", default=None,
-                   help="comma-separated LENGTH:BATCH stages; the last length is L_train (default: "
-                        + "; ".join(f"{name} {spec}" for name, (_, spec) in TASKS.items()) + ")")
-    p.add_argument("--advance-acc", type=float, default=0.9,
-                   help="move to the next stage when the train-accuracy EMA passes this")
-    p.add_argument("--min-stage-steps", type=int, default=50)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--cooldown", type=int, default=0,
-                   help="decay the lr linearly to 0 over the last this many of --steps "
-                        "(may be set when resuming)")
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--filler-weight", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-n", type=int, default=32, help="test sequences per evaluation")
-    p.add_argument("--ckpt-every", type=int, default=25)
-    p.add_argument("--max-minutes", type=float, default=None, help="stop (with a checkpoint) after this")
-    p.add_argument("--stop-acc", type=float, default=1.01,
-                   help="stop once test accuracy at L_train reaches this")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--intermediate", type=int, default=384)
-    p.add_argument("--rope-theta", type=float, default=1e6)
-    p.add_argument("--export", metavar="DIR", default=None,
-                   help="do not train: copy OUT/model (or --export-from) to DIR with its accuracy")
-    p.add_argument("--export-from", default="model", help="subdirectory of OUT to export")
-    p.add_argument("--export-lengths", default=None,
-                   help="comma-separated lengths to evaluate on export (default L_train/2, L_train, 2 L_train)")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress report (a tqdm bar on a terminal, else a line per N steps)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    torch.set_num_threads(max(1, args.threads))
+def pretrain(args: argparse.Namespace) -> int:
+    """Pre-train (or resume) the tiny model in ``args.out`` with the settings of ``kvpop pretrain`` (the
+    namespace its parser gives, :mod:`kvpop.cli.pretrain`); returns the command's exit status."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     task = get_task(args.task)
@@ -252,16 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     task_cfg = task.DEFAULT
     L_train = stages[-1][0]
     ckpt_path = out / "ckpt.pt"
-    if args.export:
-        lengths = ([int(x) for x in args.export_lengths.split(",")] if args.export_lengths
-                   else [L_train // 2, L_train, 2 * L_train])
-        rec = export_model(out / args.export_from, args.export, lengths=lengths, n=args.eval_n,
-                           command="kvpop pretrain " + " ".join(argv if argv is not None
-                                                                         else sys.argv[1:]),
-                           task=task)
-        print(json.dumps(rec["test_accuracy"]))
-        return 0
-
     model = build_model(task_cfg, hidden=args.hidden, layers=args.layers, heads=args.heads,
                         kv_heads=args.kv_heads, head_dim=args.head_dim,
                         intermediate=args.intermediate,
@@ -400,5 +341,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def __getattr__(name: str):
+    """``main`` and ``build_parser`` moved to :mod:`kvpop.cli.pretrain` (deprecated aliases, one release)."""
+    if name in ("main", "build_parser"):
+        import importlib
+        import warnings
+
+        warnings.warn(f"kvpop.demo.pretrain.{name} moved to kvpop.cli.pretrain.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(importlib.import_module("kvpop.cli.pretrain"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":  # ``python -m kvpop.demo.pretrain``, the old spelling of ``kvpop pretrain``
+    import importlib
+
+    sys.exit(importlib.import_module("kvpop.cli.pretrain").main())

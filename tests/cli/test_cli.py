@@ -37,8 +37,15 @@ def test_schedule_bad_budget():
         main(["schedule", "--budget", "3", "--window", "8"])
 
 
-def test_pretrain_is_passed_through(capsys):
+def test_pretrain_is_a_command_of_the_cli_package(capsys):
     with pytest.raises(SystemExit) as e:
         main(["pretrain", "--help"])
     assert e.value.code == 0
     assert "--curriculum" in capsys.readouterr().out
+    import kvpop.cli.pretrain as cli_pretrain
+    import kvpop.demo.pretrain as demo_pretrain
+
+    with pytest.warns(DeprecationWarning, match="moved to kvpop.cli.pretrain.main"):
+        assert demo_pretrain.main is cli_pretrain.main  # the old name, for one release
+    with pytest.raises(AttributeError):
+        demo_pretrain.no_such_name  # noqa: B018

@@ -24,12 +24,12 @@ def _rows(res):
 @pytest.fixture(scope="module")
 def lookahead_model(tmp_path_factory):
     """A tiny model of the lookahead task's vocabulary (one pre-training step: the demo's plumbing only)."""
-    from kvpop.demo import pretrain as P
+    from kvpop.cli.pretrain import main as pretrain_main
 
     run = tmp_path_factory.mktemp("lookahead_run")
     tiny = ["--curriculum", "64:2", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
             "--intermediate", "32", "--eval-every", "1000", "--eval-n", "2", "--no-progress"]
-    assert P.main(["--task", "lookahead", "--out", str(run), "--steps", "1", *tiny]) == 0
+    assert pretrain_main(["--task", "lookahead", "--out", str(run), "--steps", "1", *tiny]) == 0
     return run / "model_final"
 
 

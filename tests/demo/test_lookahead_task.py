@@ -137,19 +137,19 @@ def test_pretrain_on_the_task_starts_facts_from_their_key_and_value(tmp_path):
     """`kvpop pretrain --task lookahead`: the task's vocabulary, its embedding start, and an export."""
     from transformers import Qwen3ForCausalLM
 
-    from kvpop.demo import pretrain as P
+    from kvpop.cli.pretrain import main as pretrain_main
 
     tiny = ["--curriculum", "64:2", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
             "--intermediate", "32", "--eval-every", "1000", "--eval-n", "2", "--no-progress", "--lr", "1e-9",
             "--warmup", "1"]
-    assert P.main(["--task", "lookahead", "--out", str(tmp_path / "run"), "--steps", "1", *tiny]) == 0
+    assert pretrain_main(["--task", "lookahead", "--out", str(tmp_path / "run"), "--steps", "1", *tiny]) == 0
     m = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "run" / "model_final"))
     w = m.get_input_embeddings().weight
     assert w.shape[0] == CFG.vocab_size
     k, v = 17, 5
     assert torch.allclose(w[CFG.fact_id(k, v)], (w[CFG.key_id(k)] + w[CFG.value_id(v)]) / 2 ** 0.5, atol=1e-5)
     rec_dir = tmp_path / "shipped"
-    assert P.main(["--task", "lookahead", "--out", str(tmp_path / "run"), "--export", str(rec_dir),
+    assert pretrain_main(["--task", "lookahead", "--out", str(tmp_path / "run"), "--export", str(rec_dir),
                    "--export-from", "model_final", "--export-lengths", "64", *tiny]) == 0
     import json
 

@@ -161,7 +161,7 @@ def test_shipped_model_solves_short_examples():
 
 def test_pretrain_resume_is_exact(tmp_path):
     """Stopping after a checkpoint and resuming gives the same weights as one uninterrupted run."""
-    from kvpop.demo import pretrain
+    from kvpop.cli import pretrain
 
     common = ["--steps", "6", "--eval-every", "3", "--ckpt-every", "100", "--curriculum",
               "64:4,128:2", "--min-stage-steps", "2", "--advance-acc", "0.0", "--eval-n", "2",

@@ -88,7 +88,7 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
 
 
 def test_pretrain_resume_refuses_a_checkpoint_that_would_run_code(tmp_path):
-    from kvpop.demo.pretrain import main as pretrain
+    from kvpop.cli.pretrain import main as pretrain
 
     marker = tmp_path / "payload-ran"
     write_hostile_checkpoint(tmp_path / "ckpt.pt", marker)
@@ -151,13 +151,14 @@ PRETRAIN_TINY = ["--curriculum", "64:2", "--hidden", "32", "--heads", "2", "--kv
 
 
 def test_pretrain_interrupted_and_resumed_equals_the_uninterrupted_one(tmp_path, monkeypatch, capsys):
+    from kvpop.cli.pretrain import main as pretrain_main
     from kvpop.demo import pretrain as P
 
     def log(out):
         return [{k: v for k, v in r.items() if k != "t"} for r in _lines(out / "log.jsonl")]
 
     full, part = tmp_path / "full", tmp_path / "part"
-    assert P.main(["--out", str(full), "--steps", "4", *PRETRAIN_TINY]) == 0
+    assert pretrain_main(["--out", str(full), "--steps", "4", *PRETRAIN_TINY]) == 0
     real, calls = P.T.make_batch, []
 
     def make_batch(*a, **k):
@@ -167,12 +168,12 @@ def test_pretrain_interrupted_and_resumed_equals_the_uninterrupted_one(tmp_path,
         return real(*a, **k)
 
     monkeypatch.setattr(P.T, "make_batch", make_batch)
-    assert P.main(["--out", str(part), "--steps", "4", *PRETRAIN_TINY]) == 128 + signal.SIGTERM
+    assert pretrain_main(["--out", str(part), "--steps", "4", *PRETRAIN_TINY]) == 128 + signal.SIGTERM
     monkeypatch.setattr(P.T, "make_batch", real)
     assert [r["step"] for r in log(part)] == [1, 2]
     with open(part / "log.jsonl", "a") as f:  # a step the checkpoint did not finish
         f.write(json.dumps({"step": 3, "loss": -1.0}) + "\n")
-    assert P.main(["--out", str(part), "--steps", "4", "--resume", *PRETRAIN_TINY]) == 0
+    assert pretrain_main(["--out", str(part), "--steps", "4", "--resume", *PRETRAIN_TINY]) == 0
     assert log(part) == log(full)
     a, b = load_checkpoint(full / "ckpt.pt")["model"], load_checkpoint(part / "ckpt.pt")["model"]
     for k in a:

@@ -1,7 +1,12 @@
-"""A/B of DMS's decode step: the paged store (``kvpop.core.dms``, now) against the per-head lists it
+"""EXPERIMENT RECORD, not part of the benchmark suite: pytest does not collect it, CI does not run it,
+nothing imports it.  It is kept so that the figures benchmarks/RESULTS.md quotes for the DMS store
+("the paged store against the per-head lists it replaced") can be re-measured; it reads an old class
+out of git history, so it runs only in a full clone and may stop running once that code is gone.
+
+A/B of DMS's decode step: the paged store (``kvpop.core.dms``, now) against the per-head lists it
 replaced (``kvpop/core/dms.py`` at commit fb1bb9f, read from git), timed side by side in one process.
 
-``OMP_NUM_THREADS=1 python benchmarks/ab_dms_store.py`` (CPU, the PyTorch paths; needs the git history).
+``OMP_NUM_THREADS=1 python benchmarks/records/ab_dms_store.py`` (CPU, the PyTorch paths; needs the git history).
 Shapes and per-head lengths are those of ``benchmarks/test_decode_dms.py`` (32K context, 8 / 4 heads,
 D 64, fp32); every ring token is marked for eviction, so the lengths stay put while timing.  Prints
 the best of 5 x 60 steps for each, and new / old.
@@ -17,7 +22,7 @@ import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

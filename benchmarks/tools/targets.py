@@ -3,7 +3,7 @@
 Every target is one figure that one benchmark writes into its ``extra_info`` under ``key``; its row in
 the verdict table says *met*, *not met*, *not run* (with the reason) or *measured* (a figure the
 issues ask for without a goal).  The table is printed at the end of every benchmark session
-(``benchmarks/conftest.py``) and written by ``benchmarks/gpu_check.py``.
+(``benchmarks/conftest.py``) and written by ``benchmarks/tools/gpu_check.py``.
 
 To add a figure to the table, write it into ``benchmark.extra_info`` under the key of its row below.
 A target with ``file=None`` is matched by its key in any benchmark: the benchmarks of issues 12 and 13
@@ -134,7 +134,7 @@ def _file_of(nodeid_or_path: str) -> str:
 
 
 def matches(target: Target, record: Mapping[str, Any], use_where: bool = True) -> bool:
-    """Whether ``record`` (one benchmark test's outcome, see ``benchmarks/_recorder.py``) is the target's.
+    """Whether ``record`` (one benchmark test's outcome, see ``benchmarks/tools/recorder.py``) is the target's.
 
     A target pinned to a file/test matches that test's records; an unpinned one matches every record that
     carries its key.  ``where`` is checked (unless ``use_where`` is false) against the test's parameters,
@@ -302,7 +302,7 @@ def check_registry(collected: Iterable[str], root: str | Path,
                 pending.append(f"{t.id} (issue {t.issue}): no benchmark writes extra_info[{t.key!r}] yet")
             continue
         if t.file not in texts:
-            problems.append(f"{t.id}: {t.file} does not exist (fix the registry in benchmarks/targets.py)")
+            problems.append(f"{t.id}: {t.file} does not exist (fix the registry in benchmarks/tools/targets.py)")
             continue
         if not any(f == t.file and (t.test is None or name == t.test) for f, name in tests):
             problems.append(f"{t.id}: pytest collects no {t.file}::{t.test or '*'}")

@@ -1,6 +1,6 @@
 """One KVpop training step in a fresh process; prints its peak memory as one JSON line (CPU).
 
-``python benchmarks/_train_step_memory.py --mode fused --seq 2048 --vocab 151936``
+``python benchmarks/tools/train_step_memory.py --mode fused --seq 2048 --vocab 151936``
 
 Modes (a tiny patched Qwen3: 2 layers, hidden 64, 4 query / 2 KV heads, head size 32, budget 1024,
 window 256; the teacher a frozen copy; batch 1):
@@ -27,7 +27,7 @@ import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "0")  # the PyTorch CPU path, never the interpreter
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _rss_bytes() -> int:

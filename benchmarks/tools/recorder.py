@@ -1,7 +1,7 @@
 """A pytest plugin: records every test's outcome and ``extra_info``, prints the verdict table.
 
 ``benchmarks/conftest.py`` registers it for every benchmark session (the table is printed at the end);
-``benchmarks/gpu_check.py`` also loads it into the GPU test session (``-p benchmarks.gpu_plugin``) to
+``benchmarks/tools/gpu_check.py`` also loads it into the GPU test session (``-p benchmarks.tools.gpu_plugin``) to
 count outcomes.  Environment variables (set by the driver, all optional):
 
 * ``KVPOP_RECORDS=path``: append one JSON line per test as soon as it finishes, so a run stopped by
@@ -9,7 +9,7 @@ count outcomes.  Environment variables (set by the driver, all optional):
 * ``KVPOP_AUTOTUNE_MAX_CONFIGS=n``: keep at most ``n`` configs of every Triton autotuner in
   ``kvpop_kernels`` (the first, which the kernel lists as its default, and others spread over the
   list), which bounds autotuning time;
-* ``KVPOP_TARGETS_FIRST=1``: run the benchmarks of ``benchmarks/targets.py`` first, in its order.
+* ``KVPOP_TARGETS_FIRST=1``: run the benchmarks of ``benchmarks/tools/targets.py`` first, in its order.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ A run has two stages, each a pytest process stopped at its share of the time cap
 
 1. ``pytest -m gpu tests/``: bf16/fp16 correctness of every kernel against ``reference.py``, the sm_90
    paths, decoding with ``KVpopCache``;
-2. ``pytest benchmarks/ --benchmark-only``: the target shapes, the benchmarks of ``benchmarks/targets.py``
+2. ``pytest benchmarks/ --benchmark-only``: the target shapes, the benchmarks of ``benchmarks/tools/targets.py``
    first, the others while time remains.
 
 Autotuning is bounded (``KVPOP_AUTOTUNE_MAX_CONFIGS``: 1 config per kernel in the tests, 3 in the
@@ -39,11 +39,11 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-tg = importlib.import_module("benchmarks.targets")
+tg = importlib.import_module("benchmarks.tools.targets")
 
 GRACE_S = 20  # after SIGINT, what pytest gets to write its summary before SIGKILL
 REPORT_S = 10  # kept at the end of the cap to write the report
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     t_rec = out / "tests.jsonl"
     t_rec.unlink(missing_ok=True)
     st_env = dict(base_env, KVPOP_RECORDS=str(t_rec), KVPOP_AUTOTUNE_MAX_CONFIGS=str(args.max_configs_tests))
-    cmd = py + ["-m", "gpu", "tests/", "-p", "benchmarks.gpu_plugin"] + (["--collect-only"] if args.dry else [])
+    cmd = py + ["-m", "gpu", "tests/", "-p", "benchmarks.tools.gpu_plugin"] + (["--collect-only"] if args.dry else [])
     if args.skip_tests:
         stage = {"name": "gpu tests", "skipped": "--skip-tests"}
     elif min(args.tests_cap, left() - REPORT_S - 2 * GRACE_S - BENCH_MIN_S) < 10:

@@ -1,0 +1,101 @@
+"""``kvpop pretrain``: dense pre-training of the shipped tiny model on a synthetic task.
+
+Usage::
+
+    kvpop pretrain --out runs/tiny --steps 6000 --threads 1
+    kvpop pretrain --out runs/tiny --resume          # continue exactly where it stopped
+    kvpop pretrain --out runs/tiny --export DIR      # copy OUT/model to DIR with its test accuracy
+
+What the training does (curriculum, losses, checkpoints, outputs): :mod:`kvpop.demo.pretrain`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvpop.demo.pretrain import TASKS, export_model, get_task, parse_curriculum, pretrain
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="run directory (checkpoints, log, model)")
+    p.add_argument("--steps", type=int, default=6000, help="total optimiser steps")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--task", default="kvtrace", choices=sorted(TASKS),
+                   help="the synthetic task: kvtrace (kvpop.demo.task, the default) or lookahead "
+                        "(kvpop.demo.lookahead_task)")
+    p.add_argument("--curriculum", default=None,
+                   help="comma-separated LENGTH:BATCH stages; the last length is L_train (default: "
+                        + "; ".join(f"{name} {spec}" for name, (_, spec) in TASKS.items()) + ")")
+    p.add_argument("--advance-acc", type=float, default=0.9,
+                   help="move to the next stage when the train-accuracy EMA passes this")
+    p.add_argument("--min-stage-steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--cooldown", type=int, default=0,
+                   help="decay the lr linearly to 0 over the last this many of --steps "
+                        "(may be set when resuming)")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--filler-weight", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-n", type=int, default=32, help="test sequences per evaluation")
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (with a checkpoint) after this")
+    p.add_argument("--stop-acc", type=float, default=1.01,
+                   help="stop once test accuracy at L_train reaches this")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--intermediate", type=int, default=384)
+    p.add_argument("--rope-theta", type=float, default=1e6)
+    p.add_argument("--export", metavar="DIR", default=None,
+                   help="do not train: copy OUT/model (or --export-from) to DIR with its accuracy")
+    p.add_argument("--export-from", default="model", help="subdirectory of OUT to export")
+    p.add_argument("--export-lengths", default=None,
+                   help="comma-separated lengths to evaluate on export (default L_train/2, L_train, 2 L_train)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress report (a tqdm bar on a terminal, else a line per N steps)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``kvpop pretrain`` on its own (for :func:`main`)."""
+    p = argparse.ArgumentParser(prog="kvpop pretrain", description="dense pre-training of the shipped tiny model on "
+                                "a synthetic task")
+    add_arguments(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    # the settings only (no parser bookkeeping): they are written to args.json and the checkpoints
+    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("command", "_module")})
+    torch.set_num_threads(max(1, args.threads))
+    if not args.export:
+        return pretrain(args)
+    task = get_task(args.task)
+    L_train = parse_curriculum(args.curriculum or TASKS[args.task][1])[-1][0]
+    lengths = ([int(x) for x in args.export_lengths.split(",")] if args.export_lengths
+               else [L_train // 2, L_train, 2 * L_train])
+    command = (f"kvpop pretrain --out {args.out} --task {args.task} --export {args.export} "
+               f"--export-from {args.export_from} --export-lengths {','.join(map(str, lengths))} "
+               f"--eval-n {args.eval_n}")
+    rec = export_model(Path(args.out) / args.export_from, args.export, lengths=lengths,
+                       n=args.eval_n, command=command, task=task)
+    print(json.dumps(rec["test_accuracy"]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvpop pretrain ARGS`` as a function: parse ``argv`` (default ``sys.argv[1:]``) and run."""
+    return run(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
