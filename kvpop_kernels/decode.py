@@ -1,61 +1,10 @@
 """``fixed_budget_decode``: the fused decode step over a fixed budget of ``B`` slots per (batch row, KV head).
 
-Semantics: ``reference.fixed_budget_decode`` (slot layout, eviction rule, in-place updates) and
-docs/DESIGN.md "Eviction semantics".  This file holds
-
-* a Triton split-K kernel pair (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
-* a PyTorch path for CPU tensors (vectorised over rows and heads, no Python loop over rows, heads or
-  slots, no data-dependent branch).
-
-Triton design (race-free without any grid-wide synchronisation)
----------------------------------------------------------------
-Every batch row ``n`` carries its own position ``pos[n]`` (an int64 tensor on the device, read by
-the kernels: the new token's slot ``r`` and the leaving token ``t_new = pos - w`` are computed
-in-kernel, so a launch depends on no host value and one launch covers all rows).
-
-Stage 1, grid ``(N * Hkv, num_splits)``, READS ONLY.  Program ``(n * Hkv + h, i)``
-
-1. recomputes, like every other program of row ``n`` and head ``h``, the lowest-ranked long-range slot
-   ``j*`` (lowest priority, ties to the oldest ``slot_pos``, then to the lowest slot index;
-   empty slots hold ``-inf`` / ``-1`` and so rank lowest) and whether the token
-   ``t_new = pos - w`` leaving the window ranks above it (``dst = s + w + j*``, else ``-1``).
-   This reads ``k`` priorities per program (positions only where priorities tie), from L2
-   after the first program; split 0 stores ``dst`` into a scratch ``[N * Hkv]`` int32 buffer;
-2. attends with all ``G`` query heads of the group (a ``[G_PAD, D]`` query tile, ``G_PAD =
-   max(16, next_pow2(G))`` so that ``tl.dot`` has tiles >= 16 in every dimension) over its
-   contiguous chunk of slots, skipping empty slots (``slot_pos < 0``), the new token's slot
-   ``r`` (whose content is stale: the leaving token, or nothing) and ``dst`` (whose content is
-   being evicted);
-3. split 0 also adds the two keys that are not in the cache yet from the inputs: the new token
-   (``k_new, v_new``) and, when it is kept, the leaving token (read from its ring slot ``r``);
-4. writes a partial output (normalised) and its natural-log LSE per (query head, split).
-
-The group's queries form one ``tl.dot`` tile rather than a broadcast-multiply-reduce: the step is
-bound by reading the keys/values, and the padding rows (zeros, never stored) cost tensor-core
-work only.  On the GPU 16-bit caches feed ``tl.dot`` natively (fp32 accumulation, probabilities
-cast to the cache dtype for ``P @ V``); float32 caches and the interpreter upcast right after the
-loads and use ``input_precision="ieee"``.  Scores use ``exp2`` with ``scale * log2(e)`` folded in;
-the LSEs written out are natural logs.  Default split plan: slots are cut into chunks of whole
-``block_n`` tiles so that ``N * Hkv * num_splits`` is about two programs per SM.  Register use was
-checked by compiling both kernels for sm_90a/sm_80 without a GPU (``triton.compile`` + ptxas -v):
-bf16, ``block_n = 32``, 4 warps, D = 128: about 210 registers, no spills; float32 caches take 8
-warps (168 registers, no spills; 4 warps spilled 448 bytes).  (Measured before the batch dimension
-was added; the batched kernels compile for sm_90/sm_80 in the tests, their registers not re-measured.)
-
-Stage 2, grid ``(N * Hq,)``: one program per (row, query head) merges that head's splits with an online-
-softmax LSE merge (``BLOCK_S`` splits per vector step) and writes ``out``/``lse``; then the
-program of the first query head of each group performs ALL cache writes of its KV head: copy the
-leaving token's key/value from ring slot ``r`` into ``dst`` and set ``slot_pos[dst] = t_new``,
-``slot_prio[dst - s - w] = leaving_prio`` (when kept), then write ``k_new, v_new, pos`` into slot
-``r`` (a barrier separates the read of ``r`` from its overwrite).  Stage 1 never writes the cache
-and in stage 2 exactly one program writes a head's slots, which no other program of that launch
-reads, so no program reads a location that another one writes in the same launch; the two
-launches are ordered by the stream.
-
-So ONE decode step = two kernel launches that fuse: the eviction decision (argmin + compare),
-the attention of the new query over the ``B`` budget slots (new token included), the split
-merge, and the whole cache update.  NOT fused: the scorer's forward that produces
-``leaving_prio`` (a separate small op of the caller) and the RoPE of ``k_new``.
+A Triton split-K kernel pair (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the shared
+split-K plumbing is ``kvpop_kernels.splitk``) and a vectorised PyTorch path for CPU tensors.  Semantics:
+``reference.fixed_budget_decode`` (slot layout, eviction rule, in-place updates) and docs/DESIGN.md
+section 2; the two stages, why they are race-free, what is fused, precision and registers: docs/DESIGN.md
+section 9.
 """
 from __future__ import annotations
 
