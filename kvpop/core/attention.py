@@ -30,6 +30,7 @@ from .config import KVpopConfig
 from .hooks import ScorerHooks
 from .layer import KVpopLayer, kvpop_layers
 from .loss import score_loss_terms
+from .priority import priority
 
 __all__ = ["ATTN_NAME", "TARGET_ATTN_NAME", "register", "kvpop_mask", "kvpop_attention_forward", "sequence_attention",
            "streaming_policy", "target_attention_forward", "teacher_targets", "set_teacher_targets"]
@@ -150,7 +151,7 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     streaming = streaming_policy(cfg)
     need_loss = training and cfg.compute_loss and cfg.policy == "kvpop" and S > cfg.budget
     log_gamma = layer.log_gamma()
-    tpos = torch.arange(S, device=query.device, dtype=torch.float32)
+    tpos = torch.arange(S, device=query.device)
 
     r_hat = None
     if need_loss or (cfg.mask_source == "scorer" and not streaming):
@@ -181,9 +182,9 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
             if r_tgt is None:
                 r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), dense_lse(),
                                                               scale=scaling, **cfg.target_kwargs())
-            prio = r_tgt - tpos * log_gamma.detach()[:, None]
+            prio = priority(r_tgt, tpos, log_gamma.detach())
         else:
-            prio = r_hat.detach().float() - tpos * log_gamma.detach()[:, None]
+            prio = priority(r_hat.detach(), tpos, log_gamma.detach())
         if S <= cfg.budget:  # at most s + w + k tokens: nothing can be evicted
             evict_at = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=query.device)
         else:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .layer import KVpopLayer
+from .priority import priority
 
 __all__ = ["ScorerHooks"]
 
@@ -61,14 +62,14 @@ class ScorerHooks:
                 cache_layer.scorer_state = (C, n, m, ring)
             else:
                 r = layer.scorer(self.k_pre, value)
-            return layer.priority(r)
+            return priority(r, torch.arange(r.shape[-1], device=r.device), layer.log_gamma())
 
     def _token(self, module: nn.Module, cache_layer: Any, key_new: torch.Tensor, value_new: torch.Tensor,
                pos: torch.Tensor, i: int) -> torch.Tensor:
         layer = self.layer
         with torch.no_grad():
             r = layer.scorer(self._k_pre_at(i), value_new)  # [N, Hkv]
-            return r - pos[:, None].float() * layer.log_gamma()
+            return priority(r, pos, layer.log_gamma())
 
     def _leaving(self, module: nn.Module, cache_layer: Any, key_new: torch.Tensor, value_new: torch.Tensor,
                  pos: torch.Tensor, i: int) -> torch.Tensor:
@@ -92,6 +93,6 @@ class ScorerHooks:
             v_t = cache_layer.values.gather(2, slot).squeeze(2)
             k_t = ring.gather(2, (t % w)[:, None, None, None].expand(N, hkv, 1, D)).squeeze(2)
             r = sc.score_token((C, n, m), k_t.to(kp.dtype), v_t)
-            out = r - t[:, None].float() * layer.log_gamma()
+            out = priority(r, t, layer.log_gamma())
             ring.scatter_(2, (pos % w)[:, None, None, None].expand(N, hkv, 1, D), kp.to(ring.dtype).unsqueeze(2))
             return out

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .config import KVpopConfig
+from .priority import priority
 from .scorers import build_scorer
 
 __all__ = ["KVpopLayer", "kvpop_layers"]
@@ -72,10 +73,10 @@ class KVpopLayer(nn.Module):
         return c.gamma_min + (c.gamma_max - c.gamma_min) * torch.sigmoid(self.decay_logit.float())
 
     def priority(self, r: torch.Tensor, log_gamma: torch.Tensor | None = None) -> torch.Tensor:
-        """Static priority ``p[b,h,t] = r[b,h,t] - t * log(gamma_h)`` of raw scores ``r [B, Hkv, S]``."""
+        """Static priority ``p[b,h,t] = r[b,h,t] - t * log(gamma_h)`` of raw scores ``r [B, Hkv, S]`` at
+        positions ``0 .. S-1`` (:func:`kvpop.core.priority.priority`, the one copy of the formula)."""
         lg = self.log_gamma() if log_gamma is None else log_gamma
-        t = torch.arange(r.shape[-1], device=r.device, dtype=torch.float32)
-        return r.float() - t * lg[:, None]
+        return priority(r, torch.arange(r.shape[-1], device=r.device), lg)
 
     def capture_key(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
         """Forward hook on the family's key tap: keep this forward's pre-RoPE key ``[B, S, Hkv, D]``.

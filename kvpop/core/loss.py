@@ -21,6 +21,7 @@ from .distill import (
     teacher_topk,
 )
 from .layer import kvpop_layers
+from .priority import priority
 from .scorers import float32_scoring
 
 __all__ = ["score_loss_terms", "score_loss", "score_stats", "distill_loss", "teacher_topk", "TeacherTopK",
@@ -49,9 +50,9 @@ def score_loss_terms(r_hat: torch.Tensor, r_tgt: torch.Tensor, log_gamma: torch.
     S = r_hat.shape[-1]
     dev = r_hat.device
     t = torch.arange(S, device=dev)
-    lg_d = log_gamma.detach().float()[:, None]
+    lg_d = log_gamma.detach().float()
     with torch.no_grad():
-        p_tgt = r_tgt.float() - t.float() * lg_d
+        p_tgt = priority(r_tgt, t, lg_d)
         y, bnd = kvpop_kernels.eviction_decisions(p_tgt.contiguous(), sinks=sinks, window=window, k=k)
         dec = y != 0
         yf = y.float()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import KVpopConfig
+from .priority import head_linear, silu, to_rows
 
 __all__ = ["MLPScorer", "MLSTMScorer", "build_scorer", "scorer_features", "float32_scoring"]
 
@@ -69,13 +70,16 @@ class _HeadMLP(nn.Module):
         self.w2 = nn.Parameter(torch.randn(heads, hidden) / math.sqrt(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [B, H, ..., I]; contract the last axis per head
+        """``x [B, H, ..., I]`` -> ``[B, H, ...]``, one token at a time in effect: the rows are scored in
+        blocks (``kvpop.core.priority``), so a token's score has the same bits however many are scored."""
+        rows, back = to_rows(x)
+        return back(self.rows(rows))
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [H, M', I]`` (``kvpop.core.priority.to_rows``) -> ``[H, M']``."""
         w1, b1, w2 = self.w1.float(), self.b1.float(), self.w2.float()
-        shape = x.shape
-        xf = x.reshape(shape[0], shape[1], -1, shape[-1])
-        hdn = F.silu(torch.einsum("bhsi,hio->bhso", xf, w1) + b1[None, :, None, :])
-        r = torch.einsum("bhso,ho->bhs", hdn, w2)
-        return r.reshape(shape[:-1])
+        hdn = silu(head_linear(rows, w1) + b1[:, None, :])
+        return (hdn * w2[:, None, :]).sum(-1)
 
 
 class MLPScorer(nn.Module):

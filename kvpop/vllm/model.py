@@ -30,6 +30,7 @@ from vllm.platforms import current_platform
 from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op
 
 from kvpop import KVpopLayer
+from kvpop.core.priority import priority
 
 from .settings import Settings, resolve
 from .spec import FixedBudgetSpec
@@ -121,7 +122,7 @@ class KVpopQwen3Attention(Qwen3Attention):
         if self.kvpop_settings.uses_scorer:
             v_heads = v.view(T, self.num_kv_heads, self.head_dim)
             r = self.kvpop.scorer(k_pre.transpose(0, 1)[None], v_heads.transpose(0, 1)[None])[0]  # [Hkv, T]
-            prio = (r.float() - positions.float()[None] * self.kvpop.log_gamma()[:, None]).transpose(0, 1)
+            prio = priority(r[None], positions, self.kvpop.log_gamma())[0].transpose(0, 1)
         else:  # streaming: one constant priority, ties keep the newest
             prio = torch.zeros(T, self.num_kv_heads, dtype=torch.float32, device=q.device)
         q, k = self.rotary_emb(positions, q, k)

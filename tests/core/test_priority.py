@@ -1,0 +1,211 @@
+"""One priority computation for every path (docs/DESIGN.md 2.4, 7): decoding keeps exactly what the
+schedule of the teacher-forced forward keeps, bit for bit, also on near-ties (issue 21 item 4)."""
+import pytest
+import torch
+from tiny import tiny_model
+
+import kvpop
+from kvpop import kvpop_layers
+from kvpop.core.priority import ROW_BLOCK, head_linear, priority, to_rows
+from kvpop.core.scorers import MLPScorer, MLSTMScorer
+from kvpop.models import cache_kwarg_name
+
+CACHE = cache_kwarg_name()
+
+
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch, request):
+    """The PyTorch CPU path of kvpop_kernels, except in the tests that name the interpreter."""
+    if "interpreter" not in request.node.name:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+# ----------------------------------------------------------------------------- the formula
+def test_priority_formula_shapes_and_errors():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    lg = -torch.rand(3, generator=g) * 1e-3
+    t = torch.arange(5)
+    want = r.float() - t.float()[None, None] * lg[None, :, None]
+    assert torch.equal(priority(r, t, lg), want) and priority(r, t, lg).dtype == torch.float32
+    per_row = torch.stack([t, t + 7])  # [N, S]: per-row positions (a padded batch)
+    assert torch.equal(priority(r, per_row, lg)[1], r[1].float() - (t + 7).float()[None] * lg[:, None])
+    pos = torch.tensor([4, 9])  # decode: one token per row
+    assert torch.equal(priority(r[..., 0], pos, lg), r[..., 0].float() - pos.float()[:, None] * lg[None])
+    # a priority does not depend on how many tokens are priced together
+    assert torch.equal(priority(r, t, lg)[:, :, 3], priority(r[:, :, 3], torch.tensor([3, 3]), lg))
+    with pytest.raises(ValueError, match="log_gamma"):
+        priority(r, t, lg[:2])
+    with pytest.raises(ValueError, match="t must have shape"):
+        priority(r, torch.arange(4), lg)
+
+
+def test_age_term_at_long_contexts():
+    """At t ~ 131K the age term is one float32 product, exact in its inputs (t < 2**24), so every path
+    that calls the function gets the same bits; rounding is monotone, so it never reverses an order."""
+    lg = torch.tensor([-1.0005e-3])
+    t = torch.arange(131_000, 131_072)
+    p = priority(torch.zeros(1, 1, 72), t, lg)[0, 0]
+    assert torch.equal(p, -(t.float() * lg))
+    assert bool((p[1:] >= p[:-1]).all())  # older tokens never rank above newer ones with the same score
+    exact = -(t.double() * lg.double())
+    assert float((p.double() - exact).abs().max()) <= 131_072 * 1.0005e-3 * 2 ** -24
+
+
+# ----------------------------------------------------------------------------- scoring in row blocks
+def test_rows_roundtrip_and_padding():
+    x = torch.randn(3, 2, 5, 7, 4)
+    rows, back = to_rows(x)
+    assert rows.shape == (2, 112, 4) and rows.shape[1] % ROW_BLOCK == 0
+    assert torch.equal(rows[:, 105:], torch.zeros(2, 7, 4))
+    assert torch.equal(back(rows), x)
+    assert torch.equal(back(rows[..., 0]), x[..., 0])
+    one, back1 = to_rows(x[:1, :, 0, 0])  # one token: still a whole block
+    assert one.shape == (2, ROW_BLOCK, 4) and torch.equal(back1(one), x[:1, :, 0, 0])
+    with pytest.raises(ValueError, match="multiple of"):
+        head_linear(torch.zeros(2, 5, 4), torch.zeros(2, 4, 3))
+
+
+def _skewed_mlp(sc, g, s1=1e-3, b1=20.0, s2=50.0):
+    """The review's scorer: tiny first-layer weights, a large bias, large output weights, so that the
+    scores of all tokens sit within a few ulps of a large common value (near-ties everywhere)."""
+    with torch.no_grad():
+        sc.w1.copy_(torch.randn(sc.w1.shape, generator=g) * s1 / sc.w1.shape[1] ** 0.5)
+        sc.b1.fill_(b1)
+        sc.w2.copy_(torch.randn(sc.w2.shape, generator=g) * s2 / sc.w2.shape[1] ** 0.5)
+
+
+@pytest.mark.parametrize("heads,dim,hidden", [(2, 32, 128), (3, 20, 20), (1, 7, 5)])
+def test_a_tokens_score_does_not_depend_on_how_many_are_scored(heads, dim, hidden):
+    """Bitwise: all tokens of all rows at once == each row alone == one token at a time (the decode
+    hook's call), for the MLP scorer and the mLSTM scorer's output network."""
+    g = torch.Generator().manual_seed(heads * 100 + dim)
+    sc = MLPScorer(heads, dim, hidden)
+    _skewed_mlp(sc.mlp, g)
+    B, S = 3, 37
+    k, v = torch.randn(B, heads, S, dim, generator=g), torch.randn(B, heads, S, dim, generator=g)
+    with torch.no_grad():
+        full = sc(k, v)
+        assert torch.equal(torch.cat([sc(k[b:b + 1], v[b:b + 1]) for b in range(B)]), full)
+        assert torch.equal(torch.stack([sc(k[:, :, s], v[:, :, s]) for s in range(S)], 2), full)
+        assert torch.equal(sc(k[1:2, :, 5], v[1:2, :, 5])[0], full[1, :, 5])
+    m = MLSTMScorer(heads, dim, window=4, dim=8, hidden=hidden)
+    x = torch.randn(B, heads, S, 2 * dim + 8, generator=g)
+    with torch.no_grad():
+        full = m.out(x)
+        assert torch.equal(torch.stack([m.out(x[:, :, s]) for s in range(S)], 2), full)
+
+
+# ----------------------------------------------------------------------------- the review's counterexample
+SINKS, WINDOW, BUDGET = 2, 8, 14
+
+
+def _model(scorer="mlp", seed=0, s1=1e-3, b1=20.0, s2=50.0):
+    m = kvpop.patch(tiny_model(seed=0), scorer=scorer, sinks=SINKS, window=WINDOW, budget=BUDGET)
+    g = torch.Generator().manual_seed(seed)
+    for layer in kvpop_layers(m):
+        _skewed_mlp(layer.scorer.mlp if scorer == "mlp" else layer.scorer.out, g, s1, b1, s2)
+    return m
+
+
+def _kept(evict_at, q, sinks, window):
+    """Per KV head, the long-range tokens the schedule keeps at query ``q`` (docs/DESIGN.md 2.6-2.7)."""
+    return [{t for t in range(sinks, q - window + 1) if int(ev[t]) > q} for ev in evict_at]
+
+
+def _generate_checked(m, prompts, new, cfg):
+    """Greedy decoding of left-padded ``prompts`` through one KVpopCache; after every step, each row's
+    long-range slots must hold exactly what the schedule of that row's teacher-forced forward keeps.
+    Returns (generated rows, cache logits per row, teacher-forced logits per row)."""
+    s, w = cfg.sinks, cfg.window
+    N, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(N, L, dtype=torch.long)
+    mask = torch.zeros(N, L, dtype=torch.long)
+    for n, p in enumerate(prompts):
+        ids[n, L - len(p):], mask[n, L - len(p):] = p, 1
+    cache = kvpop.KVpopCache(m)
+    seqs = [list(p.tolist()) for p in prompts]
+    steps = []  # per step: the cache's long-range sets of every layer, row, head
+    logits = [[] for _ in range(N)]
+    with torch.no_grad():
+        pid = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = m(ids, attention_mask=mask, position_ids=pid, **{CACHE: cache}, use_cache=True).logits
+        for n, p in enumerate(prompts):
+            logits[n].append(out[n, L - len(p):])
+        for _ in range(new):
+            nxt = out[:, -1].argmax(-1)
+            for n in range(N):
+                seqs[n].append(int(nxt[n]))
+            mask = torch.cat([mask, torch.ones(N, 1, dtype=torch.long)], 1)
+            pid = torch.tensor([[len(sq) - 1] for sq in seqs])
+            out = m(nxt[:, None], attention_mask=mask, position_ids=pid, **{CACHE: cache}, use_cache=True).logits
+            for n in range(N):
+                logits[n].append(out[n])
+            steps.append([[layer.long_range_positions(n) for n in range(N)] for layer in cache.layers])
+        full = []
+        for n in range(N):
+            full.append(m(torch.tensor([seqs[n]])).logits[0])
+            evs = [layer.last_evict_at[0] for layer in kvpop_layers(m)]
+            for j, per_layer in enumerate(steps):
+                q = len(prompts[n]) + j
+                for li, ev in enumerate(evs):
+                    assert per_layer[li][n] == _kept(ev, q, s, w), (f"row {n} layer {li} step q={q}: the cache keeps "
+                                                                    f"{per_layer[li][n]}, the schedule "
+                                                                    f"{_kept(ev, q, s, w)}")
+    return seqs, [torch.cat(x) for x in logits], full
+
+
+def test_review_counterexample_decode_keeps_what_the_schedule_keeps():
+    """The review's case: 50-token prompt, then 40 greedy steps, sinks 2, window 8, budget 14; the old
+    per-token scorer call (a matrix-vector product) rounded differently from the full-sequence call, and
+    the cache kept other tokens than the mask from step 62 on.  Now every step keeps the same tokens
+    and the logits are those of the teacher-forced forward."""
+    m = _model()
+    prompt = torch.randint(1, 128, (50,), generator=torch.Generator().manual_seed(1))
+    cfg = m.kvpop_config
+    # a near-tie case: the priorities of a head span a few thousand ulps of their magnitude
+    with torch.no_grad():
+        m(prompt[None])
+    p = kvpop_layers(m)[0].last_priority[0, 0]
+    assert float(p.abs().max()) > 100 and float((p.max() - p.min()) / p.abs().max()) < 1e-3
+    seqs, dec, full = _generate_checked(m, [prompt], 40, cfg)
+    torch.testing.assert_close(dec[0], full[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(dec[0].argmax(-1), full[0].argmax(-1))
+
+
+# ----------------------------------------------------------------------------- randomised near-tie search
+def _near_tie_cases(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        yield dict(s1=float(10 ** -torch.empty(()).uniform_(2, 6, generator=g)),
+                   b1=float(torch.empty(()).uniform_(-30, 30, generator=g)),
+                   s2=float(10 ** torch.empty(()).uniform_(0, 3, generator=g)),
+                   seed=int(torch.randint(0, 2 ** 31, (), generator=g)))
+
+
+@pytest.mark.parametrize("case", list(_near_tie_cases(4, seed=21)))
+def test_near_tie_search_batched_and_single_rows(case):
+    """Seeded search over skewed MLP scorers (near-ties at every rounding level): a left-padded batch
+    of mixed lengths and each row alone keep, at every step, what each row's schedule keeps."""
+    m = _model(**case)
+    g = torch.Generator().manual_seed(case["seed"])
+    prompts = [torch.randint(1, 128, (L,), generator=g) for L in (30, 11, 23)]
+    cfg = m.kvpop_config
+    batched, dec_b, full = _generate_checked(m, prompts, 25, cfg)
+    for n, p in enumerate(prompts):
+        alone, dec_1, _ = _generate_checked(m, [p], 25, cfg)
+        assert alone[0] == batched[n]
+        torch.testing.assert_close(dec_b[n], full[n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dec_1[0], full[n], atol=1e-5, rtol=1e-5)
+
+
+def test_near_tie_search_through_the_interpreter():
+    """The same check with the package's default dispatch (the Triton schedule, sparse attention and
+    fixed-budget decode kernels, interpreted on a CPU-only machine)."""
+    case = next(_near_tie_cases(1, seed=4))
+    m = _model(**case)
+    g = torch.Generator().manual_seed(case["seed"])
+    prompts = [torch.randint(1, 128, (L,), generator=g) for L in (20, 13)]
+    batched, dec_b, full = _generate_checked(m, prompts, 12, m.kvpop_config)
+    for n in range(len(prompts)):
+        torch.testing.assert_close(dec_b[n], full[n], atol=1e-5, rtol=1e-5)
