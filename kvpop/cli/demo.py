@@ -29,7 +29,9 @@ For each task:
    25 % of L_train (lookahead: 9.4 %, 12.5 %, 25 %, the task's ``BUDGET_FRACTIONS``; re-budgeting with
    ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
    on test sequences, every sequence through a ``kvpop.KVpopCache``;
-3. prints the table and writes ``results.json``, ``table.md`` and ``accuracy_vs_budget.png``.
+3. prints the table and writes ``results.json`` (only what the seeds and settings determine: a re-run on the
+   same machine and thread count writes the same bytes), ``table.md``, ``accuracy_vs_budget.png`` and
+   ``run.json`` (the run's wall times, date and command-line arguments).
 
 Training settings (steps, the training budget's long-range slots ``k``, learning rates) are the ones
 chosen on *validation* sequences (seeds disjoint from the training and test seeds) by
@@ -324,12 +326,16 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
                          task=mod)
     timings["eval_s"] = round(time.time() - t0, 1)
     timings["total_s"] = round(time.time() - t_start, 1)
-    results["demo"] = {"task": task, "settings": stamp, "timings": timings, "threads": torch.get_num_threads(),
-                       "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+    # results.json holds only what the seeds and settings determine (a re-run on the same machine and thread
+    # count writes the same bytes); the run's wall times and command line go to run.json beside it
+    results["demo"] = {"task": task, "settings": stamp, "threads": torch.get_num_threads(),
                        "retrofit": {p: json.loads((out / p / "done.json").read_text())
                                     for p in RETROFITS + (("dms",) if s["dms_steps"] > 0 else ())}}
     print(f"[kvpop demo] {task}:")
     finish(results, out, not args.no_plot)
+    E.write_results({"task": task, "timings": timings, "threads": torch.get_num_threads(),
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t_start)),
+                     "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}, out / "run.json")
     return results
 
 
