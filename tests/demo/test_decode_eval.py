@@ -1,0 +1,63 @@
+"""Reads measured by token-by-token decoding equal the one-call prefill's (kvpop.demo.decode_eval)."""
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from kvpop.core.checkpoint import save_scorers
+from kvpop.core.patching import patch
+from kvpop.demo import evaluate as E
+from kvpop.demo import task as T
+from kvpop.demo.decode_eval import decode_check, decode_predictions
+
+L = 96
+
+
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def base():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=T.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      tie_word_embeddings=True, attention_dropout=0.0)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("policy", ["kvpop-mlp", "kvpop-mlstm", "fixed-finetune"])
+def test_decoding_gives_the_prefill_reads(base, policy, tmp_path):
+    kw = dict(sinks=2, window=6, budget=16)
+    if policy == "fixed-finetune":
+        model = E.policy_model(base, policy, finetuned=base, **kw)
+    else:
+        m = copy.deepcopy(base)
+        torch.manual_seed(1)
+        patch(m, scorer=policy.split("-")[1], **kw)
+        save_scorers(m, tmp_path / "s.safetensors")
+        model = E.policy_model(base, policy, scorers=tmp_path / "s.safetensors", **kw)
+    exs = [T.make_example(T.test_seed(i), L) for i in range(3)]
+    r = decode_check(model, exs, policy, 12)
+    assert r["graded"] == sum(ex["answers"].numel() for ex in exs)
+    assert r["differ"] == 0 and r["decode_correct"] == r["prefill_correct"]
+    # the decoded predictions of every position equal one teacher-forced prefill's
+    ids = torch.stack([ex["input_ids"] for ex in exs])
+    dec = decode_predictions(model, ids, policy, 12)
+    full = torch.cat([E.policy_logits(model, ids[i:i + 1], policy, 12).argmax(-1) for i in range(3)])
+    assert torch.equal(dec, full)
+
+
+def test_decode_bad_inputs(base):
+    model = E.policy_model(base, "streaming", sinks=2, window=6, budget=16)
+    ids = T.make_example(T.test_seed(0), L)["input_ids"]
+    with pytest.raises(ValueError, match="prompt must be an int"):
+        decode_predictions(model, ids, "streaming", 12, prompt=0)
+    with pytest.raises(ValueError, match="non-dense policy"):
+        decode_predictions(model, ids, "dense")
+    with pytest.raises(ValueError, match="kvpop-patched"):
+        decode_predictions(base, ids, "streaming")
+    with pytest.raises(ValueError, match="at least one example"):
+        decode_check(model, [], "streaming", 12)
