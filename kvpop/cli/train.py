@@ -54,7 +54,7 @@ _PATHS = ("data", "model")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvpop.core.config import MASK_SOURCES, SCORERS, TARGET_LSES, TARGET_SOURCES, KVpopConfig
+    from kvpop.core.config import LABELS, MASK_SOURCES, SCORERS, TARGET_LSES, TARGET_SOURCES, KVpopConfig
     from kvpop.core.dms import DMSConfig
     from kvpop.training.train import DIST_MODES
 
@@ -116,6 +116,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="near-tie discount of L_score, 1 - exp(-|margin| / tie_margin); 0 switches it off "
                          f"(default {d.tie_margin})")
     kv.add_argument("--eps", type=float, default=d.eps, help=f"epsilon of the target log(eps + m) (default {d.eps})")
+    kv.add_argument("--label", choices=LABELS, default=d.label,
+                    help="how the target pools the attention a token gets after leaving the window: mean (the "
+                         "method's), max (its strongest later reader), power (power mean, --label-power) "
+                         f"(default {d.label})")
+    kv.add_argument("--label-power", type=float, default=d.label_power,
+                    help=f"exponent a > 0 of --label power: (mean_u p^a)^(1/a) (default {d.label_power})")
+    kv.add_argument("--decay-nats", type=float, default=None,
+                    help="tie the decay range to the context: gamma_min = exp(-N / --seq-len), an age penalty of "
+                         "N nats over a training sequence at the range's lower end (kvpop.decay_range_for_context; "
+                         "replaces --gamma-min, and --gamma-init when 0.9999 falls outside)")
     kv.add_argument("--gamma-min", type=float, default=d.gamma_min,
                     help=f"lower end of the learned per-head decay (default {d.gamma_min})")
     kv.add_argument("--gamma-max", type=float, default=d.gamma_max,
@@ -185,6 +195,23 @@ def _check_args(args: argparse.Namespace) -> None:
             _fail(f"--model {d}: no such directory")
         if not (d / "config.json").is_file():
             _fail(f"--model {d}: not a model directory (no config.json)")
+
+
+def _decay_range(args: argparse.Namespace) -> dict[str, float]:
+    """``gamma_min/max/init`` of the run: the flags as given, or with ``--decay-nats`` the range tied to
+    ``--seq-len`` (an explicit ``--gamma-init`` is kept when it lies inside)."""
+    rng = {"gamma_min": args.gamma_min, "gamma_max": args.gamma_max, "gamma_init": args.gamma_init}
+    if args.decay_nats is None:
+        return rng
+    from kvpop.core.config import KVpopConfig, decay_range_for_context
+
+    if args.gamma_min != KVpopConfig().gamma_min:
+        raise ValueError(f"--decay-nats {args.decay_nats} sets gamma_min itself (exp(-N / --seq-len)); "
+                         f"leave out --gamma-min {args.gamma_min}, or --decay-nats")
+    tied = decay_range_for_context(args.seq_len, args.decay_nats, gamma_max=args.gamma_max)
+    if args.gamma_init != KVpopConfig().gamma_init and tied["gamma_min"] < args.gamma_init < tied["gamma_max"]:
+        tied["gamma_init"] = args.gamma_init
+    return tied
 
 
 def _setup_dist(args: argparse.Namespace):
@@ -323,8 +350,8 @@ def _run(args: argparse.Namespace) -> int:
                                  scorer_hidden=args.scorer_hidden, mlstm_dim=args.mlstm_dim,
                                  mask_source=args.mask_source, target_lse=args.target_lse, tau=args.tau,
                                  balance=not args.no_balance, target_source=args.target_source,
-                                 tie_margin=args.tie_margin, eps=args.eps, gamma_min=args.gamma_min,
-                                 gamma_max=args.gamma_max, gamma_init=args.gamma_init)
+                                 tie_margin=args.tie_margin, eps=args.eps, label=args.label,
+                                 label_power=args.label_power, **_decay_range(args))
         else:  # DMS: the budget and the scorer options do not apply
             kv_cfg = DMSConfig(sinks=args.sinks, window=args.window, tau=args.gate_tau, gate_offset=args.gate_offset,
                                target_keep=args.target_keep,

@@ -145,7 +145,7 @@ def train_scorer(base: nn.Module, scorer: str, *, label: str, power: float, gamm
         if step % eval_every == 0 or step == steps:
             acc = accuracy(base, model, valid)
             g = torch.cat([layer.gamma().detach() for layer in kvpop_layers(model)])
-            hist.append({"step": step, "loss": float(loss), "valid_accuracy": acc, "gamma_min": float(g.min()),
+            hist.append({"step": step, "loss": float(loss.detach()), "valid_accuracy": acc, "gamma_min": float(g.min()),
                          "gamma_max": float(g.max()), "wall_s": round(time.time() - t0, 1)})
             print(json.dumps({"scorer": scorer, **hist[-1]}), flush=True)
             if acc > best["accuracy"]:

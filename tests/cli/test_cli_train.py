@@ -142,6 +142,27 @@ def test_task_with_the_shipped_model_scorers_only(tmp_path, capsys):
     assert kvpop.get_config(m).budget == 24
 
 
+def test_label_and_context_decay_reach_the_config(tmp_path, capsys):
+    """--label, --label-power and --decay-nats (gamma_min = exp(-N / --seq-len)) end up in the scorers' config."""
+    import math
+
+    data = _write_ids(tmp_path / "tiny.jsonl")
+    out = tmp_path / "run"
+    assert main(["train", "--tiny", "--data", str(data), "--steps", "1", "--out", str(out), *FAST,
+                 "--label", "power", "--label-power", "3", "--decay-nats", "4"]) == 0
+    cfg = kvpop.read_scorer_config(out / "scorers.safetensors")
+    seq_len = FAST[FAST.index("--seq-len") + 1]
+    assert (cfg.label, cfg.label_power) == ("power", 3.0)
+    assert math.isclose(cfg.gamma_min, math.exp(-4 / int(seq_len))) and cfg.gamma_init == 0.9999
+    assert _err(tmp_path, "--tiny", "--data", str(data), "--label", "median") == "2"  # argparse's choices
+    assert "invalid choice: 'median'" in capsys.readouterr().err
+    assert "label_power must be a finite number > 0" in _err(tmp_path, "--tiny", "--data", str(data),
+                                                             "--label-power", "0")
+    assert "leave out --gamma-min" in _err(tmp_path, "--tiny", "--data", str(data), "--decay-nats", "4",
+                                           "--gamma-min", "0.99")
+    assert "gamma_min" in _err(tmp_path, "--tiny", "--data", str(data), "--decay-nats", "1e-9")
+
+
 def test_method_knobs_reach_the_config(tmp_path):
     """--tie-margin, --eps, the decay range and the target source end up in the trained scorers' config."""
     data = _write_ids(tmp_path / "tiny.jsonl")
