@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from kvpop.core.attention import set_teacher_targets, teacher_targets
+from kvpop.core.checkpoint import load_scorers, read_scorer_config, save_scorers
 from kvpop.core.config import KVpopConfig, decay_range_for_context
 from kvpop.core.layer import kvpop_layers
 from kvpop.core.loss import score_loss
@@ -169,14 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-test", type=int, default=64)
     p.add_argument("--stages", default="oracle,scorers,test")
     p.add_argument("--scorers", default="mlp,mlstm")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--patience", type=int, default=6)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--patience", type=int, default=100,
+                   help="stop after this many evaluations without a better validation accuracy (the best state is kept "
+                        "whatever; default 100: run every step)")
+    p.add_argument("--lr", type=float, default=3e-3, help="scorer lr (1e-2 was unstable, 1e-3 slow: RESULTS)")
+    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--span-nats", type=float, default=8.0,
                    help="age penalty over the training length at the decay's lower end (decay_range_for_context)")
     p.add_argument("--choice", default=None, help="LABEL:POWER:GAMMA: skip the oracle grid, use this cell")
+    p.add_argument("--save-dir", default=None, help="write each trained scorer's best state here (NAME.safetensors)")
+    p.add_argument("--load", action="append", default=[],
+                   help="SCORER=FILE: a scorer file saved by an earlier run, for the test stage")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from kvpop.demo.evaluate import load_base_model
@@ -221,15 +227,23 @@ def main(argv: list[str] | None = None) -> int:
                              **choice)
             trained[s] = r.pop("model")
             res["scorers"][s] = r
+            if args.save_dir:
+                Path(args.save_dir).mkdir(parents=True, exist_ok=True)
+                save_scorers(trained[s], Path(args.save_dir) / f"{s}.safetensors")
             save()
+    for spec in args.load:
+        s, _, path = spec.partition("=")
+        m = copy.deepcopy(base)
+        patch(m, read_scorer_config(path))
+        load_scorers(m, path)
+        trained[s] = m
     if "test" in stages:
         test = T.make_batch([T.test_seed(i) for i in range(args.n_test)], T.TRAIN_LEN)
         rows = {}
         t0 = time.time()
-        for name, (lab, pw) in {"oracle (chosen label)": (choice["label"], choice["power"]),
-                                "oracle (mean label)": ("mean", 1.0)}.items():
+        for lab, pw in LABEL_GRID:  # the oracle of every label at the chosen decay
             m = patch(copy.deepcopy(base), oracle_config(lab, pw, choice["gamma"], args.budget))
-            rows[name] = accuracy(base, m, test)
+            rows[f"oracle ({lab} label{'' if lab != 'power' else f', a={pw:g}'})"] = accuracy(base, m, test)
         for s, m in trained.items():
             rows[f"kvpop-{s} (scorer-only, {choice['label']} label)"] = accuracy(base, m, test)
         rows["dense"] = _dense_accuracy(base, test)

@@ -1,0 +1,51 @@
+"""kvpop.demo.label_study: the oracle's fixed decay, the oracle without eviction equals dense, a scorer run."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import kvpop
+from kvpop.demo import label_study as L
+from kvpop.demo import lookahead_task as T
+from kvpop.demo.evaluate import load_base_model
+
+
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def base():
+    m = load_base_model(T.SHIPPED_MODEL)
+    m.requires_grad_(False)
+    return m
+
+
+def test_fixed_decay_is_the_layers_decay(base):
+    for g in (0.99, 0.999999):
+        m = kvpop.patch(kvpop.make_teacher(base), L.oracle_config("max", 1.0, g, 64))
+        got = torch.cat([lay.gamma().detach() for lay in kvpop.kvpop_layers(m)]).double()
+        assert torch.allclose(got, torch.full_like(got, g), rtol=0, atol=1e-7), got
+    with pytest.raises(ValueError, match="gamma"):
+        L.fixed_decay(1.0)
+
+
+def test_oracle_without_eviction_is_dense_and_with_eviction_differs(base):
+    batch = T.make_batch([T.valid_seed(i) for i in range(2)], T.TRAIN_LEN)
+    dense = L._dense_accuracy(base, batch)
+    m = kvpop.patch(kvpop.make_teacher(base), L.oracle_config("power", 4.0, 0.999, T.TRAIN_LEN))
+    assert L.accuracy(base, m, batch) == dense == 1.0
+    m = kvpop.patch(kvpop.make_teacher(base), L.oracle_config("mean", 1.0, 0.99, 64))
+    assert L.accuracy(base, m, batch) < 0.9  # the seed's label at a strong decay loses facts (issue 22's table)
+
+
+def test_train_scorer_keeps_the_best_validation_state(base):
+    valid = T.make_batch([T.valid_seed(0)], T.TRAIN_LEN)
+    r = L.train_scorer(base, "mlp", label="max", power=1.0, gamma=0.9999, budget=64, valid=valid, steps=3,
+                       eval_every=1, patience=5, lr=1e-2, span_nats=8.0, batch=1)
+    assert [h["step"] for h in r["history"]] == [1, 2, 3]
+    best = max(r["history"], key=lambda h: h["valid_accuracy"])
+    assert r["best_valid"] == best["valid_accuracy"] and r["best_step"] == best["step"]
+    assert L.accuracy(base, r["model"], valid) == r["best_valid"]  # the model holds the best state
+    assert r["config"]["label"] == "max" and r["config"]["gamma_min"] < 0.985  # the context-tied range (8 nats)
