@@ -22,15 +22,19 @@ class ScorerHooks:
 
     * ``prompt(module, cache_layer, key, value) -> [N, Hkv, S]``: ``r_hat - t log(gamma)`` of the whole
       prompt, exactly as in a full-sequence forward.  The mLSTM scorer also leaves in
-      ``cache_layer.scorer_state`` the tuple ``(C, n, m, k_ring)``: its recurrent state after the prompt
-      and a ring ``[N, Hkv, w, D]`` of the pre-RoPE keys of the last ``w`` tokens (token ``t`` at
-      ``t % w``), which it needs to score a token when it leaves the window.
+      ``cache_layer.scorer_state`` its decoding state (``MLSTMScorer.decode_state``: the state at the
+      start of the chunk the next token falls in and that chunk's features so far) followed by a ring
+      ``[N, Hkv, w, D]`` of the pre-RoPE keys of the last ``w`` tokens (token ``t`` at ``t % w``),
+      which it needs to score a token when it leaves the window.
     * ``token(module, cache_layer, key_new, value_new, pos, i) -> [N, Hkv]`` (MLP scorer): the priority
       of the new token, known at entry.
     * ``leaving(module, cache_layer, key_new, value_new, pos, i) -> [N, Hkv]`` (mLSTM scorer): absorbs
       the new token into the state, then scores ``t = pos - w`` (value read from the cache's window
-      slot, pre-RoPE key from the ring): the state has then absorbed exactly the tokens up to
-      ``t + w``, as in training.  The state is updated in place (its storage never changes).
+      slot, pre-RoPE key from the ring) by ``MLSTMScorer.decode_leaving``: the read-out has then seen
+      exactly the tokens up to ``t + w``, through the training's own chunk function, so the priority
+      has the bits of a full-sequence forward.  The state is updated in place (its storage never changes).
+
+    Every priority comes from ``kvpop.core.priority.priority`` (docs/DESIGN.md 2.4 and 7).
     * ``rows(idx, start)``: the hooks of rows ``idx`` and columns ``start:`` (a padded prompt's group).
     """
 
@@ -53,13 +57,13 @@ class ScorerHooks:
         layer = self.layer
         with torch.no_grad():
             if getattr(layer.scorer, "lookahead_uses_window", False):
-                r, (C, n, m) = layer.scorer(self.k_pre, value, return_state=True)
+                r, state = layer.scorer(self.k_pre, value, return_state=True)
                 S, w = value.shape[2], layer.config.window
                 ring = torch.zeros(value.shape[0], value.shape[1], w, value.shape[3], dtype=self.k_pre.dtype,
                                    device=value.device)
                 t = torch.arange(max(0, S - w), S, device=value.device)
                 ring[:, :, t % w] = self.k_pre[:, :, t]
-                cache_layer.scorer_state = (C, n, m, ring)
+                cache_layer.scorer_state = (*state, ring)
             else:
                 r = layer.scorer(self.k_pre, value)
             return priority(r, torch.arange(r.shape[-1], device=r.device), layer.log_gamma())
@@ -78,21 +82,15 @@ class ScorerHooks:
         w = layer.config.window
         N, hkv, D = value_new.shape
         with torch.no_grad():
-            if cache_layer.scorer_state is None:  # decoding from an empty cache (no prompt pass)
-                C, n, m = sc.init_state(N, value_new.device)
-                ring = torch.zeros(N, hkv, w, D, dtype=self._k_pre_at(i).dtype, device=value_new.device)
-                cache_layer.scorer_state = (C, n, m, ring)
-            C, n, m, ring = cache_layer.scorer_state
             kp = self._k_pre_at(i)
-            C_new, n_new, m_new = sc.step((C, n, m), kp, value_new)
-            C.copy_(C_new)
-            n.copy_(n_new)
-            m.copy_(m_new)
+            if cache_layer.scorer_state is None:  # decoding from an empty cache (no prompt pass)
+                ring = torch.zeros(N, hkv, w, D, dtype=kp.dtype, device=value_new.device)
+                cache_layer.scorer_state = (*sc.decode_state(N, value_new.device), ring)
+            *state, ring = cache_layer.scorer_state
             t = (pos - w).clamp_min(0)  # rows with pos < w: a score nobody reads (the step ignores it)
             slot = cache_layer.slot_of(t)[:, None, None, None].expand(N, hkv, 1, D)
             v_t = cache_layer.values.gather(2, slot).squeeze(2)
             k_t = ring.gather(2, (t % w)[:, None, None, None].expand(N, hkv, 1, D)).squeeze(2)
-            r = sc.score_token((C, n, m), k_t.to(kp.dtype), v_t)
-            out = priority(r, t, layer.log_gamma())
+            r = sc.decode_leaving(tuple(state), kp, value_new, pos, k_t.to(kp.dtype), v_t)
             ring.scatter_(2, (pos % w)[:, None, None, None].expand(N, hkv, 1, D), kp.to(ring.dtype).unsqueeze(2))
-            return out
+            return priority(r, t, layer.log_gamma())

@@ -47,14 +47,14 @@ def priority(r: torch.Tensor, t: torch.Tensor, log_gamma: torch.Tensor) -> torch
 
 def to_rows(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """``x [B, H, ..., F]`` -> ``(rows [H, M', F], back)``: one row per token and head, ``M'`` the
-    ``M = B * prod(...)`` tokens padded with zero rows to a multiple of :data:`ROW_BLOCK` (at least one
-    block); ``back(y [H, M', *G]) -> [B, H, ..., *G]`` drops the padding and restores the layout."""
+    ``M = B * prod(...)`` tokens padded with zero rows to a multiple of :data:`ROW_BLOCK`; ``back(y [H, M', *G])
+    -> [B, H, ..., *G]`` drops the padding and restores the layout."""
     B, H, F_ = x.shape[0], x.shape[1], x.shape[-1]
     mid = tuple(x.shape[2:-1])
     rows = x.reshape(B, H, -1, F_).transpose(0, 1).reshape(H, -1, F_)
     M = rows.shape[1]
-    pad = max(ROW_BLOCK, -(-M // ROW_BLOCK) * ROW_BLOCK) - M
-    rows = F.pad(rows, (0, 0, 0, pad))
+    pad = -M % ROW_BLOCK  # one token: a whole block
+    rows = F.pad(rows, (0, 0, 0, pad)).contiguous()
 
     def back(y: torch.Tensor) -> torch.Tensor:
         g = tuple(y.shape[2:])

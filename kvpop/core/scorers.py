@@ -1,8 +1,10 @@
 """The two KVpop scorers: ``MLPScorer`` and ``MLSTMScorer`` (one module per layer, batched over KV heads).
 
 Both map a layer's pre-RoPE keys and values to a raw score ``r_hat [B, Hkv, S]`` (float32).  The
-mLSTM has a chunkwise-parallel form for training (:meth:`MLSTMScorer.forward`) and a recurrent one for
-decoding (:meth:`~MLSTMScorer.init_state`, :meth:`~MLSTMScorer.step`, :meth:`~MLSTMScorer.score_token`).
+mLSTM has a chunkwise-parallel form for training (:meth:`MLSTMScorer.forward`); decoding runs the same
+chunk function (:meth:`~MLSTMScorer.decode_state`, :meth:`~MLSTMScorer.decode_leaving`), so a token's
+decode-time score has the training forward's bits; the recurrent form (:meth:`~MLSTMScorer.init_state`,
+:meth:`~MLSTMScorer.step`, :meth:`~MLSTMScorer.score_token`) agrees with it to rounding only.
 The formulas, the inputs and the timing: docs/DESIGN.md section 3 ("Scorers") and section 7.
 """
 from __future__ import annotations
@@ -139,16 +141,16 @@ class MLSTMScorer(nn.Module):
 
     # ---------------------------------------------------------------- shared pieces
     def _proj(self, x: torch.Tensor):
-        """Per-token features: ``qf, kf, vf [..., d]``, input-gate pre-activation ``ig`` and ``log f``."""
-        eq = "bhsi,hio->bhso" if x.dim() == 4 else "bhi,hio->bho"
-        eg = "bhsi,hi->bhs" if x.dim() == 4 else "bhi,hi->bh"
-        ex = (slice(None), slice(None)) + ((None,) if x.dim() == 4 else ())
-        qf = torch.einsum(eq, x, self.wq.float())
-        kf = torch.einsum(eq, x, self.wk.float()) / math.sqrt(self.dim)
-        vf = torch.einsum(eq, x, self.wv.float())
-        ig = torch.einsum(eg, x, self.wi.float()) + self.bi.float()[(None,) + ex[1:]]
-        lf = F.logsigmoid(torch.einsum(eg, x, self.wf.float()) + self.bf.float()[(None,) + ex[1:]])
-        return qf, kf, vf, ig, lf
+        """Per-token features of ``x [B, H, ..., I]``: ``qf, kf, vf [B, H, ..., d]``, the input-gate
+        pre-activation ``ig`` and ``log f`` ``[B, H, ...]``.  Computed on rows (``kvpop.core.priority``):
+        a token's features have the same bits whether it is projected alone or with a whole sequence."""
+        rows, back = to_rows(x)
+        d = self.dim
+        qkv = head_linear(rows, torch.cat([self.wq, self.wk, self.wv], dim=-1).float())
+        qf, kf, vf = qkv[..., :d], qkv[..., d:2 * d] / math.sqrt(d), qkv[..., 2 * d:]
+        ig = (rows * self.wi.float()[:, None, :]).sum(-1) + self.bi.float()[:, None]
+        lf = F.logsigmoid((rows * self.wf.float()[:, None, :]).sum(-1) + self.bf.float()[:, None])
+        return back(qf), back(kf), back(vf), back(ig), back(lf)
 
     @staticmethod
     def _read(C: torch.Tensor, n: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -166,13 +168,13 @@ class MLSTMScorer(nn.Module):
     def forward(self, k_pre: torch.Tensor, v: torch.Tensor, *, return_state: bool = False):
         """Raw scores ``r_hat [B, Hkv, S]`` float32 from ``k_pre, v [B, Hkv, S, D]`` (chunkwise-parallel).
 
-        With ``return_state=True`` returns ``(r_hat, state)``, ``state`` the recurrent state after the
-        last token (as :meth:`step` would leave it), to continue decoding after a prefill.
+        With ``return_state=True`` returns ``(r_hat, state)``, ``state`` the decoding state after the
+        last token (:meth:`decode_state`'s layout), to continue decoding after a prefill.
         """
         _check_inputs("MLSTMScorer", k_pre, v, self.num_kv_heads, self.head_dim)
         if k_pre.dim() != 4:
             raise ValueError(f"MLSTMScorer.forward takes [B, Hkv, S, D], got {tuple(k_pre.shape)}; "
-                             f"use step/score_token to decode")
+                             f"use decode_state/decode_leaving to decode")
         x = scorer_features(k_pre, v)
         B, H, S, _ = x.shape
         w = self.window
@@ -181,48 +183,127 @@ class MLSTMScorer(nn.Module):
         q_shift = torch.zeros_like(qf)
         if S > w:
             q_shift[:, :, w:] = qf[:, :, : S - w]
-        h_shift, (C, n, m) = self._chunkwise(q_shift, kf, vf, ig, lf)
+        h_shift, (C, n, m), start = self._chunkwise(q_shift, kf, vf, ig, lf)
         h = torch.empty_like(h_shift)
         if S > w:
             h[:, :, : S - w] = h_shift[:, :, w:]
         tail = max(0, S - w)  # tokens still in the window at the end read the last state
         h[:, :, tail:] = self._read(C, n, m, qf[:, :, tail:])
         r = self.out(torch.cat([x, h], dim=-1))
-        return (r, (C, n, m)) if return_state else r
+        if not return_state:
+            return r
+        # decoding continues in the chunk of position S: its start state and the features it holds so far
+        c0 = (S // self.chunk) * self.chunk
+        state = self.decode_state(B, x.device)
+        for buf, st in zip(state[:3], start):
+            buf.copy_(st)
+        for buf, f in zip(state[3:], (kf, vf, ig, lf)):
+            buf[:, :, : S - c0] = f[:, :, c0:S]
+        return r, state
+
+    def _chunk(self, q, kf, vf, ig, lf, C, n, m):
+        """One chunk of exactly ``self.chunk`` positions (padding: zero features, ``ig = -inf``,
+        ``log f = 0``): the read-outs ``h [B,H,L,d]`` of its queries ``q`` and the state after it.
+        Training runs it chunk by chunk; decoding runs it at every step on the chunk it is filling, so
+        the read-out of a position has the same bits in both (same shapes, same op order)."""
+        L = self.chunk
+        dev = kf.device
+        # one memory layout on every path (a matrix product's summation order may depend on the strides)
+        q, kf, vf, ig, lf, C, n, m = (t.contiguous() for t in (q, kf, vf, ig, lf, C, n, m))
+        Fc = torch.cumsum(lf, dim=-1)
+        causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+        logD = Fc[..., :, None] - Fc[..., None, :] + ig[..., None, :]
+        logD = logD.masked_fill(~causal, float("-inf"))
+        inter = Fc + m[..., None]  # log weight of the carried state at each position
+        ma = torch.maximum(inter, logD.amax(-1)).detach()
+        D = torch.exp(logD - ma[..., None])
+        wi = torch.exp(inter - ma)
+        s = torch.einsum("bhak,bhjk->bhaj", q, kf) * D
+        num = torch.einsum("bhaj,bhjv->bhav", s, vf) + wi[..., None] * torch.einsum("bhak,bhkv->bhav", q, C)
+        # a product and a sum, not a matrix-vector einsum (its summation order changed with the batch size)
+        den = s.sum(-1) + wi * (q * n[..., None, :]).sum(-1)
+        h = num / torch.maximum(den.abs(), torch.exp(-ma))[..., None]
+        m_new = ma[..., -1]
+        wj = torch.exp(Fc[..., -1:] - Fc + ig - m_new[..., None])  # [B,H,L]; 0 at padding
+        carry = torch.exp(Fc[..., -1] + m - m_new)  # 0 on the first chunk (m = -inf)
+        C = carry[..., None, None] * C + torch.einsum("bhjk,bhjv->bhkv", kf * wj[..., None], vf)
+        n = carry[..., None] * n + torch.einsum("bhjk,bhj->bhk", kf, wj)
+        return h, (C, n, m_new)
 
     def _chunkwise(self, q, kf, vf, ig, lf):
+        """All chunks of a sequence: ``(h [B,H,S,d], state after the last token, state at the start of
+        the chunk that position S falls in)``."""
         B, H, S, d = kf.shape
+        L = self.chunk
+        pad = -S % L
+        if pad:
+            q, kf, vf = (F.pad(t, (0, 0, 0, pad)) for t in (q, kf, vf))
+            ig, lf = F.pad(ig, (0, pad), value=float("-inf")), F.pad(lf, (0, pad))
         dev = kf.device
         C = torch.zeros(B, H, d, d, device=dev)
         n = torch.zeros(B, H, d, device=dev)
         m = torch.full((B, H), float("-inf"), device=dev)
+        start = (C, n, m)
         outs = []
-        for c0 in range(0, S, self.chunk):
-            c1 = min(S, c0 + self.chunk)
-            L = c1 - c0
-            qc, kc, vc = q[:, :, c0:c1], kf[:, :, c0:c1], vf[:, :, c0:c1]
-            igc, Fc = ig[:, :, c0:c1], torch.cumsum(lf[:, :, c0:c1], dim=-1)
-            causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-            logD = Fc[..., :, None] - Fc[..., None, :] + igc[..., None, :]
-            logD = logD.masked_fill(~causal, float("-inf"))
-            inter = Fc + m[..., None]  # log weight of the carried state at each position
-            ma = torch.maximum(inter, logD.amax(-1)).detach()
-            D = torch.exp(logD - ma[..., None])
-            wi = torch.exp(inter - ma)
-            s = torch.einsum("bhak,bhjk->bhaj", qc, kc) * D
-            num = torch.einsum("bhaj,bhjv->bhav", s, vc) + wi[..., None] * torch.einsum("bhak,bhkv->bhav", qc, C)
-            den = s.sum(-1) + wi * torch.einsum("bhak,bhk->bha", qc, n)
-            outs.append(num / torch.maximum(den.abs(), torch.exp(-ma))[..., None])
-            m_new = ma[..., -1]
-            wj = torch.exp(Fc[..., -1:] - Fc + igc - m_new[..., None])  # [B,H,L]
-            carry = torch.exp(Fc[..., -1] + m - m_new)  # 0 on the first chunk (m = -inf)
-            C = carry[..., None, None] * C + torch.einsum("bhjk,bhjv->bhkv", kc * wj[..., None], vc)
-            n = carry[..., None] * n + (kc * wj[..., None]).sum(2)
-            m = m_new
-        h = torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, 0, d)
-        return h, (C, n, m)
+        for c0 in range(0, S, L):
+            c1 = c0 + L
+            if c1 > S:
+                start = (C, n, m)
+            h, (C, n, m) = self._chunk(q[:, :, c0:c1], kf[:, :, c0:c1], vf[:, :, c0:c1], ig[:, :, c0:c1],
+                                       lf[:, :, c0:c1], C, n, m)
+            outs.append(h)
+        if S % L == 0:
+            start = (C, n, m)
+        h = torch.cat(outs, dim=2)[:, :, :S] if outs else q.new_zeros(B, H, 0, d)
+        return h, (C, n, m), start
 
-    # ---------------------------------------------------------------- decoding (recurrent)
+    # ---------------------------------------------------------------- decoding (the training chunks)
+    def decode_state(self, batch: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        """Empty decoding state: ``(C [B,H,d,d], n [B,H,d], m [B,H])`` at the start of the chunk being
+        filled, and that chunk's features so far ``kf, vf [B,H,L,d]``, ``ig, log f [B,H,L]`` (padding:
+        zeros, ``ig = -inf``)."""
+        H, d, L = self.num_kv_heads, self.dim, self.chunk
+        return (torch.zeros(batch, H, d, d, device=device), torch.zeros(batch, H, d, device=device),
+                torch.full((batch, H), float("-inf"), device=device),
+                torch.zeros(batch, H, L, d, device=device), torch.zeros(batch, H, L, d, device=device),
+                torch.full((batch, H, L), float("-inf"), device=device), torch.zeros(batch, H, L, device=device))
+
+    @float32_scoring
+    def decode_leaving(self, state: tuple[torch.Tensor, ...], k_new: torch.Tensor, v_new: torch.Tensor,
+                       pos: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor) -> torch.Tensor:
+        """One decoding step of every row: absorb the token at ``pos [B]`` (``k_new, v_new [B,Hkv,D]``),
+        then score the token ``t = pos - w`` (``k_t, v_t``) from the read-out at ``pos``: ``[B, Hkv]``.
+
+        The read-out runs the training's chunk function (:meth:`_chunk`) on the chunk ``pos`` falls in,
+        so the score has the bits a full-sequence forward gives ``t``.  ``state`` (:meth:`decode_state`)
+        is updated in place; nothing is read back to the host (rows may sit at different positions).
+        """
+        C, n, m, kb, vb, ib, lb = state
+        L = self.chunk
+        B, H = k_new.shape[:2]
+        _, kf, vf, ig, lf = self._proj(scorer_features(k_new, v_new))
+        j = (pos % L)[:, None, None]  # [B,1,1]: the new token's place in its chunk
+        onehot = torch.arange(L, device=pos.device)[None, None, :] == j  # [B,1,L]
+        kb.copy_(torch.where(onehot[..., None], kf[:, :, None], kb))
+        vb.copy_(torch.where(onehot[..., None], vf[:, :, None], vb))
+        ib.copy_(torch.where(onehot, ig[..., None], ib))
+        lb.copy_(torch.where(onehot, lf[..., None], lb))
+        x_t = scorer_features(k_t, v_t)
+        qf, *_ = self._proj(x_t)
+        q = torch.where(onehot[..., None], qf[:, :, None], torch.zeros_like(kb))
+        h, (C2, n2, m2) = self._chunk(q, kb, vb, ib, lb, C, n, m)
+        h_t = h.gather(2, j[..., None].expand(B, H, 1, h.shape[-1])).squeeze(2)  # the new token's row
+        done = (pos % L == L - 1)[:, None]  # chunks completed at this step carry their state on
+        C.copy_(torch.where(done[..., None, None], C2, C))
+        n.copy_(torch.where(done[..., None], n2, n))
+        m.copy_(torch.where(done, m2, m))
+        kb.masked_fill_(done[..., None, None], 0.0)
+        vb.masked_fill_(done[..., None, None], 0.0)
+        ib.masked_fill_(done[..., None], float("-inf"))
+        lb.masked_fill_(done[..., None], 0.0)
+        return self.out(torch.cat([x_t, h_t], dim=-1))
+
+    # ---------------------------------------------------------------- the recurrent form
     def init_state(self, batch: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Empty state ``(C [B,Hkv,d,d], n [B,Hkv,d], m [B,Hkv])`` float32 (``m = -inf``)."""
         H, d = self.num_kv_heads, self.dim

@@ -9,6 +9,7 @@ from kvpop import kvpop_layers
 from kvpop.core.priority import ROW_BLOCK, head_linear, priority, to_rows
 from kvpop.core.scorers import MLPScorer, MLSTMScorer
 from kvpop.models import cache_kwarg_name
+from kvpop_kernels import eviction_schedule
 
 CACHE = cache_kwarg_name()
 
@@ -113,10 +114,82 @@ def _kept(evict_at, q, sinks, window):
     return [{t for t in range(sinks, q - window + 1) if int(ev[t]) > q} for ev in evict_at]
 
 
-def _generate_checked(m, prompts, new, cfg):
-    """Greedy decoding of left-padded ``prompts`` through one KVpopCache; after every step, each row's
-    long-range slots must hold exactly what the schedule of that row's teacher-forced forward keeps.
-    Returns (generated rows, cache logits per row, teacher-forced logits per row)."""
+class _Recorder:
+    """Records what the cache's scorer hooks are given (the pre-RoPE keys and values of every prompt
+    group and decode step, per layer) and what they return, to re-score each row's whole sequence."""
+
+    def __init__(self, monkeypatch):
+        from kvpop.core.hooks import ScorerHooks
+
+        self.prompts, self.steps = [], []
+        rows, prompt, leaving, token = ScorerHooks.rows, ScorerHooks.prompt, ScorerHooks._leaving, ScorerHooks._token
+        rec = self
+
+        def rows_(hooks, idx, start):
+            sub = rows(hooks, idx, start)
+            sub.rec_idx = idx.tolist()
+            return sub
+
+        def prompt_(hooks, module, layer, key, value):
+            rec.prompts.append((hooks.layer.layer_idx, getattr(hooks, "rec_idx", None), hooks.k_pre.clone(),
+                                value.clone()))
+            return prompt(hooks, module, layer, key, value)
+
+        def step(fn):
+            def f(hooks, module, layer, key_new, value_new, pos, i):
+                out = fn(hooks, module, layer, key_new, value_new, pos, i)
+                rec.steps.append((hooks.layer.layer_idx, hooks._k_pre_at(i).clone(), value_new.clone(), pos.clone(),
+                                  out.clone()))
+                return out
+            return f
+
+        monkeypatch.setattr(ScorerHooks, "rows", rows_)
+        monkeypatch.setattr(ScorerHooks, "prompt", prompt_)
+        monkeypatch.setattr(ScorerHooks, "_leaving", step(leaving))
+        monkeypatch.setattr(ScorerHooks, "_token", step(token))
+
+    def check(self, m, n_rows, kept_steps, prompt_lens):
+        """Per row and layer: the scorer over the row's whole sequence, as the cache saw it, gives the
+        bits of every priority the decode hooks returned, and the schedule of those priorities keeps,
+        at every step, the tokens the cache's long-range slots hold.  Returns the priorities checked."""
+        cfg = m.kvpop_config
+        s, w = cfg.sinks, cfg.window
+        checked = 0
+        for li, layer in enumerate(kvpop_layers(m)):
+            recurrent = getattr(layer.scorer, "lookahead_uses_window", False)
+            for n in range(n_rows):
+                k_parts, v_parts = [], []
+                for lj, idx, kp, v in self.prompts:
+                    if lj == layer.layer_idx and (idx is None or n in idx):
+                        j = n if idx is None else idx.index(n)
+                        L = prompt_lens[n]
+                        k_parts.append(kp[j:j + 1, :, kp.shape[2] - L:])
+                        v_parts.append(v[j:j + 1, :, v.shape[2] - L:])
+                steps = [st for st in self.steps if st[0] == layer.layer_idx]
+                k_all = torch.cat(k_parts + [kp[n:n + 1, :, None] for _, kp, _, _, _ in steps], 2)
+                v_all = torch.cat(v_parts + [v[n:n + 1, :, None] for _, _, v, _, _ in steps], 2)
+                with torch.no_grad():
+                    r = layer.scorer(k_all, v_all)
+                p = priority(r, torch.arange(r.shape[-1]), layer.log_gamma())
+                for _, _, _, pos, out in steps:
+                    t = int(pos[n]) - (w if recurrent else 0)
+                    if t >= s:
+                        assert torch.equal(out[n], p[0, :, t]), f"row {n} layer {li} token {t}"
+                        checked += 1
+                ev = eviction_schedule(p, sinks=s, window=w, k=cfg.k)[0]
+                for j, per_layer in enumerate(kept_steps):
+                    q = prompt_lens[n] + j
+                    assert per_layer[li][n] == _kept(ev, q, s, w), (
+                        f"row {n} layer {li} q={q}: the cache keeps {per_layer[li][n]}, the schedule of its own "
+                        f"keys and values {_kept(ev, q, s, w)}")
+        return checked
+
+
+def _generate_checked(m, prompts, new, cfg, teacher_forced=True):
+    """Greedy decoding of left-padded ``prompts`` through one KVpopCache.  With ``teacher_forced``,
+    after every step each row's long-range slots must hold exactly what the schedule of that row's
+    teacher-forced forward keeps.  Returns (generated rows, cache logits per row, teacher-forced logits
+    per row, the cache's long-range sets after every step [step][layer][row][head])."""
     s, w = cfg.sinks, cfg.window
     N, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(N, L, dtype=torch.long)
@@ -145,6 +218,8 @@ def _generate_checked(m, prompts, new, cfg):
         full = []
         for n in range(N):
             full.append(m(torch.tensor([seqs[n]])).logits[0])
+            if not teacher_forced:
+                continue
             evs = [layer.last_evict_at[0] for layer in kvpop_layers(m)]
             for j, per_layer in enumerate(steps):
                 q = len(prompts[n]) + j
@@ -152,7 +227,7 @@ def _generate_checked(m, prompts, new, cfg):
                     assert per_layer[li][n] == _kept(ev, q, s, w), (f"row {n} layer {li} step q={q}: the cache keeps "
                                                                     f"{per_layer[li][n]}, the schedule "
                                                                     f"{_kept(ev, q, s, w)}")
-    return seqs, [torch.cat(x) for x in logits], full
+    return seqs, [torch.cat(x) for x in logits], full, steps
 
 
 def test_review_counterexample_decode_keeps_what_the_schedule_keeps():
@@ -168,7 +243,7 @@ def test_review_counterexample_decode_keeps_what_the_schedule_keeps():
         m(prompt[None])
     p = kvpop_layers(m)[0].last_priority[0, 0]
     assert float(p.abs().max()) > 100 and float((p.max() - p.min()) / p.abs().max()) < 1e-3
-    seqs, dec, full = _generate_checked(m, [prompt], 40, cfg)
+    seqs, dec, full, _ = _generate_checked(m, [prompt], 40, cfg)
     torch.testing.assert_close(dec[0], full[0], atol=1e-5, rtol=1e-5)
     assert torch.equal(dec[0].argmax(-1), full[0].argmax(-1))
 
@@ -191,9 +266,9 @@ def test_near_tie_search_batched_and_single_rows(case):
     g = torch.Generator().manual_seed(case["seed"])
     prompts = [torch.randint(1, 128, (L,), generator=g) for L in (30, 11, 23)]
     cfg = m.kvpop_config
-    batched, dec_b, full = _generate_checked(m, prompts, 25, cfg)
+    batched, dec_b, full, _ = _generate_checked(m, prompts, 25, cfg)
     for n, p in enumerate(prompts):
-        alone, dec_1, _ = _generate_checked(m, [p], 25, cfg)
+        alone, dec_1, _, _ = _generate_checked(m, [p], 25, cfg)
         assert alone[0] == batched[n]
         torch.testing.assert_close(dec_b[n], full[n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(dec_1[0], full[n], atol=1e-5, rtol=1e-5)
@@ -206,6 +281,59 @@ def test_near_tie_search_through_the_interpreter():
     m = _model(**case)
     g = torch.Generator().manual_seed(case["seed"])
     prompts = [torch.randint(1, 128, (L,), generator=g) for L in (20, 13)]
-    batched, dec_b, full = _generate_checked(m, prompts, 12, m.kvpop_config)
+    batched, dec_b, full, _ = _generate_checked(m, prompts, 12, m.kvpop_config)
     for n in range(len(prompts)):
         torch.testing.assert_close(dec_b[n], full[n], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the mLSTM scorer
+@pytest.mark.parametrize("chunk,dim", [(128, 64), (16, 64), (10, 16), (5, 64), (7, 8)])
+def test_mlstm_decoding_gives_the_bits_of_the_full_sequence_forward(chunk, dim):
+    """The mLSTM decodes through the training's chunk function (not the recurrent step, which agrees
+    only to rounding): rows prefilled with different prompts (or none) and decoded together at their
+    own positions; each token's score when it leaves the window has the bits the chunkwise forward of
+    its row alone gives it, across chunk boundaries."""
+    g = torch.Generator().manual_seed(chunk * 1000 + dim)
+    H, D, w, S = 2, 24, 8, 60
+    prefixes = [21, 0, 33, 9]
+    B = len(prefixes)
+    torch.manual_seed(chunk)
+    sc = MLSTMScorer(H, D, w, dim=dim, hidden=24, chunk=chunk)
+    k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
+    with torch.no_grad():
+        full = torch.cat([sc(k[b:b + 1], v[b:b + 1]) for b in range(B)])
+        states = [sc(k[b:b + 1, :, :P], v[b:b + 1, :, :P], return_state=True)[1] if P else sc.decode_state(1, "cpu")
+                  for b, P in enumerate(prefixes)]
+        st = tuple(torch.cat(x) for x in zip(*states))
+        pos, rows, checked = torch.tensor(prefixes), torch.arange(B), 0
+        for _ in range(S - max(prefixes)):
+            t = (pos - w).clamp_min(0)
+            r = sc.decode_leaving(st, k[rows, :, pos], v[rows, :, pos], pos, k[rows, :, t], v[rows, :, t])
+            for b in range(B):
+                if pos[b] >= w:
+                    assert torch.equal(r[b], full[b, :, t[b]]), (b, int(t[b]))
+                    checked += 1
+            pos = pos + 1
+    assert checked > 80
+
+
+@pytest.mark.parametrize("scorer", ["mlstm", "mlp"])
+@pytest.mark.parametrize("case", [dict(s1=1.0, b1=0.0, s2=1.0, seed=1), dict(s1=0.1, b1=5.0, s2=10.0, seed=2)])
+def test_cache_decoding_keeps_what_the_schedule_of_its_own_keys_keeps(scorer, case, monkeypatch):
+    """Any scorer (the mLSTM with chunks of 8, so decoding crosses chunk boundaries), a left-padded
+    batch: every priority the cache's hooks return has the bits the full-sequence scorer call gives
+    the same token, and the long-range slots hold, at every step, what the schedule keeps.  The
+    reference is the row's sequence of pre-RoPE keys and values as the cache saw them: the model's own
+    layers round differently with a prompt's shapes than with one token's (its logits agree to ~1e-7),
+    which is outside the priority computation."""
+    m = _model(scorer, **case)
+    if scorer == "mlstm":
+        for layer in kvpop_layers(m):
+            layer.scorer.chunk = 8
+    rec = _Recorder(monkeypatch)
+    g = torch.Generator().manual_seed(case["seed"])
+    prompts = [torch.randint(1, 128, (L,), generator=g) for L in (21, 9, 30, 9)]
+    seqs, dec, full, steps = _generate_checked(m, prompts, 20, m.kvpop_config, teacher_forced=False)
+    assert rec.check(m, len(prompts), steps, [len(p) for p in prompts]) > 120
+    for n in range(len(prompts)):
+        torch.testing.assert_close(dec[n], full[n], atol=1e-4, rtol=1e-4)
