@@ -258,11 +258,16 @@ def _near_tie_cases(n, seed):
                    seed=int(torch.randint(0, 2 ** 31, (), generator=g)))
 
 
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
 @pytest.mark.parametrize("case", list(_near_tie_cases(4, seed=21)))
-def test_near_tie_search_batched_and_single_rows(case):
-    """Seeded search over skewed MLP scorers (near-ties at every rounding level): a left-padded batch
-    of mixed lengths and each row alone keep, at every step, what each row's schedule keeps."""
-    m = _model(**case)
+def test_near_tie_search_batched_and_single_rows(case, scorer):
+    """Seeded search over skewed scorers (the MLP, or the mLSTM's output network, with chunks of 8:
+    near-ties at every rounding level): a left-padded batch of mixed lengths and each row alone keep,
+    at every step, what each row's schedule keeps."""
+    m = _model(scorer, **case)
+    if scorer == "mlstm":
+        for layer in kvpop_layers(m):
+            layer.scorer.chunk = 8
     g = torch.Generator().manual_seed(case["seed"])
     prompts = [torch.randint(1, 128, (L,), generator=g) for L in (30, 11, 23)]
     cfg = m.kvpop_config
@@ -293,6 +298,30 @@ def test_near_tie_search_through_the_interpreter(scorer, monkeypatch):
     assert rec.check(m, len(prompts), steps, [len(p) for p in prompts]) > 30
     for n in range(len(prompts)):
         torch.testing.assert_close(dec_b[n], full[n], atol=1e-4, rtol=1e-4)
+
+
+def test_vllm_layout_gives_the_cache_priorities():
+    """kvpop.vllm's model prices the ``T`` tokens of a step from ``k_pre, v [T, Hkv, D]`` and their
+    positions (``KVpopQwen3Attention.forward``: the scorer on ``[1, Hkv, T, D]``, then ``priority``,
+    then ``[T, Hkv]``); the same expression on CPU tensors gives the bits of a full-sequence forward's
+    priorities, and of one token at a time (a decode step of vLLM)."""
+    m = _model()
+    layer = kvpop_layers(m)[0]
+    g = torch.Generator().manual_seed(3)
+    T, H, D = 37, layer.num_kv_heads, layer.head_dim
+    k_pre, v = torch.randn(T, H, D, generator=g), torch.randn(T, H, D, generator=g)
+    positions = torch.arange(T)
+
+    def vllm_prio(k_pre, v, positions):  # kvpop/vllm/model.py, KVpopQwen3Attention.forward
+        r = layer.scorer(k_pre.transpose(0, 1)[None], v.transpose(0, 1)[None])[0]  # [Hkv, T]
+        return priority(r[None], positions, layer.log_gamma())[0].transpose(0, 1)
+
+    with torch.no_grad():
+        got = vllm_prio(k_pre, v, positions)
+        want = layer.priority(layer.scorer(k_pre.transpose(0, 1)[None], v.transpose(0, 1)[None]))[0].T
+        assert torch.equal(got, want)
+        one = torch.cat([vllm_prio(k_pre[t:t + 1], v[t:t + 1], positions[t:t + 1]) for t in range(T)])
+        assert torch.equal(one, got)
 
 
 # ----------------------------------------------------------------------------- the mLSTM scorer
