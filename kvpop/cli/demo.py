@@ -6,44 +6,14 @@
     kvpop demo --task lookahead --out demo-out   # the lookahead task
     kvpop demo --task all --out demo-out         # both
 
-Two synthetic tasks (``--task``):
-
-* ``kvtrace`` (``kvpop.demo.task``, the shipped dense model ``kvpop/data/tiny_qwen3``, L_train 2048): a
-  fact is one dedicated token, recognisable from its own key/value vector;
-* ``lookahead`` (``kvpop.demo.lookahead_task``, the shipped dense model ``kvpop/data/tiny_qwen3_lookahead``,
-  L_train 512): whether a fact will be read is told only by a KEEP/DROP marker after it (inside the
-  window), so a scorer that reads the token alone (``kvpop-mlp``) cannot know; one that waits for the
-  window (``kvpop-mlstm``) can.
-
-For each task:
-
-1. retrofits, each a short ``kvpop.training.train`` run on training sequences (L_train / 2 tokens for kvtrace, L_train
-   for lookahead: the task module's ``DEMO_TRAIN_LENGTH``), saved into
-   ``OUT/<task>/<policy>`` as soon as it finishes: ``kvpop-mlp`` and ``kvpop-mlstm`` (scorers only,
-   ``mask_source="scorer"``, the model frozen), ``kvpop-mlp-joint`` and ``kvpop-mlstm-joint`` (the
-   method's recipe: scorers and model together, the model with a KL loss to the frozen original) and
-   ``fixed-finetune`` (the model fine-tuned under the fixed StreamingLLM mask at 12.5 % of its
-   training length), and the learned baseline ``dms`` (gates and model together, ``kvpop.demo.dms``,
-   ``--dms-steps``; its own defaults, not searched here);
-2. evaluates dense, streaming, tova, h2o, the five retrofits and dms at budgets of 6.25 %, 12.5 % and
-   25 % of L_train (lookahead: 9.4 %, 12.5 %, 25 %, the task's ``BUDGET_FRACTIONS``; re-budgeting with
-   ``kvpop.patch(model, budget=...)``), at L_train and 2x L_train,
-   on test sequences, every sequence through a ``kvpop.KVpopCache``;
-3. prints the table and writes ``results.json`` (only what the seeds and settings determine: a re-run on the
-   same machine and thread count writes the same bytes), ``table.md``, ``accuracy_vs_budget.png`` and
-   ``run.json`` (the run's wall times, date and command-line arguments).
-
-Training settings (steps, the training budget's long-range slots ``k``, learning rates) are the ones
-chosen on *validation* sequences (seeds disjoint from the training and test seeds) by
-``kvpop demo --select``, which trains every candidate of a small grid (:data:`GRID`) and keeps the one
-with the best mean validation accuracy over the three budgets at L_train; the choice is
-:data:`CHOSEN` and the figures that made it are shipped in
-``kvpop/data/demo_results/<task>/selection.json``.  The test sequences are used once, for the table.
-
-Interrupted? Run it again with ``--resume``: finished retrofits (``<policy>/done.json``) and measured
-rows (``rows.jsonl``) are reused, an unfinished retrofit continues from its last checkpoint; after a
-change of settings only the parts that depend on them are trained and measured again.
-``--quick`` is a seconds-long smoke run (tiny lengths and steps; meaningless figures).
+For each task: the retrofits (``OUT/<task>/<policy>``), every policy at the task's budgets, at L_train and
+2x L_train, on test sequences through ``kvpop.KVpopCache``; then ``results.json`` (only what the seeds and
+settings determine: a re-run on the same machine and thread count writes the same bytes), ``table.md``,
+``accuracy_vs_budget.png`` and ``run.json`` (wall times, date, arguments).  The training settings are
+:data:`CHOSEN`, picked on validation sequences by ``--select`` over :data:`GRID`.  ``--resume`` reuses
+finished retrofits (``<policy>/done.json``) and measured rows (``rows.jsonl``) and continues an unfinished
+retrofit from its checkpoint; ``--quick`` is a seconds-long smoke run (meaningless figures).  What the demo
+does in detail and what it measured: ``kvpop/data/demo_results/README.md``.
 """
 from __future__ import annotations
 
