@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--n-valid", type=int, default=64)
     p.add_argument("--n-test", type=int, default=64)
+    p.add_argument("--test-len", type=int, default=T.TRAIN_LEN, help="length of the test sequences (default L_train)")
     p.add_argument("--stages", default="oracle,scorers,test")
     p.add_argument("--scorers", default="mlp,mlstm")
     p.add_argument("--steps", type=int, default=3000)
@@ -238,16 +239,19 @@ def main(argv: list[str] | None = None) -> int:
         load_scorers(m, path)
         trained[s] = m
     if "test" in stages:
-        test = T.make_batch([T.test_seed(i) for i in range(args.n_test)], T.TRAIN_LEN)
+        test = T.make_batch([T.test_seed(i) for i in range(args.n_test)], args.test_len)
         rows = {}
         t0 = time.time()
         for lab, pw in LABEL_GRID:  # the oracle of every label at the chosen decay
             m = patch(copy.deepcopy(base), oracle_config(lab, pw, choice["gamma"], args.budget))
             rows[f"oracle ({lab} label{'' if lab != 'power' else f', a={pw:g}'})"] = accuracy(base, m, test)
         for s, m in trained.items():
-            rows[f"kvpop-{s} (scorer-only, {choice['label']} label)"] = accuracy(base, m, test)
+            c = kvpop_layers(m)[0].config
+            lab = c.label if c.label != "power" else f"power a={c.label_power:g}"
+            rows[f"kvpop-{s} (scorer-only, {lab} label)"] = accuracy(base, m, test)
         rows["dense"] = _dense_accuracy(base, test)
         res["test"] = rows
+        res["test_len"] = args.test_len
         res["test_wall_s"] = round(time.time() - t0, 1)
         print(json.dumps(rows, indent=1), flush=True)
         save()
