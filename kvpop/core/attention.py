@@ -28,14 +28,13 @@ from kvpop_kernels import NEVER
 from .cache import KVpopCache, cache_attention
 from .config import KVpopConfig
 from .hooks import ScorerHooks
-from .layer import KVpopLayer, kvpop_layers
+from .layer import ATTN_NAME, KVpopLayer, kvpop_layers
 from .loss import score_loss_terms
 from .priority import priority
 
 __all__ = ["ATTN_NAME", "TARGET_ATTN_NAME", "register", "kvpop_mask", "kvpop_attention_forward", "sequence_attention",
            "streaming_policy", "target_attention_forward", "teacher_targets", "set_teacher_targets"]
 
-ATTN_NAME = "kvpop"
 TARGET_ATTN_NAME = "kvpop_target"
 _REGISTERED: set[str] = set()
 

@@ -4,6 +4,10 @@
 calls :func:`cache_attention`, which prefills (schedule + sparse attention over the prompt) or takes one
 fused ``fixed_budget_decode`` step.  The slot layout, batches and padding, the policies and the
 no-host-sync rule are the contract in docs/DESIGN.md (sections 5 and 7).
+
+A cache checks at each layer's first call that the model it serves is patched for it with the same
+``sinks``/``window``/``budget`` (:class:`ServedCache`: the patched attention's pre-hook claims it); an
+unpatched, DMS-patched or ``kvpop.disabled`` model is refused with a ``ValueError`` (docs/HARDENING.md).
 """
 from __future__ import annotations
 
@@ -78,6 +82,12 @@ class KVpopCacheLayer(CacheLayerMixin):
             raise ValueError(
                 f"this KVpopCache holds {self.keys.shape[0]} sequences but the call has batch size "
                 f"{key_states.shape[0]}; use a fresh kvpop.KVpopCache(model) (or cache.reset()) for a new batch"
+            )
+        elif key_states.shape[1] != self.keys.shape[1] or key_states.shape[-1] != self.keys.shape[-1]:
+            raise ValueError(
+                f"this KVpopCache holds {self.keys.shape[1]} KV heads of size {self.keys.shape[-1]} but the call "
+                f"brings {key_states.shape[1]} of size {key_states.shape[-1]} (another model?); use a fresh "
+                f"kvpop.KVpopCache(model) for each model"
             )
         self.pending = (key_states, value_states)
         return key_states, value_states
@@ -199,6 +209,69 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return [t for t in state if isinstance(t, torch.Tensor)]
 
 
+class ServedCache:
+    """The check, at each layer's first call, that the model a cache serves is patched for it (mixin of
+    ``KVpopCache`` and ``DMSCache``).  A subclass sets ``served_by`` (the patch's name), ``served_fields``
+    (the config fields that must equal the model's), ``served_how`` (how to patch a model for it) and
+    keeps its config in ``served_config``."""
+
+    served_by = ""
+    served_fields: tuple[str, ...] = ()
+    served_how = ""
+    served_ctor = ""  # how to build one for a model, e.g. "kvpop.KVpopCache(model)"
+
+    def claim(self, layer_idx: int, patch: str, config: Any, active: bool, n_new: int | None = None) -> None:
+        """Called by a patched attention module's forward pre-hook before the module updates this cache:
+        ``patch`` the patch's name (``"kvpop"``, ``"dms"``), ``config`` its config, ``active`` whether the
+        model runs that patch's attention now (False under ``kvpop.disabled``), ``n_new`` the number of
+        new tokens of the call.  Records the claim for the layer's first :meth:`update` (the rest of the
+        calls return at once)."""
+        layers = self.layers
+        if not 0 <= layer_idx < len(layers):
+            raise ValueError(f"this {type(self).__name__} was built for {len(layers)} layers but is given to a "
+                             f"model with a layer {layer_idx}: build it from the model it serves ({self.served_ctor})")
+        layer = layers[layer_idx]
+        if n_new == 0 and layer.get_seq_length() > 0:
+            raise ValueError(
+                f"this {type(self).__name__} has seen {layer.get_seq_length()} tokens and the call brings no new "
+                f"one: a prompt no longer than what the cache has seen (generate passes only the tokens past the "
+                f"cache's length). Use a fresh {self.served_ctor} for a new prompt, or call cache.reset()")
+        if not getattr(layer, "prefilled", False):
+            self._claims[layer_idx] = (patch, config, active)
+
+    def check_served(self, layer_idx: int) -> None:
+        """Refuse, at a layer's first update, a model that is not patched for this cache (see the module
+        docstring).  ``ValueError`` naming what the model runs and what to do."""
+        name = type(self).__name__
+        layers = self.layers
+        if not 0 <= layer_idx < len(layers):
+            raise ValueError(f"this {name} was built for {len(layers)} layers but is given to a model with a "
+                             f"layer {layer_idx}: build it from the model it serves ({self.served_ctor})")
+        claim = self._claims.pop(layer_idx, None)
+        if claim is None:
+            raise ValueError(
+                f"this {name} was passed to a model that is not patched for it (layer {layer_idx} runs no "
+                f"{self.served_by} attention: the model is unpatched, or patched for another method); it would "
+                f"attend to the new tokens only. Patch the model with {self.served_how}, or pass no cache")
+        patch, config, active = claim
+        if patch != self.served_by:
+            raise ValueError(
+                f"this {name} was passed to a model patched for {patch}, not {self.served_by}: it would decode "
+                f"wrong tokens. Use the cache of the model's patch (or pass none: generate builds it)")
+        if not active:
+            raise ValueError(
+                f"this {name} was passed to a model that runs densely now (kvpop.disabled(model), or another "
+                f"attention implementation set): it would attend to the new tokens only. Pass no cache (generate "
+                f"then uses a DynamicCache) or a transformers DynamicCache")
+        mine = self.served_config
+        bad = [f for f in self.served_fields if getattr(mine, f, None) != getattr(config, f, None)]
+        if bad:
+            raise ValueError(
+                f"this {name} was built for {', '.join(f'{f}={getattr(mine, f, None)!r}' for f in bad)} but the "
+                f"model is patched with {', '.join(f'{f}={getattr(config, f, None)!r}' for f in bad)}: build the "
+                f"cache from the model ({self.served_ctor}) after its last patch")
+
+
 def cache_settings(name: str, model: Any, config: Any, num_layers: int | None, *, attr: str,
                    how: str) -> tuple[Any, int]:
     """``(config, num_layers)`` of a cache built for ``model`` (its ``attr`` config and layer count) or from
@@ -214,7 +287,7 @@ def cache_settings(name: str, model: Any, config: Any, num_layers: int | None, *
     return config, num_layers
 
 
-class KVpopCache(Cache):
+class KVpopCache(ServedCache, Cache):
     """Fixed-budget cache for decoding one or many sequences with a ``kvpop``-patched model.
 
     Args:
@@ -240,13 +313,25 @@ class KVpopCache(Cache):
         policy = policy or getattr(config, "policy", "kvpop")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.kvpop_config = config
+        self.kvpop_config = self.served_config = config
         self.policy = policy
+        self._claims: dict[int, tuple[str, Any, bool]] = {}
         layers = [KVpopCacheLayer(sinks=config.sinks, window=config.window, budget=config.budget, policy=policy)
                   for _ in range(num_layers)]
         for layer in layers:
             layer.is_compileable = bool(compileable)
         super().__init__(layers=layers)
+
+    served_by = "kvpop"
+    served_fields = ("sinks", "window", "budget")
+    served_how = "kvpop.patch(model)"
+    served_ctor = "kvpop.KVpopCache(model)"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer_idx < len(self.layers) or not self.layers[layer_idx].prefilled:
+            self.check_served(layer_idx)  # the layer's first call: is the model patched for this cache?
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Bytes held by all layers: constant however many tokens were generated."""

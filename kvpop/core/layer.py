@@ -17,7 +17,11 @@ from .config import KVpopConfig
 from .priority import priority
 from .scorers import build_scorer
 
-__all__ = ["KVpopLayer", "kvpop_layers"]
+__all__ = ["KVpopLayer", "kvpop_layers", "ATTN_NAME"]
+
+ATTN_NAME = "kvpop"
+"""The attention implementation a kvpop-patched model runs (``config._attn_implementation``): the mode
+switch that ``kvpop.disabled`` flips, read by the default cache and by a cache's check of its model."""
 
 
 class KVpopLayer(nn.Module):
@@ -91,7 +95,13 @@ class KVpopLayer(nn.Module):
         """Forward pre-hook of the attention module: remember the cache it is called with (``cache=``
         in transformers >= 5.24, ``past_key_values=`` before), for the attention function."""
         cache = kwargs.get("cache")
-        self.active_cache = cache if cache is not None else kwargs.get("past_key_values")
+        cache = self.active_cache = cache if cache is not None else kwargs.get("past_key_values")
+        claim = getattr(cache, "claim", None)
+        if claim is not None:  # a kvpop / DMS cache checks at its first call that this model serves it
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            active = getattr(getattr(module, "config", None), "_attn_implementation", None) == ATTN_NAME
+            claim(self.layer_idx, "kvpop", self.config, active,
+                  hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - not a callable layer
         raise RuntimeError("KVpopLayer is driven by the 'kvpop' attention function; do not call it")

@@ -152,6 +152,8 @@ class _DefaultKVpopCache:
     decodes through a fresh ``KVpopCache(model)`` when the caller passed no cache (under either keyword),
     asked for no ``cache_implementation`` and did not turn ``use_cache`` off.
 
+    Under :func:`disabled` (the attention implementation is the model's original one) it builds
+    nothing, so generate uses transformers' default cache and equals the unpatched model.
     An object holding the model (not a closure over it), so a deep copy or an unpickled patched model
     builds its caches from its own config.  ``unpatch`` removes it.
     """
@@ -162,7 +164,8 @@ class _DefaultKVpopCache:
     def __call__(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         given = any(model_kwargs.get(n) is not None for n in ("cache", "past_key_values"))
-        if (not given and generation_config.use_cache is not False
+        # the mode switch: only while the model runs kvpop attention (not under kvpop.disabled)
+        if (not given and model.config._attn_implementation == ATTN_NAME and generation_config.use_cache is not False
                 and generation_config.cache_implementation is None):
             model_kwargs[cache_kwarg_name()] = KVpopCache(model)
         return type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
@@ -213,6 +216,10 @@ def patched(model: nn.Module, config: KVpopConfig | None = None, **overrides: An
 def disabled(model: nn.Module) -> Iterator[nn.Module]:
     """Run a patched model densely with its current weights: its original attention implementation.
 
+    The one mode switch: inside the block forwards run dense attention, plain ``generate`` builds
+    transformers' default cache instead of a ``KVpopCache`` (so it equals the unpatched model, token for
+    token), and a ``KVpopCache`` passed explicitly is refused at its first call.
+
     The memory-cheap way to get dense logits of the *same* weights (e.g. to compare a patched model
     with itself, or as the teacher while the model itself is frozen).  When the model is fine-tuned,
     the teacher must be the frozen original: use :func:`make_teacher` before training.
@@ -230,7 +237,7 @@ def disabled(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         mc._attn_implementation = prev
         for layer in kvpop_layers(model):
-            layer.k_pre = None
+            layer.k_pre = layer.active_cache = None
 
 
 def make_teacher(model: nn.Module, *, device: torch.device | str | None = None,

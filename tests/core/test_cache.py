@@ -65,7 +65,9 @@ def model():
     m.set_attn_implementation("kvpop_cache_test")
 
     def remember_cache(module, args, kwargs):  # what kvpop.patch's pre-hook does for the kvpop attention
-        module.test_cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        module.test_cache = cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, KVpopCache):  # ... and its claim: this model serves the cache
+            cache.claim(module.layer_idx, "kvpop", STATE.cfg, True)
 
     for layer in m.model.layers:
         layer.self_attn.register_forward_pre_hook(remember_cache, with_kwargs=True)
@@ -237,6 +239,7 @@ def test_attention_scored_policies_follow_their_rule(policy, sinks, window, budg
     got, kept = [], []
     for pos in range(S):
         k1, v1 = ks[pos].view(1, hkv, 1, d), vs[pos].view(1, hkv, 1, d)
+        cache.claim(0, "kvpop", cfg, True)
         cache.update(k1, v1, 0)
         out = cache_attention(cache, module, qs[pos].view(1, hq, 1, d), k1, v1, scaling=scale)
         got.append(out[0, 0])
@@ -306,10 +309,12 @@ def test_stale_pending_update_is_not_taken():
     cache = KVpopCache(config=_cfg(2, 4, 10, "streaming"), num_layers=1)
     module = SimpleNamespace(layer_idx=0)
     stale = torch.randn(1, 2, 3, 8)
+    cache.claim(0, "kvpop", cache.kvpop_config, True)
     cache.update(stale, stale, 0)  # ... and the forward raised here
     fresh = torch.randn(1, 2, 3, 8)
     assert cache_attention(cache, module, torch.randn(1, 4, 3, 8), fresh, fresh, scaling=1.0) is None
     assert cache.get_seq_length() == 0
+    cache.claim(0, "kvpop", cache.kvpop_config, True)
     cache.update(fresh, fresh, 0)
     out = cache_attention(cache, module, torch.randn(1, 4, 3, 8), fresh, fresh, scaling=1.0)
     assert out.shape == (1, 3, 4, 8) and cache.get_seq_length() == 3

@@ -156,3 +156,57 @@ def test_output_attentions_is_refused_not_answered_with_nothing():
         m.config._attn_implementation = "eager"
         out = m(ids, output_attentions=True)
     assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 20, 20)
+
+
+# ============================================================================ issue 24 (round two)
+# ----------------------------------------------------------------------------- item 1: kvpop.disabled + generate
+@pytest.mark.parametrize("policy", ["kvpop", "tova"])
+def test_disabled_generate_equals_the_unpatched_model(policy):
+    """Under kvpop.disabled, plain generate builds no KVpopCache (the mode switch owns the default cache):
+    token for token the unpatched model, while the patched model outside the block differs from it."""
+    dense = tiny_model()
+    m = _randomise_scorers(kvpop.patch(tiny_model(), policy=policy, sinks=SINKS, window=WINDOW, budget=BUDGET))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    want = _greedy(dense, ids, 20)
+    assert not torch.equal(_greedy(m, ids, 20), want)  # the budget (14) evicts: the repro can fail
+    with kvpop.disabled(m):
+        assert torch.equal(_greedy(m, ids, 20), want)
+        with pytest.raises(ValueError, match=r"runs densely now \(kvpop.disabled"):
+            _greedy(m, ids, 2, **{CACHE: kvpop.KVpopCache(m)})
+    assert torch.equal(_greedy(m, ids, 20), _greedy(m, ids, 20, **{CACHE: kvpop.KVpopCache(m)}))
+
+
+# ----------------------------------------------------------------------------- item 2: a cache in the wrong model
+def test_a_kvpop_cache_refuses_a_model_not_patched_for_it():
+    m = kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=BUDGET)
+    ids = torch.randint(0, 128, (1, 12))
+    with pytest.raises(ValueError, match=r"not patched for it .*kvpop.patch\(model\)"):
+        _greedy(tiny_model(), ids, 3, **{CACHE: kvpop.KVpopCache(m)})
+    with pytest.raises(ValueError, match="not patched for it"):  # a forward pass too, after unpatch
+        cache = kvpop.KVpopCache(m)
+        kvpop.unpatch(kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=BUDGET))(ids, **{CACHE: cache})
+    # built for another config than the model's current one
+    cache = kvpop.KVpopCache(m)
+    kvpop.patch(m, budget=BUDGET + 6)
+    with pytest.raises(ValueError, match=r"built for budget=14 but the model is patched with budget=20"):
+        _greedy(m, ids, 3, **{CACHE: cache})
+    assert _greedy(m, ids, 3, **{CACHE: kvpop.KVpopCache(m)}).shape == (1, 15)
+    # claimed by another patch (what a DMS-patched model's pre-hook reports)
+    cache = kvpop.KVpopCache(m)
+    cache.claim(0, "dms", None, True)
+    with pytest.raises(ValueError, match="patched for dms, not kvpop"):
+        cache.update(torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 3, 32), 0)
+
+
+def test_a_used_cache_in_another_model_or_with_a_shorter_prompt_says_so():
+    m = kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=BUDGET)
+    cache = kvpop.KVpopCache(m)
+    _greedy(m, torch.randint(0, 128, (1, 12)), 5, **{CACHE: cache})
+    with pytest.raises(ValueError, match=r"has seen 16 tokens and the call brings no new one.*cache.reset\(\)"):
+        _greedy(m, torch.randint(0, 128, (1, 3)), 2, **{CACHE: cache})
+    other = kvpop.patch(tiny_model(num_key_value_heads=1), sinks=SINKS, window=WINDOW, budget=BUDGET)
+    with pytest.raises(ValueError, match="holds 2 KV heads of size 32 but the call brings 1"):
+        _greedy(other, torch.randint(0, 128, (1, 30)), 2, **{CACHE: cache})
+    deeper = kvpop.patch(tiny_model(num_hidden_layers=3), sinks=SINKS, window=WINDOW, budget=BUDGET)
+    with pytest.raises(ValueError, match=r"built for 2 layers .*layer 2"):
+        _greedy(deeper, torch.randint(0, 128, (1, 12)), 2, **{CACHE: kvpop.KVpopCache(m)})
