@@ -393,9 +393,13 @@ def _run(args: argparse.Namespace) -> int:
     t_start = time.time()
     out = Path(args.out)
     tasks = list(TASKS) if args.task == "all" else [args.task]
+    from kvpop.training.runstate import RunLock
+
+    lock = RunLock(out, "kvpop demo")  # one demo per --out: two would overwrite each other's parts
     try:
         check_common(args)
         check_out(args.out)
+        lock.acquire()
         torch.set_num_threads(args.threads)
         if args.model is not None and len(tasks) > 1:
             raise ValueError("--model belongs to one task: give --task kvtrace or --task lookahead with it")
@@ -414,5 +418,7 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop demo: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        lock.release()
     print(f"[kvpop demo] done in {time.time() - t_start:.0f} s", flush=True)
     return 0

@@ -312,6 +312,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         wanted = None if args.policies is None else [x.strip() for x in args.policies.split(",") if x.strip()]
         if wanted is not None:
+            if not wanted:
+                raise ValueError(f"--policies lists no policy (got {args.policies!r}); allowed: {list(E.POLICIES)}")
             E._check_policies(wanted)
         if args.data is None and args.seq_len is not None:
             raise ValueError("--seq-len is for --data")

@@ -190,11 +190,12 @@ def _check_args(args: argparse.Namespace) -> None:
         _fail(f"--seq-len ({args.seq_len}) must be larger than --budget ({args.budget}): a sequence of at most "
               f"budget tokens evicts nothing, so the scorers get no training signal")
     if args.model is not None:
-        d = Path(args.model)
-        if not d.is_dir():
-            _fail(f"--model {d}: no such directory")
-        if not (d / "config.json").is_file():
-            _fail(f"--model {d}: not a model directory (no config.json)")
+        from kvpop.models import check_model_dir
+
+        try:  # before any work: the family, the config and the weight files (headers only)
+            check_model_dir(args.model)
+        except (OSError, ValueError) as e:
+            _fail(f"--model {args.model}: {e}")
 
 
 def _decay_range(args: argparse.Namespace) -> dict[str, float]:
@@ -254,13 +255,13 @@ def _load_model(args: argparse.Namespace, device):
         model = build_model(seed=args.seed)
         source = None
     else:
-        from transformers import AutoModelForCausalLM
+        from kvpop.models import load_model_dir
 
         source = Path(args.model) if args.model else SHIPPED_MODEL
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True, dtype=torch.float32)
-        except (OSError, ValueError, KeyError) as e:
-            _fail(f"cannot load the model from {source}: {type(e).__name__}: {e}")
+        try:  # config.json checked first: an unsupported family is refused before any weight is allocated
+            model = load_model_dir(source, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            _fail(f"--model {source}: {e}")
     if getattr(model.config, "attention_dropout", 0.0):
         model.config.attention_dropout = 0.0
     return model.to(device), source
@@ -301,7 +302,14 @@ def _check_resume_args(args: argparse.Namespace, out: Path) -> None:
         _fail(f"--resume: {out / 'last.pt'} does not exist (nothing to resume; drop --resume to start)")
     if not saved_path.exists():
         return
-    saved = _comparable(json.loads(saved_path.read_text()))
+    try:
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        _fail(f"--resume: cannot read {saved_path} ({type(e).__name__}: {str(e)[:200]}); it records the first "
+              f"run's arguments: restore it, or delete it to resume without the comparison")
+    if not isinstance(saved, dict):
+        _fail(f"--resume: {saved_path} holds a JSON {type(saved).__name__}, not the arguments of a run")
+    saved = _comparable(saved)
     now = _comparable(_arg_dict(args))
     diff = [k for k in sorted(set(saved) | set(now)) if k not in _RESUMABLE and saved.get(k) != now.get(k)]
     if diff:
@@ -330,6 +338,35 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         _fail(f"--out {out} exists and is not a directory")
+    from kvpop.training.runstate import RunDirectoryError, RunLock
+
+    lock = RunLock(out, "kvpop train")
+    if int(os.environ.get("RANK", "0")) == 0:  # one run per --out: rank 0 holds the lock for the whole run
+        try:
+            lock.acquire()
+        except RunDirectoryError as e:
+            _fail(str(e))
+    try:
+        return _locked_run(args, out)
+    finally:
+        lock.release()
+
+
+def _check_outputs(args: argparse.Namespace, out: Path) -> None:
+    """Nothing in the way of what the run writes (a file where the model folder goes, a folder where a file goes)."""
+    files = ["last.pt", "history.jsonl", "args.json",
+             "gates.safetensors" if args.method == "dms" else "scorers.safetensors"]
+    for name in files:
+        if (out / name).is_dir():
+            _fail(f"--out {out}: {out / name} is a directory, where the run writes a file; move it away")
+    model = out / "model"
+    if not args.no_train_model and model.exists() and not model.is_dir():
+        _fail(f"--out {out}: {model} exists and is not a directory, where the fine-tuned model goes; move it away "
+              f"(or train with --no-train-model)")
+
+
+def _locked_run(args: argparse.Namespace, out: Path) -> int:
+    _check_outputs(args, out)
     if args.resume:
         _check_resume_args(args, out)
     elif (out / "last.pt").exists():
@@ -385,10 +422,11 @@ def _run(args: argparse.Namespace) -> int:
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             if not args.resume or not (out / "args.json").exists():
-                tmp = out / "args.json.tmp"
+                from kvpop.core.files import atomic_write
+
                 saved = {**_comparable(_arg_dict(args)), "out": str(out.resolve())}
-                tmp.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
-                os.replace(tmp, out / "args.json")
+                text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
+                atomic_write(out / "args.json", lambda f: f.write(text), binary=False)
         try:
             hist = train(model, data, tcfg, resume=args.resume)  # writes last.pt and history.jsonl
         except TrainingInterrupted as e:
@@ -398,7 +436,10 @@ def _run(args: argparse.Namespace) -> int:
         except CheckpointError as e:
             _fail(str(e))
         if not args.no_train_model:
-            save_model(model, out / "model")
+            try:
+                save_model(model, out / "model")
+            except (OSError, ValueError) as e:
+                _fail(f"{e} (the scorers and last.pt of the finished run are in {out})")
         if rank == 0:
             if hist:
                 h = hist[-1]

@@ -20,6 +20,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvpop_kernels import eviction_schedule, fixed_budget_decode, sparse_attention
 from kvpop_kernels.decode import slot_of
 
+from .config import MAX_SLOTS, check_budget_for
+
 POLICIES = ("kvpop", "streaming", "tova", "h2o")
 _STATIC = ("kvpop", "streaming")
 _ROW_STATE = ("keys", "values", "slot_pos", "slot_prio", "ring_prio", "score", "pos")
@@ -46,6 +48,8 @@ class KVpopCacheLayer(CacheLayerMixin):
         super().__init__()
         if budget < sinks + window:
             raise ValueError(f"budget ({budget}) must be >= sinks + window ({sinks + window})")
+        if budget > MAX_SLOTS:
+            raise ValueError(f"budget ({budget}) must be <= {MAX_SLOTS} slots (cache positions are int32)")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.sinks, self.window, self.budget, self.policy = sinks, window, budget, policy
@@ -310,6 +314,8 @@ class KVpopCache(ServedCache, Cache):
                  policy: str | None = None, compileable: bool = False):
         config, num_layers = cache_settings("KVpopCache", model, config, num_layers, attr="kvpop_config",
                                             how="a kvpop-patched model (kvpop.patch(model)) or config=KVpopConfig(...)")
+        if model is not None and hasattr(model, "config"):
+            check_budget_for(config, model.config)
         policy = policy or getattr(config, "policy", "kvpop")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

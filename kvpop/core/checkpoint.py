@@ -18,17 +18,23 @@ import torch
 from torch import nn
 
 from .config import KVpopConfig
+from .files import atomic_write
 from .layer import kvpop_layers
 from .patching import get_config, is_patched, patch, unpatch
 
-__all__ = ["save_scorers", "load_scorers", "read_scorer_config", "FORMAT"]
+__all__ = ["save_scorers", "load_scorers", "read_scorer_config", "FORMAT", "MAX_ABS_WEIGHT"]
 
 FORMAT = "kvpop-scorers/1"
 
+MAX_ABS_WEIGHT = 1e6
+"""The largest magnitude :func:`load_scorers` accepts in a scorer tensor: finite weights past it (e.g.
+``3e38``) overflow the scores to inf and the score loss to NaN."""
+
 
 def save_scorers(model: nn.Module, path: str | os.PathLike) -> None:
-    """Write the scorers and decays of a patched ``model`` to ``path`` (safetensors, written atomically)."""
-    from safetensors.torch import save_file
+    """Write the scorers and decays of a patched ``model`` to ``path`` (safetensors, written atomically:
+    a failed write leaves the previous file)."""
+    from safetensors.torch import save
 
     cfg = get_config(model)
     layers = kvpop_layers(model)
@@ -38,10 +44,8 @@ def save_scorers(model: nn.Module, path: str | os.PathLike) -> None:
             tensors[f"layers.{layer.layer_idx}.{name}"] = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
     meta = {"format": FORMAT, "kvpop_config": cfg.to_json(), "num_layers": str(len(layers)),
             "num_kv_heads": str(layers[0].num_kv_heads), "head_dim": str(layers[0].head_dim)}
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    data = save(tensors, metadata=meta)
+    atomic_write(path, lambda f: f.write(data))
 
 
 def _check_path(path: str | os.PathLike) -> Path:
@@ -73,9 +77,12 @@ def read_scorer_config(path: str | os.PathLike) -> KVpopConfig:
                          f"expected {FORMAT!r})")
     try:
         return KVpopConfig.from_json(meta["kvpop_config"])
+    except RecursionError:
+        raise ValueError(f"scorer file {path}: its kvpop_config metadata is not a valid KVpopConfig as JSON "
+                         f"(nested too deep to read)") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"scorer file {path}: its kvpop_config metadata is not a valid KVpopConfig as JSON "
-                         f"({type(e).__name__}: {e})") from None
+                         f"({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -92,6 +99,11 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             n = int((~torch.isfinite(t)).sum())
             raise ValueError(f"scorer file {path}: tensor {key} holds {n} non-finite value(s) (NaN or inf); "
                              f"the scorers it was saved from diverged")
+        big = float(t.abs().max()) if t.numel() else 0.0
+        if big > MAX_ABS_WEIGHT:
+            raise ValueError(f"scorer file {path}: tensor {key} holds a value of magnitude {big:.3g}, above "
+                             f"{MAX_ABS_WEIGHT:g}: no trained scorer has such weights (its scores would overflow "
+                             f"float32); the file is damaged or the run that wrote it diverged")
     return saved
 
 

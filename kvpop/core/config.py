@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KVpopConfig", "SCORERS", "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS",
-           "STRUCTURAL_FIELDS", "decay_range_for_context"]
+__all__ = ["KVpopConfig", "MAX_SLOTS", "MAX_WIDTH", "BUDGET_PER_POSITION", "check_budget_for", "SCORERS",
+           "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS", "STRUCTURAL_FIELDS",
+           "decay_range_for_context"]
 
 SCORERS = ("mlp", "mlstm")
 LABELS = ("mean", "max", "power")  # kvpop_kernels.future_target.LABELS (this module imports no kernels)
@@ -29,16 +30,44 @@ patched model and a scorer checkpoint (``window`` too for the ``mlstm`` scorer, 
 readout position is ``t + window``)."""
 
 
+MAX_WIDTH = 2**16
+"""The widest scorer MLP (``scorer_hidden``) or mLSTM feature (``mlstm_dim``) a config may ask for."""
+
+MAX_SLOTS = 2**31 - 1
+"""The most slots a budget (and a sink or window count) may ask for: cache positions are int32, and
+``2**31 - 1`` is ``NEVER``.  A model's own bound is tighter, see :data:`BUDGET_PER_POSITION`."""
+
+BUDGET_PER_POSITION = 8
+"""``kvpop.patch`` and ``KVpopCache(model)`` refuse a budget above this many times the model's
+``max_position_embeddings``: past the longest sequence the model takes a budget evicts nothing and
+only allocates (the factor leaves room for RoPE scaling past that length)."""
+
+
+def check_budget_for(config: Any, model_config: Any, what: str = "budget") -> None:
+    """``ValueError`` when ``config.budget`` exceeds :data:`BUDGET_PER_POSITION` times the
+    ``max_position_embeddings`` of ``model_config`` (a transformers config; no bound when it has none)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    mp = getattr(text, "max_position_embeddings", None)
+    if isinstance(mp, int) and not isinstance(mp, bool) and mp > 0 and config.budget > BUDGET_PER_POSITION * mp:
+        raise ValueError(
+            f"{what}={config.budget} is more than {BUDGET_PER_POSITION} x the model's max_position_embeddings "
+            f"({mp}): it would allocate {config.budget} slots per KV head and layer and evict nothing; give a "
+            f"budget <= {BUDGET_PER_POSITION * mp}")
+
+
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def _int(name: str, value: Any, minimum: int) -> None:
+def _int(name: str, value: Any, minimum: int, maximum: int = MAX_SLOTS) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({str(value)[:60]})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        shown = value if value.bit_length() <= 64 else f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+        raise ValueError(f"{name} must be <= {maximum}, got {shown}")
 
 
 def _pos_float(name: str, value: Any) -> None:
@@ -124,7 +153,7 @@ class KVpopConfig:
     def __post_init__(self) -> None:
         _int("sinks", self.sinks, 0)
         _int("window", self.window, 1)
-        _int("budget", self.budget, -(2**63))  # type only; the range check follows
+        _int("budget", self.budget, -(2**63))  # type and the upper bound; the lower one follows
         if self.budget < self.sinks + self.window + 1:
             raise ValueError(
                 f"budget={self.budget} leaves no long-range slot: it must be >= sinks + window + 1 = "
@@ -136,8 +165,8 @@ class KVpopConfig:
         _choice("target_lse", self.target_lse, TARGET_LSES)
         _choice("target_source", self.target_source, TARGET_SOURCES)
         _choice("policy", self.policy, POLICIES)
-        _int("scorer_hidden", self.scorer_hidden, 1)
-        _int("mlstm_dim", self.mlstm_dim, 1)
+        _int("scorer_hidden", self.scorer_hidden, 1, MAX_WIDTH)
+        _int("mlstm_dim", self.mlstm_dim, 1, MAX_WIDTH)
         _pos_float("eps", self.eps)
         if not isinstance(self.label, str) or self.label not in LABELS:
             raise ValueError(f"label must be one of {list(LABELS)}, got {self.label!r}")

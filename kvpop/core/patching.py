@@ -46,7 +46,7 @@ from kvpop.models import SUPPORTED_MODEL_TYPES, adapter_for, cache_kwarg_name
 
 from .attention import ATTN_NAME, register
 from .cache import KVpopCache
-from .config import KVpopConfig
+from .config import KVpopConfig, check_budget_for
 from .layer import KVpopLayer, kvpop_layers
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "get_config", "disabled", "make_teacher",
@@ -111,6 +111,7 @@ def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any)
     state = getattr(model, _STATE_ATTR, None)
     base = config if config is not None else (state["config"] if state is not None else KVpopConfig())
     new = base.replace(**overrides) if overrides else base
+    check_budget_for(new, model.config)
     register()
     if state is not None:
         old = state["config"]

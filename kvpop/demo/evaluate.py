@@ -180,13 +180,12 @@ class EvalConfig:
 
 
 def load_base_model(path: str | os.PathLike | None = None) -> nn.Module:
-    """A ``Qwen3ForCausalLM`` from a local directory (default: the shipped ``tiny_qwen3``), fp32, eval mode."""
-    from transformers import Qwen3ForCausalLM
+    """A causal LM of a family kvpop supports from a local directory (default: the shipped ``tiny_qwen3``),
+    fp32, eval mode; its ``config.json`` is checked before any weight is allocated
+    (:func:`kvpop.models.check_model_dir`)."""
+    from kvpop.models import load_model_dir
 
-    path = Path(path) if path is not None else SHIPPED_MODEL
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no model directory at {path} (expected config.json and model.safetensors)")
-    return Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return load_model_dir(Path(path) if path is not None else SHIPPED_MODEL, dtype=torch.float32).eval()
 
 
 def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | None = None,

@@ -84,16 +84,9 @@ class TraceEvalConfig:
 def load_model(path: str | os.PathLike) -> nn.Module:
     """A causal LM saved with ``save_pretrained`` in a local directory (any family transformers knows;
     ``kvpop.patch`` says which it supports), in float32 and eval mode."""
-    from transformers import AutoModelForCausalLM
+    from kvpop.models import load_model_dir
 
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no model directory at {path} (expected config.json and the weights)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot load the model from {path}: {type(e).__name__}: {e}") from e
-    return model.eval()
+    return load_model_dir(path, dtype=torch.float32).eval()  # config.json checked before any allocation
 
 
 def sequence_scores(logits: torch.Tensor, input_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:

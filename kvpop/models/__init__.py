@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from .base import FamilyAdapter
+from .directory import check_model_dir, load_model_dir
 from .llama import LlamaAdapter
 from .qwen2 import Qwen2Adapter
 from .qwen3 import Qwen3Adapter
 
-__all__ = ["FamilyAdapter", "ADAPTERS", "SUPPORTED_MODEL_TYPES", "adapter_for", "cache_kwarg_name"]
+__all__ = ["FamilyAdapter", "ADAPTERS", "SUPPORTED_MODEL_TYPES", "adapter_for", "cache_kwarg_name", "check_model_dir",
+           "load_model_dir"]
 
 ADAPTERS: dict[str, FamilyAdapter] = {a.model_type: a for a in (Qwen3Adapter(), Qwen2Adapter(), LlamaAdapter())}
 SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)

@@ -56,15 +56,24 @@ def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None, tokeni
         raise ValueError(f"data file {p} does not exist" if not p.exists() else f"data path {p} is not a file")
     records: list[list[int]] = []
     tok = tokenizer
-    with p.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{p}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the line is {raw[e.start]:#04x}); "
+                                 f"JSONL files are UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{p}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: not a record (JSON nested too deep to read)") from None
+            except ValueError as e:  # e.g. an integer of more digits than Python converts
+                raise ValueError(f"{where}: not valid JSON ({str(e)[:200]})") from None
             if not isinstance(obj, dict) or ("input_ids" in obj) == ("text" in obj):
                 got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                 raise ValueError(f'{where}: expected an object with exactly one of "input_ids" (a list of ints) '

@@ -28,7 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "load_checkpoint", "atomic_save", "rng_state", "set_rng_state", "StopSignals",
+from kvpop.core.files import atomic_write
+
+__all__ = ["CheckpointError", "RunDirectoryError", "RunLock", "load_checkpoint", "atomic_save", "rng_state",
+           "set_rng_state", "StopSignals",
            "TrainingInterrupted", "append_jsonl", "write_jsonl"]
 
 
@@ -36,34 +39,114 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed: refused, unreadable, or of another run."""
 
 
+_GLOBAL = re.compile(r"(?:unsupported global:?\s*GLOBAL|unsupported GLOBAL)\s+([\w.]+)", re.I)
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict:
     """``torch.load(path, map_location="cpu", weights_only=True)``; :class:`CheckpointError` naming the file when it
     holds anything else than tensors and plain containers (it is refused, never executed) or cannot be read."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"cannot read checkpoint {path}: it is a directory")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\. Please|\n\n|$)", str(e), re.S)
-        detail = " ".join((found.group(1) if found else str(e)).split())
-        if "Unsupported global" in detail:
+        found = _GLOBAL.search(str(e))
+        if found or "global" in str(e).lower():
+            what = f" (it names the Python object {found.group(1)})" if found else ""
             raise CheckpointError(
-                f"checkpoint {path} was refused: it holds objects other than tensors and plain containers, and "
-                f"loading them could run code ({detail}). It was not written by this version of kvpop; delete "
-                f"it or start in another directory."
+                f"checkpoint {path} was refused because loading it could run code: it holds objects other than "
+                f"tensors and plain containers{what}, which kvpop never writes. Delete it or start in another "
+                f"directory."
             ) from None
-        raise CheckpointError(f"cannot read checkpoint {path}: not a file written by torch.save ({detail})") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: not a file written by torch.save "
+                              f"({_first_sentence(e)})") from None
+    except (RuntimeError, EOFError, OSError, ValueError, RecursionError, MemoryError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {_first_sentence(e)} "
+                              f"(empty, truncated or not a torch.save file?)") from None
     if not isinstance(ck, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(ck).__name__}, not a kvpop checkpoint (a dict)")
     return ck
 
 
+def _first_sentence(e: BaseException) -> str:
+    """An error's message without torch's advice (never "retry with weights_only=False")."""
+    msg = " ".join(str(e).split())
+    msg = re.sub(r"Weights only load failed\.\s*", "", msg)
+    cut = re.search(r"(In PyTorch 2\.6|Re-running `torch\.load`|Please file an issue|Check the documentation|"
+                    r"This is an internal miniz error)", msg)
+    return (msg[:cut.start()] if cut else msg).strip()[:300] or "the file ended early"
+
+
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename it over ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """``torch.save`` into a fresh temporary file beside ``path``, flushed to the disk, then renamed over
+    ``path`` (:func:`kvpop.core.files.atomic_write`): the previous checkpoint stays until the new one is
+    complete.  A failed write raises :class:`CheckpointError` naming the file; ``path`` is then unchanged."""
+    path = Path(path)
+    try:
+        atomic_write(path, lambda f: torch.save(obj, f))
+    except (OSError, RuntimeError) as e:
+        kept = "the previous checkpoint there is kept" if path.is_file() else "no earlier checkpoint is there"
+        raise CheckpointError(f"cannot write checkpoint {path}: {type(e).__name__}: {_first_sentence(e)}; "
+                              f"{kept}") from e
+
+
+class RunDirectoryError(ValueError):
+    """A run directory that cannot be used: not creatable, not writable, or in use by another run."""
+
+
+class RunLock:
+    """One run at a time in a directory: an exclusive ``flock`` on ``DIR/.kvpop.lock``, held from
+    :meth:`acquire` to :meth:`release` (or as a context manager).  The operating system drops it when the
+    process ends, however it ends, so a crashed run leaves no stale lock.  The file records the holder's
+    pid for the message a second run gets (:class:`RunDirectoryError`).  Creating the directory and the
+    lock file also proves the directory writable, before any work."""
+
+    NAME = ".kvpop.lock"
+
+    def __init__(self, directory: str | os.PathLike, command: str = "kvpop", option: str = "--out") -> None:
+        self.directory, self.command, self.option = Path(directory), command, option
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        d = self.directory
+        if d.exists() and not d.is_dir():
+            raise RunDirectoryError(f"{self.option} {d} exists and is not a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd = os.open(d / self.NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirectoryError(f"{self.option} {d}: cannot create or write in it "
+                                    f"({e.strerror or type(e).__name__})") from None
+        try:
+            import fcntl
+        except ImportError:  # no flock on this platform: no lock, the directory is writable
+            self._fd = fd
+            return self
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 64).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise RunDirectoryError(
+                f"{self.option} {d} is in use by another {self.command} run (pid {holder or '?'}): two runs in one "
+                f"directory would overwrite each other's checkpoints and history. Wait for it to finish, or "
+                f"choose another {self.option}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 def rng_state() -> dict[str, Any]:
@@ -159,8 +242,5 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 def write_jsonl(path: Path, records: Iterable[dict]) -> None:
     """Write ``path`` anew with one JSON line per record (atomically: a temporary file, then a rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    atomic_write(path, lambda f: f.write(text), binary=False)

@@ -367,6 +367,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
     must call it); with several ranks only rank 0 writes.
     """
     rank, world = _dist()
+    if Path(path).exists() and not Path(path).is_dir():  # save_pretrained would only log it and write nothing
+        raise ValueError(f"cannot save the model to {path}: it exists and is not a directory")
     fsdp = _is_fsdp(model)
     sd = _full_state_dicts(model)[0] if fsdp else None
     if rank == 0:

@@ -198,3 +198,155 @@ def test_demo_interrupted_says_how_to_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(E, "retrofit", retrofit)
     assert main(["demo", "--quick", "--no-progress", "--out", str(tmp_path / "d")]) == 128 + signal.SIGTERM
     assert "--resume to continue" in capsys.readouterr().err
+
+
+# ============================================================================ issue 24 (round two)
+TRAIN = ["--tiny", "--steps", "1", *FAST]
+
+
+# ----------------------------------------------------------------------------- item 7: one run per --out
+def test_a_second_run_in_the_same_out_is_refused_while_the_first_holds_it(tmp_path):
+    from kvpop.training.runstate import RunLock
+
+    data = _write_ids(tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(data), "--out", str(out), *TRAIN]
+    with RunLock(out, "kvpop train"):  # what a first, running `kvpop train --out run` holds
+        msg = _usage_error(*argv)
+        assert f"--out {out} is in use by another kvpop train run (pid {os.getpid()})" in msg
+        assert not (out / "last.pt").exists() and not (out / "history.jsonl").exists()
+        with pytest.raises(SystemExit, match="in use by another kvpop train run"):
+            main([*argv, "--resume"])
+    # released (a run that ended, or crashed: the OS drops the lock): the next run proceeds
+    assert main(argv) == 0 and load_checkpoint(out / "last.pt")["step"] == 1
+
+
+def test_a_run_lock_is_held_by_a_live_process_and_dropped_when_it_dies(tmp_path):
+    import subprocess
+    import sys
+
+    from kvpop.training.runstate import RunDirectoryError, RunLock
+
+    code = ("import sys, time; from kvpop.training.runstate import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "print('held', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirectoryError, match=f"pid {proc.pid}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        proc.kill()
+        proc.wait()
+    RunLock(tmp_path).acquire().release()  # the killed holder left no stale lock
+
+
+# ----------------------------------------------------------------------------- item 8: something in the way
+def test_a_file_where_the_model_or_a_checkpoint_goes_is_refused_before_training(tmp_path):
+    data = _write_ids(tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model").write_text("in the way")
+    argv = ["train", "--data", str(data), "--out", str(out), *TRAIN]
+    msg = _usage_error(*argv)
+    assert f"{out / 'model'} exists and is not a directory, where the fine-tuned model goes" in msg
+    assert not (out / "last.pt").exists()
+    assert main([*argv, "--no-train-model"]) == 0  # it does not need the model folder
+    (out / "model").unlink()
+    (out / "scorers.safetensors").unlink()
+    (out / "scorers.safetensors").mkdir()
+    assert "is a directory, where the run writes a file" in _usage_error(*argv)
+    # the library refuses as well (save_pretrained alone would only log it and write nothing)
+    from kvpop.training.train import save_model
+
+    (tmp_path / "file").write_text("x")
+    from tiny import tiny_model
+
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        save_model(tiny_model(), tmp_path / "file")
+
+
+# ----------------------------------------------------------------------------- item 11: model directories
+def _model_dirs(tmp_path):
+    from tiny import tiny_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=640, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(tmp_path / "gpt2")
+    tiny_model(family="llama", vocab_size=640).save_pretrained(tmp_path / "llama")
+    tiny_model(vocab_size=640).save_pretrained(tmp_path / "qwen3")
+    cfg = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "big").mkdir()  # a config that disagrees with its weights: it would allocate 4096-wide layers
+    (tmp_path / "big" / "config.json").write_text(json.dumps({**cfg, "hidden_size": 4096}))
+    (tmp_path / "big" / "model.safetensors").write_bytes((tmp_path / "qwen3" / "model.safetensors").read_bytes())
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_bytes(b'{"model_type": "qwen3", \xff')
+    return tmp_path
+
+
+MODEL_DIR_ERRORS = {
+    "gpt2": "config.json has model_type 'gpt2'; kvpop supports the families 'qwen3', 'qwen2', 'llama'",
+    "noweights": "has a config.json but no weights",
+    "big": "the weights do not fit config.json: model.embed_tokens.weight is [640, 64], the config says "
+           "[vocab_size, hidden_size] = [640, 4096]",
+    "broken": "config.json is not UTF-8 text",
+}
+
+
+def test_model_directories_are_refused_from_their_files_before_any_weight_is_allocated(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    dirs = _model_dirs(tmp_path)
+
+    def allocate(*a, **k):
+        raise AssertionError("a model was allocated before the directory was refused")
+
+    for cls in (transformers.AutoModelForCausalLM, transformers.Qwen3ForCausalLM, transformers.PreTrainedModel):
+        monkeypatch.setattr(cls, "from_pretrained", allocate)
+    data = _write_ids(tmp_path / "d.jsonl")
+    capsys.readouterr()
+    for name, msg in MODEL_DIR_ERRORS.items():
+        err = _usage_error("train", "--model", str(dirs / name), "--data", str(data), "--out",
+                           str(tmp_path / "out"), *FAST, "--steps", "1")
+        assert err.startswith(f"kvpop train: --model {dirs / name}: ") and msg in err, (name, err)
+        assert main(["eval", "--model", str(dirs / name), "--n-sequences", "1", "--no-plot"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvpop eval: error: ") and msg in err, (name, err)
+        assert main(["eval", "--model", str(dirs / name), "--data", str(data), "--no-plot"]) == 2
+        assert msg in capsys.readouterr().err, name
+
+
+def test_a_llama_directory_loads_as_llama_with_its_own_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from kvpop.demo.evaluate import load_base_model
+
+    dirs = _model_dirs(tmp_path)
+    m = load_base_model(dirs / "llama")
+    assert type(m).__name__ == "LlamaForCausalLM"
+    saved = load_file(str(dirs / "llama" / "model.safetensors"))
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in saved.items())
+
+
+# ----------------------------------------------------------------------------- obscure errors: CLI and JSONL
+def test_cli_obscure_errors_name_what_is_wrong(tmp_path, capsys):
+    data = _write_ids(tmp_path / "d.jsonl")
+    assert main(["eval", "--policies", ",", "--no-plot"]) == 2
+    assert "--policies lists no policy (got ',')" in capsys.readouterr().err
+    msg = _usage_error("train", "--data", str(data), "--out", "/proc/kvpop-run", *TRAIN)
+    assert msg.startswith("kvpop train: --out /proc/kvpop-run: cannot create or write in it")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"input_ids": [1, 2, 3]}\n\n{"text": "caf\xe9"}\n')
+    msg = _usage_error("train", "--data", str(bad), "--out", str(tmp_path / "o"), *TRAIN)
+    assert f"{bad}:3: not UTF-8 text (byte 13 of the line is 0xe9)" in msg
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    msg = _usage_error("train", "--data", str(deep), "--out", str(tmp_path / "o"), *TRAIN)
+    assert f"{deep}:1: not a record (JSON nested too deep to read)" in msg
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.pt").write_bytes(b"")
+    (tmp_path / "run" / "args.json").write_text("{broken")
+    msg = _usage_error("train", "--data", str(data), "--out", str(tmp_path / "run"), *TRAIN, "--resume")
+    assert "--resume: cannot read" in msg and "args.json" in msg

@@ -210,3 +210,73 @@ def test_a_used_cache_in_another_model_or_with_a_shorter_prompt_says_so():
     deeper = kvpop.patch(tiny_model(num_hidden_layers=3), sinks=SINKS, window=WINDOW, budget=BUDGET)
     with pytest.raises(ValueError, match=r"built for 2 layers .*layer 2"):
         _greedy(deeper, torch.randint(0, 128, (1, 12)), 2, **{CACHE: kvpop.KVpopCache(m)})
+
+
+# ----------------------------------------------------------------------------- item 14: budgets bounded at construction
+def _scorer_file_with(tmp_path, name, *, config_json=None, scale=None):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    good = tmp_path / "good.safetensors"
+    if not good.exists():
+        kvpop.save_scorers(kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=BUDGET), good)
+    tensors = load_file(str(good))
+    with safe_open(str(good), framework="pt") as f:
+        meta = f.metadata()
+    if config_json is not None:
+        meta = {**meta, "kvpop_config": config_json}
+    if scale is not None:
+        key = next(k for k in tensors if "scorer" in k)
+        tensors = {**tensors, key: tensors[key].clone().fill_(scale)}
+    path = tmp_path / f"{name}.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def test_budgets_are_bounded_when_a_config_a_patch_or_a_cache_is_made(tmp_path):
+    import json
+
+    for budget, shown in [(2**40, "1099511627776"), (2**62, "4611686018427387904"),
+                          (10**400, "an integer of about 400 digits")]:
+        with pytest.raises(ValueError, match=f"budget must be <= 2147483647, got {shown}"):
+            kvpop.KVpopConfig(budget=budget)
+    with pytest.raises(ValueError, match="window must be <= 2147483647"):
+        kvpop.KVpopConfig(window=2**31)
+    with pytest.raises(ValueError, match="scorer_hidden must be <= 65536"):
+        kvpop.KVpopConfig(scorer_hidden=2**20)
+    # against the model: tiny_model has max_position_embeddings = 256
+    with pytest.raises(ValueError, match=r"budget=4096 is more than 8 x the model's max_position_embeddings \(256\)"):
+        kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=4096)
+    m = kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=2048)  # 8 x 256: still allowed
+    with pytest.raises(ValueError, match="more than 8 x"):
+        kvpop.patch(m, budget=2049)
+    with pytest.raises(ValueError, match="more than 8 x"):
+        kvpop.KVpopCache(m, config=kvpop.KVpopConfig(sinks=SINKS, window=WINDOW, budget=10**6))
+    # a scorer file whose metadata claims such a budget: refused by load_scorers, the model untouched
+    for name, budget in [("b62", 2**62), ("b400", 10**400)]:
+        cfg = json.loads(kvpop.KVpopConfig(sinks=SINKS, window=WINDOW, budget=BUDGET).to_json())
+        path = _scorer_file_with(tmp_path, name, config_json=json.dumps({**cfg, "budget": budget}))
+        t = tiny_model()
+        before = _state(t)
+        with pytest.raises(ValueError, match=r"not a valid KVpopConfig .*budget must be <= 2147483647"):
+            kvpop.load_scorers(t, path)
+        assert _unchanged(t, before)
+
+
+# ----------------------------------------------------------------------------- item 5 (scorers): huge finite weights
+def test_huge_finite_scorer_weights_are_refused_not_loaded_into_a_nan_loss(tmp_path):
+    path = _scorer_file_with(tmp_path, "huge", scale=3e38)
+    t = tiny_model()
+    before = _state(t)
+    with pytest.raises(ValueError, match=r"holds a value of magnitude 3e\+38, above 1e\+06"):
+        kvpop.load_scorers(t, path)
+    assert _unchanged(t, before)
+    kvpop.load_scorers(tiny_model(), _scorer_file_with(tmp_path, "large", scale=1e3))  # large but sane loads
+
+
+# ----------------------------------------------------------------------------- obscure errors: scorer metadata
+def test_scorer_metadata_nested_too_deep_is_a_clear_error(tmp_path):
+    path = _scorer_file_with(tmp_path, "deep", config_json="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"deep.safetensors: its kvpop_config metadata is not a valid KVpopConfig "
+                                         r"as JSON \(nested too deep to read\)"):
+        kvpop.read_scorer_config(path)

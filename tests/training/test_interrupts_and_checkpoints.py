@@ -198,3 +198,76 @@ def test_train_refuses_a_one_shot_iterator_up_front():
 def test_train_config_rejects_non_finite_and_out_of_range_numbers(field, value):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**{field: value})
+
+
+# ============================================================================ issue 24 (round two)
+# ----------------------------------------------------------------------------- item 9: atomic checkpoints
+def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from kvpop.training import runstate
+
+    cfg = TrainConfig(steps=3, lr_model=1e-3, lr_scorer=1e-2, progress=False, checkpoint_every=1,
+                      checkpoint_dir=str(tmp_path))
+    (tmp_path / "last.pt.tmp").mkdir()  # a stale or foreign temporary name in the way blocks nothing
+    m, t = _fresh()
+    real_save, calls = torch.save, []
+
+    def save(obj, f, *a, **k):  # the disk fills up while the third checkpoint is half written
+        calls.append(1)
+        if len(calls) == 3 and isinstance(obj, dict) and "step" in obj:
+            f.write(b"half a checkpoint")
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(runstate.torch, "save", save)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*last.pt: OSError: .*No space left on "
+                                              r"device.*the previous checkpoint there is kept"):
+        train(m, _data(), cfg, teacher=t)
+    monkeypatch.setattr(runstate.torch, "save", real_save)
+    assert load_checkpoint(tmp_path / "last.pt")["step"] == 2  # the finished steps up to the last good write
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.jsonl", "last.pt", "last.pt.tmp",
+                                                          "scorers.safetensors"]  # no temporary file left
+    m2, t2 = _fresh()
+    assert [h["step"] for h in train(m2, _data(), cfg, teacher=t2, resume=True)] == [3]
+
+
+def test_an_interrupt_while_writing_leaves_the_previous_checkpoint(tmp_path):
+    from kvpop.training.runstate import atomic_save
+
+    atomic_save({"step": 1}, tmp_path / "last.pt")
+
+    class Boom:
+        def __reduce__(self):
+            raise KeyboardInterrupt  # Ctrl-C in the middle of torch.save
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save({"step": 2, "x": Boom()}, tmp_path / "last.pt")
+    assert load_checkpoint(tmp_path / "last.pt") == {"step": 1} and len(list(tmp_path.iterdir())) == 1
+
+
+# ----------------------------------------------------------------------------- the refusal of a code-carrying last.pt
+@pytest.mark.parametrize("payload", ["exec", "os.system", "module"])
+def test_a_code_carrying_checkpoint_is_refused_for_that_reason(tmp_path, payload):
+    class System:
+        def __reduce__(self):
+            return os.system, ("true",)
+
+    obj = {"exec": Payload(tmp_path / "ran"), "os.system": System(), "module": torch.nn.Linear(2, 2)}[payload]
+    torch.save({"model": obj, "step": 1}, tmp_path / "last.pt")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path / "last.pt")
+    msg = str(e.value)
+    assert "was refused because loading it could run code" in msg, msg
+    assert "weights_only" not in msg and "Re-running" not in msg and "trusted source" not in msg, msg
+
+
+def test_unreadable_checkpoints_name_the_file_and_the_reason(tmp_path):
+    torch.save({"step": torch.zeros(1000)}, tmp_path / "good.pt")
+    raw = (tmp_path / "good.pt").read_bytes()
+    cases = {"empty.pt": b"", "truncated.pt": raw[: len(raw) // 2], "zip.pt": b"PK\x03\x04 not a zip"}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CheckpointError, match=f"cannot read checkpoint .*{name}") as e:
+            load_checkpoint(tmp_path / name)
+        assert "miniz" not in str(e.value) and "weights_only" not in str(e.value)
+    with pytest.raises(CheckpointError, match="is a directory"):
+        load_checkpoint(tmp_path)

@@ -1,0 +1,39 @@
+"""Writing files so that a failure never leaves a half-written file under the final name."""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["atomic_write"]
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, binary: bool = True) -> None:
+    """Write ``path`` through ``write(f)`` as a whole or not at all.
+
+    ``write`` fills a fresh temporary file of a unique name beside ``path`` (so a stale or foreign
+    ``path.tmp`` cannot block it), which is flushed to the disk and then renamed over ``path``.  On
+    any failure (an ``OSError`` such as a full disk, an error in ``write``, a ``KeyboardInterrupt``) the
+    temporary file is removed, ``path`` keeps its previous content, and the error propagates.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb" if binary else "x", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    with contextlib.suppress(OSError):  # the rename itself reaches the disk (POSIX: fsync the directory)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
