@@ -189,13 +189,6 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.method == "kvpop" and args.seq_len <= args.budget:
         _fail(f"--seq-len ({args.seq_len}) must be larger than --budget ({args.budget}): a sequence of at most "
               f"budget tokens evicts nothing, so the scorers get no training signal")
-    if args.model is not None:
-        from kvpop.models import check_model_dir
-
-        try:  # before any work: the family, the config and the weight files (headers only)
-            check_model_dir(args.model)
-        except (OSError, ValueError) as e:
-            _fail(f"--model {args.model}: {e}")
 
 
 def _decay_range(args: argparse.Namespace) -> dict[str, float]:
@@ -371,6 +364,13 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
         _check_resume_args(args, out)
     elif (out / "last.pt").exists():
         _fail(f"--out {out} already holds a run (last.pt); add --resume to continue it or choose another --out")
+    if args.model is not None:
+        from kvpop.models import check_model_dir
+
+        try:  # before any work: the family, the config and the weight files (headers only)
+            check_model_dir(args.model)
+        except (OSError, ValueError) as e:
+            _fail(f"--model {args.model}: {e}")
 
     import torch
     import torch.distributed as dist

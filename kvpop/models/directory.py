@@ -40,7 +40,7 @@ def check_model_dir(path: str | os.PathLike, *, families: tuple[str, ...] | None
     families = tuple(families or _supported())
     d = Path(path)
     if not d.exists():
-        raise FileNotFoundError(f"no model directory at {d}")
+        raise FileNotFoundError(f"no model directory at {d} (no such directory)")
     if not d.is_dir():
         raise ValueError(f"{d} is not a directory; a model directory (save_pretrained) holds config.json and "
                          f"the weights")

@@ -21,7 +21,35 @@ from typing import Any
 
 import torch
 
-__all__ = ["read_jsonl", "load_tokenizer", "chunk", "make_batches"]
+__all__ = ["read_jsonl", "load_tokenizer", "chunk", "make_batches", "data_fingerprint"]
+
+
+FULL_HASH_BYTES = 256 * 2**20
+"""Data files up to this size are hashed whole by :func:`data_fingerprint`; larger ones by samples."""
+
+
+def data_fingerprint(path: str | os.PathLike) -> str:
+    """What identifies the content of a data file, stored in a run's checkpoint so that ``--resume`` after
+    the file was edited in place is refused: its size and a BLAKE2 hash of the whole file up to
+    :data:`FULL_HASH_BYTES`, of its first and last 16 MiB and 64 evenly spaced 64 KiB blocks beyond that
+    (an edit of a larger file that keeps its size and misses every sample is not seen).  The modification
+    time is left out: a copy or ``touch`` of the same content keeps its fingerprint."""
+    import hashlib
+
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.blake2b(digest_size=16)
+    with p.open("rb") as f:
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: f.read(2**20), b""):
+                h.update(block)
+        else:
+            edge, blk = 16 * 2**20, 64 * 2**10
+            starts = [0, size - edge] + [edge + i * (size - 2 * edge - blk) // 63 for i in range(64)]
+            for start in starts:
+                f.seek(start)
+                h.update(f.read(edge if start in (0, size - edge) else blk))
+    return f"size={size} blake2b={h.hexdigest()}" + ("" if size <= FULL_HASH_BYTES else " sampled")
 
 
 def load_tokenizer(model_dir: str | os.PathLike) -> Any:

@@ -31,7 +31,7 @@ import torch
 from kvpop.core.files import atomic_write
 
 __all__ = ["CheckpointError", "RunDirectoryError", "RunLock", "load_checkpoint", "atomic_save", "rng_state",
-           "set_rng_state", "StopSignals",
+           "set_rng_state", "restore_rng_state", "check_progress", "check_state_dict", "StopSignals",
            "TrainingInterrupted", "append_jsonl", "write_jsonl"]
 
 
@@ -67,6 +67,62 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if not isinstance(ck, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(ck).__name__}, not a kvpop checkpoint (a dict)")
     return ck
+
+
+def check_progress(ck: dict, path: Path, *, grad_accum: int = 1) -> tuple[int, int]:
+    """``(step, consumed)`` of a training checkpoint, once they are ints that fit each other:
+    ``step <= consumed <= step * grad_accum`` (every step consumes 1 .. ``grad_accum`` micro-batches; the
+    larger of this run's and the checkpoint's own ``train_config.grad_accum`` counts).
+    :class:`CheckpointError` naming the file and the entry otherwise (a ``consumed`` of ``10**12`` would
+    make a resume skip data for ever)."""
+    for name in ("step", "consumed"):
+        if name not in ck:
+            raise CheckpointError(f"checkpoint {path} has no {name!r} entry: it was not written by kvpop train "
+                                  f"(or by another version); start in another directory")
+        v = ck[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CheckpointError(f"checkpoint {path}: {name!r} is {type(v).__name__} {str(v)[:40]}, expected an "
+                                  f"int >= 0")
+    step, consumed = ck["step"], ck["consumed"]
+    saved = ck.get("train_config") if isinstance(ck.get("train_config"), dict) else {}
+    ga = saved.get("grad_accum")
+    most = max(grad_accum, ga if isinstance(ga, int) and not isinstance(ga, bool) and ga > 0 else 1)
+    if not step <= consumed <= step * most:
+        raise CheckpointError(f"checkpoint {path} claims {consumed} micro-batches consumed in {step} steps of 1 to "
+                              f"{most} micro-batches each: it is damaged or was edited; start in another directory")
+    return step, consumed
+
+
+def check_state_dict(saved: Any, expected: dict[str, torch.Tensor], path: Path, what: str = "model") -> None:
+    """:class:`CheckpointError` naming the file and the first differing tensor when ``saved`` (the
+    checkpoint's ``what`` entry) is not a state dict with the keys and shapes of ``expected``."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path}: its {what!r} entry is a {type(saved).__name__}, not a state dict")
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path} does not fit the {what}: missing {missing[:4]}"
+                              f"{' ...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
+                              f"{' ...' if len(unexpected) > 4 else ''} (a checkpoint of another model or config?)")
+    for k, t in expected.items():
+        v = saved[k]
+        if not isinstance(v, torch.Tensor) or v.shape != t.shape:
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise CheckpointError(f"checkpoint {path}: tensor {k} has shape {got}, the {what} needs "
+                                  f"{tuple(t.shape)} (a checkpoint of another model or config?)")
+
+
+def restore_rng_state(st: Any, path: Path) -> None:
+    """:func:`set_rng_state` of a checkpoint's ``rng`` entry; a missing or malformed one raises
+    :class:`CheckpointError` naming the file, with the RNG states as they were."""
+    before = rng_state()
+    try:
+        if not isinstance(st, dict):
+            raise TypeError(f"a {type(st).__name__}, not a dict")
+        set_rng_state(st)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as e:
+        set_rng_state(before)
+        raise CheckpointError(f"checkpoint {path}: its 'rng' entry cannot be restored ({type(e).__name__}: "
+                              f"{str(e)[:200]}); it was not written by kvpop train, or is damaged") from None
 
 
 def _first_sentence(e: BaseException) -> str:
