@@ -3,7 +3,8 @@
 Providers, on one shape each, in one run:
 
 * ``kvpop``: ``kvpop_kernels.future_attention_target`` (Triton on CUDA; the chunked PyTorch path on
-  the CPU, never the interpreter);
+  the CPU, never the interpreter); ``kvpop-max`` and ``kvpop-power`` the same op with ``label="max"``
+  and ``label="power"`` (a = 4): the cost of the running max and the rescaled sum;
 * ``reference``: ``kvpop_kernels.reference.future_attention_target``, which materialises the
   ``[B, Hq, S, S]`` logits (skipped where that does not fit in memory);
 * ``sdpa``: the dense causal attention forward of the same shape,
@@ -47,7 +48,8 @@ if CUDA:
     SHAPES = [(1, 32, 8, 4096, 128, torch.bfloat16), (1, 32, 8, 16384, 128, torch.bfloat16)]
 else:
     SHAPES = [(1, 4, 2, 512, 64, torch.float32), (1, 4, 2, 1024, 64, torch.float32)]
-PROVIDERS = ["kvpop", "reference", "sdpa"]
+PROVIDERS = ["kvpop", "kvpop-max", "kvpop-power", "reference", "sdpa"]
+LABEL_OF = {"kvpop": "mean", "kvpop-max": "max", "kvpop-power": "power"}  # the labels of the op (power: a = 4)
 
 
 def _shape_id(s):
@@ -81,13 +83,14 @@ def _causal_pairs(B: int, Hq: int, S: int) -> int:
     return B * Hq * S * (S + 1) // 2
 
 
-def _kvpop_target(q: torch.Tensor, k: torch.Tensor):
+def _kvpop_target(q: torch.Tensor, k: torch.Tensor, label: str = "mean"):
     """The op on this device: Triton on CUDA; on the CPU the PyTorch path, also when TRITON_INTERPRET
-    is set in this process (the interpreter is not timed)."""
+    is set in this process (the interpreter is not timed).  ``label``: the label family's member (the
+    power mean at a = 4)."""
     lse = _chunked_causal_lse(q, k)
     if CUDA:
-        return lambda: kvpop_kernels.future_attention_target(q, k, lse, window=WINDOW)
-    return lambda: ft._cpu_target(q, k, lse, WINDOW, 1e-6, q.shape[-1] ** -0.5)
+        return lambda: kvpop_kernels.future_attention_target(q, k, lse, window=WINDOW, label=label, power=4.0)
+    return lambda: ft._cpu_target(q, k, lse, WINDOW, 1e-6, q.shape[-1] ** -0.5, label=label, power=4.0)
 
 
 def _synced(fn):
@@ -124,8 +127,8 @@ def test_future_target(benchmark, provider, shape):
     v = torch.randn(B, Hkv, S, D, device=DEVICE, dtype=dtype)
     elt = torch.finfo(torch.float32).bits // 8
 
-    if provider == "kvpop":
-        run = _kvpop_target(q, k)
+    if provider in LABEL_OF:
+        run = _kvpop_target(q, k, LABEL_OF[provider])
         pairs = _target_pairs(B, Hq, S)
         est_peak = ft._cpu_chunk(B, Hq, S) * B * Hq * S * elt
     elif provider == "reference":

@@ -123,20 +123,22 @@ def future_attention_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
 
     ``p[h,g,u,t] = exp(scale * q_u . k_t - lse_u)`` for ``u >= t + w`` (else 0), ``N_t = max(1, S-t-w)``,
     ``m[h,g,t] = sum_u p / N_t`` (``label="mean"``), ``max_u p`` (``"max"``) or
-    ``(sum_u p^power / N_t)^(1/power)`` (``"power"``, computed literally in float64),
+    ``(sum_u p^power / N_t)^(1/power)`` (``"power"``, computed literally),
     ``r_tgt[h,t] = max_g log(eps + m[h,g,t])``.  ``q [B,Hq,S,D]``, ``k [B,Hkv,S,D]``, ``lse [B,Hq,S]``.
+    Float32, float64 for ``"power"`` (whose ``p^a`` underflows float32).
     """
     Bsz, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
-    kk = k.double().repeat_interleave(G, dim=1)  # query head h*G+g reads KV head h
-    logits = torch.einsum("bhud,bhtd->bhut", q.double(), kk) * scale
+    dt = torch.float64 if label == "power" else torch.float32
+    kk = k.to(dt).repeat_interleave(G, dim=1)  # query head h*G+g reads KV head h
+    logits = torch.einsum("bhud,bhtd->bhut", q.to(dt), kk) * scale
     u = torch.arange(S, device=q.device).view(S, 1)
     t = torch.arange(S, device=q.device).view(1, S)
     keep = u >= t + window
-    prob = torch.exp(logits - lse.double().unsqueeze(-1)) * keep
-    n = torch.clamp(S - torch.arange(S, device=q.device) - window, min=1).double()
+    prob = torch.exp(logits - lse.to(dt).unsqueeze(-1)) * keep
+    n = torch.clamp(S - torch.arange(S, device=q.device) - window, min=1).to(dt)
     if label == "mean":
         m = prob.sum(dim=2) / n  # [B, Hq, S]
     elif label == "max":
