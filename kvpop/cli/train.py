@@ -56,7 +56,7 @@ _PATHS = ("data", "model")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvpop.core.config import LABELS, MASK_SOURCES, SCORERS, TARGET_LSES, TARGET_SOURCES, KVpopConfig
     from kvpop.core.dms import DMSConfig
-    from kvpop.training.train import DIST_MODES
+    from kvpop.training.train import DIST_MODES, LEARNING_RATES
 
     d = KVpopConfig()
     dd = DMSConfig()
@@ -84,9 +84,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--steps", type=int, default=100, help="optimiser steps (default 100)")
     opt.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch and process (default 1)")
     opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step (default 1)")
-    opt.add_argument("--lr-model", type=float, default=1e-5, help="AdamW learning rate of the model (default 1e-5)")
-    opt.add_argument("--lr-scorer", type=float, default=1e-3,
-                     help="AdamW learning rate of the scorers and decays (default 1e-3)")
+    lr = LEARNING_RATES
+    opt.add_argument("--lr-model", type=float, default=None,
+                     help=f"AdamW learning rate of the model (default: the method's, {lr['kvpop']['lr_model']:g} for "
+                          f"kvpop and {lr['dms']['lr_model']:g} for dms)")
+    opt.add_argument("--lr-scorer", type=float, default=None,
+                     help=f"AdamW learning rate of the scorers and decays, or with --method dms of the DMS gates "
+                          f"(default: the method's, {lr['kvpop']['lr_scorer']:g} for kvpop and "
+                          f"{lr['dms']['lr_scorer']:g} for dms: the gates start at bias -gate-offset and must move "
+                          f"by about that much within the schedule)")
     opt.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps (default 0)")
     opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     opt.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, <= 0 for none (default 1)")
@@ -136,7 +142,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="do not balance keep/drop decisions in L_score (then several processes take "
                          "exactly the steps of one)")
 
-    dm = p.add_argument_group("DMS (--method dms, kvpop.core.dms.DMSConfig; --sinks and --window are shared)")
+    dm = p.add_argument_group(
+        "DMS (--method dms, kvpop.core.dms.DMSConfig)",
+        "DMS trains per-token eviction gates and the model (KL to the frozen original plus a compression loss "
+        "whose target keep fraction falls linearly to --target-keep over --schedule-steps). Also used: --sinks, "
+        "--window (the eviction delay), --lr-scorer (the gates' learning rate, default "
+        f"{LEARNING_RATES['dms']['lr_scorer']:g}), --lr-model, --steps, --no-train-model; --budget and the scorer "
+        "options are not. At the end the run warns when its keep fraction (mean of the last 10 steps) missed the "
+        f"target by more than {KEEP_MARGIN:.0%} of it: then train longer or raise --lr-scorer. Evaluate it with "
+        "kvpop eval --run OUT.")
     dm.add_argument("--target-keep", type=float, default=dd.target_keep,
                     help=f"keep fraction the compression loss drives the gates to (default {dd.target_keep}: "
                          f"compression ratio {1 / dd.target_keep:g})")
@@ -164,6 +178,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
 
 
+KEEP_MARGIN = 0.25
+"""A DMS run warns when the mean keep fraction of its last :data:`KEEP_STEPS` steps is further than this
+fraction of the target from the target (e.g. outside 0.094-0.156 for --target-keep 0.125)."""
+KEEP_STEPS = 10
+
+
+def keep_miss(history: list[dict]) -> tuple[float, float] | None:
+    """``(keep, target)``: the mean keep fraction and mean target over the last :data:`KEEP_STEPS` steps of a
+    DMS run's history when they differ by more than :data:`KEEP_MARGIN` of the target, else ``None``."""
+    last = [h for h in history[-KEEP_STEPS:] if "keep_frac" in h and "target_keep" in h]
+    if not last:
+        return None
+    keep = sum(h["keep_frac"] for h in last) / len(last)
+    target = sum(h["target_keep"] for h in last) / len(last)
+    return (keep, target) if abs(keep - target) > KEEP_MARGIN * target else None
+
+
 class _UserError(Exception):
     pass
 
@@ -182,7 +213,7 @@ def _check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("lr_model", "lr_scorer"):
-        if not getattr(args, name) > 0:
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
             _fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if not args.data and not args.task:
         _fail("give the training data: --data FILE.jsonl or --task")
@@ -379,7 +410,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
     from kvpop.core.dms import DMSConfig, patch_dms
     from kvpop.core.patching import patch
     from kvpop.training.runstate import CheckpointError
-    from kvpop.training.train import TrainConfig, TrainingInterrupted, save_model, train
+    from kvpop.training.train import TrainConfig, TrainingInterrupted, learning_rates, save_model, train
 
     try:
         if args.method == "kvpop":
@@ -446,6 +477,15 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                 if args.method == "dms":
                     print(f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, compression loss {h['score']:.4f}, "
                           f"keep {h['keep_frac']:.3f} (target {h['target_keep']:.3f}); wrote {out}")
+                    whole = out / "history.jsonl"  # a resumed run's steps before this call too
+                    miss = keep_miss([json.loads(x) for x in whole.read_text().splitlines()] if whole.exists()
+                                     else hist)
+                    if miss is not None:
+                        print(f"kvpop train: warning: DMS's keep fraction {miss[0]:.3f} (mean of the last "
+                              f"{KEEP_STEPS} steps) missed its target {miss[1]:.3f} by more than "
+                              f"{KEEP_MARGIN:.0%}: train longer (--steps; the schedule ends at --schedule-steps) or "
+                              f"raise the gates' learning rate (--lr-scorer, now {learning_rates(tcfg, 'dms')[1]:g})",
+                              file=sys.stderr)
                 else:
                     print(f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, score {h['score']:.4f}, "
                           f"accuracy {h.get('accuracy', float('nan')):.3f}; wrote {out}")
