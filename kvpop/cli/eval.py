@@ -148,6 +148,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default budgets 6.25/12.5/25%% of the longest trace)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="with --data: cut every record into sequences of this many tokens (default: records whole)")
+    from .problems import add_arguments as add_problems
+
+    add_problems(p)
 
 
 def finish(results: dict, out: Path | None, plot: bool) -> None:
@@ -324,6 +327,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
+    if args.problems is not None:
+        if args.data is not None:
+            print("kvpop eval: error: --problems and --data are two different evaluations; give one", file=sys.stderr)
+            return 2
+        from .problems import run as run_problems
+
+        return run_problems(args, trained, wanted)
     if args.data is not None:
         return _run_traces(args, trained, wanted)
     try:

@@ -1,0 +1,126 @@
+"""``kvpop eval --problems FILE.jsonl``: accuracy of generated answers per policy and budget (:mod:`kvpop.problems`).
+
+The policies come from the same ``--run`` / ``--scorers`` / ``--finetuned`` / ``--dms`` options as the rest of
+``kvpop eval`` (:func:`kvpop.cli.eval._trained`, :func:`kvpop.cli.eval._policy_models`).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generated answers (--problems)")
+    g.add_argument("--problems", default=None, metavar="JSONL",
+                   help='problems: JSONL of {"prompt": "..."} or {"prompt_ids": [...]} with "answer" (a string or a '
+                        'list of accepted strings) or "answer_ids", optional "id"; each is answered --samples times '
+                        "under every policy and budget (pass@1, maj@N, pass@N, generated length, peak cache bytes)")
+    g.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+                   help="hf (default): batched transformers generate through the policies' caches; vllm: the kvpop "
+                        "vLLM plugin (needs vllm installed)")
+    g.add_argument("--samples", type=int, default=1, help="samples per problem (default 1)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; each problem and sample draws from its own generator seeded by it (default 0)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens generated at most per answer (default: the longest answer_ids when every record has "
+                        "them, else 512)")
+    g.add_argument("--chat-template", action="store_true",
+                   help="wrap text prompts in the model's chat template (one user turn, generation prompt added)")
+    g.add_argument("--extract", default="last-number",
+                   help="how a text answer is read from the generation: last-number (default), boxed (\\boxed{...}), "
+                        "regex:PATTERN (the last match, its first group if any), exact (the whole text)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences generated together (default 8; dms: 1)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (its problems.jsonl), skipping the problems already answered")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> int:
+    import torch
+
+    from kvpop import problems as P
+    from kvpop.demo import evaluate as E
+    from kvpop.demo import trace_eval as TE
+    from kvpop.training import data as data_io
+
+    from .eval import _ints, _policy_models, _settings
+
+    t0 = time.time()
+    try:
+        for name in ("lengths", "train_len", "n_sequences", "data", "seq_len"):
+            if getattr(args, name, None) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} is not for --problems")
+        if args.resume and args.out is None:
+            raise ValueError("--resume needs --out (the directory of the run to continue)")
+        if args.engine == "vllm":
+            try:
+                import vllm  # noqa: F401
+            except ImportError:
+                raise ValueError("--engine vllm needs vLLM installed (pip install vllm; kvpop's plugin is "
+                                 "kvpop.vllm); use --engine hf") from None
+            raise ValueError("--engine vllm is not implemented yet for --problems; use --engine hf")
+        sinks, window, summary = _settings(args, trained, wanted)
+        budgets = _ints(args.budgets) or E.budgets_for(2048)
+        path = Path(args.problems)
+        base = TE.load_model(args.model) if args.model is not None else E.load_base_model()
+        model_dir = Path(args.model) if args.model is not None else E.SHIPPED_MODEL
+        tok_holder: dict = {}
+
+        def tokenizer():
+            if "tok" not in tok_holder:
+                try:
+                    tok_holder["tok"] = data_io.load_tokenizer(model_dir)
+                except ValueError:
+                    tok_holder["tok"] = None
+            return tok_holder["tok"]
+
+        problems = P.read_problems(path, vocab_size=base.config.vocab_size, tokenizer=tokenizer,
+                                   tokenizer_source=f"the model directory {model_dir}",
+                                   chat_template=args.chat_template)
+        max_new = args.max_new_tokens
+        if max_new is None:
+            max_new = (max(len(p.answer_ids) for p in problems)
+                       if all(p.answer_ids is not None for p in problems) else 512)
+        cfg = P.ProblemsConfig(budgets=budgets, policies=wanted or list(E.POLICIES), samples=args.samples,
+                               temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=max_new,
+                               extract=args.extract, batch_size=args.batch_size, sinks=sinks, window=window,
+                               progress=not args.no_progress, problems_file=str(path),
+                               problems_sha256=_sha256(path),
+                               extra={"model": str(model_dir), "chat_template": bool(args.chat_template),
+                                      "trained": summary})
+        models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=sinks, window=window,
+                                budget=cfg.budgets[0] if cfg.budgets else sinks + window + 1, load=TE.load_model)
+        tok = tokenizer() if any(p.answers is not None for p in problems) else None
+        gc = base.generation_config
+        eos = gc.eos_token_id if gc.eos_token_id is not None else base.config.eos_token_id
+        pad = gc.pad_token_id if gc.pad_token_id is not None else (base.config.pad_token_id or 0)
+        results = P.evaluate_problems(models, problems, cfg,
+                                      decode=(lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok else None,
+                                      eos_token_id=eos, pad_token_id=pad, out=args.out, resume=args.resume)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"kvpop eval: error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else None
+    table = P.finish_problems(results, out, not args.no_plot)
+    print(table)
+    if out is not None:
+        (out / "run.json").write_text(json.dumps({"eval_seconds": round(time.time() - t0, 1),
+                                                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                  "argv": sys.argv[1:], "threads": torch.get_num_threads()},
+                                                 indent=1) + "\n")
+        print(f"wrote {out / 'results.json'}, table.md, generations.jsonl" +
+              ("" if args.no_plot else ", accuracy_vs_budget.png"))
+    return 0
