@@ -108,15 +108,29 @@ def check_split_options(num_splits: object, block_n: object) -> None:
 
 def check_gqa(hq: int, hkv: int) -> int:
     """Return the group size ``G = Hq // Hkv`` or raise when ``Hq`` is not a multiple of ``Hkv``."""
-    if hkv < 1 or hq % hkv != 0:
+    if hkv < 1 or hq < 1 or hq % hkv != 0:
         raise ValueError(
             f"the number of query heads ({hq}) must be a positive multiple of the number of KV heads ({hkv})"
         )
     return hq // hkv
 
 
+def host_check(check: object, device: torch.device) -> bool:
+    """Resolve the decode ops' ``check=`` argument: ``True`` / ``False`` as given; ``None`` (the default)
+    checks on the host for CPU tensors in an eager call, never for CUDA tensors or while
+    ``torch.compile`` traces (the decode hot path stays free of host synchronisation; the kernels'
+    device-side guard covers it)."""
+    if check is None:
+        return device.type == "cpu" and not torch.compiler.is_compiling()
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be True, False or None, got {check!r}")
+    return check
+
+
 def default_scale(scale: float | None, head_dim: int) -> float:
-    """``scale`` or ``head_dim ** -0.5``."""
+    """``scale`` or ``head_dim ** -0.5``; a head size below 1 is refused."""
+    if head_dim < 1:
+        raise ValueError(f"the head size D (the last dimension of q) must be >= 1, got {head_dim}")
     if scale is None:
         return head_dim ** -0.5
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:

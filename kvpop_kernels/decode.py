@@ -17,6 +17,7 @@ from ._utils import (
     check_tensor,
     default_scale,
     empty,
+    host_check,
     use_triton,
 )
 from .splitk import CACHE_DTYPES, LOG2E, plan_splits, upcast_operands
@@ -258,11 +259,16 @@ def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
     K = B - s - w
     dev = q.device
     pos = pos.to(torch.int64)
+    # the device-side guard (no host read): a row whose position lies outside [0, 2**31 - 2] computes
+    # with position 0, writes nothing and returns NaN, as the Triton kernels do
+    bad = (pos < 0) | (pos > _INT32_MAX - 1)  # [N]
+    pos = pos.masked_fill(bad, 0)
     t_new = pos - w  # [N]
     slot_new = slot_of(pos, sinks=s, window=w)  # [N]
     ni = torch.arange(N, device=dev)[:, None]
     hi = torch.arange(Hkv, device=dev)[None, :]
     sn = slot_new[:, None].expand(N, Hkv)
+    ok = ~bad[:, None]  # [N, 1]
     if K > 0:
         low_p = slot_prio.amin(dim=-1)  # lowest priority ...
         # ... then the oldest position; ``min`` returns the first index among equal values, which
@@ -271,15 +277,15 @@ def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
         low_t, j = older.min(dim=-1)  # [N, Hkv]
         lp = leaving_prio.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         tn = t_new[:, None]
-        keep = (tn >= s) & ((lp > low_p) | ((lp == low_p) & (low_t < tn)))
+        keep = (tn >= s) & ((lp > low_p) | ((lp == low_p) & (low_t < tn))) & ok
         dst = s + w + j
         k_cache[ni, hi, dst] = torch.where(keep[..., None], k_cache[ni, hi, sn], k_cache[ni, hi, dst])
         v_cache[ni, hi, dst] = torch.where(keep[..., None], v_cache[ni, hi, sn], v_cache[ni, hi, dst])
         slot_pos[ni, hi, dst] = torch.where(keep, tn.to(torch.int32), slot_pos[ni, hi, dst])
         slot_prio[ni, hi, j] = torch.where(keep, lp, slot_prio[ni, hi, j])
-    k_cache[ni, hi, sn] = k_new
-    v_cache[ni, hi, sn] = v_new
-    slot_pos[ni, hi, sn] = pos[:, None].to(torch.int32)
+    k_cache[ni, hi, sn] = torch.where(ok[..., None], k_new, k_cache[ni, hi, sn])
+    v_cache[ni, hi, sn] = torch.where(ok[..., None], v_new, v_cache[ni, hi, sn])
+    slot_pos[ni, hi, sn] = torch.where(ok, pos[:, None].to(torch.int32), slot_pos[ni, hi, sn])
 
     kc = k_cache.float()  # no copy for float32 caches
     vc = v_cache.float()
@@ -292,6 +298,8 @@ def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
     l = probs.sum(dim=-1, keepdim=True)
     out = torch.matmul(probs, vc).div_(l)
     lse = m.mul_(scale).add_(l.log_()).squeeze(-1)  # [N, Hkv, G]
+    out = out.masked_fill_(bad[:, None, None, None], float("nan"))
+    lse = lse.masked_fill_(bad[:, None, None], float("nan"))
     return out.reshape(N, Hq, D).to(q.dtype), lse.reshape(N, Hq)
 
 
@@ -363,6 +371,16 @@ def _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio,
                                  f"own tensor")
 
 
+def _check_positions(pos: torch.Tensor) -> None:
+    """The host check of a ``pos`` tensor (``check=True``): every position in ``[0, 2**31 - 2]``."""
+    p = pos.detach().to("cpu", torch.int64)
+    bad = ((p < 0) | (p > _INT32_MAX - 1)).nonzero().flatten()
+    if bad.numel():
+        rows = bad[:8].tolist()
+        raise ValueError(f"pos must lie in [0, 2**31 - 2] (int32 slot positions), got {p[bad[:8]].tolist()} in "
+                         f"rows {rows}{' ...' if bad.numel() > 8 else ''}")
+
+
 def _overlaps_itself(x: torch.Tensor) -> bool:
     """True unless the elements of ``x`` provably lie at distinct addresses (its dims, ordered by stride,
     nest: each stride at least the extent of the dims below it)."""
@@ -385,7 +403,8 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
                         slot_prio: torch.Tensor, leaving_prio: torch.Tensor, *, pos: int | torch.Tensor,
                         sinks: int, window: int, scale: float | None = None,
-                        num_splits: int | None = None, block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_splits: int | None = None, block_n: int | None = None,
+                        check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step over a fixed budget of ``B = s + w + k`` slots per (batch row, KV head), in place.
 
     Two forms: batch-1 (shapes below without the leading ``N``) or batched (every tensor with a
@@ -411,13 +430,19 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
             for the first token): a Python int (every row at the same position), or an int32/int64
             tensor ``[N]`` on q's device, read by the kernels on the device (no host
             synchronisation, so a step can be captured in a CUDA graph or traced by
-            ``torch.compile``).  Positions must lie in ``[0, 2**31 - 2]``; a tensor's values are not
-            checked on the host.  The caller keeps it.
+            ``torch.compile``).  Positions must lie in ``[0, 2**31 - 2]`` (see ``check``).  The caller
+            keeps it.
         sinks, window: ``s >= 0``, ``w >= 1`` with ``s + w <= B``.
         scale: softmax scale, default ``D ** -0.5``.
         num_splits: Triton only: number of split-K programs per (row, KV head) (default: about two
             programs per SM on CUDA over all rows).  block_n: Triton only: slots per tile, a power
             of two >= 16 (default 32 on CUDA, 64 in the interpreter).
+        check: read a ``pos`` tensor back to the host and raise ``ValueError`` for a position outside
+            ``[0, 2**31 - 2]`` (a host synchronisation).  Default ``None``: on for CPU tensors in an eager
+            call, off for CUDA tensors and under ``torch.compile``, so the decode hot path reads nothing
+            back (``KVpopCache`` passes ``False``: it makes the positions itself).  Unchecked, every
+            backend guards on the device: a row at such a position writes nothing to the cache and
+            returns NaN (``out`` and ``lse``); no index ever leaves its tensor.
 
     The step, per row and KV head (docs/DESIGN.md: "the token leaving the window replaces the
     long-range slot of lowest priority if it ranks above it, else it is dropped"):
@@ -443,13 +468,17 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     """
     _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window)
     scale = default_scale(scale, q.shape[-1])
+    if isinstance(pos, torch.Tensor) and host_check(check, q.device):
+        _check_positions(pos)
     batched = q.dim() == 3
     if not batched:
         q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio = (
             x.unsqueeze(0) for x in (q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio))
     if not isinstance(pos, torch.Tensor):
         pos = torch.full((q.shape[0],), pos, dtype=torch.int64, device=q.device)
-    if use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio):
+    if q.shape[0] == 0:  # no row: nothing to write (and no pointer a kernel may take)
+        out, lse = q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    elif use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio):
         check_split_options(num_splits, block_n)
         out, lse = _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
                                   sinks=sinks, window=window, scale=scale, num_splits=num_splits,

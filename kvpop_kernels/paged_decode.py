@@ -25,6 +25,8 @@ PyTorch path (other CPU tensors): vectorised over heads, no gather of keys or va
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ._utils import (
@@ -34,6 +36,7 @@ from ._utils import (
     check_tensor,
     default_scale,
     empty,
+    host_check,
     use_triton,
 )
 from .splitk import CACHE_DTYPES, LOG2E, plan_splits, upcast_operands
@@ -166,14 +169,26 @@ def _torch_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, *
     G = Hq // Hkv
     Np, P, _ = pool_k.shape
     W = table.shape[1]
+    dev = q.device
+    # the device-side guard (no host read), as in the Triton kernel: a head whose length lies outside
+    # [0, W * P], or whose table lists a page outside the pool among its used entries, reads nothing
+    # there and returns NaN
+    lens = lengths.long()
+    bad = (lens < 0) | (lens > W * P)  # [Hkv]
+    lens = lens.masked_fill(bad, 0)
+    tab = table.long()
+    used = torch.arange(W, device=dev) < ((lens + P - 1) // P)[:, None]  # [Hkv, W]
+    bad = bad | (used & ((tab < 0) | (tab >= Np))).any(-1)
+    nan_rows = bad[:, None].expand(Hkv, G).reshape(Hq)
     qf = q.float()
     s_fix = (qf.view(Hkv, G, D) @ fixed_k[:, :n_fixed].float().transpose(1, 2)) * scale  # [Hkv, G, n_fixed]
     if not (W and Np):
         lse = torch.logsumexp(s_fix, dim=-1)
         p_fix = torch.exp(s_fix - lse.nan_to_num(neginf=0.0)[..., None])
-        return (p_fix @ fixed_v[:, :n_fixed].float()).reshape(Hq, D).to(q.dtype), lse.reshape(Hq)
-    rows = (table.long().clamp(0, Np - 1)[:, :, None] * P + torch.arange(P, device=q.device)).reshape(Hkv, W * P)
-    ok = torch.arange(W * P, device=q.device) < lengths.long()[:, None]  # [Hkv, W * P]
+        out = (p_fix @ fixed_v[:, :n_fixed].float()).reshape(Hq, D)
+        return _refuse(out, lse.reshape(Hq), nan_rows, q.dtype)
+    rows = (tab.clamp(0, Np - 1)[:, :, None] * P + torch.arange(P, device=dev)).reshape(Hkv, W * P)
+    ok = torch.arange(W * P, device=dev) < lens[:, None]  # [Hkv, W * P]
     pk, pv = pool_k.reshape(Np * P, D).float(), pool_v.reshape(Np * P, D).float()
     s_all = (qf @ pk.T).view(Hkv, G, Np * P) * scale
     s_pool = s_all.gather(2, rows[:, None, :].expand(Hkv, G, W * P)).masked_fill_(~ok[:, None], float("-inf"))
@@ -182,7 +197,13 @@ def _torch_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, *
     p_pool = torch.zeros(Hkv, G, Np * P, device=q.device).scatter_add_(2, rows[:, None, :].expand(Hkv, G, W * P),
                                                                        torch.exp(s_pool - m))
     out = torch.exp(s_fix - m) @ fixed_v[:, :n_fixed].float() + p_pool @ pv
-    return out.reshape(Hq, D).to(q.dtype), lse.reshape(Hq)
+    return _refuse(out.reshape(Hq, D), lse.reshape(Hq), nan_rows, q.dtype)
+
+
+def _refuse(out: torch.Tensor, lse: torch.Tensor, nan_rows: torch.Tensor, dtype: torch.dtype):
+    """NaN in the rows of the heads the guard refused; ``out`` cast to ``dtype``."""
+    return (out.masked_fill(nan_rows[:, None], float("nan")).to(dtype),
+            lse.masked_fill(nan_rows, float("nan")))
 
 
 def _check(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths):
@@ -216,10 +237,28 @@ def _check(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths):
                          f"{tuple(lengths.shape)}")
 
 
+def _check_indices(table: torch.Tensor, lengths: torch.Tensor, Np: int, P: int) -> None:
+    """The host check (``check=True``): ``0 <= lengths[h] <= W * P`` and the used entries
+    ``table[h, :ceil(lengths[h] / P)]`` are pages of the pool."""
+    W = table.shape[1]
+    lens = lengths.detach().to("cpu", torch.int64)
+    bad = ((lens < 0) | (lens > W * P)).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"lengths must lie in [0, W * P] = [0, {W * P}] (W = table.shape[1] = {W}, P = {P}), got "
+                         f"{lens[bad[:8]].tolist()} for heads {bad[:8].tolist()}")
+    tab = table.detach().to("cpu", torch.int64)
+    used = torch.arange(W) < ((lens + P - 1) // P)[:, None]
+    wrong = (used & ((tab < 0) | (tab >= Np))).nonzero()
+    if wrong.numel():
+        h, c = wrong[0].tolist()
+        raise ValueError(f"table[{h}, {c}] = {int(tab[h, c])} names a page outside the pool's {Np} pages "
+                         f"(used table entries outside the pool: {wrong.shape[0]})")
+
+
 def ragged_paged_decode(q: torch.Tensor, fixed_k: torch.Tensor, fixed_v: torch.Tensor, n_fixed: int,
                         pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, *,
                         scale: float | None = None, num_splits: int | None = None, block_n: int | None = None,
-                        validate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        check: bool | None = None, validate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per query head over what each KV head holds, ragged over heads and paged.
 
     Args:
@@ -236,24 +275,26 @@ def ragged_paged_decode(q: torch.Tensor, fixed_k: torch.Tensor, fixed_v: torch.T
         scale: softmax scale, default ``D ** -0.5``.
         num_splits, block_n: Triton only: split-K programs per head (default: about two programs per SM
             over all heads, planned from the table's width) and keys per tile (a power of two >= 16).
-        validate: read ``table`` and ``lengths`` back to the host and check the rules above (a host
-            synchronisation: for debugging; by default their values are not checked, as a decode step
-            must not read the device).
+        check: read ``table`` and ``lengths`` back to the host and raise ``ValueError`` where they break
+            the rules above (a host synchronisation).  Default ``None``: on for CPU tensors in an eager
+            call, off for CUDA tensors and under ``torch.compile``, so a decode step reads nothing back
+            (``DMSCache`` passes ``False``: it makes the table and lengths itself).  Unchecked, every
+            backend guards on the device: a head whose length lies outside ``[0, W * P]`` or whose used
+            table entries name a page outside the pool reads nothing there and returns NaN (its query
+            heads' ``out`` and ``lse``); no index ever leaves its tensor.
+        validate: the old name of ``check`` (deprecated).
 
     Returns ``(out [Hq, D] in q's dtype, lse float32 [Hq])``, natural-log LSE (``-inf`` and zeros for a
     head with no key).  Not differentiable.
     """
     _check(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths)
     scale = default_scale(scale, q.shape[-1])
-    if validate:
-        lens = lengths.long().cpu()
-        W, P, Np = table.shape[1], pool_k.shape[1], pool_k.shape[0]
-        if bool((lens < 0).any()) or bool((lens > W * P).any()):
-            raise ValueError(f"lengths must lie in [0, W * P] = [0, {W * P}], got {lens.tolist()}")
-        for h, n in enumerate(lens.tolist()):
-            used = table[h, :-(-n // P)].long().cpu()
-            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= Np):
-                raise ValueError(f"table[{h}] lists pages outside the pool's {Np}: {used.tolist()}")
+    if validate is not None:
+        warnings.warn("ragged_paged_decode(validate=...) is deprecated: use check=...", DeprecationWarning,
+                      stacklevel=2)
+        check = validate if check is None else check
+    if host_check(check, q.device):
+        _check_indices(table, lengths, pool_k.shape[0], pool_k.shape[1])
     if use_triton(q, fixed_k, fixed_v, pool_k, pool_v, table, lengths):
         check_split_options(num_splits, block_n)
         return _triton_paged(q, fixed_k, fixed_v, n_fixed, pool_k, pool_v, table, lengths, scale=scale,

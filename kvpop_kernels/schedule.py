@@ -191,7 +191,7 @@ _BLOCK_T, _BLOCK_U = 64, 64
 def _triton_schedule(p32: torch.Tensor, sinks: int, window: int, k: int) -> torch.Tensor:
     Bsz, H, S = p32.shape
     ev = empty((Bsz, H, S), dtype=torch.int32, device=p32.device)
-    if S == 0:
+    if ev.numel() == 0:  # (an empty CUDA tensor has no pointer a kernel may take)
         return ev
     grid = (triton.cdiv(S, _BLOCK_T), Bsz * H)
     _schedule_kernel[grid](p32, ev, S, sinks, window, k, BLOCK_T=_BLOCK_T, BLOCK_U=_BLOCK_U)
@@ -235,7 +235,7 @@ def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int,
         ev = _triton_schedule(p32, sinks, window, k)
         y = empty((Bsz, H, S), dtype=torch.int8, device=p32.device)
         bnd = empty((Bsz, H, S), dtype=torch.int32, device=p32.device)
-        if S > 0:
+        if ev.numel() > 0:
             grid = (triton.cdiv(S, _BLOCK_T), Bsz * H)
             _decisions_kernel[grid](p32, ev, y, bnd, S, sinks, window, k,
                                     BLOCK_T=_BLOCK_T, BLOCK_U=_BLOCK_U)

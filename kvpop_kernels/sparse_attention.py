@@ -55,6 +55,8 @@ def _check(q: object, k: object, v: object, evict_at: object, sinks: object, win
 
 # --------------------------------------------------------------------------------- CPU
 def _cpu_chunks(S: int, Bsz: int, Hq: int, chunk: int | None) -> list[tuple[int, int]]:
+    if Bsz * Hq * S == 0:
+        return []
     if chunk is None:
         # C * (live keys <= S) logits per head: at most _CPU_CHUNK_ELEMS in all, at most 256 queries
         chunk = max(16, min(256, _CPU_CHUNK_ELEMS // max(1, Bsz * Hq * S)))
@@ -648,8 +650,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, evict_at
     window = min(window, S + 1)
     sinks = min(sinks, S)
     ev = evict_at.to(torch.int64).clamp(-1, NEVER).to(torch.int32).contiguous()
-    if S == 0:
-        return q.clone(), torch.zeros((Bsz, Hq, 0), dtype=torch.float32, device=q.device)
+    if q.numel() == 0:  # S = 0 or B = 0: empty outputs, and empty gradients for q, k and v
+        return _torch_sparse_attention(q, k, v, ev, sinks, window, sc)
     if triton_path:
         if D > 256:
             raise ValueError(f"head_dim must be <= 256 on the Triton path, got {D}")

@@ -562,7 +562,7 @@ def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: Priority
     else:  # ignored by the step in rows where pos - w < s
         leaving = layer.ring_prio.gather(2, ring).squeeze(2)
     out, lse = fixed_budget_decode(q1, k1, v1, layer.keys, layer.values, layer.slot_pos, layer.slot_prio,
-                                   leaving, pos=pos, sinks=s, window=w, scale=scaling)
+                                   leaving, pos=pos, sinks=s, window=w, scale=scaling, check=False)
     if hooks is not None and hooks.token is not None and not attention_scored:
         new = hooks.token(module, layer, k1, v1, pos, i).float()  # [N, Hkv]
         old = layer.ring_prio.gather(2, ring).squeeze(2)

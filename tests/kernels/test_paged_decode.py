@@ -128,12 +128,12 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"lengths \[Hkv\]"):
         ragged_paged_decode(q, fk, fv, nf, pk, pv, table, lens[:1])
     with pytest.raises(ValueError, match="lengths must lie"):
-        ragged_paged_decode(q, fk, fv, nf, pk, pv, table, torch.tensor([3, 99]), validate=True)
+        ragged_paged_decode(q, fk, fv, nf, pk, pv, table, torch.tensor([3, 99]), check=True)
     bad = table.clone()
     bad[0, 0] = 50
     with pytest.raises(ValueError, match="outside the pool"):
-        ragged_paged_decode(q, fk, fv, nf, pk, pv, bad, lens, validate=True)
-    ragged_paged_decode(q, fk, fv, nf, pk, pv, table, lens, validate=True)
+        ragged_paged_decode(q, fk, fv, nf, pk, pv, bad, lens, check=True)
+    ragged_paged_decode(q, fk, fv, nf, pk, pv, table, lens, check=True)
 
 
 _SM90_SCRIPT = r"""
