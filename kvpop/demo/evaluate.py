@@ -1,9 +1,9 @@
-"""Accuracy of eviction policies at fixed cache budgets on the key-value trace task (``kvpop.task``).
+"""Accuracy of eviction policies at fixed cache budgets on the demo's tasks (``kvpop.demo.task``, ``lookahead_task``).
 
 Every non-dense number is measured **through the code a user runs**: each test sequence (batch 1)
 goes through a ``kvpop.patch``-ed model with a fresh :class:`kvpop.KVpopCache` in one call
 ``model(input_ids, past_key_values=cache)``, and the task's accuracy is read from the logits at the
-graded positions (greedy argmax, :func:`kvpop.task.accuracy`).
+graded positions (greedy argmax, :func:`kvpop.demo.task.accuracy`).
 
 * Static policies (``streaming``, ``fixed-finetune``, ``kvpop-mlp``, ``kvpop-mlstm``): the cache's
   prefill is the teacher-forced ``sparse_attention`` forward with the policy's priorities, which
