@@ -32,12 +32,29 @@ TASKS = {"kvtrace": "kvpop.demo.task", "lookahead": "kvpop.demo.lookahead_task"}
 SCORER_ONLY = ("kvpop-mlp", "kvpop-mlstm")
 JOINT_OF = {"kvpop-mlp-joint": "kvpop-mlp", "kvpop-mlstm-joint": "kvpop-mlstm"}
 RETROFITS = (*SCORER_ONLY, *JOINT_OF, "fixed-finetune")
+"""The retrofits of every demo run; each joint one also trains on the label source it did not choose
+(:func:`label_variant`, :func:`demo_retrofits`)."""
+
+
+def label_variant(joint: str, source: str) -> str:
+    """The policy name of ``joint`` trained on the label of ``source`` (``"kvpop-mlp-joint-teacher-label"``)."""
+    return f"{joint}-{source}-label"
+
+
+def demo_retrofits(chosen: dict) -> tuple[str, ...]:
+    """The retrofits a demo run trains, in order: :data:`RETROFITS`, then, for each joint retrofit, the
+    label source its ``chosen`` settings do not use (a labelled second row of the table)."""
+    from kvpop.demo.evaluate import LABEL_SOURCES
+
+    return RETROFITS + tuple(label_variant(j, src) for j in JOINT_OF for src in LABEL_SOURCES
+                             if src != chosen[j].get("target_source", "student"))
 
 GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4,),
-        "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,)}
+        "target_source": ("student", "teacher"), "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,)}
 """The candidates of ``--select``.  Scorer-only: every (k, lr_scorer) at the first number of steps, then the
 best of those at every number of steps.  Joint: the scorer-only choice of the same scorer with every
-``joint_lr_model``.  fixed-finetune: every (finetune_lr_model, finetune_steps).  A grid of one value
+``joint_lr_model`` (student label), then the best of those with every ``target_source`` (the label's source).
+fixed-finetune: every (finetune_lr_model, finetune_steps).  A grid of one value
 fixes that setting (the CPU budget of a 2-core machine shared by many jobs: each candidate is a retrofit
 plus a validation run).  A task module's ``DEMO_GRID`` replaces some of these entries for its task."""
 
@@ -45,22 +62,24 @@ CHOSEN = {
     "kvtrace": {  # kvpop demo --select, 2026-11-30 (DEMO_GRID of kvpop.demo.task)
         "kvpop-mlp": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
         "kvpop-mlstm": {"steps": 200, "k": 4, "lr_scorer": 1e-2},
-        "kvpop-mlp-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
-        "kvpop-mlstm-joint": {"steps": 200, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4},
+        "kvpop-mlp-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student"},
+        "kvpop-mlstm-joint": {"steps": 200, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4,
+                              "target_source": "student"},
         "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
     },
     "lookahead": {  # kvpop demo --select --task lookahead, 2026-11-30 (DEMO_GRID of kvpop.demo.lookahead_task)
         "kvpop-mlp": {"steps": 200, "k": 12, "lr_scorer": 1e-2},
         "kvpop-mlstm": {"steps": 100, "k": 12, "lr_scorer": 3e-2},
-        "kvpop-mlp-joint": {"steps": 200, "k": 12, "lr_scorer": 1e-2, "lr_model": 1e-4},
-        "kvpop-mlstm-joint": {"steps": 100, "k": 12, "lr_scorer": 3e-2, "lr_model": 1e-4},
+        "kvpop-mlp-joint": {"steps": 200, "k": 12, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student"},
+        "kvpop-mlstm-joint": {"steps": 100, "k": 12, "lr_scorer": 3e-2, "lr_model": 1e-4,
+                              "target_source": "student"},
         "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
     },
 }
 """Training settings of each retrofit, chosen on validation sequences by ``kvpop demo --select`` (see
 ``kvpop/data/demo_results/<task>/selection.json``).  ``k``: long-range slots of the training budget
 (``budget = sinks + window + k``); fixed-finetune trains at 12.5 % of the training length."""
-QUICK = {"steps": 3, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4}
+QUICK = {"steps": 3, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student"}
 
 
 def task_module(name: str):
@@ -79,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--select", action="store_true",
                    help="choose the training settings on validation sequences (the grid GRID) instead of "
                         "running the demo; writes OUT/<task>/selection.json")
+    p.add_argument("--select-stage", default="all", choices=("all", "target_source"),
+                   help="with --select: all (every setting) or target_source (only the joint retrofits' label source, "
+                        "student vs teacher, the other settings as CHOSEN)")
     p.add_argument("--resume", action="store_true",
                    help="reuse finished parts in --out (retrofits, measured rows) and continue unfinished ones")
     p.add_argument("--quick", action="store_true",
@@ -93,6 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-scorer", type=float, default=None, help="scorer learning rate (default: CHOSEN)")
     p.add_argument("--lr-model", type=float, default=None,
                    help="model learning rate of the joint retrofits and fixed-finetune (default: CHOSEN)")
+    p.add_argument("--no-decode-check", action="store_true",
+                   help="skip measuring the learned policies' reads by token-by-token decoding (default: at the middle "
+                        "budget and L_train, beside the prefill's)")
     p.add_argument("--tau", type=float, default=None, help="temperature of the score loss (default 1.0)")
     p.add_argument("--dms-steps", type=int, default=None,
                    help="training steps of the DMS baseline (gates + model; default 100; 0 leaves dms out)")
@@ -133,11 +158,18 @@ def _settings(args: argparse.Namespace, task: str) -> dict:
         raise ValueError(f"--train-budget {args.train_budget} is too small: it must be >= sinks + window + 1 = "
                          f"{sinks + window + 1}")
     retro = {}
-    for p in RETROFITS:
-        c = dict(QUICK if q else CHOSEN[task][p])
+    chosen = {p: dict(QUICK if q else CHOSEN[task][p]) for p in RETROFITS}
+    for p in demo_retrofits(chosen):
+        if p in chosen:
+            c = dict(chosen[p])
+        else:  # a joint retrofit on the other label source
+            j, src = next((j, src) for j in JOINT_OF for src in ("student", "teacher") if p == label_variant(j, src))
+            c = {**chosen[j], "target_source": src}
         if p == "fixed-finetune":
             c.pop("k", None)
             c.pop("lr_scorer", None)
+        if p in SCORER_ONLY or p == "fixed-finetune":
+            c.pop("target_source", None)
         if p in SCORER_ONLY:
             c.pop("lr_model", None)
         if args.steps is not None:
@@ -165,6 +197,7 @@ def _settings(args: argparse.Namespace, task: str) -> dict:
         "dms_target_keep": 0.04 if args.dms_target_keep is None else args.dms_target_keep,
         "dms_lr": 0.05 if args.dms_lr is None else args.dms_lr,
         "dms_lr_model": 1e-4 if args.lr_model is None else args.lr_model,
+        "decode_check": not args.no_decode_check,
     }
 
 
@@ -191,6 +224,7 @@ def _retrofit_config(E, s: dict, policy: str, c: dict):
                             sinks=s["sinks"], window=s["window"], lr_scorer=float(c.get("lr_scorer", 1e-2)),
                             lr_model=float(c.get("lr_model", 1e-4)), tau=s["tau"],
                             train_model=policy not in SCORER_ONLY,
+                            target_source=c.get("target_source", "student"),
                             checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
 
 
@@ -198,7 +232,7 @@ def _policy_model(E, base, policy: str, d: Path, pm: dict):
     """The model serving ``policy`` from its retrofit directory ``d``."""
     if policy == "fixed-finetune":
         return E.policy_model(base, policy, finetuned=E.load_base_model(d / "model"), **pm)
-    ft = E.load_base_model(d / "model") if policy in JOINT_OF else None
+    ft = E.load_base_model(d / "model") if policy in E.JOINT else None
     return E.policy_model(base, policy, scorers=d / "scorers.safetensors", finetuned=ft, **pm)
 
 
@@ -210,7 +244,7 @@ def _eval_config(E, s: dict, args: argparse.Namespace, **kw):
 
 def _policy_stamp(stamp: dict, policy: str) -> dict:
     """The settings a measured row of ``policy`` depends on (``--resume`` reuses a row when they are unchanged)."""
-    own = {k: v for k, v in stamp.items() if k != "retrofits" and not k.startswith("dms_")}
+    own = {k: v for k, v in stamp.items() if k not in ("retrofits", "decode_check") and not k.startswith("dms_")}
     if policy in stamp.get("retrofits", {}):
         own["retrofit"] = stamp["retrofits"][policy]
     if policy == "dms":
@@ -245,7 +279,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     mod = task_module(task)
     s = _settings(args, task)
     cfg = _eval_config(E, s, args)
-    rcs = {p: _retrofit_config(E, s, p, s["retrofits"][p]) for p in RETROFITS}
+    rcs = {p: _retrofit_config(E, s, p, c) for p, c in s["retrofits"].items()}
     base = E.load_base_model(_base_model_dir(args, task))
     out.mkdir(parents=True, exist_ok=True)
     rows_file = out / "rows.jsonl"
@@ -259,7 +293,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     progress = not args.no_progress
 
     timings = {}
-    for p in RETROFITS:
+    for p in rcs:
         t0 = time.time()
         rc = rcs[p]
         print(f"[kvpop demo] {task}: retrofit {p}: {rc.steps} steps at length {rc.length}, budget {rc.budget}"
@@ -283,7 +317,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     pm = dict(sinks=cfg.sinks, window=cfg.window, budget=cfg.budgets[0])
     shared = E.policy_model(base, "streaming", **pm)
     models = {"dense": base, "streaming": shared, "tova": shared, "h2o": shared}
-    for p in RETROFITS:
+    for p in rcs:
         models[p] = _policy_model(E, base, p, out / p, pm)
     if s["dms_steps"] > 0:
         models["dms"] = E.policy_model(base, "dms", scorers=out / "dms" / "gates.safetensors",
@@ -295,18 +329,57 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     results = E.evaluate(models, cfg, done=kept, on_row=lambda r: _append_row(rows_file, r),
                          task=mod)
     timings["eval_s"] = round(time.time() - t0, 1)
+    if s["decode_check"]:
+        t0 = time.time()
+        results["decode"] = _decode_rows(E, mod, models, s, cfg, out, old, stamp)
+        timings["decode_s"] = round(time.time() - t0, 1)
     timings["total_s"] = round(time.time() - t_start, 1)
     # results.json holds only what the seeds and settings determine (a re-run on the same machine and thread
     # count writes the same bytes); the run's wall times and command line go to run.json beside it
     results["demo"] = {"task": task, "settings": stamp, "threads": torch.get_num_threads(),
                        "retrofit": {p: json.loads((out / p / "done.json").read_text())
-                                    for p in RETROFITS + (("dms",) if s["dms_steps"] > 0 else ())}}
+                                    for p in (*rcs, *(("dms",) if s["dms_steps"] > 0 else ()))}}
     print(f"[kvpop demo] {task}:")
     finish(results, out, not args.no_plot)
+    if results.get("decode"):
+        table = format_decode_table(results["decode"])
+        print(table)
+        (out / "decode.md").write_text(table + "\n")
     E.write_results({"task": task, "timings": timings, "threads": torch.get_num_threads(),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t_start)),
                      "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}, out / "run.json")
     return results
+
+
+def _decode_rows(E, mod, models: dict, s: dict, cfg, out: Path, old: dict | None, stamp: dict) -> list[dict]:
+    """The reads of every learned policy of ``models`` by token-by-token decoding beside the prefill's
+    (:func:`kvpop.demo.decode_eval.decode_check`) at the middle budget and L_train, on the test sequences;
+    rows kept in ``out/decode.jsonl`` for ``--resume``."""
+    from kvpop.demo.decode_eval import DECODE_POLICIES, decode_check
+
+    f = out / "decode.jsonl"
+    done = {r["policy"]: r for r in (json.loads(x) for x in (f.read_text().splitlines() if f.exists() else []) if x)
+            if old is not None and _policy_stamp(old, r["policy"]) == _policy_stamp(stamp, r["policy"])}
+    f.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+    L, b = s["train_len"], cfg.budgets[len(cfg.budgets) // 2]
+    exs = [mod.make_example(mod.test_seed(i), L, mod.DEFAULT) for i in range(cfg.n_sequences)]
+    rows = []
+    for p in [p for p in E.POLICIES if p in models and (p in DECODE_POLICIES or p in E.LABEL_VARIANTS)]:
+        if p not in done:
+            print(f"[kvpop demo] {s['task']}: decoding {p} token by token at B={b}, L={L}", flush=True)
+            done[p] = decode_check(models[p], exs, p, b)
+            _append_row(f, done[p])
+        rows.append(done[p])
+    return rows
+
+
+def format_decode_table(rows: list[dict]) -> str:
+    """Markdown: each policy's reads from the one-call prefill and from token-by-token decoding."""
+    lines = ["| policy | B | L | prefill accuracy | decode accuracy | reads that differ |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['budget']} | {r['length']} | {r['prefill_accuracy']:.3f} | "
+                     f"{r['decode_accuracy']:.3f} | {r['differ']} of {r['graded']} |")
+    return "\n".join(lines)
 
 
 def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
@@ -323,8 +396,8 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
     pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
     out.mkdir(parents=True, exist_ok=True)
     full = {**GRID, **getattr(mod, "DEMO_GRID", {})}
-    grid = ({**{k: v[:1] for k, v in full.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],)}
-            if args.quick else full)
+    grid = ({**{k: v[:1] for k, v in full.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],),
+             "target_source": full["target_source"]} if args.quick else full)
     record = {"task": task, "grid": grid, "criterion": "mean validation accuracy over the budgets at L_train",
               "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})",
                              "length": s["train_len"], "budgets": vcfg.budgets, "sinks": vcfg.sinks,
@@ -336,7 +409,7 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
         E.write_results(record, out / "selection.json")
 
     def trial(policy: str, stage: str, c: dict) -> dict:
-        tag = "_".join(f"{k}{v:g}" for k, v in sorted(c.items()))
+        tag = "_".join(f"{k}{v}" if isinstance(v, str) else f"{k}{v:g}" for k, v in sorted(c.items()))
         d = out / policy / tag
         E.retrofit(base, policy, d, _retrofit_config(E, s, policy, c), resume=True, progress=not args.no_progress,
                    task=mod)
@@ -363,14 +436,24 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
         return max(rs, key=lambda r: r["val_mean"])  # the first of equals: the earlier (cheaper) candidate
 
     chosen = record["chosen"]
+    if args.select_stage == "target_source":  # the other settings as chosen before (CHOSEN, or --quick's)
+        for p in JOINT_OF:
+            c = {k: v for k, v in s["retrofits"][p].items() if k != "target_source"}
+            chosen[p] = best([trial(p, "target_source", {**c, "target_source": src})
+                              for src in grid["target_source"]])["settings"]
+        save()
+        print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
+        return record
     for p in SCORER_ONLY:
         first = best([trial(p, "k x lr_scorer", {"steps": grid["steps"][0], "k": k, "lr_scorer": lr})
                       for k in grid["k"] for lr in grid["lr_scorer"]])
         chosen[p] = best([first] + [trial(p, "steps", {**first["settings"], "steps": st})
                                     for st in grid["steps"][1:]])["settings"]
     for p, sc in JOINT_OF.items():
-        chosen[p] = best([trial(p, "lr_model", {**chosen[sc], "lr_model": lm})
-                          for lm in grid["joint_lr_model"]])["settings"]
+        first = best([trial(p, "lr_model", {**chosen[sc], "lr_model": lm, "target_source": "student"})
+                      for lm in grid["joint_lr_model"]])
+        chosen[p] = best([first] + [trial(p, "target_source", {**first["settings"], "target_source": src})
+                                    for src in grid["target_source"] if src != "student"])["settings"]
     chosen["fixed-finetune"] = best([trial("fixed-finetune", "lr_model x steps", {"steps": st, "lr_model": lm})
                                      for lm in grid["finetune_lr_model"] for st in grid["finetune_steps"]])["settings"]
     save()
@@ -411,8 +494,8 @@ def _run(args: argparse.Namespace) -> int:
             _base_model_dir(args, task)
             s = _settings(args, task)
             _eval_config(E, s, args)
-            for p in RETROFITS:
-                _retrofit_config(E, s, p, s["retrofits"][p])
+            for p, c in s["retrofits"].items():
+                _retrofit_config(E, s, p, c)
         for task in tasks:
             (_select if args.select else _run_task)(args, task, out / task)
     except (ValueError, FileNotFoundError, TypeError) as e:

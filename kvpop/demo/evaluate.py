@@ -67,6 +67,8 @@ from .dms import row_stats as dms_row_stats
 
 __all__ = [
     "POLICIES",
+    "LABEL_SOURCES",
+    "LABEL_VARIANTS",
     "CACHE_POLICY",
     "BUDGET_FRACTIONS",
     "DEFAULT_SINKS",
@@ -91,17 +93,23 @@ __all__ = [
     "RetrofitConfig",
 ]
 
+LABEL_SOURCES = ("student", "teacher")
+"""Whose attention makes a joint retrofit's label (``KVpopConfig.target_source``)."""
+LABEL_VARIANTS = {f"{j}-{src}-label": j for j in ("kvpop-mlp-joint", "kvpop-mlstm-joint") for src in LABEL_SOURCES}
+"""A joint retrofit trained on an explicitly named label source -> the joint policy it is a variant of
+(``kvpop demo`` reports the source it did not choose under this name, beside the chosen one)."""
 POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
-            "kvpop-mlstm-joint", "dms")
+            "kvpop-mlstm-joint", *LABEL_VARIANTS, "dms")
 """Policy names, in table order."""
 BATCHED = ("tova", "h2o")
 """Policies :func:`evaluate` runs on all sequences of a length at once (token-by-token decoding, whose cost
 per token hardly grows with the batch on a CPU); the others run one sequence at a time."""
-CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
-                "kvpop-mlp": "kvpop", "kvpop-mlstm": "kvpop", "kvpop-mlp-joint": "kvpop", "kvpop-mlstm-joint": "kvpop"}
-"""The ``KVpopCache`` policy that serves each non-dense policy."""
 SCORER_OF = {"kvpop-mlp": "mlp", "kvpop-mlstm": "mlstm", "kvpop-mlp-joint": "mlp", "kvpop-mlstm-joint": "mlstm"}
-JOINT = ("kvpop-mlp-joint", "kvpop-mlstm-joint")
+SCORER_OF.update({v: SCORER_OF[j] for v, j in LABEL_VARIANTS.items()})
+CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
+                **{p: "kvpop" for p in SCORER_OF}}
+"""The ``KVpopCache`` policy that serves each non-dense policy."""
+JOINT = ("kvpop-mlp-joint", "kvpop-mlstm-joint", *LABEL_VARIANTS)
 """Policies whose scorers were trained together with the model (``train_model=True``, KL to the frozen original)."""
 BUDGET_FRACTIONS = (0.0625, 0.125, 0.25)
 DEFAULT_SINKS = 4
@@ -511,6 +519,9 @@ class RetrofitConfig:
         budget: the training budget (the demo uses 12.5 % of the length trained at).
         sinks, window: as in evaluation (the mLSTM scorer's readout depends on the window).
         lr_scorer, tau: scorer learning rate and score-loss temperature.
+        target_source: whose attention makes the scorers' label (``KVpopConfig.target_source``):
+            ``"student"`` (the model being trained, its sparse normaliser) or ``"teacher"`` (the frozen
+            original with the full cache).
         train_model: also fine-tune the model (KL to the frozen original) with ``lr_model``.
         checkpoint_every: steps between checkpoints (resume after an interruption).
     """
@@ -527,6 +538,7 @@ class RetrofitConfig:
     train_model: bool = False
     checkpoint_every: int = 25
     seed: int = 0
+    target_source: str = "student"
 
 
 def _train_data(cfg: RetrofitConfig, n: int, task_cfg: Any, task: Any) -> list[torch.Tensor]:
@@ -578,7 +590,7 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
                          compute_loss=False, tau=cfg.tau)
     else:
         kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
-                         mask_source="scorer", tau=cfg.tau)
+                         mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source)
     torch.manual_seed(cfg.seed)  # the scorers' initialisation: a retrofit is the same whatever ran before it
     patch(model, kv)
     ckpt = out / "train.pt"
