@@ -247,7 +247,7 @@ def _policy_stamp(stamp: dict, policy: str) -> dict:
     own = {k: v for k, v in stamp.items() if k not in ("retrofits", "decode_check") and not k.startswith("dms_")}
     if policy in stamp.get("retrofits", {}):
         own["retrofit"] = stamp["retrofits"][policy]
-    if policy == "dms":
+    if policy in ("dms", "dms-test-calibrated"):
         own["dms"] = {k: v for k, v in stamp.items() if k.startswith("dms_")}
     return own
 
@@ -322,6 +322,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     if s["dms_steps"] > 0:
         models["dms"] = E.policy_model(base, "dms", scorers=out / "dms" / "gates.safetensors",
                                        finetuned=E.load_base_model(out / "dms" / "model"), **pm)
+        models["dms-test-calibrated"] = models["dms"]  # the same model, its threshold set on each test sequence
 
     print(f"[kvpop demo] {task}: evaluating {len(cfg.policies)} policies, budgets {cfg.budgets}, lengths "
           f"{cfg.lengths}, {cfg.n_sequences} test sequences each", flush=True)
@@ -331,7 +332,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     timings["eval_s"] = round(time.time() - t0, 1)
     if s["decode_check"]:
         t0 = time.time()
-        results["decode"] = _decode_rows(E, mod, models, s, cfg, out, old, stamp)
+        results["decode"] = _decode_rows(E, mod, models, s, cfg, out, old, stamp, results["rows"])
         timings["decode_s"] = round(time.time() - t0, 1)
     timings["total_s"] = round(time.time() - t_start, 1)
     # results.json holds only what the seeds and settings determine (a re-run on the same machine and thread
@@ -341,20 +342,23 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
                                     for p in (*rcs, *(("dms",) if s["dms_steps"] > 0 else ()))}}
     print(f"[kvpop demo] {task}:")
     finish(results, out, not args.no_plot)
-    if results.get("decode"):
-        table = format_decode_table(results["decode"])
-        print(table)
-        (out / "decode.md").write_text(table + "\n")
+    for name, fmt in (("decode", format_decode_table), ("dms", format_dms_table)):
+        table = fmt(results.get("decode") or [] if name == "decode" else results["rows"])
+        if table:
+            print(table)
+            (out / f"{name}.md").write_text(table + "\n")
     E.write_results({"task": task, "timings": timings, "threads": torch.get_num_threads(),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t_start)),
                      "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}, out / "run.json")
     return results
 
 
-def _decode_rows(E, mod, models: dict, s: dict, cfg, out: Path, old: dict | None, stamp: dict) -> list[dict]:
+def _decode_rows(E, mod, models: dict, s: dict, cfg, out: Path, old: dict | None, stamp: dict,
+                 measured: list[dict]) -> list[dict]:
     """The reads of every learned policy of ``models`` by token-by-token decoding beside the prefill's
-    (:func:`kvpop.demo.decode_eval.decode_check`) at the middle budget and L_train, on the test sequences;
-    rows kept in ``out/decode.jsonl`` for ``--resume``."""
+    (:func:`kvpop.demo.decode_eval.decode_check`) at the middle budget and L_train, on the test sequences (DMS
+    at the threshold its row of ``measured`` was chosen on validation); rows kept in ``out/decode.jsonl`` for
+    ``--resume``."""
     from kvpop.demo.decode_eval import DECODE_POLICIES, decode_check
 
     f = out / "decode.jsonl"
@@ -367,14 +371,35 @@ def _decode_rows(E, mod, models: dict, s: dict, cfg, out: Path, old: dict | None
     for p in [p for p in E.POLICIES if p in models and (p in DECODE_POLICIES or p in E.LABEL_VARIANTS)]:
         if p not in done:
             print(f"[kvpop demo] {s['task']}: decoding {p} token by token at B={b}, L={L}", flush=True)
-            done[p] = decode_check(models[p], exs, p, b)
+            thr = next((r["dms_threshold"] for r in measured if r["policy"] == p and r["budget"] == b
+                        and r["length"] == L), None) if p == "dms" else None
+            done[p] = decode_check(models[p], exs, p, b, threshold=thr)
             _append_row(f, done[p])
         rows.append(done[p])
     return rows
 
 
+def format_dms_table(rows: list[dict]) -> str:
+    """Markdown: DMS's memory at each budget and length (``""`` without dms rows): the threshold chosen on
+    validation, the validation sequences' mean entries per layer and KV head, and the test sequences' mean
+    and per-head spread (min / max over heads, averaged over the sequences), beside KVpop's uniform ``B``."""
+    rows = [r for r in rows if r["policy"] in ("dms", "dms-test-calibrated") and "dms_entries_mean" in r]
+    if not rows:
+        return ""
+    lines = ["| policy | L | B (KVpop: every head) | threshold | validation mean entries | test mean entries | "
+             "test min / max over heads | accuracy |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["policy"] != "dms", r["length"], r["budget"])):
+        val = f"{r['dms_valid_entries_mean']:.1f}" if "dms_valid_entries_mean" in r else "- (set on each test sequence)"
+        lines.append(f"| {r['policy']} | {r['length']} | {r['budget']} | {r['dms_threshold']:.3f} | {val} | "
+                     f"{r['dms_entries_mean']:.1f} | {r['dms_entries_min']:.1f} / {r['dms_entries_max']:.1f} | "
+                     f"{r['accuracy']:.3f} |")
+    return "\n".join(lines)
+
+
 def format_decode_table(rows: list[dict]) -> str:
     """Markdown: each policy's reads from the one-call prefill and from token-by-token decoding."""
+    if not rows:
+        return ""
     lines = ["| policy | B | L | prefill accuracy | decode accuracy | reads that differ |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['policy']} | {r['budget']} | {r['length']} | {r['prefill_accuracy']:.3f} | "

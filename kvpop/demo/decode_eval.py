@@ -81,7 +81,7 @@ def decode_predictions(model: nn.Module, ids: torch.Tensor, policy: str, budget:
     if ids.dim() != 2 or ids.shape[1] < 1:
         raise ValueError(f"ids must be [n, L] (or [L]) token ids, got shape {tuple(ids.shape)}")
     ids = ids.to(next(model.parameters()).device)
-    if policy == "dms":
+    if policy in ("dms", "dms-test-calibrated"):
         from kvpop.core import dms as D
 
         if not D.is_dms_patched(model):
@@ -101,9 +101,9 @@ def decode_predictions(model: nn.Module, ids: torch.Tensor, policy: str, budget:
 
 
 def decode_check(model: nn.Module, examples: Sequence[dict], policy: str, budget: int, *,
-                 prompt: int | None = None) -> dict:
+                 prompt: int | None = None, threshold: float | None = None) -> dict:
     """The graded reads of ``examples`` (one length) under ``policy`` at ``budget``, twice: from the one-call
-    prefill (:func:`kvpop.demo.evaluate.sequence_predictions`) and from
+    prefill (:func:`kvpop.demo.evaluate.sequence_predictions`; DMS at the fixed gate ``threshold``) and from
     token-by-token decoding (:func:`decode_predictions`).  Returns ``prefill_correct``, ``decode_correct``,
     ``graded``, both accuracies and ``differ`` (graded positions whose two predictions differ)."""
     from .evaluate import sequence_predictions
@@ -111,12 +111,14 @@ def decode_check(model: nn.Module, examples: Sequence[dict], policy: str, budget
     if not examples:
         raise ValueError("decode_check needs at least one example")
     ids = torch.stack([ex["input_ids"].reshape(-1) for ex in examples])
-    dec = decode_predictions(model, ids, policy, budget, prompt=prompt)
+    if policy in ("dms", "dms-test-calibrated") and threshold is None:
+        raise ValueError("decoding DMS needs its fixed gate threshold (threshold=), e.g. the one chosen on validation")
+    dec = decode_predictions(model, ids, policy, budget, prompt=prompt, threshold=threshold)
     pc = dc = graded = differ = 0
     for i, ex in enumerate(examples):
         pos = ex["answer_positions"].reshape(-1).to(dec.device)
         ans = ex["answers"].reshape(-1).to(dec.device)
-        pre = sequence_predictions(model, ex, policy, budget)
+        pre = sequence_predictions(model, ex, policy, budget, threshold=threshold)
         d = dec[i, pos]
         pc += int((pre == ans).sum())
         dc += int((d == ans).sum())
@@ -124,4 +126,5 @@ def decode_check(model: nn.Module, examples: Sequence[dict], policy: str, budget
         graded += int(ans.numel())
     return {"policy": policy, "budget": int(budget), "length": int(ids.shape[1]), "n_sequences": len(examples),
             "graded": graded, "prefill_correct": pc, "decode_correct": dc, "prefill_accuracy": pc / graded,
-            "decode_accuracy": dc / graded, "differ": differ}
+            "decode_accuracy": dc / graded, "differ": differ,
+            **({"dms_threshold": float(threshold)} if threshold is not None else {})}

@@ -1,17 +1,19 @@
 """DMS in the evaluation harness: its retrofit, its policy model, and its logits at a given mean budget.
 
 DMS has no budget: each KV head keeps the tokens its gates keep, so its cache grows with the sequence
-and differs between heads.  To compare it with the fixed-budget policies at budget ``B`` it is run at
-the same **mean** budget: for every test sequence the hard-gate threshold (``evict = logit > threshold``,
-one number for all layers and heads) is set by bisection to the largest value at which the mean over
-layers and KV heads of the entries held at the sequence's last position (sinks + window + the kept
+and differs between heads.  Its memory knob is the hard-gate threshold (``evict = logit > threshold``,
+one number for all layers and heads).  To compare it with the fixed-budget policies at budget ``B`` it is
+run at the same **mean** budget: :func:`calibrate_threshold` finds the largest threshold at which the mean
+over sequences, layers and KV heads of the entries held at the last position (sinks + window + the kept
 long-range tokens) is at most ``B`` -- the peak memory of the fixed-budget policies (a fixed point of
 sorting the gate logits of one forward and re-running, usually 2-3 forwards; tokens with equal logits
-go together, so the mean can land a little under ``B``).  Only that one
-scalar depends on the sequence; which tokens are evicted stays the gates' causal decision.  The
-sequence then goes through a :class:`kvpop.core.dms.DMSCache` in one call (its prefill is the
-teacher-forced hard-gate forward), and the row records the entries actually held: the mean, and the
-spread over heads (:func:`row_stats`).
+go together, so the mean can land a little under ``B``).  The harness (``kvpop.demo.evaluate``) sets it
+on the *validation* sequences of each length and budget and keeps it fixed for the test sequences (policy
+``dms``), as a user of DMS would; calibrating on each test sequence itself (``dms-test-calibrated``, a
+look at the test data no other policy gets) is kept only as a labelled second row.  Which tokens are
+evicted stays the gates' causal decision.  A sequence goes through a :class:`kvpop.core.dms.DMSCache` in
+one call (its prefill is the teacher-forced hard-gate forward), and the row records the entries actually
+held: the mean, and the spread over heads (:func:`row_stats`).
 """
 from __future__ import annotations
 
@@ -110,16 +112,25 @@ def dms_policy_model(model: nn.Module, gates: str | os.PathLike, *, sinks: int, 
 
 
 def _kept_logits(model: nn.Module, ids: torch.Tensor, threshold: float) -> tuple[torch.Tensor, int, int]:
-    """One teacher-forced hard-gate forward at ``threshold``: the gate logits of every token that has left
-    the window by the last position, over all layers and heads (flat), the entries every head holds
-    anyway (sinks + window) and the number of (layer, head) pairs."""
+    """One teacher-forced hard-gate forward of ``ids`` (``[n, S]``, one length) at ``threshold``: the gate
+    logits of every token that has left the window by the last position, over all sequences, layers and
+    heads (flat), the entries every head holds anyway (sinks + window) and the number of (sequence,
+    layer, head) triples."""
     D.patch_dms(model, threshold=threshold)
     model(ids, use_cache=False)
     cfg = D.get_dms_config(model)
     S = ids.shape[1]
     layers = D.dms_layers(model)
-    left = [la.last_logits[0, :, cfg.sinks:max(cfg.sinks, S - cfg.window)].reshape(-1) for la in layers]
-    return torch.cat(left), min(S, cfg.sinks + cfg.window), len(layers) * layers[0].num_kv_heads
+    left = [la.last_logits[:, :, cfg.sinks:max(cfg.sinks, S - cfg.window)].reshape(-1) for la in layers]
+    return torch.cat(left), min(S, cfg.sinks + cfg.window), ids.shape[0] * len(layers) * layers[0].num_kv_heads
+
+
+@torch.no_grad()
+def mean_entries(model: nn.Module, ids: torch.Tensor, threshold: float) -> float:
+    """The mean over sequences, layers and KV heads of the entries DMS holds after ``ids`` (``[n, S]`` or ``[S]``)
+    at gate ``threshold`` (one teacher-forced hard-gate forward)."""
+    logits, fixed, heads = _kept_logits(model, ids if ids.dim() == 2 else ids[None], threshold)
+    return fixed + int((logits <= threshold).sum()) / heads
 
 
 def _threshold_for(logits: torch.Tensor, fixed: int, heads: int, budget: int) -> tuple[float, float]:
@@ -141,11 +152,16 @@ def _threshold_for(logits: torch.Tensor, fixed: int, heads: int, budget: int) ->
 def calibrate_threshold(model: nn.Module, ids: torch.Tensor, budget: int) -> float:
     """The largest gate threshold at which the mean entries per head after ``ids`` are ``<= budget``.
 
-    A fixed-point iteration: one teacher-forced forward gives every gate logit, sorting them gives the
-    threshold that keeps exactly the allowed number of tokens, and the next forward (whose later layers
-    see the new evictions) checks it; usually 2-3 forwards.  If it does not settle in 4, a bisection
-    over ``[-64, 64]`` (12 halvings) finishes."""
-    thr = D.get_dms_config(model).threshold
+    ``ids``: ``[S]``, ``[1, S]`` or a batch ``[n, S]`` of one length, whose mean over sequences, layers and KV
+    heads is meant (the demo calibrates DMS on its validation sequences so, then fixes the threshold for the
+    test sequences).  A fixed-point iteration from threshold 0 (the training's decision boundary, whatever
+    threshold the model was left at: nothing carries over between calls): one teacher-forced forward gives
+    every gate logit, sorting them gives the threshold that keeps exactly the allowed number of tokens,
+    and the next forward (whose later layers see the new evictions) checks it; usually 2-3 forwards.  If
+    it does not settle in 4, a bisection over ``[-64, 64]`` (12 halvings) finishes."""
+    if ids.dim() == 1:
+        ids = ids[None]
+    thr = 0.0
     for _ in range(4):
         logits, fixed, heads = _kept_logits(model, ids, thr)
         kept = fixed + int((logits <= thr).sum()) / heads
@@ -168,14 +184,18 @@ def calibrate_threshold(model: nn.Module, ids: torch.Tensor, budget: int) -> flo
 
 
 @torch.no_grad()
-def dms_logits(model: nn.Module, ids: torch.Tensor, budget: int) -> torch.Tensor:
-    """Logits ``[1, L, V]`` of one sequence under DMS at mean budget ``budget`` (module docstring), through
-    a ``DMSCache``; the entries held per head are logged for :func:`row_stats`."""
+def dms_logits(model: nn.Module, ids: torch.Tensor, budget: int | None = None, *,
+               threshold: float | None = None) -> torch.Tensor:
+    """Logits ``[1, L, V]`` of one sequence under DMS through a ``DMSCache``, at gate ``threshold`` (fixed, e.g.
+    chosen on validation sequences), or, without one, at the threshold calibrated on this sequence to mean
+    budget ``budget`` (module docstring); the entries held per head are logged for :func:`row_stats`."""
     if not D.is_dms_patched(model):
         raise ValueError("the dms policy needs a DMS-patched model (see dms_policy_model)")
     if ids.dim() == 1:
         ids = ids[None]
-    thr = calibrate_threshold(model, ids, budget)
+    if threshold is None and budget is None:
+        raise ValueError("dms_logits needs the mean budget to calibrate at (budget=) or a fixed threshold=")
+    thr = calibrate_threshold(model, ids, budget) if threshold is None else float(threshold)
     D.patch_dms(model, threshold=thr)
     cache = D.DMSCache(model)
     logits = model(ids, **{cache_kwarg_name(): cache}).logits

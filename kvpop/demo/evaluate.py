@@ -28,9 +28,10 @@ policy               model                                            cache poli
 ===================  ===============================================  ==================
 
 ``dms`` (the learned baseline, ``kvpop.demo.dms``) has no budget of its own: it runs at the same *mean*
-budget per head, its gate threshold set per sequence so that the mean entries held per layer and KV
-head at the last position is at most ``B``; its rows also record the entries held (mean and spread over
-heads, ``dms_entries_*``).
+budget per head, its gate threshold chosen on validation sequences (``task.valid_seed``) so that their
+mean entries held per layer and KV head at the last position is at most ``B``, then fixed for the test
+sequences (``dms-test-calibrated``: set on each test sequence instead, a labelled second row); its rows
+also record the threshold and the entries held (mean and spread over heads, ``dms_entries_*``).
 
 Budgets default to 6.25 %, 12.5 % and 25 % of the training length (128/256/512 at 2048) with
 ``sinks=4`` and ``window=32``: the package default window of 256 does not fit a 128-entry budget
@@ -62,7 +63,9 @@ from kvpop.core.patching import get_config, is_patched, make_teacher, patch, unp
 from kvpop.models import cache_kwarg_name
 
 from . import task as T
+from .dms import calibrate_threshold as dms_calibrate
 from .dms import dms_logits, dms_policy_model
+from .dms import mean_entries as dms_mean_entries
 from .dms import row_stats as dms_row_stats
 
 __all__ = [
@@ -99,8 +102,11 @@ LABEL_VARIANTS = {f"{j}-{src}-label": j for j in ("kvpop-mlp-joint", "kvpop-mlst
 """A joint retrofit trained on an explicitly named label source -> the joint policy it is a variant of
 (``kvpop demo`` reports the source it did not choose under this name, beside the chosen one)."""
 POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
-            "kvpop-mlstm-joint", *LABEL_VARIANTS, "dms")
-"""Policy names, in table order."""
+            "kvpop-mlstm-joint", *LABEL_VARIANTS, "dms", "dms-test-calibrated")
+"""Policy names, in table order.  ``dms``: DMS at the gate threshold chosen on validation sequences (fixed for
+the test sequences); ``dms-test-calibrated``: the same model with the threshold calibrated on each test
+sequence itself (a look at the test data no other policy gets; shown only as a labelled second row)."""
+DMS_POLICIES = ("dms", "dms-test-calibrated")
 BATCHED = ("tova", "h2o")
 """Policies :func:`evaluate` runs on all sequences of a length at once (token-by-token decoding, whose cost
 per token hardly grows with the batch on a CPU); the others run one sequence at a time."""
@@ -207,9 +213,10 @@ def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | N
     _check_policies([policy])
     if policy == "dense":
         return base
-    if policy == "dms":
+    if policy in DMS_POLICIES:
         if scorers is None or finetuned is None:
-            raise ValueError("policy 'dms' needs its gate file (scorers=) and its DMS-trained model (finetuned=)")
+            raise ValueError(f"policy {policy!r} needs its gate file (scorers=) and its DMS-trained model "
+                             f"(finetuned=)")
         return dms_policy_model(finetuned, scorers, sinks=sinks, window=window)
     if policy == "fixed-finetune" and finetuned is None:
         raise ValueError("policy 'fixed-finetune' needs the model fine-tuned with mask_source='streaming'")
@@ -234,7 +241,8 @@ def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | N
 
 
 @torch.no_grad()
-def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget: int | None = None) -> torch.Tensor:
+def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget: int | None = None, *,
+                  threshold: float | None = None) -> torch.Tensor:
     """Logits ``[1, L, V]`` of one sequence (``input_ids`` ``[L]`` or ``[1, L]``) under ``policy``, teacher-forced.
 
     Batch 1, one call ``model(input_ids, past_key_values=KVpopCache(model, policy=...))`` (``dense``: the
@@ -243,7 +251,8 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget
     ``dense``, ``tova`` and ``h2o`` (:data:`BATCHED`) also take a batch ``[n, L]`` of sequences of one length
     (the batched cache decodes them together, each row evicting on its own; ``[n, L, V]`` logits).
     ``model`` is :func:`policy_model`'s model for ``policy``; ``budget`` re-budgets it with
-    ``kvpop.patch(model, budget=...)`` first.
+    ``kvpop.patch(model, budget=...)`` first.  ``dms``/``dms-test-calibrated``: at gate ``threshold`` when
+    given, else at the threshold calibrated on this sequence to mean budget ``budget``.
     """
     ids = input_ids
     if ids.dim() == 1:
@@ -251,16 +260,18 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget
     if ids.dim() != 2 or (ids.shape[0] != 1 and policy not in ("dense", *BATCHED)):
         raise ValueError(f"one sequence at a time (batch 1; dense, {', '.join(BATCHED)}: a batch of equal "
                          f"lengths), got input_ids of shape {tuple(input_ids.shape)} for policy {policy!r}")
+    if threshold is not None and policy not in DMS_POLICIES:
+        raise ValueError(f"threshold= is DMS's gate threshold; policy {policy!r} takes none")
     dev = next(model.parameters()).device
     ids = ids.to(dev)
     if policy == "dense":
         if is_patched(model):
             raise ValueError("the dense policy runs the unpatched model")
         return model(ids, use_cache=False).logits
-    if policy == "dms":
-        if budget is None:
-            raise ValueError("policy 'dms' needs the mean budget it runs at (budget=)")
-        return dms_logits(model, ids, int(budget))
+    if policy in DMS_POLICIES:
+        if budget is None and threshold is None:
+            raise ValueError(f"policy {policy!r} needs the mean budget it runs at (budget=) or a fixed threshold=")
+        return dms_logits(model, ids, None if budget is None else int(budget), threshold=threshold)
     if policy not in CACHE_POLICY:
         raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
     if not is_patched(model):
@@ -272,17 +283,19 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget
 
 
 @torch.no_grad()
-def sequence_predictions(model: nn.Module, example: dict, policy: str, budget: int | None = None) -> torch.Tensor:
+def sequence_predictions(model: nn.Module, example: dict, policy: str, budget: int | None = None, *,
+                         threshold: float | None = None) -> torch.Tensor:
     """Greedy predictions (int64 ``[n]``) at the graded positions of one example under ``policy``
     (logits from :func:`policy_logits`)."""
-    logits = policy_logits(model, example["input_ids"], policy, budget)
+    logits = policy_logits(model, example["input_ids"], policy, budget, threshold=threshold)
     pos = example["answer_positions"].reshape(-1).to(logits.device)
     return logits[0, pos].argmax(-1)
 
 
-def sequence_correct(model: nn.Module, example: dict, policy: str, budget: int | None = None) -> tuple[int, int]:
+def sequence_correct(model: nn.Module, example: dict, policy: str, budget: int | None = None, *,
+                     threshold: float | None = None) -> tuple[int, int]:
     """``(correct, graded)`` of one example under ``policy`` (see :func:`sequence_predictions`)."""
-    pred = sequence_predictions(model, example, policy, budget)
+    pred = sequence_predictions(model, example, policy, budget, threshold=threshold)
     ans = example["answers"].reshape(-1).to(pred.device)
     return int((pred == ans).sum()), int(ans.numel())
 
@@ -323,6 +336,13 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
         task: the task module (:mod:`kvpop.demo.task` by default, or ``kvpop.demo.lookahead_task``);
             ``task_cfg`` defaults to its ``DEFAULT``.
 
+    ``dms`` runs at one gate threshold per (budget, length), chosen on ``n_sequences`` *validation* sequences
+    of that length (``task.valid_seed``): the largest at which their mean entries per layer and KV head at
+    the last position is at most the budget (:func:`kvpop.demo.dms.calibrate_threshold` over the batch); the
+    test sequences then run at it, and the row records it (``dms_threshold``) with the validation mean
+    (``dms_valid_entries_mean``) and the test entries (mean, min and max over heads).
+    ``dms-test-calibrated`` calibrates on each test sequence instead.
+
     Speed: run it with ``torch.set_num_threads(1)`` on a CPU.  The tiny model's ops are far too small
     for intra-op threads, and TOVA/H2O decode token by token (tens of small ops per token and layer):
     measured on a busy 2-core machine, one 2048-token TOVA sequence took 2.0 s with 1 thread and
@@ -355,6 +375,14 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
     examples: dict[int, list[dict]] = {}
     try:
         for p, b, L in jobs:
+            extra: dict = {}
+            thr = None
+            if p == "dms":  # its memory knob, set on validation sequences and fixed for the test ones
+                valid = torch.stack([task.make_example(task.valid_seed(cfg.first_seed + i), L, task_cfg)["input_ids"]
+                                     for i in range(cfg.n_sequences)])
+                thr = dms_calibrate(models[p], valid, b)
+                extra = {"dms_threshold": thr, "dms_threshold_from": "validation",
+                         "dms_valid_entries_mean": round(dms_mean_entries(models[p], valid, thr), 2)}
             if L not in examples:
                 examples[L] = [task.make_example(seed_of(cfg.first_seed + i), L, task_cfg)
                                for i in range(cfg.n_sequences)]
@@ -367,13 +395,13 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
                     bar.update(len(examples[L]))
             else:
                 for ex in examples[L]:
-                    c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b)
+                    c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b, threshold=thr)
                     correct, graded = correct + c, graded + g
                     if bar is not None:
                         bar.update(1)
             row = {"policy": p, "budget": int(b), "length": int(L), "accuracy": correct / graded,
                    "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences,
-                   **dms_row_stats(models[p])}
+                   **dms_row_stats(models[p]), **extra}
             rows[_row_key(p, b, L)] = row
             if on_row is not None:
                 on_row(row)

@@ -61,3 +61,28 @@ def test_decode_bad_inputs(base):
         decode_predictions(base, ids, "streaming")
     with pytest.raises(ValueError, match="at least one example"):
         decode_check(model, [], "streaming", 12)
+
+
+def test_dms_decoding_gives_the_prefill_reads(base, tmp_path):
+    from kvpop.core import dms as D
+    from kvpop.demo import dms as DE
+
+    m = copy.deepcopy(base)
+    D.patch_dms(m, sinks=2, window=4)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for la in D.dms_layers(m):
+            la.gate.weight.normal_(0, 1.0)
+            la.gate.bias.zero_()
+    D.save_dms(m, tmp_path / DE.GATES)
+    model = E.policy_model(base, "dms", scorers=tmp_path / DE.GATES, finetuned=base, sinks=2, window=4)
+    exs = [T.make_example(T.test_seed(i), L) for i in range(2)]
+    thr = DE.calibrate_threshold(model, torch.stack([T.make_example(T.valid_seed(i), L)["input_ids"]
+                                                      for i in range(2)]), 14)
+    r = decode_check(model, exs, "dms", 14, threshold=thr)
+    assert r["differ"] == 0 and r["decode_correct"] == r["prefill_correct"] and r["dms_threshold"] == thr
+    ids = torch.stack([ex["input_ids"] for ex in exs])
+    full = torch.cat([E.policy_logits(model, ids[i:i + 1], "dms", threshold=thr).argmax(-1) for i in range(2)])
+    assert torch.equal(decode_predictions(model, ids, "dms", threshold=thr), full)
+    with pytest.raises(ValueError, match="fixed gate threshold"):
+        decode_check(model, exs, "dms", 14)

@@ -79,7 +79,47 @@ def test_kvpop_eval_with_a_dms_run(run_dir, tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     dms = [r for r in rows if r["policy"] == "dms"]
     assert [r["budget"] for r in dms] == [12, 24]
-    assert all(r["dms_entries_mean"] <= r["budget"] and "dms_entries_std" in r for r in dms)
+    assert all(r["dms_threshold_from"] == "validation" and r["dms_valid_entries_mean"] <= r["budget"]
+               and "dms_entries_std" in r for r in dms)
     assert "| dms |" in (tmp_path / "table.md").read_text()
     assert main(["eval", "--policies", "dense,dms", "--lengths", "128", "--budgets", "12", "--sinks", "2",
                  "--window", "4", "--no-progress"]) == 2
+
+
+def test_calibration_on_a_batch_meets_the_budget_on_average_and_starts_from_nothing(run_dir):
+    base = E.load_base_model(run_dir / "model")
+    model = E.policy_model(base, "dms", scorers=run_dir / DE.GATES, finetuned=base, sinks=2, window=4)
+    ids = torch.stack([T.make_example(T.valid_seed(i), L)["input_ids"] for i in range(3)])
+    with torch.no_grad():
+        thr = DE.calibrate_threshold(model, ids, 20)
+        assert DE.mean_entries(model, ids, thr) <= 20
+        per_seq = [DE.mean_entries(model, ids[i], thr) for i in range(3)]
+        assert DE.mean_entries(model, ids, thr) == pytest.approx(sum(per_seq) / 3)
+        logits, fixed, heads = DE._kept_logits(model, ids, thr)
+        above = logits[logits > thr]
+        assert above.numel() and fixed + int((logits <= above.min()).sum()) / heads > 20
+        D.patch_dms(model, threshold=37.0)  # whatever threshold the model was left at: the same answer
+        assert DE.calibrate_threshold(model, ids, 20) == thr
+
+
+def test_evaluate_fixes_the_dms_threshold_on_validation_sequences(run_dir):
+    """dms: one threshold per (budget, length) from the validation sequences, used for every test sequence;
+    dms-test-calibrated: set on each test sequence."""
+    base = E.load_base_model(run_dir / "model")
+    model = E.policy_model(base, "dms", scorers=run_dir / DE.GATES, finetuned=base, sinks=2, window=4)
+    cfg = E.EvalConfig(train_len=L, lengths=[L], budgets=[16], n_sequences=2, sinks=2, window=4, progress=False)
+    res = E.evaluate({"dense": base, "dms": model, "dms-test-calibrated": model}, cfg)
+    row = {r["policy"]: r for r in res["rows"]}
+    valid = torch.stack([T.make_example(T.valid_seed(i), L)["input_ids"] for i in range(2)])
+    thr = DE.calibrate_threshold(model, valid, 16)
+    assert row["dms"]["dms_threshold"] == thr and row["dms"]["dms_threshold_from"] == "validation"
+    assert row["dms"]["dms_valid_entries_mean"] == round(DE.mean_entries(model, valid, thr), 2) <= 16
+    tests = [T.make_example(T.test_seed(i), L) for i in range(2)]
+    correct = sum(E.sequence_correct(model, ex, "dms", 16, threshold=thr)[0] for ex in tests)
+    assert row["dms"]["correct"] == correct
+    ent = [DE.mean_entries(model, ex["input_ids"], thr) for ex in tests]
+    assert row["dms"]["dms_entries_mean"] == pytest.approx(sum(ent) / 2, abs=0.01)
+    assert row["dms-test-calibrated"]["dms_entries_mean"] <= 16
+    assert "dms_threshold_from" not in row["dms-test-calibrated"]
+    with pytest.raises(ValueError, match="takes none"):
+        E.policy_logits(base, tests[0]["input_ids"], "dense", threshold=1.0)
