@@ -60,8 +60,8 @@ from .cache import cache_settings
 from .patching import is_patched, state_owner
 
 __all__ = ["DMSConfig", "DMSLayer", "DMSCache", "DMSCacheLayer", "gumbel_sigmoid", "logistic_noise",
-           "dms_attention", "gate_evict_at", "dms_target", "patch_dms", "unpatch_dms", "is_dms_patched",
-           "get_dms_config", "dms_layers", "dms_loss", "set_dms_step", "make_dms_teacher", "save_dms",
+           "set_dms_generator", "dms_attention", "gate_evict_at", "dms_target", "patch_dms", "unpatch_dms",
+           "is_dms_patched", "get_dms_config", "dms_layers", "dms_loss", "set_dms_step", "make_dms_teacher", "save_dms",
            "load_dms", "read_dms_config", "DMS_ATTN_NAME", "head_entries"]
 
 DMS_ATTN_NAME = "kvpop_dms"
@@ -239,6 +239,7 @@ class DMSLayer(nn.Module):
             self.gate.bias.fill_(-config.gate_offset)
         self.hidden: torch.Tensor | None = None
         self.active_cache: Any = None
+        self.generator: torch.Generator | None = None  # the training's noise stream (set_dms_generator)
         self.last_evict: torch.Tensor | None = None
         self.last_logits: torch.Tensor | None = None
 
@@ -307,7 +308,8 @@ def dms_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     old = t >= cfg.sinks
     layer.last_logits = logits.detach()
     if module.training and torch.is_grad_enabled():
-        soft, _, hard = gumbel_sigmoid(logits, cfg.tau)
+        noise = logistic_noise(tuple(logits.shape), device=logits.device, generator=layer.generator)
+        soft, _, hard = gumbel_sigmoid(logits, cfg.tau, noise)
         log_keep = torch.where(old, F.logsigmoid(-soft), torch.zeros((), device=query.device))
         layer.last_evict = hard * old
         out = dms_attention(query, key, value, log_keep, sinks=cfg.sinks, window=cfg.window, scale=scaling)
@@ -422,6 +424,18 @@ def make_dms_teacher(model: nn.Module, *, device: torch.device | str | None = No
 
 
 # ----------------------------------------------------------------------------------- training loss
+def set_dms_generator(model: nn.Module, generator: torch.Generator | None) -> None:
+    """Draw the relaxation's logistic noise of every DMS layer from ``generator`` (``None``: the global
+    stream).  ``kvpop.training.train`` gives a training run its own generator, seeded by its seed, so that
+    the run draws the same noise whatever ran before it in the process."""
+    if not is_dms_patched(model):
+        raise ValueError("set_dms_generator needs a DMS-patched model")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    for layer in dms_layers(model):
+        layer.generator = generator
+
+
 def set_dms_step(model: nn.Module, step: int) -> None:
     """Tell the model the optimiser step being taken (1-based; the auxiliary loss's target follows
     :func:`dms_target`, reached at ``step = schedule_steps``)."""

@@ -54,7 +54,7 @@ def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: Any = None, *
     ``model/`` and ``done.json`` into ``out_dir`` (reused by ``resume`` when the settings agree)."""
     from kvpop.training.train import TrainConfig, train
 
-    from .evaluate import RetrofitConfig
+    from .evaluate import RetrofitConfig, _seeded, retrofit_seed
 
     cfg = cfg or RetrofitConfig()
     task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
@@ -69,9 +69,10 @@ def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: Any = None, *
         done_file.unlink()
     model = copy.deepcopy(base).eval()
     teacher = D.make_dms_teacher(model)
-    torch.manual_seed(cfg.seed)
-    D.patch_dms(model, D.DMSConfig(sinks=cfg.sinks, window=cfg.window, target_keep=target_keep,
-                                   schedule_steps=max(1, round(schedule_frac * cfg.steps))))
+    rseed = retrofit_seed("dms", cfg.seed)
+    with _seeded(rseed, model):  # the gates start deterministic; the seed goes to the training's noise stream
+        D.patch_dms(model, D.DMSConfig(sinks=cfg.sinks, window=cfg.window, target_keep=target_keep,
+                                       schedule_steps=max(1, round(schedule_frac * cfg.steps))))
     ckpt = out / "train.pt"
     stamp = ckpt / "settings.json"
     if ckpt.exists() and (not resume or not stamp.exists() or json.loads(stamp.read_text()) != settings):
@@ -82,7 +83,7 @@ def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: Any = None, *
     data = [task.make_batch([task.train_seed(cfg.seed * 1_000_003 + i * cfg.batch + j) for j in range(cfg.batch)],
                             cfg.length, task_cfg)["input_ids"] for i in range(min(cfg.steps, 1000))]
     tc = TrainConfig(steps=cfg.steps, lr_scorer=cfg.lr_scorer, lr_model=cfg.lr_model, train_model=True,
-                     checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress, seed=cfg.seed)
+                     checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress, seed=rseed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hist = train(model, data, tc, teacher=teacher, resume=resume)

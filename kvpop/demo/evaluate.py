@@ -45,6 +45,7 @@ StreamingLLM mask (``fixed-finetune``).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -569,6 +570,26 @@ class RetrofitConfig:
     target_source: str = "student"
 
 
+def retrofit_seed(name: str, seed: int) -> int:
+    """The seed of every random draw of retrofit ``name`` (its layers' initialisation, DMS's relaxation noise):
+    a stable hash (CRC-32) of the name and ``seed``, the same in every process.  A joint retrofit's label
+    variants share the joint retrofit's (the same start, only the label differs); the training sequences are
+    ``seed``'s, the same for every retrofit."""
+    import zlib
+
+    return zlib.crc32(f"{name}/{int(seed)}".encode())
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, model: nn.Module):
+    """A block whose global-stream draws come from ``seed`` (CPU, and the model's CUDA device when it has
+    one); the global streams are restored on exit."""
+    dev = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def _train_data(cfg: RetrofitConfig, n: int, task_cfg: Any, task: Any) -> list[torch.Tensor]:
     return [task.make_batch([task.train_seed(cfg.seed * 1_000_003 + i * cfg.batch + j) for j in range(cfg.batch)],
                             cfg.length, task_cfg)["input_ids"] for i in range(n)]
@@ -619,8 +640,9 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
     else:
         kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
                          mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source)
-    torch.manual_seed(cfg.seed)  # the scorers' initialisation: a retrofit is the same whatever ran before it
-    patch(model, kv)
+    rseed = retrofit_seed(LABEL_VARIANTS.get(policy, policy), cfg.seed)
+    with _seeded(rseed, model):  # the scorers' initialisation, whatever ran before it in the process
+        patch(model, kv)
     ckpt = out / "train.pt"
     stamp = ckpt / "settings.json"
     if ckpt.exists() and (not resume or not stamp.exists() or json.loads(stamp.read_text()) != settings):
@@ -631,7 +653,7 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
     data = _train_data(cfg, min(cfg.steps, 1000), task_cfg, task)
     tc = TrainConfig(steps=cfg.steps, lr_scorer=cfg.lr_scorer, lr_model=cfg.lr_model, train_model=train_model,
                      checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress,
-                     seed=cfg.seed)
+                     seed=rseed)
     import warnings
 
     with warnings.catch_warnings():

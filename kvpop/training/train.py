@@ -451,6 +451,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     kv_cfg = _dms.get_dms_config(model) if dms else get_config(model)
     torch.manual_seed(cfg.seed)
     rank, world = _dist()
+    dev0 = next(model.parameters()).device
+    # DMS's relaxation noise: a generator of this run, seeded by its seed (saved with a checkpoint), so that the
+    # run draws the same noise whatever used the global stream before it
+    noise_gen = torch.Generator(device=dev0).manual_seed(cfg.seed) if dms else None
     fsdp = world > 1 and cfg.dist == "fsdp"
     dev = next(model.parameters()).device
     if cfg.bf16 and dev.type != "cuda":
@@ -507,6 +511,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             sched.load_state_dict(ck["scheduler"])
             step, consumed = ck["step"], ck["consumed"]
             set_rng_state(ck["rng"])
+            if noise_gen is not None and "noise_rng" in ck:
+                noise_gen.set_state(ck["noise_rng"])
             past = list(ck.get("history", []))
 
     runner: nn.Module = _Step(model, cfg.loss_chunk)
@@ -528,6 +534,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                  "step": step, "consumed": consumed, "rng": rng_state(), "kvpop_config": kv_cfg.to_json(),
                  "train_config": asdict(cfg), "world_size": world, "history": past + history}
         state["optimizer_fqn" if fsdp else "optimizer"] = osd if fsdp else opt.state_dict()
+        if noise_gen is not None:
+            state["noise_rng"] = noise_gen.get_state()
         atomic_save(state, last)
         if dms:
             _dms.save_dms(model, ckpt_dir / "gates.safetensors")
@@ -553,6 +561,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
 
         bar = progress(cfg.steps, initial=step, desc="kvpop train")
     stop = StopSignals(enabled=ckpt_dir is not None, name="kvpop train").install()
+    if noise_gen is not None:
+        _dms.set_dms_generator(model, noise_gen)
     try:
         while step < cfg.steps:
             kl_acc = ls_acc = 0.0
@@ -627,6 +637,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             save()
     finally:
         stop.restore()
+        if noise_gen is not None:
+            _dms.set_dms_generator(model, None)
         if bar is not None:
             bar.close()
     return history

@@ -94,3 +94,38 @@ def test_learning_rates_default_per_method():
         learning_rates(TrainConfig(), "h2o")
     with pytest.raises(ValueError, match="lr_scorer must be a finite number > 0"):
         TrainConfig(lr_scorer=0.0)
+
+
+def test_dms_training_noise_is_the_runs_own_stream():
+    """The relaxation noise comes from the run's generator (seeded by TrainConfig.seed), not the global
+    stream: data that draws from the global stream as it is read (a shuffling loader, say) changes nothing;
+    another seed changes the gates."""
+    import copy
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, attention_dropout=0.0)
+    base = Qwen3ForCausalLM(cfg).eval()
+    batches = [torch.randint(0, 64, (1, 40)) for _ in range(3)]
+
+    class Loader:
+        def __init__(self, draws):
+            self.draws = draws
+
+        def __iter__(self):
+            for b in batches:
+                torch.rand(self.draws)  # someone else's use of the global stream
+                yield b
+
+    def run(seed, draws):
+        m = copy.deepcopy(base)
+        D.patch_dms(m, sinks=2, window=4, target_keep=0.3, schedule_steps=2)
+        train(m, Loader(draws), TrainConfig(steps=3, lr_scorer=0.1, train_model=False, progress=False, seed=seed))
+        assert all(la.generator is None for la in D.dms_layers(m))  # nothing left on the model
+        return torch.cat([la.gate.weight.detach().reshape(-1) for la in D.dms_layers(m)])
+
+    a = run(5, 1)
+    assert torch.equal(a, run(5, 7))
+    assert not torch.equal(a, run(6, 1))
