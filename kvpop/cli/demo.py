@@ -368,7 +368,7 @@ def _decode_rows(E, mod, models: dict, s: dict, cfg, out: Path, old: dict | None
     L, b = s["train_len"], cfg.budgets[len(cfg.budgets) // 2]
     exs = [mod.make_example(mod.test_seed(i), L, mod.DEFAULT) for i in range(cfg.n_sequences)]
     rows = []
-    for p in [p for p in E.POLICIES if p in models and (p in DECODE_POLICIES or p in E.LABEL_VARIANTS)]:
+    for p in [p for p in E.POLICIES if p in models and p in DECODE_POLICIES]:
         if p not in done:
             print(f"[kvpop demo] {s['task']}: decoding {p} token by token at B={b}, L={L}", flush=True)
             thr = next((r["dms_threshold"] for r in measured if r["policy"] == p and r["budget"] == b
