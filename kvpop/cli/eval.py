@@ -215,13 +215,14 @@ def _policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, 
         if p == "dense":
             continue
         t = trained.get(p)
-        if p == "dms":
-            if t is None:
-                if wanted is not None:
-                    raise ValueError("policy 'dms' needs a DMS run: --run DIR or --dms DIR (kvpop train --method dms)")
+        if p in ("dms", "dms-test-calibrated"):  # the second only when asked for (--policies)
+            t = trained.get("dms")
+            if t is None or (p != "dms" and p not in (wanted or ())):
+                if t is None and wanted is not None and p in wanted:
+                    raise ValueError(f"policy {p!r} needs a DMS run: --run DIR or --dms DIR (kvpop train --method dms)")
                 continue
-            models[p] = E.policy_model(base, "dms", scorers=t.gates, sinks=sinks, window=window,
-                                       finetuned=load(t.model) if t.model is not None else base)
+            models[p] = models.get("dms") or E.policy_model(base, "dms", scorers=t.gates, sinks=sinks, window=window,
+                                                            finetuned=load(t.model) if t.model is not None else base)
             continue
         ft = load(t.model) if t is not None and t.model is not None else None
         if p in E.SCORER_OF and (t is None or t.scorers is None):

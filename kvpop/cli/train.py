@@ -115,8 +115,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--target-lse", choices=TARGET_LSES, default=d.target_lse,
                     help=f"normaliser of the target (default {d.target_lse})")
     kv.add_argument("--target-source", choices=TARGET_SOURCES, default=d.target_source,
-                    help="queries and keys of the target: the model being trained (with --target-lse) or the frozen "
-                         f"teacher (exact: its own dense forward, layer by layer) (default {d.target_source})")
+                    help="whose attention makes the label: student, the model being trained (its own forward, "
+                         "normalised by --target-lse: the cheap sparse normaliser by default), or teacher, the frozen "
+                         "original (exact: its own dense forward with the full cache, layer by layer) (default "
+                         f"{d.target_source}; kvpop demo's joint retrofits use student too: it beat teacher on the "
+                         "validation sequences of both demo tasks, kvpop/data/demo_results/README.md)")
     kv.add_argument("--tau", type=float, default=d.tau, help=f"temperature of L_score (default {d.tau})")
     kv.add_argument("--tie-margin", type=float, default=d.tie_margin,
                     help="near-tie discount of L_score, 1 - exp(-|margin| / tie_margin); 0 switches it off "

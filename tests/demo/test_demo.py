@@ -58,7 +58,8 @@ def test_demo_quick_both_tasks_end_to_end_and_resume(tmp_path, capsys, lookahead
             assert (d / p / "model" / "model.safetensors").exists() == (p in JOINT or p == "fixed-finetune")
         assert (d / "dms" / "gates.safetensors").exists() and (d / "dms" / "model" / "model.safetensors").exists()
     assert "lookahead-trace" in first["lookahead"]["task"] and "kv-trace" in first["kvtrace"]["task"]
-    assert printed.count("| kvpop-mlstm-joint |") == 2
+    assert printed.count("| kvpop-mlstm-joint |") == 4  # each task's accuracy table and decode table
+    assert printed.count("| dms-test-calibrated |") == 2 * 6 + 2  # its dms.md rows and one accuracy row a task
     # resume: every part is reused, nothing is trained or measured again
     t0 = time.time()
     assert main(["demo", "--quick", "--task", "lookahead", "--model", str(lookahead_model), "--out", str(out),

@@ -53,8 +53,8 @@ def models(base, tmp_path_factory):
     kw = dict(sinks=2, window=4, budget=24)
     out = {"dense": base}
     for p in E.POLICIES[1:]:
-        fine = ft if p == "fixed-finetune" else base if p == "dms" else None
-        out[p] = E.policy_model(base, p, scorers=files.get(p), finetuned=fine, **kw)
+        fine = ft if p == "fixed-finetune" else base if p in E.DMS_POLICIES else None
+        out[p] = E.policy_model(base, p, scorers=files.get("dms" if p in E.DMS_POLICIES else p), finetuned=fine, **kw)
     return out
 
 
