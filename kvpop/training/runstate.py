@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import random
@@ -32,6 +33,7 @@ from kvpop.core.files import atomic_write
 
 __all__ = ["CheckpointError", "RunDirectoryError", "RunLock", "load_checkpoint", "atomic_save", "rng_state",
            "set_rng_state", "restore_rng_state", "check_progress", "check_state_dict", "StopSignals",
+           "TrainingDiverged", "non_finite", "non_finite_parameters",
            "TrainingInterrupted", "append_jsonl", "write_jsonl"]
 
 
@@ -237,6 +239,51 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         where = f"; {checkpoint} holds it (resume to continue)" if checkpoint else ""
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}{where}")
+
+
+class TrainingDiverged(ValueError):
+    """Raised by a training loop whose loss or weights turned NaN or inf: the step is not taken, no
+    checkpoint of it is written, and the last finished checkpoint (if any) stays.
+
+    Attributes: ``step`` (the step that diverged), ``checkpoint`` (the path of the last good checkpoint
+    or None), ``what`` (the values that were not finite)."""
+
+    def __init__(self, step: int, what: str, checkpoint: Path | None, good_step: int | None) -> None:
+        self.step, self.what, self.checkpoint = step, what, checkpoint
+        kept = (f"{checkpoint} keeps step {good_step}, the last finite one" if checkpoint is not None
+                and good_step is not None else "no checkpoint was written")
+        super().__init__(
+            f"step {step}: {what} is not finite (NaN or inf); the run stops without taking the step, and {kept}. "
+            f"Lower the learning rates (--lr-model / --lr-scorer), keep gradient clipping on (--max-grad-norm), "
+            f"or check the data")
+
+
+def non_finite(values: dict[str, float]) -> str | None:
+    """``"kl = nan, score = inf"`` for the entries of ``values`` that are not finite, or None."""
+    bad = [f"{k} = {v}" for k, v in values.items() if not math.isfinite(v)]
+    return ", ".join(bad) if bad else None
+
+
+def non_finite_parameters(model: torch.nn.Module, world: int = 1, limit: int = 3) -> list[str]:
+    """Names of (up to ``limit``) parameters holding NaN or inf: one reduction per parameter and a
+    single host read (called before a checkpoint is written, not per step).  Sharded parameters are
+    checked shard by shard; with ``world > 1`` the verdict is agreed over the ranks (a collective), and
+    a rank whose own shards are finite reports ``"a parameter on another rank"``."""
+    named = [(n, p.detach()) for n, p in model.named_parameters() if p.is_floating_point()]
+    named = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in named]
+    named = [(n, t) for n, t in named if t.numel()]
+    dev = named[0][1].device if named else torch.device("cpu")
+    flags = (torch.stack([torch.isfinite(t).all().to(dev) for _, t in named]) if named
+             else torch.ones(0, dtype=torch.bool, device=dev))
+    n_bad = (~flags).sum().to(torch.int64).reshape(1)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(n_bad)
+    if not int(n_bad):
+        return []
+    bad = (~flags).nonzero().flatten().tolist()
+    return [named[i][0] for i in bad[:limit]] or ["a parameter on another rank"]
 
 
 class StopSignals:
