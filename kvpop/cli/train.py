@@ -323,6 +323,18 @@ def _data(args: argparse.Namespace, model, source: Path | None):
     return data_io.make_batches(seqs, args.batch_size, seed=args.seed, source=args.data)
 
 
+def _fingerprint(args: argparse.Namespace) -> str | None:
+    """The --data file's fingerprint, kept in the checkpoint: a resume after the file was edited is refused."""
+    if not args.data:
+        return None
+    from kvpop.training.data import data_fingerprint
+
+    try:
+        return data_fingerprint(args.data)
+    except OSError as e:
+        _fail(f"--data {args.data}: cannot read it ({e.strerror or e})")
+
+
 def _check_resume_args(args: argparse.Namespace, out: Path) -> None:
     saved_path = out / "args.json"
     if not (out / "last.pt").exists():
@@ -413,7 +425,14 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
     from kvpop.core.dms import DMSConfig, patch_dms
     from kvpop.core.patching import patch
     from kvpop.training.runstate import CheckpointError
-    from kvpop.training.train import TrainConfig, TrainingInterrupted, learning_rates, save_model, train
+    from kvpop.training.train import (
+        TrainConfig,
+        TrainingDiverged,
+        TrainingInterrupted,
+        learning_rates,
+        save_model,
+        train,
+    )
 
     try:
         if args.method == "kvpop":
@@ -452,7 +471,8 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                            train_model=not args.no_train_model,
                            activation_checkpointing=args.activation_checkpointing, checkpoint_dir=str(out),
                            checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
-                           seed=args.seed, dist=args.dist, bf16=args.bf16, loss_chunk=args.loss_chunk)
+                           seed=args.seed, dist=args.dist, bf16=args.bf16, loss_chunk=args.loss_chunk,
+                           data_fingerprint=_fingerprint(args))
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             if not args.resume or not (out / "args.json").exists():
@@ -467,7 +487,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
             if rank == 0:
                 print(f"kvpop train: {e}: run the same command with --resume to continue", file=sys.stderr)
             return 128 + e.signum
-        except CheckpointError as e:
+        except (CheckpointError, TrainingDiverged) as e:
             _fail(str(e))
         if not args.no_train_model:
             try:

@@ -97,17 +97,22 @@ from kvpop.core.patching import get_config, is_patched, make_teacher
 from .runstate import (
     CheckpointError,
     StopSignals,
+    TrainingDiverged,
     TrainingInterrupted,
     append_jsonl,
     atomic_save,
+    check_progress,
+    check_state_dict,
     load_checkpoint,
+    non_finite,
+    non_finite_parameters,
+    restore_rng_state,
     rng_state,
-    set_rng_state,
     write_jsonl,
 )
 
-__all__ = ["TrainConfig", "train", "save_model", "DIST_MODES", "TrainingInterrupted", "LEARNING_RATES",
-           "learning_rates"]
+__all__ = ["TrainConfig", "train", "save_model", "DIST_MODES", "TrainingInterrupted", "TrainingDiverged",
+           "LEARNING_RATES", "learning_rates"]
 
 DIST_MODES = ("ddp", "fsdp")
 LEARNING_RATES = {"kvpop": {"lr_model": 1e-5, "lr_scorer": 1e-3}, "dms": {"lr_model": 1e-5, "lr_scorer": 5e-2}}
@@ -138,7 +143,9 @@ class TrainConfig:
     ``bf16`` turns on bf16 autocast (CUDA only); see the module docstring for both.  ``loss_chunk``:
     positions per chunk of the fused LM head + KL (default: a ``[chunk, V]`` float32 buffer of ~128 MiB).
     ``lr_model`` / ``lr_scorer`` (the scorers and decays, or DMS's gates): ``None`` is the method's default
-    (:data:`LEARNING_RATES`: 1e-5 / 1e-3 for KVpop, 1e-5 / 5e-2 for DMS).
+    (:data:`LEARNING_RATES`: 1e-5 / 1e-3 for KVpop, 1e-5 / 5e-2 for DMS).  ``data_fingerprint``: what
+    identifies the training data (``kvpop train`` stores :func:`kvpop.training.data.data_fingerprint` of
+    ``--data``); it is saved in the checkpoint, and a resume with another one is refused.
     """
 
     steps: int = 100
@@ -160,6 +167,7 @@ class TrainConfig:
     dist: str = "ddp"
     bf16: bool = False
     loss_chunk: int | None = None
+    data_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "grad_accum", "top_k"):
@@ -499,20 +507,28 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     last = ckpt_dir / "last.pt" if ckpt_dir else None
     if resume and last is not None and last.exists():
         if fsdp:
-            step, consumed, past = _load_fsdp_checkpoint(model, opt, sched, last, kv_cfg, rank)
+            step, consumed, past = _load_fsdp_checkpoint(model, opt, sched, last, kv_cfg, rank, cfg)
         else:
             ck = load_checkpoint(last)
-            _check_checkpoint(ck, last, kv_cfg)
+            step, consumed = _check_checkpoint(ck, last, kv_cfg, cfg)
             if "optimizer" not in ck:
                 raise CheckpointError(f"checkpoint {last} was written by an FSDP run (its optimiser state is keyed by "
                                  f"parameter names): resume it with dist='fsdp' (--dist fsdp)")
+            check_state_dict(ck.get("model"), model.state_dict(), last)
+            try:
+                opt.load_state_dict(ck["optimizer"])
+                sched.load_state_dict(ck["scheduler"])
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"checkpoint {last}: its optimiser or scheduler state does not fit this run "
+                                      f"({type(e).__name__}: {str(e)[:200]})") from None
             model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-            sched.load_state_dict(ck["scheduler"])
-            step, consumed = ck["step"], ck["consumed"]
-            set_rng_state(ck["rng"])
+            restore_rng_state(ck.get("rng"), last)
             if noise_gen is not None and "noise_rng" in ck:
-                noise_gen.set_state(ck["noise_rng"])
+                try:
+                    noise_gen.set_state(ck["noise_rng"])
+                except (TypeError, RuntimeError) as e:
+                    raise CheckpointError(f"checkpoint {last}: its 'noise_rng' entry cannot be restored "
+                                          f"({type(e).__name__}: {str(e)[:200]})") from None
             past = list(ck.get("history", []))
 
     runner: nn.Module = _Step(model, cfg.loss_chunk)
@@ -522,7 +538,14 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
         runner = DDP(runner, device_ids=[dev.index] if dev.type == "cuda" else None,
                      find_unused_parameters=True)
 
+    good_step = step if resume and last is not None and last.exists() else None  # the last finite checkpoint
+
     def save() -> None:
+        nonlocal good_step
+        bad = non_finite_parameters(model, world)  # never a checkpoint of diverged weights
+        if bad:
+            raise TrainingDiverged(step, f"the weights ({', '.join(bad)})", last, good_step)
+        good_step = step
         msd = osd = None
         if fsdp:
             msd, osd = _full_state_dicts(model, opt)
@@ -608,6 +631,9 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                                                                                      cfg.max_grad_norm))
             if world > 1:
                 kl_acc, ls_acc = _mean_over_ranks([kl_acc, ls_acc], world, dev)
+            bad = non_finite({"kl": kl_acc, "score": ls_acc, **gnorm})  # the same on every rank
+            if bad:  # the step is not taken; the last checkpoint stays
+                raise TrainingDiverged(step + 1, f"the loss ({bad})", last, good_step)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -644,13 +670,22 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     return history
 
 
-def _check_checkpoint(ck: dict, path: Path, kv_cfg) -> None:
+def _check_checkpoint(ck: dict, path: Path, kv_cfg, cfg: TrainConfig) -> tuple[int, int]:
+    """``(step, consumed)`` of a checkpoint this run can resume: same method config, same data (when both
+    carry a fingerprint), progress that fits (:func:`kvpop.training.runstate.check_progress`)."""
     if ck.get("kvpop_config") != kv_cfg.to_json():
         raise CheckpointError(f"checkpoint {path} was written with another KVpopConfig: {ck.get('kvpop_config')}")
+    saved = ck.get("train_config") if isinstance(ck.get("train_config"), dict) else {}
+    then, now = saved.get("data_fingerprint"), cfg.data_fingerprint
+    if then is not None and now is not None and then != now:
+        raise CheckpointError(f"checkpoint {path} was trained on other data: the data file changed since (was "
+                              f"{then}, now {now}); resume with the data it was trained on, or start in another "
+                              f"directory")
+    return check_progress(ck, path, grad_accum=cfg.grad_accum)
 
 
 def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: Path, kv_cfg,
-                          rank: int) -> tuple[int, int, list]:
+                          rank: int, cfg: TrainConfig) -> tuple[int, int, list]:
     """Rank 0 reads ``last.pt`` and broadcasts it into the sharded model and optimiser (collective)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -660,7 +695,7 @@ def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: A
     if rank == 0:
         try:
             ck = load_checkpoint(path)
-            _check_checkpoint(ck, path, kv_cfg)
+            _check_checkpoint(ck, path, kv_cfg, cfg)
             if "optimizer_fqn" not in ck:
                 raise CheckpointError(f"checkpoint {path} was written without FSDP: resume it with dist='ddp' "
                                  f"(--dist ddp) or in one process")
@@ -676,5 +711,5 @@ def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: A
     set_model_state_dict(model, ck.get("model", {}), options=opts)
     set_optimizer_state_dict(model, opt, ck.get("optimizer_fqn", {}), options=opts)
     sched.load_state_dict(meta["scheduler"])
-    set_rng_state(meta["rng"])
+    restore_rng_state(meta["rng"], path)
     return meta["step"], meta["consumed"], list(meta["history"])

@@ -350,3 +350,26 @@ def test_cli_obscure_errors_name_what_is_wrong(tmp_path, capsys):
     (tmp_path / "run" / "args.json").write_text("{broken")
     msg = _usage_error("train", "--data", str(data), "--out", str(tmp_path / "run"), *TRAIN, "--resume")
     assert "--resume: cannot read" in msg and "args.json" in msg
+
+
+# ----------------------------------------------------------------------------- items 6 and 9: divergence, edited data
+def test_train_stops_a_diverging_run_with_the_last_finite_checkpoint(tmp_path):
+    data = _write_ids(tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    msg = _usage_error("train", "--tiny", "--data", str(data), "--out", str(out), *FAST, "--steps", "6",
+                       "--checkpoint-every", "1", "--lr-scorer", "1e6", "--lr-model", "1e3", "--max-grad-norm", "0")
+    assert msg.startswith("kvpop train: step ") and "is not finite" in msg and "the last finite one" in msg, msg
+    ck = load_checkpoint(out / "last.pt")
+    assert ck["step"] >= 1 and all(bool(torch.isfinite(v).all()) for v in ck["model"].values())
+
+
+def test_train_resume_refuses_a_data_file_edited_in_place(tmp_path):
+    data = _write_ids(tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    argv = ["train", "--tiny", "--data", str(data), "--out", str(out), *FAST, "--checkpoint-every", "1"]
+    assert main([*argv, "--steps", "1"]) == 0
+    os.utime(data)  # touched, content unchanged: the same data
+    assert main([*argv, "--steps", "2", "--resume"]) == 0
+    _write_ids(data, seed=5)  # the same path, other records
+    msg = _usage_error(*argv, "--steps", "3", "--resume")
+    assert "was trained on other data: the data file changed since" in msg, msg

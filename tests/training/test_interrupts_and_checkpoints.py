@@ -271,3 +271,61 @@ def test_unreadable_checkpoints_name_the_file_and_the_reason(tmp_path):
         assert "miniz" not in str(e.value) and "weights_only" not in str(e.value)
     with pytest.raises(CheckpointError, match="is a directory"):
         load_checkpoint(tmp_path)
+
+
+# ----------------------------------------------------------------------------- item 6: the finite-loss guard
+def test_a_diverging_run_stops_and_keeps_the_last_finite_checkpoint(tmp_path):
+    from kvpop.training.train import TrainingDiverged
+
+    cfg = TrainConfig(steps=8, lr_model=1e3, lr_scorer=1e6, max_grad_norm=None, progress=False, checkpoint_every=1,
+                      checkpoint_dir=str(tmp_path))
+    m, t = _fresh()
+    with pytest.raises(TrainingDiverged, match=r"step 2: the loss \(score = nan\) is not finite .*last.pt keeps step "
+                                               r"1, the last finite one") as e:
+        train(m, _data(), cfg, teacher=t)
+    assert e.value.step == 2
+    ck = load_checkpoint(tmp_path / "last.pt")
+    assert ck["step"] == 1 and all(bool(torch.isfinite(v).all()) for v in ck["model"].values())
+    assert [h["step"] for h in _lines(tmp_path / "history.jsonl")] == [1]  # no line of the diverged step
+    # weights that turned non-finite (the loss of the step that made them was finite) are never checkpointed
+    m2, t2 = _fresh()
+    with torch.no_grad():
+        next(p for n, p in m2.named_parameters() if "mlp" in n and "kvpop" not in n).fill_(float("inf"))
+    with pytest.raises(TrainingDiverged, match="is not finite"):
+        train(m2, _data(), TrainConfig(steps=2, progress=False, checkpoint_dir=str(tmp_path / "b")), teacher=t2)
+    assert not (tmp_path / "b" / "last.pt").exists()
+
+
+# ----------------------------------------------------------------------------- item 12 and damaged checkpoints
+def _good_checkpoint(tmp_path):
+    cfg = TrainConfig(steps=1, progress=False, checkpoint_dir=str(tmp_path))
+    m, t = _fresh()
+    train(m, _data(), cfg, teacher=t)
+    return load_checkpoint(tmp_path / "last.pt")
+
+
+@pytest.mark.parametrize("damage,msg", [
+    (lambda ck: ck.update(consumed=10**12), r"claims 1000000000000 micro-batches consumed in 1 steps"),
+    (lambda ck: ck.update(consumed=-1), r"'consumed' is int -1, expected an int >= 0"),
+    (lambda ck: ck.update(step="5"), r"'step' is str 5, expected an int >= 0"),
+    (lambda ck: ck.pop("step"), r"has no 'step' entry"),
+    (lambda ck: ck.pop("rng"), r"its 'rng' entry cannot be restored"),
+    (lambda ck: ck["rng"].pop("numpy"), r"its 'rng' entry cannot be restored \(KeyError"),
+    (lambda ck: ck["model"].update({k: torch.zeros(3) for k in list(ck["model"])[:1]}),
+     r"tensor .* has shape \(3,\), the model needs"),
+    (lambda ck: ck["model"].pop(next(iter(ck["model"]))), r"does not fit the model: missing"),
+])
+def test_a_damaged_checkpoint_is_refused_naming_the_entry(tmp_path, damage, msg):
+    ck = _good_checkpoint(tmp_path)
+    damage(ck)
+    torch.save(ck, tmp_path / "last.pt")
+    m, t = _fresh()
+    with pytest.raises(CheckpointError, match=msg):
+        train(m, _data(), TrainConfig(steps=3, progress=False, checkpoint_dir=str(tmp_path)), teacher=t, resume=True)
+    if "rng" in msg:  # a refused rng entry leaves the RNG as it was
+        from kvpop.training.runstate import restore_rng_state
+
+        rng = torch.get_rng_state()
+        with pytest.raises(CheckpointError):
+            restore_rng_state(ck.get("rng"), tmp_path / "last.pt")
+        assert torch.equal(torch.get_rng_state(), rng)
