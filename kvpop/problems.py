@@ -50,7 +50,7 @@ from torch import nn
 
 __all__ = ["Problem", "ProblemsConfig", "EXTRACT_RULES", "read_problems", "extract", "is_correct",
            "sample_metrics", "row_seed", "generate_rows", "evaluate_problems", "format_problems_table",
-           "plot_problems"]
+           "plot_problems", "VLLM_POLICIES", "VLLMModel", "VLLMEngine"]
 
 EXTRACT_RULES = ("last-number", "boxed", "regex:PATTERN", "exact")
 RESULTS_LOG = "problems.jsonl"
@@ -115,6 +115,10 @@ def read_problems(path: str | os.PathLike, *, vocab_size: int, tokenizer: Callab
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise ValueError(f"{p}:{lineno}: not a record (JSON nested too deep to read)") from None
+            except ValueError as e:  # e.g. an integer of more digits than Python converts
+                raise ValueError(f"{p}:{lineno}: not valid JSON ({str(e)[:200]})") from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             where = _where(p, lineno, rec)
@@ -382,6 +386,107 @@ def _generate(model, ids, mask, seeds, cache, *, max_new_tokens, temperature, to
     return out
 
 
+# ------------------------------------------------------------------------------------ vLLM
+VLLM_POLICIES = ("dense", "streaming", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
+                 "kvpop-mlstm-joint")
+"""The policies ``--engine vllm`` serves: those of the plugin (``kvpop.vllm``: the ``kvpop`` and ``streaming``
+cache policies) and dense (vLLM without the plugin)."""
+
+
+@dataclass
+class VLLMModel:
+    """What vLLM serves for one policy: the model directory, the plugin's cache policy (None: dense) and the
+    scorer file (for ``kvpop``)."""
+
+    model_dir: str
+    cache_policy: str | None = None
+    scorers: str | None = None
+
+
+def vllm_overrides(spec: VLLMModel, *, sinks: int, window: int, budget: int) -> dict:
+    """The ``hf_overrides`` that select kvpop's plugin (the ``kvpop_*`` keys of docs/DESIGN.md section 5, as
+    ``kvpop.vllm.hf_overrides`` writes them; written here so that ``kvpop.vllm`` stays a leaf: the plugin checks
+    them in vLLM's process)."""
+    out: dict[str, Any] = {"architectures": ["KVpopQwen3ForCausalLM"], "kvpop_policy": spec.cache_policy,
+                           "kvpop_config": {"sinks": sinks, "window": window, "budget": budget}}
+    if spec.scorers is not None:
+        out["kvpop_scorers"] = spec.scorers
+    return out
+
+
+class VLLMEngine:
+    """Answers through vLLM (``LLM.generate``) with kvpop's plugin: one engine per policy and budget, built when
+    first needed (the one before it released).  Called as :func:`generate_rows`; each request samples with its
+    own seed (:func:`row_seed`; vLLM's sampler, so sampled answers differ from the hf engine's, greedy ones
+    agree).  Cache bytes per sequence are those of the slots vLLM pages for the request: ``ceil(n /
+    block_size)`` blocks of keys and values (``n``: the sequence's tokens, dense; the budget, kvpop)."""
+
+    def __init__(self, *, sinks: int, window: int, dtype: str = "auto", block_size: int | None = None,
+                 max_model_len: int | None = None, **llm_kwargs: Any) -> None:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise ValueError("--engine vllm needs vLLM installed (pip install vllm; kvpop's plugin is kvpop.vllm); "
+                             "use --engine hf") from None
+        self.sinks, self.window, self.dtype, self.block_size = sinks, window, dtype, block_size
+        self.max_model_len, self.llm_kwargs = max_model_len, llm_kwargs
+        self._key: Any = None
+        self._llm: Any = None
+
+    def _engine(self, spec: VLLMModel, budget: int | None) -> Any:
+        key = (spec.model_dir, spec.cache_policy, spec.scorers, budget)
+        if key != self._key:
+            self.close()
+            from vllm import LLM
+
+
+            kw: dict[str, Any] = dict(model=spec.model_dir, skip_tokenizer_init=True, dtype=self.dtype,
+                                      enable_prefix_caching=False, **self.llm_kwargs)
+            if self.block_size is not None:
+                kw["block_size"] = self.block_size
+            if self.max_model_len is not None:
+                kw["max_model_len"] = self.max_model_len
+            if spec.cache_policy is not None:
+                kw["hf_overrides"] = vllm_overrides(spec, sinks=self.sinks, window=self.window, budget=int(budget))
+            self._llm, self._key = LLM(**kw), key
+        return self._llm
+
+    def close(self) -> None:
+        """Release the current engine."""
+        if self._llm is not None:
+            import gc
+
+            self._llm, self._key = None, None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def __call__(self, spec: VLLMModel, policy: str, budget: int | None, prompts: Sequence[Sequence[int]],
+                 seeds: Sequence[int], *, max_new_tokens: int, temperature: float, top_p: float,
+                 eos_token_id: int | list[int] | None, pad_token_id: int) -> list[tuple[list[int], int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self._engine(spec, budget)
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                                 seed=None if temperature == 0 else int(s) % (2**31), ignore_eos=True,
+                                 stop_token_ids=eos, detokenize=False) for s in seeds]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        cfg = llm.llm_engine.model_config
+        hf = cfg.hf_text_config
+        per_token = (2 * hf.num_hidden_layers * hf.num_key_value_heads * cfg.get_head_size()
+                     * torch.tensor([], dtype=cfg.dtype).element_size())
+        block = llm.llm_engine.vllm_config.cache_config.block_size
+        rows = []
+        for p, o in zip(prompts, outs):
+            toks = list(o.outputs[0].token_ids)
+            n = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
+            held = budget if spec.cache_policy is not None else len(p) + n - 1
+            rows.append((toks[:n], int(-(-held // block) * block * per_token)))
+        return rows
+
+
 # ------------------------------------------------------------------------------------ the run
 @dataclass
 class ProblemsConfig:
@@ -485,7 +590,7 @@ def _load_log(path: Path) -> dict[str, dict]:
 def evaluate_problems(models: Mapping[str, nn.Module], problems: Sequence[Problem], cfg: ProblemsConfig, *,
                       decode: Callable[[list[int]], str] | None = None, eos_token_id: Any = None,
                       pad_token_id: int = 0, out: str | os.PathLike | None = None, resume: bool = False,
-                      on_problem: Callable[[dict], None] | None = None) -> dict:
+                      on_problem: Callable[[dict], None] | None = None, engine: Callable | None = None) -> dict:
     """Answer every problem ``cfg.samples`` times under every policy of ``models`` (policy -> model, as
     :func:`kvpop.cli.eval._policy_models` builds them) and budget; returns the ``results.json`` object.
 
@@ -511,8 +616,11 @@ def evaluate_problems(models: Mapping[str, nn.Module], problems: Sequence[Proble
                 raise ValueError(f"--resume: {out} holds a run with other settings ({', '.join(diff)} differ); "
                                  f"use another --out or the same settings")
             done = _load_log(log)
-        elif log.exists() and log.stat().st_size and not resume:
-            raise ValueError(f"{log} exists (an earlier run); give --resume to continue it or another --out")
+        elif log.exists() and log.stat().st_size:
+            if not resume:
+                raise ValueError(f"{log} exists (an earlier run); give --resume to continue it or another --out")
+            raise ValueError(f"--resume: {out} holds {log.name} but not the {SETTINGS} of its run, so its settings "
+                             f"cannot be checked; use another --out")
         stamp.write_text(json.dumps(settings, indent=1) + "\n")
     policies = [p for p in cfg.policies if p in models]
     combos = [(p, b) for p in policies for b in ([None] if p == "dense" else cfg.budgets)]
@@ -534,7 +642,7 @@ def evaluate_problems(models: Mapping[str, nn.Module], problems: Sequence[Proble
                 chunk = items[start:start + cfg.batch_size]
                 if bar is not None:
                     bar.set_postfix_str(f"{p}" + ("" if b is None else f" B={b}"))
-                gens = generate_rows(models[p], p, b, [pr.prompt_ids for pr, _ in chunk],
+                gens = (engine or generate_rows)(models[p], p, b, [pr.prompt_ids for pr, _ in chunk],
                                      [row_seed(cfg.seed, pr.index, s) for pr, s in chunk],
                                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                      eos_token_id=eos_token_id, pad_token_id=pad_token_id)
@@ -592,10 +700,10 @@ def generations(results_rows: Mapping[str, dict]) -> list[dict]:
 
 
 def format_problems_table(results: dict) -> str:
-    """A markdown table: one row per policy and budget."""
+    """A markdown table: one row per policy and budget (maj@N and pass@N only with N > 1 samples)."""
     n = results["settings"]["samples"]
-    head = ["policy", "budget", "pass@1", "rel. to dense", f"maj@{n}", f"pass@{n}", "mean gen. length",
-            "peak cache / seq."]
+    many = [f"maj@{n}", f"pass@{n}"] if n > 1 else []
+    head = ["policy", "budget", "pass@1", "rel. to dense", *many, "mean gen. length", "peak cache / seq."]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results["rows"]:
         rel = r["relative_pass@1"]
@@ -603,7 +711,7 @@ def format_problems_table(results: dict) -> str:
         size = f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
         lines.append("| " + " | ".join([r["policy"], "-" if r["budget"] is None else str(r["budget"]),
                                         f"{r['pass@1']:.3f}", "-" if rel is None else f"{rel:.0%}",
-                                        f"{r[f'maj@{n}']:.3f}", f"{r[f'pass@{n}']:.3f}", f"{r['mean_length']:.1f}",
+                                        *(f"{r[k]:.3f}" for k in many), f"{r['mean_length']:.1f}",
                                         size]) + " |")
     return "\n".join(lines)
 

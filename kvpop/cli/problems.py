@@ -1,4 +1,5 @@
-"""``kvpop eval --problems FILE.jsonl``: accuracy of generated answers per policy and budget (:mod:`kvpop.problems`).
+"""``kvpop eval --problems FILE.jsonl``: accuracy of generated answers per policy and budget
+(:mod:`kvpop.problems`).
 
 The policies come from the same ``--run`` / ``--scorers`` / ``--finetuned`` / ``--dms`` options as the rest of
 ``kvpop eval`` (:func:`kvpop.cli.eval._trained`, :func:`kvpop.cli.eval._policy_models`).
@@ -48,6 +49,40 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _ConfigOnly:
+    """A model's config and generation config without its weights (what --engine vllm needs here)."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+
+def _vllm_models(P, E, model_dir: Path, policies, wanted, trained: dict) -> dict:
+    """policy -> :class:`kvpop.problems.VLLMModel` for every policy the plugin serves that has what it
+    needs (a policy named in ``wanted`` without it raises ValueError)."""
+    out = {"dense": P.VLLMModel(str(model_dir))}
+    for p in policies:
+        if p == "dense" or p not in P.VLLM_POLICIES:
+            continue
+        t = trained.get(p)
+        if p == "streaming":
+            out[p] = P.VLLMModel(str(model_dir), "streaming")
+        elif p == "fixed-finetune":
+            if t is None or t.model is None:
+                if wanted is not None:
+                    raise ValueError("policy 'fixed-finetune' needs a fine-tuned model: --run fixed-finetune=DIR")
+                continue
+            out[p] = P.VLLMModel(str(t.model), "streaming")
+        else:
+            if t is None or t.scorers is None:
+                if wanted is not None:
+                    raise ValueError(f"policy {p!r} needs its scorers: --run {p}=DIR or --scorers {p}=FILE")
+                continue
+            if p in E.JOINT and t.model is None:
+                raise ValueError(f"policy {p!r} needs the model trained with its scorers: --run {p}=DIR")
+            out[p] = P.VLLMModel(str(t.model if t.model is not None else model_dir), "kvpop", str(t.scorers))
+    return out
+
+
 def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> int:
     import torch
 
@@ -65,18 +100,28 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
                 raise ValueError(f"--{name.replace('_', '-')} is not for --problems")
         if args.resume and args.out is None:
             raise ValueError("--resume needs --out (the directory of the run to continue)")
+        engine = None
         if args.engine == "vllm":
-            try:
-                import vllm  # noqa: F401
-            except ImportError:
-                raise ValueError("--engine vllm needs vLLM installed (pip install vllm; kvpop's plugin is "
-                                 "kvpop.vllm); use --engine hf") from None
-            raise ValueError("--engine vllm is not implemented yet for --problems; use --engine hf")
+            bad = [p for p in wanted or [] if p not in P.VLLM_POLICIES]
+            if bad:
+                raise ValueError(f"--engine vllm serves {list(P.VLLM_POLICIES)} (the kvpop.vllm plugin's cache "
+                                 f"policies and dense), not {bad}; use --engine hf for them")
+            engine = P.VLLMEngine(sinks=0, window=1)  # raises when vLLM is not installed; settings below
         sinks, window, summary = _settings(args, trained, wanted)
         budgets = _ints(args.budgets) or E.budgets_for(2048)
         path = Path(args.problems)
-        base = TE.load_model(args.model) if args.model is not None else E.load_base_model()
         model_dir = Path(args.model) if args.model is not None else E.SHIPPED_MODEL
+        if engine is not None:
+            from transformers import AutoConfig, GenerationConfig
+
+            engine.sinks, engine.window = sinks, window
+            base = _ConfigOnly(AutoConfig.from_pretrained(str(model_dir), local_files_only=True))
+            try:
+                base.generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
+            except OSError:
+                base.generation_config = GenerationConfig()
+        else:
+            base = TE.load_model(args.model) if args.model is not None else E.load_base_model()
         tok_holder: dict = {}
 
         def tokenizer():
@@ -100,16 +145,23 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
                                progress=not args.no_progress, problems_file=str(path),
                                problems_sha256=_sha256(path),
                                extra={"model": str(model_dir), "chat_template": bool(args.chat_template),
-                                      "trained": summary})
-        models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=sinks, window=window,
-                                budget=cfg.budgets[0] if cfg.budgets else sinks + window + 1, load=TE.load_model)
+                                      "trained": summary, "engine": args.engine})
+        if engine is not None:
+            models = _vllm_models(P, E, model_dir, cfg.policies, wanted, trained)
+        else:
+            models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=sinks, window=window,
+                                    budget=cfg.budgets[0] if cfg.budgets else sinks + window + 1,
+                                    load=TE.load_model)
         tok = tokenizer() if any(p.answers is not None for p in problems) else None
         gc = base.generation_config
         eos = gc.eos_token_id if gc.eos_token_id is not None else base.config.eos_token_id
         pad = gc.pad_token_id if gc.pad_token_id is not None else (base.config.pad_token_id or 0)
         results = P.evaluate_problems(models, problems, cfg,
                                       decode=(lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok else None,
-                                      eos_token_id=eos, pad_token_id=pad, out=args.out, resume=args.resume)
+                                      eos_token_id=eos, pad_token_id=pad, out=args.out, resume=args.resume,
+                                      engine=engine)
+        if engine is not None:
+            engine.close()
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2

@@ -149,6 +149,9 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, monkeyp
     assert main(["eval", "--problems", str(data), "--policies", "dense,streaming", "--budgets", "48", "--samples", "3",
                  "--temperature", "0.5", "--top-p", "0.9", "--seed", "5", "--max-new-tokens", "2", "--out",
                  str(tmp_path / "part"), "--resume", "--no-progress"]) == 2
+    (tmp_path / "part" / "settings.json").unlink()  # a log whose settings are unknown is not continued
+    assert _cli(tmp_path, data, tmp_path / "part", "--resume") == 2
+    assert (tmp_path / "part" / "problems.jsonl").read_text().splitlines() == lines
 
 
 def test_sampled_rows_do_not_depend_on_their_batch(tmp_path):
@@ -281,3 +284,17 @@ def test_every_policy_generates_and_matches_its_teacher_forced_reads(runs, tmp_p
         assert got == want, policy  # problem by problem
     assert rows["dms"]["peak_cache_bytes_per_sequence"] > 0
     assert rows["kvpop-mlp"]["peak_cache_bytes_per_sequence"] < rows["dense"]["peak_cache_bytes_per_sequence"]
+
+
+def test_vllm_engine_errors(tmp_path, capsys):
+    data = tmp_path / "p.jsonl"
+    write_task_problems(data, "kvtrace", 96, 1, reads=1)
+    assert main(["eval", "--problems", str(data), "--engine", "vllm", "--policies", "dense,tova,dms",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine vllm serves" in err and "not ['tova', 'dms']" in err
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert main(["eval", "--problems", str(data), "--engine", "vllm", "--policies", "dense", "--no-progress"]) == 2
+        assert "--engine vllm needs vLLM installed" in capsys.readouterr().err
