@@ -98,6 +98,9 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
         for name in ("lengths", "train_len", "n_sequences", "data", "seq_len"):
             if getattr(args, name, None) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} is not for --problems")
+        if wanted is not None and "dms-test-calibrated" in wanted:
+            raise ValueError("dms-test-calibrated is not a --problems policy: here dms sets its gate threshold on each "
+                             "prompt (what inference sees), never on the answer; ask for dms")
         if args.resume and args.out is None:
             raise ValueError("--resume needs --out (the directory of the run to continue)")
         engine = None
