@@ -9,8 +9,11 @@
 For each task: the retrofits (``OUT/<task>/<policy>``), every policy at the task's budgets, at L_train and
 2x L_train, on test sequences through ``kvpop.KVpopCache``; then ``results.json`` (only what the seeds and
 settings determine: a re-run on the same machine and thread count writes the same bytes), ``table.md``,
-``accuracy_vs_budget.png`` and ``run.json`` (wall times, date, arguments).  The training settings are
-:data:`CHOSEN`, picked on validation sequences by ``--select`` over :data:`GRID`.  ``--resume`` reuses
+``accuracy_vs_budget.png``, ``dms.md`` (DMS's memory at its validation-chosen threshold), ``decode.md`` (the
+learned policies' reads by token-by-token decoding beside the prefill's) and ``run.json`` (wall times, date,
+arguments).  The training settings are :data:`CHOSEN`, picked on validation sequences by ``--select`` over
+:data:`GRID`, the joint retrofits' label source included (student; each run also trains them on the other
+source, the ``-teacher-label`` rows).  ``--resume`` reuses
 finished retrofits (``<policy>/done.json``) and measured rows (``rows.jsonl``) and continues an unfinished
 retrofit from its checkpoint; ``--quick`` is a seconds-long smoke run (meaningless figures).  What the demo
 does in detail and what it measured: ``kvpop/data/demo_results/README.md``.
