@@ -1,6 +1,6 @@
 """DMS beside KVpop while decoding, at the same MEAN number of cache entries per KV head.
 
-KVpop holds exactly ``B`` entries in every head; DMS (``kvpop.core.dms``) holds what each head's gates
+KVpop holds exactly ``B`` entries in every head; DMS (``kvpop.baselines.dms``) holds what each head's gates
 kept, so at the same mean ``B`` its heads differ.  The method's claim: DMS lets a few heads keep most of
 the budget, and ragged caches are slow to execute.
 
@@ -19,7 +19,7 @@ Groups ``decode-dms-step-B*``: ONE layer's batch-1 decode step, at context ``CTX
 CUDA a CUDA-event timing.  Group ``decode-dms-generate-ctx*``: whole-model batch-1 generation (a tiny
 Qwen3 on the CPU, a 2-layer Qwen3-8B-shaped model with random weights on CUDA): a ``ctx``-token prompt,
 then ``GEN_TOKENS`` greedy tokens, through ``KVpopCache`` at budget ``GEN_BUDGET`` and through
-``DMSCache`` with random gates whose threshold is calibrated (``kvpop.demo.dms.calibrate_threshold``) so
+``DMSCache`` with random gates whose threshold is calibrated (``kvpop.baselines.dms.budget.calibrate_threshold``) so
 that the mean entries per head after the prompt is ``GEN_BUDGET``; ``extra_info`` has decode tokens/s
 and the per-head entries DMS produced.
 
@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 import kvpop_kernels._utils as kutils
-from kvpop.core import dms as D
+from kvpop.baselines import dms as D
+from kvpop.baselines.dms.cache import _decode
 from kvpop.models import cache_kwarg_name
 from kvpop_kernels import fixed_budget_decode
 
@@ -120,7 +121,7 @@ def _dms_step(lengths: list[int], q, kn, vn, gen):
     scale = HD ** -0.5
 
     def step():
-        return D._decode(layer, q, kn, vn, evict, scale)
+        return _decode(layer, q, kn, vn, evict, scale)
 
     return step, layer
 
@@ -220,7 +221,7 @@ def _gen_model(method: str, prompt: torch.Tensor):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import kvpop
-    from kvpop.demo.dms import calibrate_threshold
+    from kvpop.baselines.dms.budget import calibrate_threshold
 
     torch.manual_seed(0)
     cfg = Qwen3Config(max_position_embeddings=max(GEN_CONTEXTS) + 2 * GEN_TOKENS, **GEN_CFG)

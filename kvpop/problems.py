@@ -5,8 +5,8 @@ or a list of accepted strings) or ``"answer_ids"`` (token ids, for a model witho
 optional ``"id"``.  Every problem is answered ``samples`` times under every policy and budget (dense
 included) by batched generation through the policy's cache -- ``model.generate`` with a
 :class:`kvpop.KVpopCache` on left-padded prompts (dense: the model's own cache; ``dms``: one sequence at a
-time through a :class:`kvpop.core.dms.DMSCache`, whose gate threshold is set on the prompt so that the
-prompt's mean entries per head are at most the budget, :func:`kvpop.demo.dms.calibrate_threshold`).
+time through a :class:`kvpop.baselines.dms.DMSCache`, whose gate threshold is set on the prompt so that the
+prompt's mean entries per head are at most the budget, :func:`kvpop.baselines.dms.budget.calibrate_threshold`).
 
 Sampling is seeded per problem and sample: each row draws its token from its own ``torch.Generator``
 (seeded by ``seed``, the problem's index and the sample number, :func:`row_seed`), inside a logits
@@ -327,8 +327,8 @@ def generate_rows(model: nn.Module, policy: str, budget: int | None, prompts: Se
 
     dev = next(model.parameters()).device
     if policy == "dms":
-        from kvpop.core import dms as D
-        from kvpop.demo.dms import calibrate_threshold
+        from kvpop.baselines import dms as D
+        from kvpop.baselines.dms.budget import calibrate_threshold
 
         out = []
         for prompt, seed in zip(prompts, seeds):
@@ -592,7 +592,7 @@ def evaluate_problems(models: Mapping[str, nn.Module], problems: Sequence[Proble
                       pad_token_id: int = 0, out: str | os.PathLike | None = None, resume: bool = False,
                       on_problem: Callable[[dict], None] | None = None, engine: Callable | None = None) -> dict:
     """Answer every problem ``cfg.samples`` times under every policy of ``models`` (policy -> model, as
-    :func:`kvpop.cli.eval._policy_models` builds them) and budget; returns the ``results.json`` object.
+    :func:`kvpop.cli.trained.policy_models` builds them) and budget; returns the ``results.json`` object.
 
     ``decode``: token ids -> text (the tokenizer's; needed for text answers).  ``out``: the directory of the
     results log (appended per problem, module docstring); ``resume``: continue the log there (settings must

@@ -1,6 +1,6 @@
 """``ragged_paged_decode``: one decode query per query head over per-KV-head ragged, paged stores.
 
-The attention of DMS's cache (``kvpop.core.dms.DMSCacheLayer``), where every KV head holds its own
+The attention of DMS's cache (``kvpop.baselines.dms.DMSCacheLayer``), where every KV head holds its own
 number of tokens.  KV head ``h`` attends over
 
 * the first ``n_fixed`` slots of ``fixed_k[h] / fixed_v[h]`` (sinks and window: the same count for

@@ -3,7 +3,7 @@ nothing imports it.  It is kept so that the figures benchmarks/RESULTS.md quotes
 ("the paged store against the per-head lists it replaced") can be re-measured; it reads an old class
 out of git history, so it runs only in a full clone and may stop running once that code is gone.
 
-A/B of DMS's decode step: the paged store (``kvpop.core.dms``, now) against the per-head lists it
+A/B of DMS's decode step: the paged store (``kvpop.baselines.dms``, now) against the per-head lists it
 replaced (``kvpop/core/dms.py`` at commit fb1bb9f, read from git), timed side by side in one process.
 
 ``OMP_NUM_THREADS=1 python benchmarks/records/ab_dms_store.py`` (CPU, the PyTorch paths; needs the git history).

@@ -277,6 +277,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     import torch
 
     from kvpop.demo import evaluate as E
+    from kvpop.demo import retrofit as R
 
     t_start = time.time()
     mod = task_module(task)
@@ -301,11 +302,10 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
         rc = rcs[p]
         print(f"[kvpop demo] {task}: retrofit {p}: {rc.steps} steps at length {rc.length}, budget {rc.budget}"
               f"{', model and scorers' if rc.train_model and p != 'fixed-finetune' else ''}", flush=True)
-        E.retrofit(base, p, out / p, rc, resume=args.resume, progress=progress, task=mod)
+        R.retrofit(base, p, out / p, rc, resume=args.resume, progress=progress, task=mod)
         timings[f"retrofit_{p}_s"] = round(time.time() - t0, 1)
 
-    if s["dms_steps"] > 0:  # the learned baseline: gates and model together (kvpop.demo.dms)
-        from kvpop.demo.dms import retrofit_dms
+    if s["dms_steps"] > 0:  # the learned baseline: gates and model together (kvpop.demo.retrofit)
 
         t0 = time.time()
         rc = E.RetrofitConfig(steps=s["dms_steps"], length=s["train_length"], batch=1, sinks=s["sinks"],
@@ -313,7 +313,7 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
                               checkpoint_every=max(1, min(50, s["dms_steps"] // 4)))
         print(f"[kvpop demo] {task}: retrofit dms: {rc.steps} steps at length {rc.length}, target keep "
               f"{s['dms_target_keep']}", flush=True)
-        retrofit_dms(base, out / "dms", rc, target_keep=s["dms_target_keep"], resume=args.resume, progress=progress,
+        R.retrofit_dms(base, out / "dms", rc, target_keep=s["dms_target_keep"], resume=args.resume, progress=progress,
                      task=mod)
         timings["retrofit_dms_s"] = round(time.time() - t0, 1)
 
@@ -414,6 +414,7 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
     """Train every candidate of :data:`GRID` for ``task`` and choose on validation sequences; writes
     ``out/selection.json`` (after every candidate) and returns it."""
     from kvpop.demo import evaluate as E
+    from kvpop.demo import retrofit as R
 
     mod = task_module(task)
     s = _settings(args, task)
@@ -439,7 +440,7 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
     def trial(policy: str, stage: str, c: dict) -> dict:
         tag = "_".join(f"{k}{v}" if isinstance(v, str) else f"{k}{v:g}" for k, v in sorted(c.items()))
         d = out / policy / tag
-        E.retrofit(base, policy, d, _retrofit_config(E, s, policy, c), resume=True, progress=not args.no_progress,
+        R.retrofit(base, policy, d, _retrofit_config(E, s, policy, c), resume=True, progress=not args.no_progress,
                    task=mod)
         vf = d / "validation.json"
         if vf.exists() and json.loads(vf.read_text()).get("settings") == c:

@@ -14,7 +14,7 @@ different ones; the budgets may differ from training on purpose, and the table's
 what each run was trained at.
 
 Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.demo.evaluate``), the
-``dms`` row through ``kvpop.core.dms.patch_dms`` + ``DMSCache`` at the same mean budget.
+``dms`` row through ``kvpop.baselines.dms.patch_dms`` + ``DMSCache`` at the same mean budget.
 Policies without what they need (scorers, a fine-tuned model) are skipped unless named in
 ``--policies``, which then raises a clear error.
 
@@ -39,6 +39,10 @@ import sys
 import time
 from pathlib import Path
 
+from .trained import parse_ints as _ints
+from .trained import policy_models as _policy_models
+from .trained import run_settings as _settings
+
 
 def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
     from kvpop.demo.evaluate import POLICIES
@@ -53,14 +57,6 @@ def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
         out[p] = path
     return out
 
-
-def _ints(s: str | None) -> list[int] | None:
-    if s is None:
-        return None
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {s!r}") from None
 
 
 def check_common(args: argparse.Namespace) -> None:
@@ -170,8 +166,8 @@ def finish(results: dict, out: Path | None, plot: bool) -> None:
 def _trained(args: argparse.Namespace) -> dict:
     """policy -> :class:`kvpop.cli.trained.Trained` from ``--run``, ``--scorers``, ``--finetuned`` and ``--dms``
     (files checked and configs read here, before any model is loaded)."""
+    from kvpop.baselines.dms import read_dms_config
     from kvpop.core.checkpoint import read_scorer_config
-    from kvpop.core.dms import read_dms_config
     from kvpop.demo import evaluate as E
 
     from .trained import GATES_FILE, Trained, model_dir, read_run
@@ -205,54 +201,6 @@ def _trained(args: argparse.Namespace) -> dict:
     return out
 
 
-def _policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, window: int, budget: int,
-                   load) -> dict:
-    """policy -> model for every policy of ``cfg_policies`` that has what it needs (``trained``: policy ->
-    :class:`kvpop.cli.trained.Trained`); a policy named in ``wanted`` without it raises ValueError."""
-    models = {"dense": base}
-    shared = None
-    for p in cfg_policies:
-        if p == "dense":
-            continue
-        t = trained.get(p)
-        if p in ("dms", "dms-test-calibrated"):  # the second only when asked for (--policies)
-            t = trained.get("dms")
-            if t is None or (p != "dms" and p not in (wanted or ())):
-                if t is None and wanted is not None and p in wanted:
-                    raise ValueError(f"policy {p!r} needs a DMS run: --run DIR or --dms DIR (kvpop train --method dms)")
-                continue
-            models[p] = models.get("dms") or E.policy_model(base, "dms", scorers=t.gates, sinks=sinks, window=window,
-                                                            finetuned=load(t.model) if t.model is not None else base)
-            continue
-        ft = load(t.model) if t is not None and t.model is not None else None
-        if p in E.SCORER_OF and (t is None or t.scorers is None):
-            if wanted is not None:
-                raise ValueError(f"policy {p!r} needs its scorers: --run {p}=DIR or --scorers {p}=FILE")
-            continue
-        if p == "fixed-finetune" and ft is None:
-            if wanted is not None:
-                raise ValueError("policy 'fixed-finetune' needs a fine-tuned model: --run fixed-finetune=DIR or "
-                                 "--finetuned fixed-finetune=DIR")
-            continue
-        if p in ("streaming", "tova", "h2o") and ft is None:
-            shared = shared or E.policy_model(base, "streaming", sinks=sinks, window=window, budget=budget)
-            models[p] = shared
-            continue
-        models[p] = E.policy_model(base, p, scorers=t.scorers if t is not None else None, finetuned=ft, sinks=sinks,
-                                   window=window, budget=budget)
-    return models
-
-
-def _settings(args: argparse.Namespace, trained: dict, wanted) -> tuple[int, int, dict]:
-    """Sinks and window (the runs' own; a contradicting --sinks / --window raises) and ``results['trained']``."""
-    from kvpop.demo import evaluate as E
-
-    from .trained import trained_window
-
-    runs = [t for p, t in trained.items() if wanted is None or p in wanted]
-    sinks, window = trained_window(runs, args.sinks, args.window, default_sinks=E.DEFAULT_SINKS,
-                                   default_window=E.DEFAULT_WINDOW)
-    return sinks, window, {t.policy: t.summary() for t in runs}
 
 
 def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:

@@ -2,7 +2,7 @@
 (:mod:`kvpop.problems`).
 
 The policies come from the same ``--run`` / ``--scorers`` / ``--finetuned`` / ``--dms`` options as the rest of
-``kvpop eval`` (:func:`kvpop.cli.eval._trained`, :func:`kvpop.cli.eval._policy_models`).
+``kvpop eval`` (:func:`kvpop.cli.eval._trained`, :func:`kvpop.cli.trained.policy_models`).
 """
 from __future__ import annotations
 
@@ -91,7 +91,9 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
     from kvpop.demo import trace_eval as TE
     from kvpop.training import data as data_io
 
-    from .eval import _ints, _policy_models, _settings
+    from .trained import parse_ints as _ints
+    from .trained import policy_models as _policy_models
+    from .trained import run_settings as _settings
 
     t0 = time.time()
     try:

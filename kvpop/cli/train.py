@@ -23,7 +23,7 @@ What ``--out DIR`` receives: ``last.pt`` (the full training state, written atomi
 ``--checkpoint-every`` steps and at the end), ``scorers.safetensors`` (``kvpop.save_scorers``; load with
 ``kvpop.load_scorers``), ``model/`` (the fine-tuned model, ``save_pretrained`` without the scorer
 tensors; not with ``--no-train-model``), with ``--method dms`` ``gates.safetensors`` instead of the scorers
-(``kvpop.core.dms.load_dms``), ``args.json`` (the arguments) and ``history.jsonl`` (one line
+(``kvpop.baselines.dms.load_dms``), ``args.json`` (the arguments) and ``history.jsonl`` (one line
 of losses per step, appended as each step finishes).  ``--resume`` continues from ``last.pt`` exactly (a
 resumed run repeats the steps of an uninterrupted one, and its ``history.jsonl`` is the uninterrupted
 run's); every argument but ``--steps``, ``--checkpoint-every``, ``--no-progress``, ``--device`` and the
@@ -54,15 +54,15 @@ _PATHS = ("data", "model")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvpop.baselines.dms import DMSConfig
     from kvpop.core.config import LABELS, MASK_SOURCES, SCORERS, TARGET_LSES, TARGET_SOURCES, KVpopConfig
-    from kvpop.core.dms import DMSConfig
     from kvpop.training.train import DIST_MODES, LEARNING_RATES
 
     d = KVpopConfig()
     dd = DMSConfig()
     p.add_argument("--method", choices=("kvpop", "dms"), default="kvpop",
                    help="kvpop: learned scorers with L_score (default); dms: the DMS baseline, per-token eviction "
-                        "gates trained by the KL and a compression loss (kvpop.core.dms; --budget is not used)")
+                        "gates trained by the KL and a compression loss (kvpop.baselines.dms; --budget is not used)")
     src = p.add_argument_group("model and data")
     m = src.add_mutually_exclusive_group()
     m.add_argument("--model", type=str, default=None,
@@ -146,7 +146,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "exactly the steps of one)")
 
     dm = p.add_argument_group(
-        "DMS (--method dms, kvpop.core.dms.DMSConfig)",
+        "DMS (--method dms, kvpop.baselines.dms.DMSConfig)",
         "DMS trains per-token eviction gates and the model (KL to the frozen original plus a compression loss "
         "whose target keep fraction falls linearly to --target-keep over --schedule-steps). Also used: --sinks, "
         "--window (the eviction delay), --lr-scorer (the gates' learning rate, default "
@@ -421,8 +421,8 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
     import torch
     import torch.distributed as dist
 
+    from kvpop.baselines.dms import DMSConfig, patch_dms
     from kvpop.core.config import KVpopConfig
-    from kvpop.core.dms import DMSConfig, patch_dms
     from kvpop.core.patching import patch
     from kvpop.training.runstate import CheckpointError
     from kvpop.training.train import (

@@ -22,6 +22,7 @@ The budget may differ on purpose (one retrofit at several budgets); the table st
 """
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,8 @@ def model_dir(d: Path) -> Path | None:
 
 
 def _infer(d: Path, source: str) -> Trained:
+    from kvpop.baselines.dms import read_dms_config
     from kvpop.core.checkpoint import read_scorer_config
-    from kvpop.core.dms import read_dms_config
     from kvpop.demo.evaluate import SCORER_OF
 
     model = model_dir(d)
@@ -147,3 +148,60 @@ def trained_window(runs: list[Trained], sinks: int | None, window: int | None, *
                              f"{'was' if len(known) == 1 else 'were'} trained with; leave {flag} out to evaluate "
                              f"at {saved} (the budget may differ from training: give --budgets)")
     return s, w
+
+
+def parse_ints(s: str | None) -> list[int] | None:
+    if s is None:
+        return None
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, window: int, budget: int,
+                   load) -> dict:
+    """policy -> model for every policy of ``cfg_policies`` that has what it needs (``trained``: policy ->
+    :class:`kvpop.cli.trained.Trained`); a policy named in ``wanted`` without it raises ValueError."""
+    models = {"dense": base}
+    shared = None
+    for p in cfg_policies:
+        if p == "dense":
+            continue
+        t = trained.get(p)
+        if p in ("dms", "dms-test-calibrated"):  # the second only when asked for (--policies)
+            t = trained.get("dms")
+            if t is None or (p != "dms" and p not in (wanted or ())):
+                if t is None and wanted is not None and p in wanted:
+                    raise ValueError(f"policy {p!r} needs a DMS run: --run DIR or --dms DIR (kvpop train --method dms)")
+                continue
+            models[p] = models.get("dms") or E.policy_model(base, "dms", scorers=t.gates, sinks=sinks, window=window,
+                                                            finetuned=load(t.model) if t.model is not None else base)
+            continue
+        ft = load(t.model) if t is not None and t.model is not None else None
+        if p in E.SCORER_OF and (t is None or t.scorers is None):
+            if wanted is not None:
+                raise ValueError(f"policy {p!r} needs its scorers: --run {p}=DIR or --scorers {p}=FILE")
+            continue
+        if p == "fixed-finetune" and ft is None:
+            if wanted is not None:
+                raise ValueError("policy 'fixed-finetune' needs a fine-tuned model: --run fixed-finetune=DIR or "
+                                 "--finetuned fixed-finetune=DIR")
+            continue
+        if p in ("streaming", "tova", "h2o") and ft is None:
+            shared = shared or E.policy_model(base, "streaming", sinks=sinks, window=window, budget=budget)
+            models[p] = shared
+            continue
+        models[p] = E.policy_model(base, p, scorers=t.scorers if t is not None else None, finetuned=ft, sinks=sinks,
+                                   window=window, budget=budget)
+    return models
+
+
+def run_settings(args: argparse.Namespace, trained: dict, wanted) -> tuple[int, int, dict]:
+    """Sinks and window (the runs' own; a contradicting --sinks / --window raises) and ``results['trained']``."""
+    from kvpop.demo import evaluate as E
+
+    runs = [t for p, t in trained.items() if wanted is None or p in wanted]
+    sinks, window = trained_window(runs, args.sinks, args.window, default_sinks=E.DEFAULT_SINKS,
+                                   default_window=E.DEFAULT_WINDOW)
+    return sinks, window, {t.policy: t.summary() for t in runs}

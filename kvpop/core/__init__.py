@@ -2,9 +2,11 @@
 
 ``config`` (KVpopConfig), ``scorers`` (MLP / mLSTM), ``layer`` (KVpopLayer), ``attention`` (the
 ``"kvpop"`` attention function), ``hooks`` (the scorer's priorities while decoding), ``cache``
-(KVpopCache), ``patching`` (patch / unpatch / patched), ``checkpoint`` (save / load scorers),
-``loss`` (L_score), ``distill`` (the distillation KL, the fused chunked LM head).  The core imports
-``kvpop.models`` (the family seam) and ``kvpop_kernels``, never ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``.
+(KVpopCache), ``lifecycle`` (the patch lifecycle every method shares), ``patching`` (patch / unpatch /
+patched), ``checkpoint`` (save / load scorers; the layer file), ``loss`` (L_score), ``distill`` (the
+distillation KL, the fused chunked LM head).  The core imports ``kvpop.models`` (the family seam) and
+``kvpop_kernels``, never ``kvpop.baselines``, ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``
+(but for the deprecated alias ``kvpop.core.dms``).
 """
 from .attention import set_teacher_targets, teacher_targets
 from .cache import KVpopCache

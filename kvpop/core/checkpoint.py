@@ -8,11 +8,17 @@ Metadata (strings): ``format = "kvpop-scorers/1"``, ``kvpop_config`` (``KVpopCon
 The model weights are not in this file: fine-tuned model weights go through transformers'
 ``save_pretrained`` of the *unpatched* model (or of a patched one: the scorer tensors then ride
 along under ``...self_attn.kvpop.``).
+
+The safetensors side of every method's layer file (write atomically, check the header, the tensors and
+their fit before the model is touched) is :class:`LayerFile`; DMS's gate file uses it too.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,89 +28,145 @@ from .files import atomic_write
 from .layer import kvpop_layers
 from .patching import get_config, is_patched, patch, unpatch
 
-__all__ = ["save_scorers", "load_scorers", "read_scorer_config", "FORMAT", "MAX_ABS_WEIGHT"]
+__all__ = ["save_scorers", "load_scorers", "read_scorer_config", "FORMAT", "MAX_ABS_WEIGHT", "LayerFile"]
 
 FORMAT = "kvpop-scorers/1"
 
 MAX_ABS_WEIGHT = 1e6
-"""The largest magnitude :func:`load_scorers` accepts in a scorer tensor: finite weights past it (e.g.
-``3e38``) overflow the scores to inf and the score loss to NaN."""
+"""The largest magnitude a layer file's tensor may hold: finite weights past it (e.g. ``3e38``) overflow
+the scores to inf and the score loss to NaN."""
+
+
+@dataclass(frozen=True)
+class LayerFile:
+    """One kind of safetensors file holding a method's per-layer tensors (``layers.{idx}.{name}``, float32)
+    with the config as JSON in the metadata.
+
+    format: the metadata ``format`` value; config_key: the metadata key of the config; label: what the
+    file is, for errors ("kvpop scorer file"); noun: the same without the method ("scorer file");
+    writer, default_name: the function that writes one and its usual file name (for the directory hint).
+    """
+
+    format: str
+    config_key: str
+    label: str
+    noun: str
+    writer: str
+    default_name: str
+
+    def save(self, layers: list[nn.Module], config: Any, path: str | os.PathLike, **meta: str) -> None:
+        """Write ``layers``' state dicts and ``config`` (``.to_json()``) to ``path`` atomically (a failed write
+        leaves the previous file)."""
+        from safetensors.torch import save
+
+        tensors = {f"layers.{la.layer_idx}.{n}": t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                   for la in layers for n, t in la.state_dict().items()}
+        meta = {"format": self.format, self.config_key: config.to_json(), "num_layers": str(len(layers)), **meta}
+        data = save(tensors, metadata=meta)
+        atomic_write(path, lambda f: f.write(data))
+
+    def check_path(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        if path.is_dir():
+            hint = (" (e.g. " + str(path / self.default_name) + ")") if (path / self.default_name).is_file() else ""
+            raise ValueError(f"{path} is a directory; give the {self.noun} written by {self.writer}{hint}")
+        if not path.is_file():
+            raise FileNotFoundError(f"no {self.noun} at {path}")
+        return path
+
+    def read_config(self, path: str | os.PathLike, config_type: type) -> Any:
+        """The ``config_type`` stored in the file (``config_type.from_json``; ValueError when the file is not one)."""
+        from safetensors import safe_open
+
+        path = self.check_path(path)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:  # safetensors raises its own error types for a file that is not one
+            raise ValueError(f"{path} is not a {self.label} (not a safetensors file: {e})") from None
+        if meta.get("format") != self.format or self.config_key not in meta:
+            raise ValueError(f"{path} is not a {self.label} (metadata format={meta.get('format')!r}, "
+                             f"expected {self.format!r})")
+        try:
+            return config_type.from_json(meta[self.config_key])
+        except RecursionError:
+            raise ValueError(f"{self.noun} {path}: its {self.config_key} metadata is not a valid "
+                             f"{config_type.__name__} as JSON (nested too deep to read)") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{self.noun} {path}: its {self.config_key} metadata is not a valid "
+                             f"{config_type.__name__} as JSON ({type(e).__name__}: {str(e)[:300]})") from None
+
+    def read_tensors(self, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+        """The file's tensors, each checked to be floating point and finite."""
+        from safetensors.torch import load_file
+
+        try:
+            saved = load_file(str(path))
+        except Exception as e:
+            raise ValueError(f"cannot read the tensors of {self.noun} {path}: {e}") from None
+        for key, t in saved.items():
+            if not t.is_floating_point():
+                raise ValueError(f"{self.noun} {path}: tensor {key} has dtype {t.dtype}, expected floating point")
+            if not bool(torch.isfinite(t).all()):
+                n = int((~torch.isfinite(t)).sum())
+                raise ValueError(f"{self.noun} {path}: tensor {key} holds {n} non-finite value(s) (NaN or inf); "
+                                 f"the layers it was saved from diverged")
+            big = float(t.abs().max()) if t.numel() else 0.0
+            if big > MAX_ABS_WEIGHT:
+                raise ValueError(f"{self.noun} {path}: tensor {key} holds a value of magnitude {big:.3g}, above "
+                                 f"{MAX_ABS_WEIGHT:g}: no trained layer has such weights (its scores would "
+                                 f"overflow float32); the file is damaged or the run that wrote it diverged")
+        return saved
+
+    def fit(self, layers: list[nn.Module], saved: dict[str, torch.Tensor], path: str | os.PathLike,
+            strict: bool = True) -> dict[str, torch.Tensor]:
+        """The layers' tensors by file key, once ``saved`` is known to fit them (else ValueError)."""
+        expected = {f"layers.{la.layer_idx}.{n}": t for la in layers for n, t in la.state_dict().items()}
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
+        if strict and (missing or unexpected):
+            raise ValueError(f"{self.noun} {path} does not fit the model: missing {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                             f"{' ...' if len(unexpected) > 8 else ''} (another number of layers or layer type?)")
+        for key, t in expected.items():
+            if key in saved and saved[key].shape != t.shape:
+                raise ValueError(f"{self.noun} {path}: tensor {key} has shape {tuple(saved[key].shape)}, the model "
+                                 f"needs {tuple(t.shape)} (another number of KV heads, head size or hidden size?)")
+        return expected
+
+    def load(self, model: nn.Module, path: str | os.PathLike, *, attach: Callable[[], Any],
+             detach: Callable[[], Any], check: Callable[[], list[nn.Module]], strict: bool = True) -> nn.Module:
+        """Read and check the whole file, ``attach()`` the method, ``check()`` its fit (returns the layers),
+        copy the tensors in.  After an error the model is ``detach()``-ed again (when ``attach`` was run)."""
+        path = Path(path)
+        saved = self.read_tensors(path)
+        attach()
+        try:
+            expected = self.fit(check(), saved, path, strict)
+        except Exception:
+            detach()
+            raise
+        with torch.no_grad():
+            for key, t in expected.items():
+                if key in saved:
+                    t.copy_(saved[key].to(device=t.device, dtype=t.dtype))
+        return model
+
+
+SCORERS = LayerFile(format=FORMAT, config_key="kvpop_config", label="kvpop scorer file", noun="scorer file",
+                    writer="kvpop.save_scorers", default_name="scorers.safetensors")
 
 
 def save_scorers(model: nn.Module, path: str | os.PathLike) -> None:
-    """Write the scorers and decays of a patched ``model`` to ``path`` (safetensors, written atomically:
-    a failed write leaves the previous file)."""
-    from safetensors.torch import save
-
-    cfg = get_config(model)
+    """Write the scorers and decays of a patched ``model`` to ``path`` (safetensors, written atomically)."""
     layers = kvpop_layers(model)
-    tensors = {}
-    for layer in layers:
-        for name, t in layer.state_dict().items():
-            tensors[f"layers.{layer.layer_idx}.{name}"] = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    meta = {"format": FORMAT, "kvpop_config": cfg.to_json(), "num_layers": str(len(layers)),
-            "num_kv_heads": str(layers[0].num_kv_heads), "head_dim": str(layers[0].head_dim)}
-    data = save(tensors, metadata=meta)
-    atomic_write(path, lambda f: f.write(data))
-
-
-def _check_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    if path.is_dir():
-        hint = " (e.g. " + str(path / "scorers.safetensors") + ")" if (path / "scorers.safetensors").is_file() else ""
-        raise ValueError(f"{path} is a directory; give the scorer file written by kvpop.save_scorers{hint}")
-    if not path.is_file():
-        raise FileNotFoundError(f"no scorer file at {path}")
-    return path
-
-
-def _read_metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}
-    except Exception as e:  # safetensors raises its own error types for a file that is not one
-        raise ValueError(f"{path} is not a kvpop scorer file (not a safetensors file: {e})") from None
+    SCORERS.save(layers, get_config(model), path, num_kv_heads=str(layers[0].num_kv_heads),
+                 head_dim=str(layers[0].head_dim))
 
 
 def read_scorer_config(path: str | os.PathLike) -> KVpopConfig:
     """The ``KVpopConfig`` stored in a scorer file (ValueError when the file is not one)."""
-    path = _check_path(path)
-    meta = _read_metadata(path)
-    if meta.get("format") != FORMAT or "kvpop_config" not in meta:
-        raise ValueError(f"{path} is not a kvpop scorer file (metadata format={meta.get('format')!r}, "
-                         f"expected {FORMAT!r})")
-    try:
-        return KVpopConfig.from_json(meta["kvpop_config"])
-    except RecursionError:
-        raise ValueError(f"scorer file {path}: its kvpop_config metadata is not a valid KVpopConfig as JSON "
-                         f"(nested too deep to read)") from None
-    except (TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"scorer file {path}: its kvpop_config metadata is not a valid KVpopConfig as JSON "
-                         f"({type(e).__name__}: {str(e)[:300]})") from None
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        saved = load_file(str(path))
-    except Exception as e:
-        raise ValueError(f"cannot read the tensors of scorer file {path}: {e}") from None
-    for key, t in saved.items():
-        if not t.is_floating_point():
-            raise ValueError(f"scorer file {path}: tensor {key} has dtype {t.dtype}, expected floating point")
-        if not bool(torch.isfinite(t).all()):
-            n = int((~torch.isfinite(t)).sum())
-            raise ValueError(f"scorer file {path}: tensor {key} holds {n} non-finite value(s) (NaN or inf); "
-                             f"the scorers it was saved from diverged")
-        big = float(t.abs().max()) if t.numel() else 0.0
-        if big > MAX_ABS_WEIGHT:
-            raise ValueError(f"scorer file {path}: tensor {key} holds a value of magnitude {big:.3g}, above "
-                             f"{MAX_ABS_WEIGHT:g}: no trained scorer has such weights (its scores would overflow "
-                             f"float32); the file is damaged or the run that wrote it diverged")
-    return saved
+    return SCORERS.read_config(path, KVpopConfig)
 
 
 def load_scorers(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
@@ -120,44 +182,17 @@ def load_scorers(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     as it was (an unpatched model is unpatched again).
     """
     saved_cfg = read_scorer_config(path)
-    path = Path(path)
-    saved = _read_tensors(path)
     was_patched = is_patched(model)
-    if not was_patched:
-        patch(model, saved_cfg)
-    try:
-        expected = _check_fit(model, path, saved_cfg, saved, strict)
-    except Exception:
-        if not was_patched:
-            unpatch(model)
-        raise
-    with torch.no_grad():
-        for key, t in expected.items():
-            if key in saved:
-                t.copy_(saved[key].to(device=t.device, dtype=t.dtype))
-    return model
 
+    def check() -> list[nn.Module]:
+        cfg = get_config(model)
+        bad = cfg.structural_mismatch(saved_cfg)
+        if bad:
+            raise ValueError(
+                f"scorer file {path} was saved with another scorer structure: "
+                + ", ".join(f"{n}: file {getattr(saved_cfg, n)!r} vs model {getattr(cfg, n)!r}" for n in bad)
+            )
+        return kvpop_layers(model)
 
-def _check_fit(model: nn.Module, path: Path, saved_cfg: KVpopConfig, saved: dict[str, torch.Tensor],
-               strict: bool) -> dict[str, torch.Tensor]:
-    """The model's scorer tensors by file key, once the file is known to fit them (else ValueError)."""
-    cfg = get_config(model)
-    bad = cfg.structural_mismatch(saved_cfg)
-    if bad:
-        raise ValueError(
-            f"scorer file {path} was saved with another scorer structure: "
-            + ", ".join(f"{n}: file {getattr(saved_cfg, n)!r} vs model {getattr(cfg, n)!r}" for n in bad)
-        )
-    expected = {f"layers.{layer.layer_idx}.{name}": t
-                for layer in kvpop_layers(model) for name, t in layer.state_dict().items()}
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    if strict and (missing or unexpected):
-        raise ValueError(f"scorer file {path} does not fit the model: missing {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''} (another number of layers or scorer type?)")
-    for key, t in expected.items():
-        if key in saved and saved[key].shape != t.shape:
-            raise ValueError(f"scorer file {path}: tensor {key} has shape {tuple(saved[key].shape)}, the model "
-                             f"needs {tuple(t.shape)} (another number of KV heads, head size or hidden size?)")
-    return expected
+    return SCORERS.load(model, path, attach=lambda: was_patched or patch(model, saved_cfg),
+                        detach=lambda: was_patched or unpatch(model), check=check, strict=strict)

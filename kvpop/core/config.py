@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["KVpopConfig", "MAX_SLOTS", "MAX_WIDTH", "BUDGET_PER_POSITION", "check_budget_for", "SCORERS",
            "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS", "STRUCTURAL_FIELDS",
@@ -75,8 +75,46 @@ def _pos_float(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
+class ConfigFields:
+    """What the frozen config dataclass of every method (``KVpopConfig``, ``DMSConfig``) shares: a
+    validated :meth:`replace` and the JSON form stored in checkpoints (with ``"method": METHOD`` when
+    the class names one)."""
+
+    METHOD: ClassVar[str | None] = None
+
+    def replace(self, **overrides: Any) -> Any:
+        """A validated copy with ``overrides`` applied (unknown names -> TypeError listing the fields)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        bad = sorted(set(overrides) - names)
+        if bad:
+            raise TypeError(f"unknown {type(self).__name__} field(s) {bad}; valid fields: {sorted(names)}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        d = self.to_dict()
+        return json.dumps({"method": self.METHOD, **d} if self.METHOD else d, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Any:
+        """Inverse of ``to_dict``; unknown keys -> ValueError."""
+        d = {k: v for k, v in d.items() if not (cls.METHOD and k == "method")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"unknown {cls.__name__} field(s) {bad} (written by a newer kvpop?)")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> Any:
+        return cls.from_dict(json.loads(s))
+
+
 @dataclass(frozen=True)
-class KVpopConfig:
+class KVpopConfig(ConfigFields):
     """Settings of KVpop (docs/DESIGN.md notation: ``s`` sinks, ``w`` window, ``B`` budget, ``k = B - s - w``).
 
     Cache shape
@@ -197,34 +235,6 @@ class KVpopConfig:
     def k(self) -> int:
         """Long-range slots ``k = budget - sinks - window`` (>= 1)."""
         return self.budget - self.sinks - self.window
-
-    def replace(self, **overrides: Any) -> KVpopConfig:
-        """A validated copy with ``overrides`` applied (unknown names -> TypeError listing the fields)."""
-        names = {f.name for f in dataclasses.fields(self)}
-        bad = sorted(set(overrides) - names)
-        if bad:
-            raise TypeError(f"unknown KVpopConfig field(s) {bad}; valid fields: {sorted(names)}")
-        return dataclasses.replace(self, **overrides)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict of every field (JSON-serialisable)."""
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVpopConfig:
-        """Inverse of ``to_dict``; unknown keys -> ValueError."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        bad = sorted(set(d) - names)
-        if bad:
-            raise ValueError(f"unknown KVpopConfig field(s) {bad} (written by a newer kvpop?)")
-        return cls(**d)
-
-    @classmethod
-    def from_json(cls, s: str) -> KVpopConfig:
-        return cls.from_dict(json.loads(s))
 
     def structural_mismatch(self, other: KVpopConfig) -> list[str]:
         """Names of the fields that make scorer weights of ``self`` and ``other`` incompatible."""

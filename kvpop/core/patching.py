@@ -35,61 +35,39 @@ patching.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from kvpop.models import SUPPORTED_MODEL_TYPES, adapter_for, cache_kwarg_name
+from kvpop.models import SUPPORTED_MODEL_TYPES
 
+from . import lifecycle as L
 from .attention import ATTN_NAME, register
 from .cache import KVpopCache
 from .config import KVpopConfig, check_budget_for
-from .layer import KVpopLayer, kvpop_layers
+from .layer import KVpopLayer
+from .lifecycle import state_owner
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "get_config", "disabled", "make_teacher",
-           "SUPPORTED_MODEL_TYPES"]
+           "SUPPORTED_MODEL_TYPES", "SPEC", "state_owner"]
 
-_STATE_ATTR = "_kvpop_state"
-
-
-def _check_model(model: Any) -> Any:
-    adapter = adapter_for(model)  # TypeError for an unsupported model
-    adapter.check_config(model.config.get_text_config())
-    if not adapter.attention_modules(model):
-        raise TypeError(f"{type(model).__name__} has no {adapter.attention_class().__name__} module to patch")
-    return adapter
-
-
-def state_owner(model: nn.Module, attr: str) -> nn.Module | None:
-    """The module carrying the patch state ``attr``: ``model`` itself or, for a wrapper (DDP, FSDP, a
-    ``torch.compile`` module), the first submodule that does (shared by kvpop's and DMS's patches)."""
-    if getattr(model, attr, None) is not None:
-        return model
-    if isinstance(model, nn.Module):
-        for m in model.modules():
-            if getattr(m, attr, None) is not None:
-                return m
-    return None
-
-
-def _patched_owner(model: nn.Module) -> nn.Module | None:
-    return state_owner(model, _STATE_ATTR)
+SPEC = L.register_spec(L.PatchSpec(
+    name="kvpop", config_type=KVpopConfig, submodule="kvpop", layer_type=KVpopLayer, attn_name=ATTN_NAME,
+    state_attr="_kvpop_state",
+    config_attr="kvpop_config", cache_type=KVpopCache, transient=("active_cache", "k_pre"), label="KVpop",
+    how="call kvpop.patch(model) first", undo="kvpop.unpatch(model)"))
 
 
 def is_patched(model: nn.Module) -> bool:
     """True when ``model`` (or the model it wraps) carries kvpop's patch."""
-    return _patched_owner(model) is not None
+    return SPEC.carried_by(model)
 
 
 def get_config(model: nn.Module) -> KVpopConfig:
     """The ``KVpopConfig`` of a patched model (ValueError when it is not patched)."""
-    owner = _patched_owner(model)
-    if owner is None:
-        raise ValueError(f"{type(model).__name__} is not patched: call kvpop.patch(model) first")
-    return getattr(owner, _STATE_ATTR)["config"]
+    return SPEC.config_of(model)
 
 
 def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any) -> nn.Module:
@@ -103,18 +81,14 @@ def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any)
         **overrides: fields of ``KVpopConfig`` applied on top of ``config`` (validated:
             ``budget < sinks + window`` -> ``ValueError``, unknown names -> ``TypeError``).
 
-    Idempotent; re-patching a patched model with a different config: see the module docstring.
+    Idempotent; re-patching a patched model with a different config: see the module docstring.  A
+    model patched with another method (DMS) raises ``ValueError``.
     """
-    adapter = _check_model(model)
-    if config is not None and not isinstance(config, KVpopConfig):
-        raise TypeError(f"config must be a kvpop.KVpopConfig or None, got {type(config).__name__}")
-    state = getattr(model, _STATE_ATTR, None)
-    base = config if config is not None else (state["config"] if state is not None else KVpopConfig())
-    new = base.replace(**overrides) if overrides else base
+    adapter = L.check_model(model)
+    old, new = L.requested(model, SPEC, config, overrides)
     check_budget_for(new, model.config)
     register()
-    if state is not None:
-        old = state["config"]
+    if old is not None:
         if new == old:
             return model
         bad = old.structural_mismatch(new)
@@ -124,52 +98,16 @@ def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any)
                 f"{ {n: getattr(old, n) for n in bad} } -> { {n: getattr(new, n) for n in bad} }); "
                 f"call kvpop.unpatch(model) first (this discards the trained scorers)"
             )
-        for layer in kvpop_layers(model):
-            layer.config = new
-        state["config"] = new
-        model.kvpop_config = new
-        return model
+        return L.reconfigure(model, SPEC, new)
 
-    handles = []
-    for attn in adapter.attention_modules(model):
+    def build(attn: nn.Module) -> tuple[nn.Module, list[Any]]:
         layer = KVpopLayer(new, adapter.num_kv_heads(attn), adapter.head_dim(attn), attn.layer_idx,
                            model_type=adapter.model_type)
         layer.to(device=adapter.weight_device(attn), dtype=torch.float32)
-        attn.kvpop = layer
-        handles.append(adapter.key_tap_module(attn).register_forward_hook(layer.capture_key))
-        handles.append(attn.register_forward_pre_hook(layer.capture_cache, with_kwargs=True))
-    mc = model.config
-    orig = mc._attn_implementation
-    mc._attn_implementation = ATTN_NAME
-    setattr(model, _STATE_ATTR, {"config": new, "orig_attn": orig, "handles": handles})
-    model.kvpop_config = new  # read by kvpop.KVpopCache(model)
-    if "_prepare_cache_for_generation" not in model.__dict__ and hasattr(model, "_prepare_cache_for_generation"):
-        model._prepare_cache_for_generation = _DefaultKVpopCache(model)
-    return model
+        return layer, [adapter.key_tap_module(attn).register_forward_hook(layer.capture_key),
+                       attn.register_forward_pre_hook(layer.capture_cache, with_kwargs=True)]
 
-
-class _DefaultKVpopCache:
-    """Installed as the instance's ``_prepare_cache_for_generation``: plain ``model.generate(...)`` then
-    decodes through a fresh ``KVpopCache(model)`` when the caller passed no cache (under either keyword),
-    asked for no ``cache_implementation`` and did not turn ``use_cache`` off.
-
-    Under :func:`disabled` (the attention implementation is the model's original one) it builds
-    nothing, so generate uses transformers' default cache and equals the unpatched model.
-    An object holding the model (not a closure over it), so a deep copy or an unpickled patched model
-    builds its caches from its own config.  ``unpatch`` removes it.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __call__(self, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
-        model = self.model
-        given = any(model_kwargs.get(n) is not None for n in ("cache", "past_key_values"))
-        # the mode switch: only while the model runs kvpop attention (not under kvpop.disabled)
-        if (not given and model.config._attn_implementation == ATTN_NAME and generation_config.use_cache is not False
-                and generation_config.cache_implementation is None):
-            model_kwargs[cache_kwarg_name()] = KVpopCache(model)
-        return type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
+    return L.install(model, SPEC, new, build)
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -177,22 +115,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 
     A model that is not patched is returned unchanged.
     """
-    owner = _patched_owner(model)
-    if owner is None:
-        return model
-    state = getattr(owner, _STATE_ATTR)
-    for h in state.get("handles", ()):
-        h.remove()
-    for layer in kvpop_layers(owner):
-        layer.active_cache = layer.k_pre = None
-    for attn in owner.modules():
-        if isinstance(attn._modules.get("kvpop"), KVpopLayer):
-            del attn._modules["kvpop"]
-    owner.config._attn_implementation = state["orig_attn"]
-    delattr(owner, _STATE_ATTR)
-    for attr in ("kvpop_config", "_prepare_cache_for_generation"):
-        owner.__dict__.pop(attr, None)
-    return model
+    return SPEC.remove(model)
 
 
 @contextlib.contextmanager
@@ -213,8 +136,7 @@ def patched(model: nn.Module, config: KVpopConfig | None = None, **overrides: An
             patch(model, prev)
 
 
-@contextlib.contextmanager
-def disabled(model: nn.Module) -> Iterator[nn.Module]:
+def disabled(model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
     """Run a patched model densely with its current weights: its original attention implementation.
 
     The one mode switch: inside the block forwards run dense attention, plain ``generate`` builds
@@ -225,34 +147,16 @@ def disabled(model: nn.Module) -> Iterator[nn.Module]:
     with itself, or as the teacher while the model itself is frozen).  When the model is fine-tuned,
     the teacher must be the frozen original: use :func:`make_teacher` before training.
     """
-    owner = _patched_owner(model)
-    if owner is None:
-        yield model
-        return
-    state = getattr(owner, _STATE_ATTR)
-    mc = owner.config
-    prev = mc._attn_implementation
-    mc._attn_implementation = state["orig_attn"]
-    try:
-        yield model
-    finally:
-        mc._attn_implementation = prev
-        for layer in kvpop_layers(model):
-            layer.k_pre = layer.active_cache = None
+    return L.dense(model, SPEC)
 
 
 def make_teacher(model: nn.Module, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> nn.Module:
     """A frozen dense copy of ``model``'s current weights: the distillation teacher.
 
-    Call it **before** fine-tuning, so it holds the original weights.  The copy is unpatched, in eval
-    mode and has ``requires_grad=False`` everywhere; ``device``/``dtype`` optionally move it.
-    Costs one more copy of the weights (the price of a teacher that stays the original model).
+    Call it **before** fine-tuning, so it holds the original weights.  The copy is unpatched (of KVpop
+    or any other method it carries), in eval mode and has ``requires_grad=False`` everywhere;
+    ``device``/``dtype`` optionally move it.  Costs one more copy of the weights (the price of a
+    teacher that stays the original model).
     """
-    teacher = copy.deepcopy(model)
-    unpatch(teacher)
-    if device is not None or dtype is not None:
-        teacher.to(device=device, dtype=dtype)
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher
+    return L.frozen_copy(model, device=device, dtype=dtype)

@@ -1,2 +1,3 @@
 """The demo: a synthetic long-trace task (``task``), dense pre-training of the shipped tiny model
-(``pretrain``) and the evaluation of eviction policies at fixed budgets (``evaluate``)."""
+(``pretrain``), the retrofits (``retrofit``) and the evaluation of eviction policies at fixed budgets
+(``evaluate``)."""

@@ -49,7 +49,7 @@ def _decode_kvpop(model: nn.Module, ids: torch.Tensor, cache_policy: str, prompt
 
 @torch.no_grad()
 def _decode_dms(model: nn.Module, ids: torch.Tensor, prompt: int) -> torch.Tensor:
-    from kvpop.core import dms as D
+    from kvpop.baselines import dms as D
 
     rows = []
     for row in ids:  # DMSCache holds one sequence
@@ -84,7 +84,7 @@ def decode_predictions(model: nn.Module, ids: torch.Tensor, policy: str, budget:
         raise ValueError(f"ids must be [n, L] (or [L]) token ids, got shape {tuple(ids.shape)}")
     ids = ids.to(next(model.parameters()).device)
     if policy in ("dms", "dms-test-calibrated"):
-        from kvpop.core import dms as D
+        from kvpop.baselines import dms as D
 
         if not D.is_dms_patched(model):
             raise ValueError("the dms policy needs a DMS-patched model (see kvpop.demo.evaluate.policy_model)")

@@ -27,7 +27,7 @@ policy               model                                            cache poli
 ``dms``              DMS-trained model + its gates                    ``DMSCache`` (ragged)
 ===================  ===============================================  ==================
 
-``dms`` (the learned baseline, ``kvpop.demo.dms``) has no budget of its own: it runs at the same *mean*
+``dms`` (the learned baseline, ``kvpop.baselines.dms.budget``) has no budget of its own: it runs at the same *mean*
 budget per head, its gate threshold chosen on validation sequences (``task.valid_seed``) so that their
 mean entries held per layer and KV head at the last position is at most ``B``, then fixed for the test
 sequences (``dms-test-calibrated``: set on each test sequence instead, a labelled second row); its rows
@@ -45,29 +45,37 @@ StreamingLLM mask (``fixed-finetune``).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from kvpop.baselines.dms.budget import calibrate_threshold as dms_calibrate
+from kvpop.baselines.dms.budget import dms_logits, dms_policy_model
+from kvpop.baselines.dms.budget import mean_entries as dms_mean_entries
+from kvpop.baselines.dms.budget import row_stats as dms_row_stats
 from kvpop.core.cache import KVpopCache
-from kvpop.core.checkpoint import load_scorers, read_scorer_config, save_scorers
-from kvpop.core.config import KVpopConfig
-from kvpop.core.patching import get_config, is_patched, make_teacher, patch, unpatch
+from kvpop.core.checkpoint import load_scorers, read_scorer_config
+from kvpop.core.patching import get_config, is_patched, patch, unpatch
 from kvpop.models import cache_kwarg_name
 
 from . import task as T
-from .dms import calibrate_threshold as dms_calibrate
-from .dms import dms_logits, dms_policy_model
-from .dms import mean_entries as dms_mean_entries
-from .dms import row_stats as dms_row_stats
+from .retrofit import (
+    DEFAULT_SINKS,
+    DEFAULT_WINDOW,
+    JOINT,
+    LABEL_SOURCES,
+    LABEL_VARIANTS,
+    SCORER_OF,
+    RetrofitConfig,
+    retrofit,
+)
 
 __all__ = [
     "POLICIES",
@@ -97,11 +105,6 @@ __all__ = [
     "RetrofitConfig",
 ]
 
-LABEL_SOURCES = ("student", "teacher")
-"""Whose attention makes a joint retrofit's label (``KVpopConfig.target_source``)."""
-LABEL_VARIANTS = {f"{j}-{src}-label": j for j in ("kvpop-mlp-joint", "kvpop-mlstm-joint") for src in LABEL_SOURCES}
-"""A joint retrofit trained on an explicitly named label source -> the joint policy it is a variant of
-(``kvpop demo`` reports the source it did not choose under this name, beside the chosen one)."""
 POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
             "kvpop-mlstm-joint", *LABEL_VARIANTS, "dms", "dms-test-calibrated")
 """Policy names, in table order.  ``dms``: DMS at the gate threshold chosen on validation sequences (fixed for
@@ -111,16 +114,10 @@ DMS_POLICIES = ("dms", "dms-test-calibrated")
 BATCHED = ("tova", "h2o")
 """Policies :func:`evaluate` runs on all sequences of a length at once (token-by-token decoding, whose cost
 per token hardly grows with the batch on a CPU); the others run one sequence at a time."""
-SCORER_OF = {"kvpop-mlp": "mlp", "kvpop-mlstm": "mlstm", "kvpop-mlp-joint": "mlp", "kvpop-mlstm-joint": "mlstm"}
-SCORER_OF.update({v: SCORER_OF[j] for v, j in LABEL_VARIANTS.items()})
 CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
                 **{p: "kvpop" for p in SCORER_OF}}
 """The ``KVpopCache`` policy that serves each non-dense policy."""
-JOINT = ("kvpop-mlp-joint", "kvpop-mlstm-joint", *LABEL_VARIANTS)
-"""Policies whose scorers were trained together with the model (``train_model=True``, KL to the frozen original)."""
 BUDGET_FRACTIONS = (0.0625, 0.125, 0.25)
-DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 32
 SHIPPED_MODEL = T.SHIPPED_MODEL
 
 
@@ -339,7 +336,7 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
 
     ``dms`` runs at one gate threshold per (budget, length), chosen on ``n_sequences`` *validation* sequences
     of that length (``task.valid_seed``): the largest at which their mean entries per layer and KV head at
-    the last position is at most the budget (:func:`kvpop.demo.dms.calibrate_threshold` over the batch); the
+    the last position is at most the budget (:func:`kvpop.baselines.dms.budget.calibrate_threshold` over the batch); the
     test sequences then run at it, and the row records it (``dms_threshold``) with the validation mean
     (``dms_valid_entries_mean``) and the test entries (mean, min and max over heads).
     ``dms-test-calibrated`` calibrates on each test sequence instead.
@@ -536,137 +533,3 @@ def plot_results(results: dict, path: str | os.PathLike) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
-
-
-# ------------------------------------------------------------------------------------------ retrofit
-@dataclass
-class RetrofitConfig:
-    """A short retrofit run (:func:`retrofit`).
-
-    Attributes:
-        steps: optimiser steps; length/batch: training sequences (train seeds ``task.train_seed``).
-        budget: the training budget (the demo uses 12.5 % of the length trained at).
-        sinks, window: as in evaluation (the mLSTM scorer's readout depends on the window).
-        lr_scorer, tau: scorer learning rate and score-loss temperature.
-        target_source: whose attention makes the scorers' label (``KVpopConfig.target_source``):
-            ``"student"`` (the model being trained, its sparse normaliser) or ``"teacher"`` (the frozen
-            original with the full cache).
-        train_model: also fine-tune the model (KL to the frozen original) with ``lr_model``.
-        checkpoint_every: steps between checkpoints (resume after an interruption).
-    """
-
-    steps: int = 200
-    length: int = 1024
-    batch: int = 1
-    budget: int = 128
-    sinks: int = DEFAULT_SINKS
-    window: int = DEFAULT_WINDOW
-    lr_scorer: float = 1e-2
-    lr_model: float = 1e-4
-    tau: float = 1.0
-    train_model: bool = False
-    checkpoint_every: int = 25
-    seed: int = 0
-    target_source: str = "student"
-
-
-def retrofit_seed(name: str, seed: int) -> int:
-    """The seed of every random draw of retrofit ``name`` (its layers' initialisation, DMS's relaxation noise):
-    a stable hash (CRC-32) of the name and ``seed``, the same in every process.  A joint retrofit's label
-    variants share the joint retrofit's (the same start, only the label differs); the training sequences are
-    ``seed``'s, the same for every retrofit."""
-    import zlib
-
-    return zlib.crc32(f"{name}/{int(seed)}".encode())
-
-
-@contextlib.contextmanager
-def _seeded(seed: int, model: nn.Module):
-    """A block whose global-stream draws come from ``seed`` (CPU, and the model's CUDA device when it has
-    one); the global streams are restored on exit."""
-    dev = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
-
-
-def _train_data(cfg: RetrofitConfig, n: int, task_cfg: Any, task: Any) -> list[torch.Tensor]:
-    return [task.make_batch([task.train_seed(cfg.seed * 1_000_003 + i * cfg.batch + j) for j in range(cfg.batch)],
-                            cfg.length, task_cfg)["input_ids"] for i in range(n)]
-
-
-def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: RetrofitConfig | None = None, *,
-             resume: bool = True, progress: bool = True, task_cfg: Any = None, task: Any = T) -> Path:
-    """Train what ``policy`` needs from ``base`` (left untouched) and save it into ``out_dir``.
-
-    * ``kvpop-mlp`` / ``kvpop-mlstm``: a copy of ``base`` patched with that scorer
-      (``mask_source="scorer"``) trained by ``kvpop.train.train``; writes ``scorers.safetensors``
-      (and ``model/`` when ``cfg.train_model``).
-    * ``kvpop-mlp-joint`` / ``kvpop-mlstm-joint``: the same with ``train_model`` on (the method's recipe:
-      model and scorers together, the model with a KL loss to the frozen original); writes both.
-    * ``fixed-finetune``: the model fine-tuned with the fixed StreamingLLM mask
-      (``mask_source="streaming"``, no score loss, KL to the frozen original); writes ``model/``.
-
-    A finished run leaves ``done.json`` (settings and last losses); with ``resume`` an existing
-    ``done.json`` with the same settings is reused as it is, and an interrupted run continues from
-    its last checkpoint (``train.pt/last.pt``).  Returns ``out_dir``.
-    """
-    from kvpop.training.train import TrainConfig, train
-
-    cfg = cfg or RetrofitConfig()
-    trainable = ("fixed-finetune", *SCORER_OF)
-    if policy not in trainable:
-        raise ValueError(f"retrofit trains one of {list(trainable)}, got {policy!r}")
-    task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
-    out = Path(out_dir)
-    settings = {"policy": policy, **asdict(cfg), "task_config": task_cfg.to_dict()}
-    done_file = out / "done.json"
-    if resume and done_file.exists():
-        prev = json.loads(done_file.read_text())
-        if prev.get("settings") == settings:
-            return out
-    out.mkdir(parents=True, exist_ok=True)
-    if done_file.exists():
-        done_file.unlink()
-    model = copy.deepcopy(base)
-    if is_patched(model):
-        unpatch(model)
-    model.eval()
-    teacher = make_teacher(model)
-    train_model = cfg.train_model or policy == "fixed-finetune" or policy in JOINT
-    if policy == "fixed-finetune":
-        kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, mask_source="streaming",
-                         compute_loss=False, tau=cfg.tau)
-    else:
-        kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
-                         mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source)
-    rseed = retrofit_seed(LABEL_VARIANTS.get(policy, policy), cfg.seed)
-    with _seeded(rseed, model):  # the scorers' initialisation, whatever ran before it in the process
-        patch(model, kv)
-    ckpt = out / "train.pt"
-    stamp = ckpt / "settings.json"
-    if ckpt.exists() and (not resume or not stamp.exists() or json.loads(stamp.read_text()) != settings):
-        for f in ckpt.iterdir():
-            f.unlink()
-    ckpt.mkdir(exist_ok=True)
-    stamp.write_text(json.dumps(settings))
-    data = _train_data(cfg, min(cfg.steps, 1000), task_cfg, task)
-    tc = TrainConfig(steps=cfg.steps, lr_scorer=cfg.lr_scorer, lr_model=cfg.lr_model, train_model=train_model,
-                     checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress,
-                     seed=rseed)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tqdm/torch noise about the tiny model
-        hist = train(model, data, tc, teacher=teacher if train_model else None, resume=resume)
-    if policy != "fixed-finetune":
-        save_scorers(model, out / "scorers.safetensors")
-    if train_model:
-        plain = copy.deepcopy(model)
-        unpatch(plain)
-        plain.save_pretrained(str(out / "model"))
-    last = hist[-1] if hist else {}
-    tmp = done_file.with_name("done.json.tmp")
-    tmp.write_text(json.dumps({"settings": settings, "last": last}, indent=1))
-    os.replace(tmp, done_file)
-    return out

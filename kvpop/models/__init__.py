@@ -1,6 +1,6 @@
 """Model families kvpop can patch, one small adapter each (see :mod:`kvpop.models.base`).
 
-Add a family by writing a :class:`FamilyAdapter` subclass and listing it in ``ADAPTERS``.
+Add a family by writing a :class:`FamilyAdapter` subclass and listing it in ``ADAPTERS`` (``families``).
 """
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ from typing import Any
 
 from .base import FamilyAdapter
 from .directory import check_model_dir, load_model_dir
-from .llama import LlamaAdapter
-from .qwen2 import Qwen2Adapter
-from .qwen3 import Qwen3Adapter
+from .families import ADAPTERS, SUPPORTED_MODEL_TYPES
 
 __all__ = ["FamilyAdapter", "ADAPTERS", "SUPPORTED_MODEL_TYPES", "adapter_for", "cache_kwarg_name", "check_model_dir",
            "load_model_dir"]
 
-ADAPTERS: dict[str, FamilyAdapter] = {a.model_type: a for a in (Qwen3Adapter(), Qwen2Adapter(), LlamaAdapter())}
-SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 
 
 def adapter_for(model: Any) -> FamilyAdapter:

@@ -24,7 +24,7 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def _supported() -> tuple[str, ...]:
-    from . import SUPPORTED_MODEL_TYPES
+    from .families import SUPPORTED_MODEL_TYPES
 
     return SUPPORTED_MODEL_TYPES
 
@@ -72,7 +72,7 @@ def check_model_dir(path: str | os.PathLike, *, families: tuple[str, ...] | None
         config = AutoConfig.from_pretrained(str(d), local_files_only=True)
     except Exception as e:  # transformers raises ValueError, TypeError, KeyError ... for a bad config
         raise ValueError(f"{cfg_path} is not a valid {mt} config: {type(e).__name__}: {str(e)[:300]}") from None
-    from . import ADAPTERS
+    from .families import ADAPTERS
 
     ADAPTERS[mt].check_config(config.get_text_config())
     _check_weight_shapes(d, weights, config)

@@ -62,11 +62,11 @@ scorers only (then no KL is computed, and the teacher is needed only for ``targe
 ``kvpop.teacher_targets`` and hands every layer its exact target ``[B, Hkv, S]`` (its own queries,
 keys and dense LSE) before the student's forward (``kvpop.set_teacher_targets``).
 
-A model patched with DMS gates instead (``kvpop.core.dms.patch_dms``, ``kvpop train --method dms``) trains
+A model patched with DMS gates instead (``kvpop.baselines.dms.patch_dms``, ``kvpop train --method dms``) trains
 through the same loop: before each forward the loop tells the model its step (``set_dms_step``: the
 target compression ratio follows the DMS schedule), the loss is ``KL + score_weight * dms_loss`` (the
 auxiliary compression loss replaces ``L_score``), the gate heads take ``lr_scorer``, the teacher is
-``make_dms_teacher(model)`` and checkpoints write ``gates.safetensors`` (``kvpop.core.dms.save_dms``).
+``make_dms_teacher(model)`` and checkpoints write ``gates.safetensors`` (``kvpop.baselines.dms.save_dms``).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvpop.core import dms as _dms
+from kvpop.baselines import dms as _dms
 from kvpop.core.attention import set_teacher_targets, teacher_targets
 from kvpop.core.checkpoint import save_scorers
 from kvpop.core.loss import (
@@ -443,9 +443,9 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
 
     With ``dist="fsdp"`` and several ranks the model is sharded in place (FSDP2) and stays so.
     """
-    dms = _dms.is_dms_patched(model)  # DMS gates (kvpop.core.dms) train through the same loop
+    dms = _dms.is_dms_patched(model)  # DMS gates (kvpop.baselines.dms) train through the same loop
     if not (dms or is_patched(model)):
-        raise ValueError("train needs a patched model: call kvpop.patch(model, ...) (or kvpop.core.dms.patch_dms) "
+        raise ValueError("train needs a patched model: call kvpop.patch(model, ...) (or kvpop.baselines.dms.patch_dms) "
                          "first")
     if isinstance(data, Iterator) or not isinstance(data, Iterable):
         raise TypeError(f"data must be re-iterable (a list, a DataLoader, ...): it is cycled over and, on resume, "

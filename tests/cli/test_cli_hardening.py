@@ -138,12 +138,14 @@ def test_train_device_cuda_runs(tmp_path):
 def no_work(monkeypatch):
     """Any model load or evaluation fails the test: a usage error must come before them."""
     from kvpop.demo import evaluate as E
+    from kvpop.demo import retrofit as R
 
     def work(*a, **k):
         raise AssertionError("work started before the usage error")
 
-    for name in ("load_base_model", "evaluate", "retrofit"):
+    for name in ("load_base_model", "evaluate"):
         monkeypatch.setattr(E, name, work)
+    monkeypatch.setattr(R, "retrofit", work)
 
 
 @pytest.mark.parametrize("command", ["eval", "demo"])
@@ -189,13 +191,13 @@ def test_schedule_usage_errors(capsys):
 
 
 def test_demo_interrupted_says_how_to_resume(tmp_path, monkeypatch, capsys):
-    from kvpop.demo import evaluate as E
+    from kvpop.demo import retrofit as R
     from kvpop.training.train import TrainingInterrupted
 
     def retrofit(*a, **k):  # what train raises once the step in flight is checkpointed
         raise TrainingInterrupted(signal.SIGTERM, 2, tmp_path / "last.pt")
 
-    monkeypatch.setattr(E, "retrofit", retrofit)
+    monkeypatch.setattr(R, "retrofit", retrofit)
     assert main(["demo", "--quick", "--no-progress", "--out", str(tmp_path / "d")]) == 128 + signal.SIGTERM
     assert "--resume to continue" in capsys.readouterr().err
 

@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
+from kvpop.baselines import dms as D
+from kvpop.baselines.dms import budget as DE
 from kvpop.cli import main
 from kvpop.cli.trained import read_run
-from kvpop.core import dms as D
-from kvpop.demo import dms as DE
 from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
 from kvpop.models import cache_kwarg_name

@@ -64,8 +64,8 @@ def test_decode_bad_inputs(base):
 
 
 def test_dms_decoding_gives_the_prefill_reads(base, tmp_path):
-    from kvpop.core import dms as D
-    from kvpop.demo import dms as DE
+    from kvpop.baselines import dms as D
+    from kvpop.baselines.dms import budget as DE
 
     m = copy.deepcopy(base)
     D.patch_dms(m, sinks=2, window=4)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from kvpop.baselines import dms as D
+from kvpop.baselines.dms import budget as DE
 from kvpop.cli import main
-from kvpop.core import dms as D
-from kvpop.demo import dms as DE
 from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
 

@@ -7,8 +7,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import kvpop
+from kvpop.baselines import dms as D
 from kvpop.cli import main
-from kvpop.core import dms as D
 from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
 from kvpop.models import cache_kwarg_name

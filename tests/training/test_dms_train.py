@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from kvpop.baselines import dms as D
 from kvpop.cli import main
-from kvpop.core import dms as D
 from kvpop.training.train import TrainConfig, train
 
 

@@ -1,0 +1,207 @@
+"""The demo's retrofits: short training runs of a shipped tiny model on its task's training sequences.
+
+:func:`retrofit` trains what a KVpop policy of the harness needs (scorers with ``mask_source="scorer"``,
+by default the model frozen; the joint variants also the model; ``fixed-finetune`` the model with the
+fixed StreamingLLM mask); :func:`retrofit_dms` trains the DMS baseline (gates and model together).
+Both go through ``kvpop.training.train`` with a :class:`RetrofitConfig`, write their parts into a
+directory and reuse a finished one.  Used by ``kvpop demo`` and the evaluation harness
+(``kvpop.demo.evaluate`` re-exports :func:`retrofit` and :class:`RetrofitConfig`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpop.baselines.dms import DMSConfig, patch_dms, save_dms
+from kvpop.baselines.dms.budget import GATES
+from kvpop.core.checkpoint import save_scorers
+from kvpop.core.config import KVpopConfig
+from kvpop.core.lifecycle import carried, remove
+from kvpop.core.patching import make_teacher, patch
+from kvpop.training.train import TrainConfig, train
+
+from . import task as T
+
+__all__ = ["RetrofitConfig", "retrofit", "retrofit_dms", "retrofit_seed", "SCORER_OF", "JOINT", "LABEL_SOURCES",
+           "LABEL_VARIANTS", "DEFAULT_SINKS", "DEFAULT_WINDOW"]
+
+LABEL_SOURCES = ("student", "teacher")
+"""Whose attention makes a joint retrofit's label (``KVpopConfig.target_source``)."""
+LABEL_VARIANTS = {f"{j}-{src}-label": j for j in ("kvpop-mlp-joint", "kvpop-mlstm-joint") for src in LABEL_SOURCES}
+"""A joint retrofit trained on an explicitly named label source -> the joint policy it is a variant of
+(``kvpop demo`` reports the source it did not choose under this name, beside the chosen one)."""
+SCORER_OF = {"kvpop-mlp": "mlp", "kvpop-mlstm": "mlstm", "kvpop-mlp-joint": "mlp", "kvpop-mlstm-joint": "mlstm"}
+SCORER_OF.update({v: SCORER_OF[j] for v, j in LABEL_VARIANTS.items()})
+"""The scorer each KVpop policy of the harness trains."""
+JOINT = ("kvpop-mlp-joint", "kvpop-mlstm-joint", *LABEL_VARIANTS)
+"""Policies whose scorers were trained together with the model (``train_model=True``, KL to the frozen original)."""
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 32
+
+
+@dataclass
+class RetrofitConfig:
+    """A short retrofit run (:func:`retrofit`).
+
+    Attributes:
+        steps: optimiser steps; length/batch: training sequences (train seeds ``task.train_seed``).
+        budget: the training budget (the demo uses 12.5 % of the length trained at).
+        sinks, window: as in evaluation (the mLSTM scorer's readout depends on the window).
+        lr_scorer, tau: scorer learning rate and score-loss temperature.
+        target_source: whose attention makes the scorers' label (``KVpopConfig.target_source``):
+            ``"student"`` (the model being trained, its sparse normaliser) or ``"teacher"`` (the frozen
+            original with the full cache).
+        train_model: also fine-tune the model (KL to the frozen original) with ``lr_model``.
+        checkpoint_every: steps between checkpoints (resume after an interruption).
+    """
+
+    steps: int = 200
+    length: int = 1024
+    batch: int = 1
+    budget: int = 128
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
+    lr_scorer: float = 1e-2
+    lr_model: float = 1e-4
+    tau: float = 1.0
+    train_model: bool = False
+    checkpoint_every: int = 25
+    seed: int = 0
+    target_source: str = "student"
+
+
+def retrofit_seed(name: str, seed: int) -> int:
+    """The seed of every random draw of retrofit ``name`` (its layers' initialisation, DMS's relaxation noise):
+    a stable hash (CRC-32) of the name and ``seed``, the same in every process.  A joint retrofit's label
+    variants share the joint retrofit's (the same start, only the label differs); the training sequences are
+    ``seed``'s, the same for every retrofit."""
+    import zlib
+
+    return zlib.crc32(f"{name}/{int(seed)}".encode())
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, model: nn.Module):
+    """A block whose global-stream draws come from ``seed`` (CPU, and the model's CUDA device when it has
+    one); the global streams are restored on exit."""
+    dev = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def _train_data(cfg: RetrofitConfig, n: int, task_cfg: Any, task: Any) -> list[torch.Tensor]:
+    return [task.make_batch([task.train_seed(cfg.seed * 1_000_003 + i * cfg.batch + j) for j in range(cfg.batch)],
+                            cfg.length, task_cfg)["input_ids"] for i in range(n)]
+
+
+def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: RetrofitConfig | None = None, *,
+             resume: bool = True, progress: bool = True, task_cfg: Any = None, task: Any = T) -> Path:
+    """Train what ``policy`` needs from ``base`` (left untouched) and save it into ``out_dir``.
+
+    * ``kvpop-mlp`` / ``kvpop-mlstm``: a copy of ``base`` patched with that scorer
+      (``mask_source="scorer"``) trained by ``kvpop.training.train``; writes ``scorers.safetensors``
+      (and ``model/`` when ``cfg.train_model``).
+    * ``kvpop-mlp-joint`` / ``kvpop-mlstm-joint``: the same with ``train_model`` on (the method's recipe:
+      model and scorers together, the model with a KL loss to the frozen original); writes both.
+    * ``fixed-finetune``: the model fine-tuned with the fixed StreamingLLM mask
+      (``mask_source="streaming"``, no score loss, KL to the frozen original); writes ``model/``.
+
+    A finished run leaves ``done.json`` (settings and last losses); with ``resume`` an existing
+    ``done.json`` with the same settings is reused as it is, and an interrupted run continues from
+    its last checkpoint (``train.pt/last.pt``).  Returns ``out_dir``.
+    """
+    cfg = cfg or RetrofitConfig()
+    trainable = ("fixed-finetune", *SCORER_OF)
+    if policy not in trainable:
+        raise ValueError(f"retrofit trains one of {list(trainable)}, got {policy!r}")
+    if policy == "fixed-finetune":
+        kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, mask_source="streaming",
+                         compute_loss=False, tau=cfg.tau)
+    else:
+        kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
+                         mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source)
+    train_model = cfg.train_model or policy == "fixed-finetune" or policy in JOINT
+    save = None if policy == "fixed-finetune" else (lambda m, out: save_scorers(m, out / "scorers.safetensors"))
+    return _run(base, out_dir, {"policy": policy, **asdict(cfg)}, cfg, lambda m: patch(m, kv), save, train_model,
+                retrofit_seed(LABEL_VARIANTS.get(policy, policy), cfg.seed), resume=resume, progress=progress,
+                task_cfg=task_cfg, task=task)
+
+
+def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: RetrofitConfig | None = None, *,
+                 target_keep: float = 0.04, schedule_frac: float = 0.6, resume: bool = True, progress: bool = True,
+                 task_cfg: Any = None, task: Any = T) -> Path:
+    """Train DMS from ``base`` (left untouched): gates and model together, KL to the frozen original plus
+    the compression loss; the target compression ratio ``1 / target_keep`` is reached after
+    ``schedule_frac`` of the steps.  ``cfg`` is a :class:`RetrofitConfig` (steps,
+    length, sinks, window, ``lr_scorer`` for the gates, ``lr_model``).  Writes ``gates.safetensors``,
+    ``model/`` and ``done.json`` into ``out_dir`` (reused by ``resume`` when the settings agree)."""
+    cfg = cfg or RetrofitConfig()
+    dms = DMSConfig(sinks=cfg.sinks, window=cfg.window, target_keep=target_keep,
+                    schedule_steps=max(1, round(schedule_frac * cfg.steps)))
+    settings = {"policy": "dms", **asdict(cfg), "target_keep": target_keep, "schedule_frac": schedule_frac}
+    return _run(base, out_dir, settings, cfg, lambda m: patch_dms(m, dms), lambda m, out: save_dms(m, out / GATES),
+                True, retrofit_seed("dms", cfg.seed), resume=resume, progress=progress, task_cfg=task_cfg, task=task)
+
+
+def _run(base: nn.Module, out_dir: str | os.PathLike, settings: dict, cfg: RetrofitConfig,
+         attach: Callable[[nn.Module], Any], save: Callable[[nn.Module, Path], Any] | None, train_model: bool,
+         rseed: int, *, resume: bool, progress: bool, task_cfg: Any, task: Any) -> Path:
+    """One retrofit: a copy of ``base`` (any method removed) gets ``attach``-ed (its layers initialised from
+    ``rseed``, the global streams untouched), trains (seed ``rseed``), ``save``s its layers into ``out_dir``
+    (and ``model/`` when ``train_model``); ``done.json`` marks it finished."""
+    task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
+    out = Path(out_dir)
+    settings = {**settings, "task_config": task_cfg.to_dict()}
+    done_file = out / "done.json"
+    if resume and done_file.exists() and json.loads(done_file.read_text()).get("settings") == settings:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    if done_file.exists():
+        done_file.unlink()
+    model = copy.deepcopy(base)
+    _strip(model)
+    model.eval()
+    teacher = make_teacher(model) if train_model else None
+    with _seeded(rseed, model):  # the layers' initialisation, whatever ran before it in the process
+        attach(model)
+    ckpt = out / "train.pt"
+    stamp = ckpt / "settings.json"
+    if ckpt.exists() and (not resume or not stamp.exists() or json.loads(stamp.read_text()) != settings):
+        for f in ckpt.iterdir():
+            f.unlink()
+    ckpt.mkdir(exist_ok=True)
+    stamp.write_text(json.dumps(settings))
+    data = _train_data(cfg, min(cfg.steps, 1000), task_cfg, task)
+    tc = TrainConfig(steps=cfg.steps, lr_scorer=cfg.lr_scorer, lr_model=cfg.lr_model, train_model=train_model,
+                     checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress,
+                     seed=rseed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tqdm/torch noise about the tiny model
+        hist = train(model, data, tc, teacher=teacher, resume=resume)
+    if save is not None:
+        save(model, out)
+    if train_model:
+        plain = copy.deepcopy(model)
+        _strip(plain)
+        plain.save_pretrained(str(out / "model"))
+    tmp = done_file.with_name("done.json.tmp")
+    tmp.write_text(json.dumps({"settings": settings, "last": hist[-1] if hist else {}}, indent=1))
+    os.replace(tmp, done_file)
+    return out
+
+
+def _strip(model: nn.Module) -> None:
+    spec = carried(model)
+    if spec is not None:
+        remove(model, spec)
