@@ -280,3 +280,143 @@ def test_scorer_metadata_nested_too_deep_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"deep.safetensors: its kvpop_config metadata is not a valid KVpopConfig "
                                          r"as JSON \(nested too deep to read\)"):
         kvpop.read_scorer_config(path)
+
+
+# ----------------------------------------------------------------------------- DMS: items 2, 3, 4, 5, 10
+def _dms_model(threshold=0.0):
+    from kvpop.baselines import dms as D
+
+    m = D.patch_dms(tiny_model(), sinks=SINKS, window=WINDOW, threshold=threshold)
+    with torch.no_grad():  # gates that evict about half the tokens
+        for layer in D.dms_layers(m):
+            layer.gate.weight.copy_(torch.randn_like(layer.gate.weight))
+            layer.gate.bias.zero_()
+    return m
+
+
+def test_a_dms_cache_refuses_a_model_not_patched_for_it_and_a_kvpop_cache_a_dms_model():
+    from kvpop.baselines import dms as D
+
+    m = _dms_model()
+    ids = torch.randint(0, 128, (1, 12))
+    with pytest.raises(ValueError, match=r"DMSCache was passed to a model that is not patched for it"):
+        _greedy(tiny_model(), ids, 3, **{CACHE: D.DMSCache(m)})
+    k = kvpop.patch(tiny_model(), sinks=SINKS, window=WINDOW, budget=BUDGET)
+    with pytest.raises(ValueError, match="DMSCache was passed to a model patched for kvpop, not dms"):
+        _greedy(k, ids, 3, **{CACHE: D.DMSCache(m)})
+    with pytest.raises(ValueError, match="KVpopCache was passed to a model patched for dms, not kvpop"):
+        _greedy(m, ids, 3, **{CACHE: kvpop.KVpopCache(k)})
+    other = D.DMSCache(config=D.DMSConfig(sinks=SINKS, window=WINDOW + 2), num_layers=2)
+    with pytest.raises(ValueError, match=r"built for window=6 but the model is patched with window=4"):
+        _greedy(m, ids, 3, **{CACHE: other})
+    assert torch.equal(_greedy(m, ids, 8, **{CACHE: D.DMSCache(m)}), _greedy(m, ids, 8))
+
+
+def test_one_method_per_model_whatever_the_order():
+    from kvpop.baselines import dms as D
+
+    m = _dms_model()
+    with pytest.raises(ValueError, match="a model carries one method"):
+        kvpop.patch(m)
+    assert D.is_dms_patched(m) and not kvpop.is_patched(m)
+    kvpop.unpatch(m)  # not KVpop-patched: leaves DMS's hooks and default cache alone
+    assert D.is_dms_patched(m) and "_prepare_cache_for_generation" in m.__dict__
+    with pytest.raises(ValueError, match="a model carries one method"):
+        D.patch_dms(kvpop.patch(tiny_model()))
+
+
+def test_a_used_dms_cache_refuses_a_second_prompt_and_reset_makes_it_fresh():
+    from kvpop.baselines import dms as D
+
+    m = _dms_model()
+    prompt = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(2))
+    cache = D.DMSCache(m)
+    first = _greedy(m, prompt, 10, **{CACHE: cache})
+    assert torch.equal(first, _greedy(m, prompt, 10))
+    with pytest.raises(ValueError, match=r"DMSCache has seen 39 tokens, so the next call must start at position 39, "
+                                         r"but it starts at position \d+.*cache.reset\(\)"):
+        _greedy(m, prompt, 10, **{CACHE: cache})
+    cache.reset()
+    assert torch.equal(_greedy(m, prompt, 10, **{CACHE: cache}), first)
+
+
+def test_nan_thresholds_and_nan_or_huge_gates_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from kvpop.baselines import dms as D
+
+    m = _dms_model()
+    with pytest.raises(ValueError, match="threshold must be a finite number, got nan"):
+        D.DMSCache(m, threshold=float("nan"))
+    with pytest.raises(ValueError, match="threshold must be a finite number"):
+        D.patch_dms(m, threshold=float("nan"))
+    D.save_dms(m, tmp_path / "gates.safetensors")
+    tensors = load_file(str(tmp_path / "gates.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "gates.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    key = next(iter(tensors))
+    for name, value, msg in [("nan", float("nan"), "non-finite"), ("huge", 3e38, "magnitude 3e\\+38")]:
+        save_file({**tensors, key: tensors[key].clone().fill_(value)}, str(tmp_path / f"{name}.safetensors"),
+                  metadata=meta)
+        t = tiny_model()
+        before = _state(t)
+        with pytest.raises(ValueError, match=msg):
+            D.load_dms(t, tmp_path / f"{name}.safetensors")
+        assert _unchanged(t, before)
+
+
+def test_a_failed_load_dms_leaves_the_model_as_it_was(tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from kvpop.baselines import dms as D
+
+    good = tmp_path / "gates.safetensors"
+    D.save_dms(_dms_model(), good)
+    tensors = load_file(str(good))
+    with safe_open(str(good), framework="pt") as f:
+        meta = f.metadata()
+    save_file({**tensors, "layers.9.gate.bias": torch.zeros(2)}, str(tmp_path / "extra.safetensors"), metadata=meta)
+    # another shape: a model of 3 layers, one of 4 KV heads, one of hidden size 128
+    for model, path, msg in [(tiny_model(num_hidden_layers=3), good, "does not fit the model: missing"),
+                             (tiny_model(num_key_value_heads=4), good, "has shape"),
+                             (tiny_model(hidden_size=128), good, "has shape"),
+                             (tiny_model(), tmp_path / "extra.safetensors", "unexpected")]:
+        before = _state(model)
+        with pytest.raises(ValueError, match=msg):
+            D.load_dms(model, path)
+        assert _unchanged(model, before) and not D.is_dms_patched(model)
+    # a DMS-patched model keeps its gates and config
+    p = _dms_model(threshold=0.5)
+    sd = {k: v.clone() for k, v in p.state_dict().items()}
+    with pytest.raises(ValueError, match="unexpected"):
+        D.load_dms(p, tmp_path / "extra.safetensors")
+    assert D.get_dms_config(p).threshold == 0.5 and all(torch.equal(p.state_dict()[k], v) for k, v in sd.items())
+    # obscure files: each named, the model untouched
+    cases = {
+        "badjson": (tensors, {**meta, "dms_config": "{not json"}, "not a valid DMSConfig"),
+        "list": (tensors, {**meta, "dms_config": json.dumps([1, 2])}, "not a valid DMSConfig"),
+        "deep": (tensors, {**meta, "dms_config": "[" * 100_000 + "]" * 100_000}, "nested too deep"),
+        "noconfig": (tensors, {k: v for k, v in meta.items() if k != "dms_config"}, "is not a DMS gate file"),
+    }
+    for name, (ts, md, msg) in cases.items():
+        save_file(ts, str(tmp_path / f"{name}.safetensors"), metadata=md)
+    raw = good.read_bytes()
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    (tmp_path / "truncated.safetensors").write_bytes(raw[: len(raw) - 40])
+    (tmp_path / "zip.safetensors").write_bytes(b"PK\x03\x04 not a zip")
+    torch.save({"x": 1}, tmp_path / "pickle.safetensors")
+    files = {**{n: c[2] for n, c in cases.items()}, "empty": "not a DMS gate file", "truncated": "DMS gate file",
+             "zip": "not a DMS gate file", "pickle": "not a DMS gate file"}
+    for name, msg in files.items():
+        t = tiny_model()
+        before = _state(t)
+        with pytest.raises(ValueError, match=msg) as e:
+            D.load_dms(t, tmp_path / f"{name}.safetensors")
+        assert f"{name}.safetensors" in str(e.value) and _unchanged(t, before), name
+    with pytest.raises(ValueError, match=r"is a directory.*gates.safetensors"):
+        D.load_dms(tiny_model(), tmp_path)

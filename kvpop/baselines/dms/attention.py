@@ -49,7 +49,7 @@ def dms_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     cfg = layer.config
     logits = layer.logits(hidden)  # [B, Hkv, S_new]
     if isinstance(cache, DMSCache):
-        out = cache_attention(cache, module, query, key, value, logits, scaling)
+        out = cache_attention(cache, module, query, key, value, logits, scaling, kwargs.get("position_ids"))
         if out is not None:
             return out, None
     if query.shape[2] != key.shape[2]:

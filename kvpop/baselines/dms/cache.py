@@ -10,7 +10,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import kvpop_kernels
-from kvpop.core.cache import cache_settings
+from kvpop.core.cache import ServedCache, cache_settings
 
 from .config import DMSConfig, check_float, check_int
 from .gates import gate_evict_at
@@ -84,6 +84,10 @@ class DMSCacheLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.seen
+
+    @property
+    def prefilled(self) -> bool:
+        return self.seen > 0
 
     def get_max_length(self) -> int:
         return -1
@@ -208,7 +212,7 @@ class DMSCacheLayer(CacheLayerMixin):
         return out
 
 
-class DMSCache(Cache):
+class DMSCache(ServedCache, Cache):
     """Per-KV-head ragged cache for batch-1 decoding with a DMS-patched model (:func:`patch_dms`).
 
     Each head keeps the sinks, the window and the long-range tokens its gates kept, so heads hold
@@ -225,10 +229,24 @@ class DMSCache(Cache):
                  threshold: float | None = None, page: int = 16, lookahead: int = 4):
         config, num_layers = cache_settings("DMSCache", model, config, num_layers, attr="dms_config",
                                             how="a DMS-patched model (patch_dms(model)) or config=DMSConfig(...)")
-        self.dms_config = config
+        self.dms_config = self.served_config = config
+        self._claims: dict[int, tuple[str, Any, bool]] = {}
+        if threshold is not None:
+            check_float("threshold", threshold)  # NaN would evict nothing, silently
         thr = config.threshold if threshold is None else float(threshold)
         super().__init__(layers=[DMSCacheLayer(sinks=config.sinks, window=config.window, threshold=thr, page=page,
                                                lookahead=lookahead) for _ in range(num_layers)])
+
+    served_by = "dms"
+    served_fields = ("sinks", "window")
+    served_how = "kvpop.baselines.dms.patch_dms(model)"
+    served_ctor = "kvpop.baselines.dms.DMSCache(model)"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer_idx < len(self.layers) or self.layers[layer_idx].seen == 0:
+            self.check_served(layer_idx)  # the layer's first call: is the model DMS-patched for this cache?
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def head_entries(self) -> torch.Tensor:
         """Entries held per layer and KV head, int64 ``[num_layers, Hkv]``."""
@@ -246,7 +264,8 @@ def head_entries(cache: DMSCache) -> torch.Tensor:
 
 
 def cache_attention(cache: DMSCache, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, logits: torch.Tensor, scaling: float | None) -> torch.Tensor | None:
+                     value: torch.Tensor, logits: torch.Tensor, scaling: float | None,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     if module.layer_idx >= len(cache.layers):
         return None
     layer = cache.layers[module.layer_idx]
@@ -255,6 +274,13 @@ def cache_attention(cache: DMSCache, module: nn.Module, query: torch.Tensor, key
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     S = query.shape[2]
+    if layer.seen > 0 and S > 1 and isinstance(position_ids, torch.Tensor) and position_ids.numel():
+        first = int(position_ids.reshape(-1)[0])  # a host read on multi-token calls only, never per token
+        if first != layer.seen:
+            raise ValueError(
+                f"this DMSCache has seen {layer.seen} tokens, so the next call must start at position {layer.seen}, "
+                f"but it starts at position {first}. Its decisions are final (evicted tokens are gone): use a "
+                f"fresh kvpop.baselines.dms.DMSCache(model) for a new prompt, or call cache.reset() first.")
     pos = torch.arange(layer.seen, layer.seen + S, device=key.device)
     evict = (logits[0] > layer.threshold) & (pos >= layer.sinks)  # [Hkv, S]
     if layer.seen == 0 and S > 1:

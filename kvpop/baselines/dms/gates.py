@@ -122,7 +122,13 @@ class DMSLayer(nn.Module):
         h = kwargs.get("hidden_states")
         self.hidden = h if h is not None else (args[0] if args else None)
         cache = kwargs.get("cache")
-        self.active_cache = cache if cache is not None else kwargs.get("past_key_values")
+        cache = self.active_cache = cache if cache is not None else kwargs.get("past_key_values")
+        claim = getattr(cache, "claim", None)
+        if claim is not None:  # a DMS / kvpop cache checks at its first call that this model serves it
+            active = getattr(getattr(module, "config", None), "_attn_implementation", None) == "kvpop_dms"
+            h = self.hidden
+            claim(self.layer_idx, "dms", self.config, active,
+                  h.shape[1] if isinstance(h, torch.Tensor) and h.dim() == 3 else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - not a callable layer
         raise RuntimeError("DMSLayer is driven by the 'kvpop_dms' attention function; do not call it")
