@@ -421,9 +421,9 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from kvpop.baselines.dms import DMSConfig, patch_dms
+    from kvpop.baselines.dms import DMSConfig
     from kvpop.core.config import KVpopConfig
-    from kvpop.core.patching import patch
+    from kvpop.training.methods import DMSMethod, KVpopMethod
     from kvpop.training.runstate import CheckpointError
     from kvpop.training.train import (
         TrainConfig,
@@ -449,6 +449,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                                aux_weight=args.aux_weight)
     except (TypeError, ValueError) as e:
         _fail(str(e))
+    method = (KVpopMethod if args.method == "kvpop" else DMSMethod)(kv_cfg)
     rank, world, device, started = _setup_dist(args)
     try:
         if args.bf16 and device.type != "cuda":
@@ -461,7 +462,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
             _fail(str(e))
         torch.manual_seed(args.seed)  # the scorers' initialisation
         try:
-            (patch_dms if args.method == "dms" else patch)(model, kv_cfg)
+            method.attach(model)
         except (TypeError, ValueError) as e:
             _fail(f"cannot patch {source or 'the --tiny model'}: {e}")
         tcfg = TrainConfig(steps=args.steps, lr_model=args.lr_model, lr_scorer=args.lr_scorer,
@@ -482,7 +483,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                 text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
                 atomic_write(out / "args.json", lambda f: f.write(text), binary=False)
         try:
-            hist = train(model, data, tcfg, resume=args.resume)  # writes last.pt and history.jsonl
+            hist = train(model, data, tcfg, resume=args.resume, method=method)  # writes last.pt, history.jsonl
         except TrainingInterrupted as e:
             if rank == 0:
                 print(f"kvpop train: {e}: run the same command with --resume to continue", file=sys.stderr)

@@ -62,11 +62,13 @@ scorers only (then no KL is computed, and the teacher is needed only for ``targe
 ``kvpop.teacher_targets`` and hands every layer its exact target ``[B, Hkv, S]`` (its own queries,
 keys and dense LSE) before the student's forward (``kvpop.set_teacher_targets``).
 
-A model patched with DMS gates instead (``kvpop.baselines.dms.patch_dms``, ``kvpop train --method dms``) trains
-through the same loop: before each forward the loop tells the model its step (``set_dms_step``: the
-target compression ratio follows the DMS schedule), the loss is ``KL + score_weight * dms_loss`` (the
-auxiliary compression loss replaces ``L_score``), the gate heads take ``lr_scorer``, the teacher is
-``make_dms_teacher(model)`` and checkpoints write ``gates.safetensors`` (``kvpop.baselines.dms.save_dms``).
+The method is an object (:mod:`kvpop.training.methods`): ``method=`` or, by default, the one the model
+is patched with (``KVpopMethod`` after ``kvpop.patch``, ``DMSMethod`` after
+``kvpop.baselines.dms.patch_dms``, ``kvpop train --method dms``).  It says which parameters are its own
+and their learning rates, its auxiliary loss (``L_score``; DMS: the compression loss), its teacher needs
+and step hook (KVpop: the teacher's targets; DMS: the step of its compression schedule), and the layer
+file checkpoints write (``scorers.safetensors``; DMS: ``gates.safetensors``); the loop has no branch on
+the method.
 """
 from __future__ import annotations
 
@@ -81,19 +83,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvpop.baselines import dms as _dms
-from kvpop.core.attention import set_teacher_targets, teacher_targets
-from kvpop.core.checkpoint import save_scorers
-from kvpop.core.loss import (
-    TeacherTopK,
-    fused_distill_loss,
-    fused_output_head,
-    fused_teacher_topk,
-    score_loss,
-    score_stats,
-)
-from kvpop.core.patching import get_config, is_patched, make_teacher
+from kvpop.core.loss import TeacherTopK, fused_distill_loss, fused_output_head, fused_teacher_topk
 
+from .methods import METHODS, TrainingMethod, method_for
 from .runstate import (
     CheckpointError,
     StopSignals,
@@ -115,22 +107,20 @@ __all__ = ["TrainConfig", "train", "save_model", "DIST_MODES", "TrainingInterrup
            "LEARNING_RATES", "learning_rates"]
 
 DIST_MODES = ("ddp", "fsdp")
-LEARNING_RATES = {"kvpop": {"lr_model": 1e-5, "lr_scorer": 1e-3}, "dms": {"lr_model": 1e-5, "lr_scorer": 5e-2}}
-"""Each method's default learning rates (``TrainConfig``'s ``None``).  DMS's gates need a large one: they
-start at bias ``-gate_offset`` (-5, every token kept) and AdamW moves a parameter by about the learning rate
-per step, so at 1e-3 they cannot follow the compression schedule.  Measured with ``kvpop train --method dms
---task --target-keep 0.125`` on the shipped model: length 256, window 32, 60 steps: keep 0.98 at the end
-with 1e-3, 0.117 with 5e-2; length 128, window 16, 60 steps, seeds 0-2: mean keep of the last 10 steps
-0.115-0.123; length 1024, window 64, 150 steps: 0.128; on a random-weight tiny model with byte-level text
-(``--tiny``, this repository's source as bytes), length 128, 60 steps: 0.127."""
+LEARNING_RATES = {name: dict(cls.learning_rates) for name, cls in METHODS.items()}
+"""Each registered method's default learning rates (``TrainConfig``'s ``None``), from its
+``TrainingMethod.learning_rates`` (DMS's gates need a large one: ``DMSMethod``)."""
 
 
-def learning_rates(config: TrainConfig, method: str) -> tuple[float, float]:
-    """``(lr_model, lr_scorer)`` of ``config`` for ``method`` (``"kvpop"`` or ``"dms"``), a ``None`` field
-    taking the method's default from :data:`LEARNING_RATES`."""
-    if method not in LEARNING_RATES:
-        raise ValueError(f"unknown method {method!r}; allowed: {list(LEARNING_RATES)}")
-    d = LEARNING_RATES[method]
+def learning_rates(config: TrainConfig, method: str | TrainingMethod) -> tuple[float, float]:
+    """``(lr_model, lr_scorer)`` of ``config`` for ``method`` (a method object, or the name of a registered
+    one: ``"kvpop"``, ``"dms"``), a ``None`` field taking the method's default."""
+    if isinstance(method, TrainingMethod):
+        d = method.learning_rates
+    elif method in METHODS:
+        d = METHODS[method].learning_rates
+    else:
+        raise ValueError(f"unknown method {method!r}; allowed: {list(METHODS)}")
     return (d["lr_model"] if config.lr_model is None else config.lr_model,
             d["lr_scorer"] if config.lr_scorer is None else config.lr_scorer)
 
@@ -255,7 +245,7 @@ def _barrier(world: int) -> None:
 
 
 class _Step(nn.Module):
-    """One student forward returning ``(kl, L_score, stats)``.
+    """One student forward returning ``(kl, the method's auxiliary loss, stats)``.
 
     The KL is computed where the model applies its LM head (:func:`kvpop.core.loss.fused_output_head`):
     chunked, fused with the head, never holding ``[S, V]`` logits.  Under DDP both losses must be outputs
@@ -263,9 +253,10 @@ class _Step(nn.Module):
     head's weight is unsharded only inside the root module's forward.
     """
 
-    def __init__(self, model: nn.Module, chunk_size: int | None = None) -> None:
+    def __init__(self, model: nn.Module, method: TrainingMethod, chunk_size: int | None = None) -> None:
         super().__init__()
         self.model = model
+        self.method = method
         self.chunk_size = chunk_size
 
     def forward(self, ids: torch.Tensor, teacher: TeacherTopK | None = None):
@@ -276,11 +267,7 @@ class _Step(nn.Module):
         with fused_output_head(self.model, fn) as res:
             self.model(ids, use_cache=False)
         kl = res["value"]
-        if _dms.is_dms_patched(self.model):  # DMS: the compression loss instead of L_score
-            ls, stats = _dms.dms_loss(self.model)
-        else:
-            stats = score_stats(self.model)
-            ls = score_loss(self.model)
+        ls, stats = self.method.aux_loss(self.model)
         return kl, ls.to(kl.device), stats
 
 
@@ -297,14 +284,17 @@ def teacher_step(teacher: nn.Module, ids: torch.Tensor, top_k: int | None, *,
     return res["value"]
 
 
-def _is_scorer_param(name: str) -> bool:
-    return ".kvpop." in name or name.startswith("kvpop.") or ".dms." in name or name.startswith("dms.")
+def _is_method_param(name: str) -> bool:
+    """A parameter of any training method's layers (KVpop's scorers, DMS's gates, ...)."""
+    return any(m.owns(name) for m in METHODS.values())
 
 
-def _split_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list[nn.Parameter]]:
-    scorer_params = [(n, p) for n, p in model.named_parameters() if _is_scorer_param(n)]
-    scorer_ids = {id(p) for _, p in scorer_params}
-    return scorer_params, [p for p in model.parameters() if id(p) not in scorer_ids]
+def _split_params(model: nn.Module, method: TrainingMethod
+                  ) -> tuple[list[tuple[str, nn.Parameter]], list[nn.Parameter]]:
+    """``(the method's (name, parameter) pairs, the model's parameters)``."""
+    own = [(n, p) for n, p in model.named_parameters() if method.owns(n)]
+    ids = {id(p) for _, p in own}
+    return own, [p for p in model.parameters() if id(p) not in ids]
 
 
 def _is_fsdp(model: nn.Module) -> bool:
@@ -406,7 +396,7 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
         if sd is None:
             sd = model.state_dict()
         if not include_scorers:
-            sd = {k: v for k, v in sd.items() if not _is_scorer_param(k)}
+            sd = {k: v for k, v in sd.items() if not _is_method_param(k)}
         sd = {k: v.detach().cpu() for k, v in sd.items()}
         if fsdp and getattr(model.config, "tie_word_embeddings", False):
             # the gathered copies no longer share storage: re-tie them so save_pretrained drops the output one
@@ -430,23 +420,26 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
 
 
 def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *, teacher: nn.Module | None = None,
-          resume: bool = False, **overrides: Any) -> list[dict[str, float]]:
+          resume: bool = False, method: TrainingMethod | None = None, **overrides: Any) -> list[dict[str, float]]:
     """Train a patched Qwen3 ``model`` in place; returns one dict of losses/statistics per optimiser step.
 
     Args:
-        model: a model patched by ``kvpop.patch`` (its ``KVpopConfig`` decides the mask and the loss).
+        model: a model patched by ``kvpop.patch`` (its ``KVpopConfig`` decides the mask and the loss) or by
+            another method (``kvpop.baselines.dms.patch_dms``); with ``method=`` also an unpatched one.
         data: a re-iterable (list, DataLoader) of ``[B, S]`` token-id tensors or dicts with
             ``input_ids``; cycled over as long as needed.  Rows of one batch have one length.
         config: a :class:`TrainConfig`; ``**overrides`` replace its fields.
         teacher: the frozen dense teacher; default ``kvpop.make_teacher(model)`` (see the module docstring).
         resume: continue from ``checkpoint_dir/last.pt`` when it exists.
+        method: the :class:`~kvpop.training.methods.TrainingMethod` (default: the one the model is patched
+            with, :func:`~kvpop.training.methods.method_for`); it attaches itself to an unpatched model.
 
     With ``dist="fsdp"`` and several ranks the model is sharded in place (FSDP2) and stays so.
     """
-    dms = _dms.is_dms_patched(model)  # DMS gates (kvpop.baselines.dms) train through the same loop
-    if not (dms or is_patched(model)):
-        raise ValueError("train needs a patched model: call kvpop.patch(model, ...) (or kvpop.baselines.dms.patch_dms) "
-                         "first")
+    if method is not None and not isinstance(method, TrainingMethod):
+        raise TypeError(f"method must be a kvpop.training.methods.TrainingMethod or None, got "
+                        f"{type(method).__name__}")
+    method = method_for(model) if method is None else method.bind(model)
     if isinstance(data, Iterator) or not isinstance(data, Iterable):
         raise TypeError(f"data must be re-iterable (a list, a DataLoader, ...): it is cycled over and, on resume, "
                         f"fast-forwarded; got a {type(data).__name__}, which can be iterated only once (or not at "
@@ -454,28 +447,25 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     cfg = config or TrainConfig()
     if overrides:
         cfg = TrainConfig(**{**asdict(cfg), **overrides})
-    lr_model, lr_scorer = learning_rates(cfg, "dms" if dms else "kvpop")
+    lr_model, lr_scorer = learning_rates(cfg, method)
     cfg = TrainConfig(**{**asdict(cfg), "lr_model": lr_model, "lr_scorer": lr_scorer})
-    kv_cfg = _dms.get_dms_config(model) if dms else get_config(model)
     torch.manual_seed(cfg.seed)
     rank, world = _dist()
     dev0 = next(model.parameters()).device
-    # DMS's relaxation noise: a generator of this run, seeded by its seed (saved with a checkpoint), so that the
-    # run draws the same noise whatever used the global stream before it
-    noise_gen = torch.Generator(device=dev0).manual_seed(cfg.seed) if dms else None
+    method.start(model, cfg.seed, dev0)
     fsdp = world > 1 and cfg.dist == "fsdp"
     dev = next(model.parameters()).device
     if cfg.bf16 and dev.type != "cuda":
         raise ValueError(f"bf16=True needs the model on a CUDA device (it is on {dev}); train in float32 on the CPU")
-    need_targets = not dms and kv_cfg.target_source == "teacher" and kv_cfg.compute_loss
+    need_targets = method.needs_targets()
     if (cfg.train_model or need_targets) and teacher is None:
-        teacher = (_dms.make_dms_teacher if dms else make_teacher)(model, dtype=torch.bfloat16 if cfg.bf16 else None)
+        teacher = method.make_teacher(model, dtype=torch.bfloat16 if cfg.bf16 else None)
     if cfg.activation_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    scorer_params, model_params = _split_params(model)
+    scorer_params, model_params = _split_params(model, method)
     for p in model_params:
         p.requires_grad_(cfg.train_model)
     for _, p in scorer_params:
@@ -488,13 +478,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
         if teacher is not None and not _is_fsdp(teacher) and next(teacher.parameters()).device.type == dev.type:
             _broadcast_from_rank0(teacher)
             _fully_shard(teacher, None)
-        scorer_params, model_params = _split_params(model)  # fully_shard replaced the model's parameters
-    groups = [
-        {"params": [p for n, p in scorer_params if not n.endswith("decay_logit")], "lr": cfg.lr_scorer,
-         "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in scorer_params if n.endswith("decay_logit")], "lr": cfg.lr_scorer,
-         "weight_decay": 0.0},
-    ]
+        scorer_params, model_params = _split_params(model, method)  # fully_shard replaced the model's parameters
+    groups = method.param_groups(scorer_params, cfg)
     if cfg.train_model:
         groups.append({"params": model_params, "lr": cfg.lr_model, "weight_decay": cfg.weight_decay})
     opt = torch.optim.AdamW(groups, betas=cfg.betas)
@@ -507,10 +492,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     last = ckpt_dir / "last.pt" if ckpt_dir else None
     if resume and last is not None and last.exists():
         if fsdp:
-            step, consumed, past = _load_fsdp_checkpoint(model, opt, sched, last, kv_cfg, rank, cfg)
+            step, consumed, past = _load_fsdp_checkpoint(model, opt, sched, last, method, rank, cfg)
         else:
             ck = load_checkpoint(last)
-            step, consumed = _check_checkpoint(ck, last, kv_cfg, cfg)
+            step, consumed = _check_checkpoint(ck, last, method, cfg)
             if "optimizer" not in ck:
                 raise CheckpointError(f"checkpoint {last} was written by an FSDP run (its optimiser state is keyed by "
                                  f"parameter names): resume it with dist='fsdp' (--dist fsdp)")
@@ -523,15 +508,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                                       f"({type(e).__name__}: {str(e)[:200]})") from None
             model.load_state_dict(ck["model"])
             restore_rng_state(ck.get("rng"), last)
-            if noise_gen is not None and "noise_rng" in ck:
-                try:
-                    noise_gen.set_state(ck["noise_rng"])
-                except (TypeError, RuntimeError) as e:
-                    raise CheckpointError(f"checkpoint {last}: its 'noise_rng' entry cannot be restored "
-                                          f"({type(e).__name__}: {str(e)[:200]})") from None
+            method.load_run_state(ck, last)
             past = list(ck.get("history", []))
 
-    runner: nn.Module = _Step(model, cfg.loss_chunk)
+    runner: nn.Module = _Step(model, method, cfg.loss_chunk)
     if world > 1 and not fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -554,16 +534,12 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             return
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = {"model": msd if fsdp else model.state_dict(), "scheduler": sched.state_dict(),
-                 "step": step, "consumed": consumed, "rng": rng_state(), "kvpop_config": kv_cfg.to_json(),
+                 "step": step, "consumed": consumed, "rng": rng_state(), "kvpop_config": method.config_json(),
                  "train_config": asdict(cfg), "world_size": world, "history": past + history}
         state["optimizer_fqn" if fsdp else "optimizer"] = osd if fsdp else opt.state_dict()
-        if noise_gen is not None:
-            state["noise_rng"] = noise_gen.get_state()
+        state.update(method.run_state())
         atomic_save(state, last)
-        if dms:
-            _dms.save_dms(model, ckpt_dir / "gates.safetensors")
-        else:
-            save_scorers(model, ckpt_dir / "scorers.safetensors")
+        method.save(model, ckpt_dir)
         _barrier(world)
 
     def autocast():
@@ -584,8 +560,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
 
         bar = progress(cfg.steps, initial=step, desc="kvpop train")
     stop = StopSignals(enabled=ckpt_dir is not None, name="kvpop train").install()
-    if noise_gen is not None:
-        _dms.set_dms_generator(model, noise_gen)
+    method.enter(model)
     try:
         while step < cfg.steps:
             kl_acc = ls_acc = 0.0
@@ -594,20 +569,16 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 ids = _input_ids(next(batches))
                 consumed += 1
                 ids = ids.to(dev)
-                topk = None
+                topk = targets = None
                 if cfg.train_model or need_targets:
                     t_dev = next(teacher.parameters()).device
-                    with autocast(), teacher_targets(teacher, kv_cfg) if need_targets \
-                            else contextlib.nullcontext() as targets:
+                    with autocast(), method.teacher_forward(teacher) as targets:
                         if cfg.train_model:
                             topk = teacher_step(teacher, ids.to(t_dev), cfg.top_k, chunk_size=cfg.loss_chunk)
                             topk = topk.to(dev)
                         else:
                             teacher_step(teacher, ids.to(t_dev), None)
-                    if need_targets:
-                        set_teacher_targets(model, targets)
-                if dms:
-                    _dms.set_dms_step(model, step + 1)  # the step being taken, as in the history
+                method.before_forward(model, step + 1, targets)  # the step being taken, as in the history
                 with autocast():
                     kl, ls, st = runner(ids, topk)
                 loss = cfg.score_weight * ls + kl
@@ -617,9 +588,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
                 ls_acc += float(ls.detach()) / cfg.grad_accum
                 for key, val in st.items():  # gamma: the last value; the rest: the mean over micro-batches
                     stats_acc[key] = val if key.startswith("gamma") else stats_acc.get(key, 0.0) + val / cfg.grad_accum
-                del kl, loss, topk
-                if need_targets:
-                    set_teacher_targets(model, None)
+                del kl, loss, topk, targets
+                method.after_forward(model)
             if fsdp:
                 _average_grads([p for _, p in scorer_params], world)
             gnorm = {}
@@ -643,13 +613,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             if hist_path is not None:
                 append_jsonl(hist_path, rec)
             if bar is not None:  # the step's figures first: a line-per-N-steps report prints them at update
-                if dms:
-                    bar.set_postfix(kl=f"{kl_acc:.4f}", aux=f"{ls_acc:.4f}", keep=f"{rec['keep_frac']:.3f}",
-                                    target=f"{rec['target_keep']:.3f}")
-                else:
-                    acc = rec.get("accuracy", math.nan)
-                    bar.set_postfix(kl=f"{kl_acc:.4f}", score=f"{ls_acc:.4f}", acc=f"{acc:.3f}",
-                                    gamma=f"{rec['gamma_min']:.6f}..{rec['gamma_max']:.6f}")
+                bar.set_postfix(**method.postfix(rec))
                 bar.update(1)
             saved = bool(ckpt_dir is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
             if saved:
@@ -663,18 +627,18 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             save()
     finally:
         stop.restore()
-        if noise_gen is not None:
-            _dms.set_dms_generator(model, None)
+        method.leave(model)
         if bar is not None:
             bar.close()
     return history
 
 
-def _check_checkpoint(ck: dict, path: Path, kv_cfg, cfg: TrainConfig) -> tuple[int, int]:
+def _check_checkpoint(ck: dict, path: Path, method: TrainingMethod, cfg: TrainConfig) -> tuple[int, int]:
     """``(step, consumed)`` of a checkpoint this run can resume: same method config, same data (when both
     carry a fingerprint), progress that fits (:func:`kvpop.training.runstate.check_progress`)."""
-    if ck.get("kvpop_config") != kv_cfg.to_json():
-        raise CheckpointError(f"checkpoint {path} was written with another KVpopConfig: {ck.get('kvpop_config')}")
+    if ck.get("kvpop_config") != method.config_json():
+        raise CheckpointError(f"checkpoint {path} was written with another method config "
+                              f"({type(method.config).__name__}): {ck.get('kvpop_config')}")
     saved = ck.get("train_config") if isinstance(ck.get("train_config"), dict) else {}
     then, now = saved.get("data_fingerprint"), cfg.data_fingerprint
     if then is not None and now is not None and then != now:
@@ -684,8 +648,8 @@ def _check_checkpoint(ck: dict, path: Path, kv_cfg, cfg: TrainConfig) -> tuple[i
     return check_progress(ck, path, grad_accum=cfg.grad_accum)
 
 
-def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: Path, kv_cfg,
-                          rank: int, cfg: TrainConfig) -> tuple[int, int, list]:
+def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: Path,
+                          method: TrainingMethod, rank: int, cfg: TrainConfig) -> tuple[int, int, list]:
     """Rank 0 reads ``last.pt`` and broadcasts it into the sharded model and optimiser (collective)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -695,7 +659,7 @@ def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: A
     if rank == 0:
         try:
             ck = load_checkpoint(path)
-            _check_checkpoint(ck, path, kv_cfg, cfg)
+            _check_checkpoint(ck, path, method, cfg)
             if "optimizer_fqn" not in ck:
                 raise CheckpointError(f"checkpoint {path} was written without FSDP: resume it with dist='ddp' "
                                  f"(--dist ddp) or in one process")

@@ -26,14 +26,13 @@ from torch import nn
 from kvpop.models import cache_kwarg_name
 
 from .cache import DMSCache
-from .checkpoint import load_dms, read_dms_config
+from .checkpoint import GATES, load_dms, read_dms_config
 from .gates import dms_layers
 from .patching import get_dms_config, is_dms_patched, patch_dms, unpatch_dms
 
 __all__ = ["dms_policy_model", "calibrate_threshold", "dms_logits", "row_stats", "entries_by_position", "mean_entries",
            "GATES", "RANGES"]
 
-GATES = "gates.safetensors"
 _LOG = "_kvpop_dms_eval_log"
 RANGES = 4
 """Position ranges of :func:`row_stats`' ``dms_entries_by_range`` (quarters of the sequence)."""

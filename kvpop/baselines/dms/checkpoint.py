@@ -13,13 +13,15 @@ from .config import DMSConfig
 from .gates import dms_layers
 from .patching import get_dms_config, is_dms_patched, patch_dms, unpatch_dms
 
-__all__ = ["FORMAT", "GATE_FILE", "save_dms", "read_dms_config", "load_dms"]
+__all__ = ["FORMAT", "GATES", "GATE_FILE", "save_dms", "read_dms_config", "load_dms"]
 
 FORMAT = "kvpop-dms-gates/1"
+GATES = "gates.safetensors"
+"""The gate file's name in a run or checkpoint directory."""
 
 
 GATE_FILE = LayerFile(format=FORMAT, config_key="dms_config", label="DMS gate file", noun="DMS gate file",
-                      writer="kvpop.baselines.dms.save_dms", default_name="gates.safetensors")
+                      writer="kvpop.baselines.dms.save_dms", default_name=GATES)
 
 
 def save_dms(model: nn.Module, path: str | os.PathLike) -> None:
