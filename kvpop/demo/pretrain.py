@@ -339,22 +339,3 @@ def pretrain(args: argparse.Namespace) -> int:
               f"run the same command with --resume to continue", file=sys.stderr)
         return 128 + signals.signum
     return 0
-
-
-
-def __getattr__(name: str):
-    """``main`` and ``build_parser`` moved to :mod:`kvpop.cli.pretrain` (deprecated aliases, one release)."""
-    if name in ("main", "build_parser"):
-        import importlib
-        import warnings
-
-        warnings.warn(f"kvpop.demo.pretrain.{name} moved to kvpop.cli.pretrain.{name}", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(importlib.import_module("kvpop.cli.pretrain"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":  # ``python -m kvpop.demo.pretrain``, the old spelling of ``kvpop pretrain``
-    import importlib
-
-    sys.exit(importlib.import_module("kvpop.cli.pretrain").main())

@@ -42,10 +42,7 @@ def test_pretrain_is_a_command_of_the_cli_package(capsys):
         main(["pretrain", "--help"])
     assert e.value.code == 0
     assert "--curriculum" in capsys.readouterr().out
-    import kvpop.cli.pretrain as cli_pretrain
     import kvpop.demo.pretrain as demo_pretrain
 
-    with pytest.warns(DeprecationWarning, match="moved to kvpop.cli.pretrain.main"):
-        assert demo_pretrain.main is cli_pretrain.main  # the old name, for one release
-    with pytest.raises(AttributeError):
-        demo_pretrain.no_such_name  # noqa: B018
+    # the training module holds no command: the CLI imports it, never the other way round
+    assert not hasattr(demo_pretrain, "main") and not hasattr(demo_pretrain, "build_parser")
