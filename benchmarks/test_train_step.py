@@ -62,6 +62,7 @@ def _models(model_cfg: dict, kv: dict, dev: torch.device, target_source: str):
 
 def _kvpop_step(model, teacher, ids, kv_cfg) -> None:
     import kvpop
+    from kvpop.training.methods import method_for
     from kvpop.training.train import _Step, teacher_step
 
     dev = ids.device
@@ -71,7 +72,7 @@ def _kvpop_step(model, teacher, ids, kv_cfg) -> None:
     if need:
         kvpop.set_teacher_targets(model, tg)
     with _autocast(dev):
-        kl, ls, _ = _Step(model)(ids, topk)
+        kl, ls, _ = _Step(model, method_for(model))(ids, topk)
     (kl + ls).backward()
     model.zero_grad(set_to_none=True)
     if need:

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import kvpop
     from kvpop.core.loss import fused_output_head, score_loss
+    from kvpop.training.methods import method_for
     from kvpop.training.train import _Step, teacher_step
 
     torch.set_num_threads(1)
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss = (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean() + score_loss(model)
     else:
         topk = teacher_step(teacher, ids, args.top_k, chunk_size=args.chunk)
-        kl, ls, _ = _Step(model, args.chunk)(ids, topk)
+        kl, ls, _ = _Step(model, method_for(model), args.chunk)(ids, topk)
         loss = kl + ls
     loss.backward()
     wall = time.perf_counter() - t0
