@@ -165,6 +165,14 @@ class KVpopConfig(ConfigFields):
             ``kvpop.KVpopCache`` (issue 6).  In a full-sequence forward ``"streaming"`` uses the
             constant-priority mask; ``"tova"`` and ``"h2o"`` are defined only while decoding and a
             full-sequence forward under them raises ``NotImplementedError``.
+
+    Head-adaptive budgets (docs/DESIGN.md section 7, "Head-adaptive budgets")
+        head_budgets: ``None`` (default: every layer and KV head holds ``budget`` entries) or one row per
+            layer of one budget ``B[l][h] = s + w + k[l][h]`` per KV head, fixed at retrofit time
+            (``kvpop.core.budgets.allocate``) and saved with the scorers.  Every entry is
+            ``>= sinks + window`` (a head may keep no long-range slot), every row has the same length
+            (the model's KV heads) and the total is the uniform one: ``sum = layers * heads * budget``
+            (``budget`` is then the mean).  ``kvpop.patch`` checks the rows against the model.
     """
 
     sinks: int = 4
@@ -187,6 +195,7 @@ class KVpopConfig(ConfigFields):
     target_source: str = "student"
     compute_loss: bool = True
     policy: str = "kvpop"
+    head_budgets: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         _int("sinks", self.sinks, 0)
@@ -226,6 +235,53 @@ class KVpopConfig(ConfigFields):
             raise ValueError(
                 f"gamma_init must lie strictly inside ({self.gamma_min}, {self.gamma_max}), got {self.gamma_init}"
             )
+
+        if self.head_budgets is not None:
+            self._check_head_budgets()
+
+    def _check_head_budgets(self) -> None:
+        hb = self.head_budgets
+        if not isinstance(hb, (tuple, list)) or not hb or not all(isinstance(r, (tuple, list)) and r for r in hb):
+            raise TypeError(f"head_budgets must be None or a non-empty sequence (one per layer) of non-empty "
+                            f"sequences of ints (one per KV head), got {str(hb)[:80]}")
+        rows = tuple(tuple(r) for r in hb)
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError(f"head_budgets: every layer needs one budget per KV head (the same count), got row "
+                             f"lengths {sorted({len(r) for r in rows})}")
+        for li, r in enumerate(rows):
+            for h, b in enumerate(r):
+                _int(f"head_budgets[{li}][{h}]", b, self.sinks + self.window)
+        total, want = sum(map(sum, rows)), len(rows) * len(rows[0]) * self.budget
+        if total != want:
+            raise ValueError(
+                f"head_budgets must hold the uniform total, layers x heads x budget = {len(rows)} x {len(rows[0])} "
+                f"x {self.budget} = {want} entries, got {total} (mean {total / (len(rows) * len(rows[0])):.4g} "
+                f"per head); rescale them (kvpop.core.budgets.allocate) or pass head_budgets=None")
+        object.__setattr__(self, "head_budgets", rows)  # lists (from JSON) -> tuples: hashable, comparable
+
+    def layer_budgets(self, layer_idx: int, num_heads: int) -> tuple[int, ...]:
+        """The budget ``B[l][h]`` of each of the ``num_heads`` KV heads of layer ``layer_idx`` (all ``budget``
+        without ``head_budgets``; ``ValueError`` when the rows do not fit the layer)."""
+        if self.head_budgets is None:
+            return (self.budget,) * num_heads
+        if not 0 <= layer_idx < len(self.head_budgets) or len(self.head_budgets[layer_idx]) != num_heads:
+            raise ValueError(
+                f"head_budgets has {len(self.head_budgets)} layers x {len(self.head_budgets[0])} KV heads; the "
+                f"model's layer {layer_idx} has {num_heads} KV heads (allocate budgets for this model)")
+        return self.head_budgets[layer_idx]
+
+    def layer_k(self, layer_idx: int, num_heads: int) -> int | tuple[int, ...]:
+        """Long-range slots of layer ``layer_idx``: the int ``k`` when uniform, else ``k[l][h]`` per KV head
+        (what ``kvpop_kernels.eviction_schedule(k=...)`` takes)."""
+        if self.head_budgets is None:
+            return self.k
+        return tuple(b - self.sinks - self.window for b in self.layer_budgets(layer_idx, num_heads))
+
+    def layer_max_budget(self, layer_idx: int) -> int:
+        """The largest budget of a KV head of layer ``layer_idx`` (a sequence no longer evicts nothing)."""
+        if self.head_budgets is None:
+            return self.budget
+        return max(self.head_budgets[layer_idx])
 
     def target_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``kvpop_kernels.future_attention_target`` that this config sets."""
