@@ -1,4 +1,6 @@
-"""Label and decay study on the lookahead task: the oracle for each label, then learned scorers next to it.
+"""Label and decay study on a demo task: the oracle for each label, then learned scorers next to it.
+
+``--task lookahead`` (default; ``kvpop.demo.lookahead_task``) or ``--task kvtrace`` (``kvpop.demo.task``).
 
 The *oracle* is the teacher's exact label (``kvpop.teacher_targets``: the frozen dense model's queries,
 keys and dense LSE, docs/DESIGN.md section 3) used directly as the priority of the eviction mask, no
@@ -42,7 +44,10 @@ from kvpop.core.layer import kvpop_layers
 from kvpop.core.loss import score_loss
 from kvpop.core.patching import patch
 
-from . import lookahead_task as T
+from . import lookahead_task, task
+
+TASKS = {"lookahead": lookahead_task, "kvtrace": task}
+T = lookahead_task  # the task of the functions below; main() rebinds it from --task
 
 __all__ = ["LABEL_GRID", "GAMMA_GRID", "fixed_decay", "oracle_config", "accuracy", "oracle_grid",
            "train_scorer", "main"]
@@ -110,11 +115,13 @@ def oracle_grid(base: nn.Module, batch: dict, budget: int, labels=LABEL_GRID, ga
 
 def train_scorer(base: nn.Module, scorer: str, *, label: str, power: float, gamma: float, budget: int,
                  valid: dict, steps: int, eval_every: int, patience: int, lr: float, span_nats: float,
-                 batch: int = 4, seed: int = 0) -> dict[str, Any]:
+                 batch: int = 4, seed: int = 0, train_len: int | None = None) -> dict[str, Any]:
     """Train ``scorer`` (model frozen) on the teacher's ``label`` with the decay learned from ``gamma``.
 
-    Returns the history of validation accuracies, the best step, and the best state (in memory)."""
-    rng = decay_range_for_context(T.TRAIN_LEN, span_nats)
+    Training sequences have ``train_len`` tokens (default the task's ``TRAIN_LEN``).  Returns the history
+    of validation accuracies, the best step, and the best state (in memory)."""
+    train_len = T.TRAIN_LEN if train_len is None else train_len
+    rng = decay_range_for_context(train_len, span_nats)
     rng["gamma_min"] = min(rng["gamma_min"], 1.0 - 2.0 * (1.0 - gamma))
     rng["gamma_max"] = max(rng["gamma_max"], 1.0 - 0.5 * (1.0 - gamma))
     cfg = KVpopConfig(sinks=SINKS, window=WINDOW, budget=budget, scorer=scorer, mask_source="scorer",
@@ -134,7 +141,7 @@ def train_scorer(base: nn.Module, scorer: str, *, label: str, power: float, gamm
     t0 = time.time()
     for step in range(1, steps + 1):
         seeds = [T.train_seed(seed * 1_000_003 + step * batch + j) for j in range(batch)]
-        ids = T.make_batch(seeds, T.TRAIN_LEN)["input_ids"]
+        ids = T.make_batch(seeds, train_len)["input_ids"]
         set_teacher_targets(model, _teacher_targets(base, cfg, ids))
         model.train()
         model(ids, use_cache=False)
@@ -164,11 +171,16 @@ def train_scorer(base: nn.Module, scorer: str, *, label: str, power: float, gamm
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpop.demo.label_study", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(T.SHIPPED_MODEL))
-    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--task", choices=sorted(TASKS), default="lookahead")
+    p.add_argument("--model", default=None, help="the dense model (default: the task's shipped one)")
+    p.add_argument("--budget", type=int, default=64, help="the budget of the oracle grid and of the scorers' training")
+    p.add_argument("--test-budgets", default=None,
+                   help="comma-separated budgets of the test stage (default: --budget); scorers are re-budgeted")
+    p.add_argument("--train-len", type=int, default=None,
+                   help="length of the training and validation sequences (default: the task's TRAIN_LEN)")
     p.add_argument("--n-valid", type=int, default=64)
     p.add_argument("--n-test", type=int, default=64)
-    p.add_argument("--test-len", type=int, default=T.TRAIN_LEN, help="length of the test sequences (default L_train)")
+    p.add_argument("--test-len", type=int, default=None, help="length of the test sequences (default --train-len)")
     p.add_argument("--stages", default="oracle,scorers,test")
     p.add_argument("--scorers", default="mlp,mlstm")
     p.add_argument("--steps", type=int, default=3000)
@@ -188,8 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from kvpop.demo.evaluate import load_base_model
 
+    global T
+    T = TASKS[args.task]
+    train_len = args.train_len or T.TRAIN_LEN
+    test_len = args.test_len or train_len
+    try:
+        test_budgets = [int(b) for b in (args.test_budgets or str(args.budget)).split(",") if b]
+    except ValueError:
+        p.error(f"--test-budgets takes comma-separated ints, got {args.test_budgets!r}")
     torch.manual_seed(0)
-    base = load_base_model(args.model)
+    base = load_base_model(args.model or T.SHIPPED_MODEL)
     for q in base.parameters():
         q.requires_grad_(False)
     stages = set(args.stages.split(","))
@@ -197,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = json.loads(out_path.read_text()) if out_path.exists() else {}
     res["command"] = "python -m kvpop.demo.label_study " + " ".join(argv if argv is not None else sys.argv[1:])
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    valid = T.make_batch([T.valid_seed(i) for i in range(args.n_valid)], T.TRAIN_LEN)
+    res["task"] = args.task
+    valid = T.make_batch([T.valid_seed(i) for i in range(args.n_valid)], train_len)
 
     def save() -> None:
         out_path.write_text(json.dumps(res, indent=1) + "\n")
@@ -225,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in [x for x in args.scorers.split(",") if x]:
             r = train_scorer(base, s, budget=args.budget, valid=valid, steps=args.steps, eval_every=args.eval_every,
                              patience=args.patience, lr=args.lr, span_nats=args.span_nats, batch=args.batch,
-                             **choice)
+                             train_len=train_len, **choice)
             trained[s] = r.pop("model")
             res["scorers"][s] = r
             if args.save_dir:
@@ -239,21 +260,25 @@ def main(argv: list[str] | None = None) -> int:
         load_scorers(m, path)
         trained[s] = m
     if "test" in stages:
-        test = T.make_batch([T.test_seed(i) for i in range(args.n_test)], args.test_len)
-        rows = {}
+        test = T.make_batch([T.test_seed(i) for i in range(args.n_test)], test_len)
         t0 = time.time()
-        for lab, pw in LABEL_GRID:  # the oracle of every label at the chosen decay
-            m = patch(copy.deepcopy(base), oracle_config(lab, pw, choice["gamma"], args.budget))
-            rows[f"oracle ({lab} label{'' if lab != 'power' else f', a={pw:g}'})"] = accuracy(base, m, test)
-        for s, m in trained.items():
-            c = kvpop_layers(m)[0].config
-            lab = c.label if c.label != "power" else f"power a={c.label_power:g}"
-            rows[f"kvpop-{s} (scorer-only, {lab} label)"] = accuracy(base, m, test)
-        rows["dense"] = _dense_accuracy(base, test)
-        res["test"] = rows
-        res["test_len"] = args.test_len
+        per_budget = {}
+        for budget in test_budgets:
+            rows = {}
+            for lab, pw in LABEL_GRID:  # the oracle of every label at the chosen decay
+                m = patch(copy.deepcopy(base), oracle_config(lab, pw, choice["gamma"], budget))
+                rows[f"oracle ({lab} label{'' if lab != 'power' else f', a={pw:g}'})"] = accuracy(base, m, test)
+            for s, m in trained.items():
+                c = kvpop_layers(m)[0].config
+                lab = c.label if c.label != "power" else f"power a={c.label_power:g}"
+                rows[f"kvpop-{s} (scorer-only, {lab} label)"] = accuracy(base, patch(m, budget=budget), test)
+            rows["dense"] = _dense_accuracy(base, test)
+            per_budget[str(budget)] = rows
+            print(json.dumps({"budget": budget, **rows}), flush=True)
+        rows = per_budget[str(test_budgets[0])]
+        res["test"] = rows if len(test_budgets) == 1 else per_budget
+        res["test_len"] = test_len
         res["test_wall_s"] = round(time.time() - t0, 1)
-        print(json.dumps(rows, indent=1), flush=True)
         save()
     save()
     return 0

@@ -49,3 +49,20 @@ def test_train_scorer_keeps_the_best_validation_state(base):
     assert r["best_valid"] == best["valid_accuracy"] and r["best_step"] == best["step"]
     assert L.accuracy(base, r["model"], valid) == r["best_valid"]  # the model holds the best state
     assert r["config"]["label"] == "max" and r["config"]["gamma_min"] < 0.985  # the context-tied range (8 nats)
+
+
+def test_kvtrace_task_and_test_budgets(tmp_path):
+    out = tmp_path / "r.json"
+    assert L.main(["--task", "kvtrace", "--stages", "scorers,test", "--scorers", "mlp", "--choice", "max:1.0:0.999999",
+                   "--steps", "1", "--eval-every", "1", "--n-valid", "1", "--n-test", "1", "--train-len", "512",
+                   "--budget", "64", "--test-budgets", "48,64", "--out", str(out)]) == 0
+    import json
+
+    res = json.loads(out.read_text())
+    assert res["task"] == "kvtrace" and res["test_len"] == 512 and sorted(res["test"]) == ["48", "64"]
+    for rows in res["test"].values():
+        assert rows["dense"] == 1.0
+        assert rows["oracle (max label)"] >= rows["oracle (mean label)"]
+        assert 0.0 <= rows["kvpop-mlp (scorer-only, max label)"] <= 1.0
+    with pytest.raises(SystemExit):
+        L.main(["--task", "kvtrace", "--test-budgets", "a,b", "--out", str(out)])
