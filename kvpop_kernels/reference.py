@@ -66,17 +66,29 @@ def visible_mask(evict_at: torch.Tensor, *, sinks: int, window: int) -> torch.Te
     return causal & (sink | in_window | kept)
 
 
-def eviction_schedule(priority: torch.Tensor, *, sinks: int, window: int, k: int) -> torch.Tensor:
+def _per_head_k(k: object, H: int) -> list[int]:
+    """``k`` as one int per KV head: an int is every head's; a sequence or 1-D tensor lists them."""
+    if isinstance(k, int):
+        return [k] * H
+    ks = k.tolist() if hasattr(k, "tolist") else list(k)
+    assert len(ks) == H and all(int(x) == x and x >= 0 for x in ks), (ks, H)
+    return [int(x) for x in ks]
+
+
+def eviction_schedule(priority: torch.Tensor, *, sinks: int, window: int, k) -> torch.Tensor:
     """Brute force: at every query ``q`` sort ``E(q)`` and keep its top ``k``.
 
-    ``priority`` float ``[B, Hkv, S]`` -> int32 ``evict_at [B, Hkv, S]``.
+    ``priority`` float ``[B, Hkv, S]`` -> int32 ``evict_at [B, Hkv, S]``.  ``k``: an int, or one per KV
+    head (a sequence or 1-D tensor of ``Hkv`` ints): head ``h`` keeps its top ``k[h]``.
     """
     p = _clean_priority(priority)
     Bsz, H, S = p.shape
+    ks = _per_head_k(k, H)
     out = torch.full((Bsz, H, S), NEVER, dtype=torch.int32)
     pl = p.cpu().tolist()
     for b in range(Bsz):
         for h in range(H):
+            k = ks[h]
             pr = pl[b][h]
             ev = [NEVER] * S
             for q in range(S):
@@ -90,20 +102,22 @@ def eviction_schedule(priority: torch.Tensor, *, sinks: int, window: int, k: int
     return out.to(priority.device)
 
 
-def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int, k) -> tuple[torch.Tensor, torch.Tensor]:
     """Brute force decisions ``(y int8, bnd int32)``, each ``[B, Hkv, S]`` indexed by the token decided.
 
     For ``s <= t <= S-1-w`` with at least ``k >= 1`` tokens in ``{s..t-1}``: ``bnd`` is the k-th
     ranked token of ``{s..t-1}`` and ``y = +1`` if ``t`` ranks above it, else ``-1``.  Elsewhere
-    ``y = 0`` and ``bnd = -1``.
+    ``y = 0`` and ``bnd = -1``.  ``k`` an int or one per KV head, as in :func:`eviction_schedule`.
     """
     p = _clean_priority(priority)
     Bsz, H, S = p.shape
+    ks = _per_head_k(k, H)
     y = torch.zeros((Bsz, H, S), dtype=torch.int8)
     bnd = torch.full((Bsz, H, S), -1, dtype=torch.int32)
     pl = p.cpu().tolist()
     for b in range(Bsz):
         for h in range(H):
+            k = ks[h]
             pr = pl[b][h]
             for t in range(sinks, S - window):
                 before = list(range(sinks, t))

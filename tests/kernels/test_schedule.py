@@ -211,3 +211,153 @@ def test_gpu_matches_cpu_path(S):
     assert torch.equal(ev, torch.from_numpy(ev_cpu))
     assert torch.equal(y, torch.from_numpy(y_cpu))
     assert torch.equal(bnd, torch.from_numpy(b_cpu))
+
+
+# ------------------------------------------------------------------ per-head k (head-adaptive budgets)
+def _definition_mask(p, s, w, ks):
+    """The mask straight from docs/DESIGN.md section 2, per head with its own k: query q sees the sinks,
+    its window and the top k[h] of E(q) = {s <= t <= q - w} (ties to the newer token, NaN as -inf)."""
+    p = torch.nan_to_num(p.double().cpu(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    Bsz, H, S = p.shape
+    vis = torch.zeros(Bsz, H, S, S, dtype=torch.bool)
+    for b in range(Bsz):
+        for h in range(H):
+            pr = p[b, h].tolist()
+            for q in range(S):
+                elig = sorted(range(s, q - w + 1), key=lambda t: (pr[t], t), reverse=True)
+                for t in elig[: ks[h]]:
+                    vis[b, h, q, t] = True
+                for t in range(q + 1):
+                    if t < s or t > q - w:
+                        vis[b, h, q, t] = True
+    return vis
+
+
+def _per_head_uniform(p, s, w, ks):
+    """The uniform-k ops run one head at a time, each with its own k."""
+    evs, ys, bnds = [], [], []
+    for h, kh in enumerate(ks):
+        ph = p[:, h:h + 1].contiguous()
+        evs.append(eviction_schedule(ph, sinks=s, window=w, k=kh))
+        y, bnd = eviction_decisions(ph, sinks=s, window=w, k=kh)
+        ys.append(y)
+        bnds.append(bnd)
+    return torch.cat(evs, 1), torch.cat(ys, 1), torch.cat(bnds, 1)
+
+
+HEAD_K_CASES = [
+    # S, sinks, window, k per head
+    (37, 4, 8, (0, 3, 40)),            # k = 0, a k >= S
+    (37, 2, 5, (7, 0, 1, 29, 2)),      # H = 5, one head with k = S - s - w (never evicts)
+    (129, 4, 16, (11, 0, 200)),
+    (129, 0, 1, (64, 5, 129, 1, 0)),   # no sinks, window of one token, k = S
+    (17, 4, 32, (3, 0, 5)),            # S < window: nothing to decide on any head
+]
+
+
+@pytest.mark.parametrize("S,s,w,ks", HEAD_K_CASES)
+@pytest.mark.parametrize("form", ["list", "tensor64", "tensor32"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_per_head_k_matches_reference_and_definition(backend, S, s, w, ks, form, ties):
+    H = len(ks)
+    g = torch.Generator().manual_seed(S * 31 + H + sum(ks))
+    p = torch.randint(0, 3, (2, H, S), generator=g).float() if ties else torch.randn(2, H, S, generator=g)
+    k = {"list": list(ks), "tensor64": torch.tensor(ks), "tensor32": torch.tensor(ks, dtype=torch.int32)}[form]
+    if isinstance(k, torch.Tensor):
+        k = k.to(_dev())
+    p = p.to(_dev())
+    ev = eviction_schedule(p, sinks=s, window=w, k=k)
+    y, bnd = eviction_decisions(p, sinks=s, window=w, k=k)
+    ev_ref = ref.eviction_schedule(p.cpu(), sinks=s, window=w, k=ks)
+    y_ref, bnd_ref = ref.eviction_decisions(p.cpu(), sinks=s, window=w, k=ks)
+    assert ev.dtype == torch.int32 and y.dtype == torch.int8 and bnd.dtype == torch.int32
+    assert torch.equal(ev.cpu(), ev_ref) and torch.equal(y.cpu(), y_ref) and torch.equal(bnd.cpu(), bnd_ref)
+    # the mask of the schedule is the definition's, head by head with its own k
+    assert torch.equal(ref.visible_mask(ev.cpu(), sinks=s, window=w), _definition_mask(p, s, w, ks))
+    # and per-head k is the uniform op run on each head alone
+    ev1, y1, bnd1 = _per_head_uniform(p, s, w, ks)
+    assert torch.equal(ev, ev1) and torch.equal(y, y1) and torch.equal(bnd, bnd1)
+    # per head: no decision without k[h] tokens before t; a head with k = 0 keeps sinks + window only
+    t = torch.arange(S)
+    for h, kh in enumerate(ks):
+        n_dec = int((y[:, h] != 0).sum())
+        assert n_dec == 2 * max(0, S - w - s - kh) if kh > 0 else n_dec == 0
+        if kh == 0:
+            elig = (t >= s) & (t + w <= S - 1)
+            assert torch.equal(ev.cpu()[:, h][:, elig], (t + w)[elig].to(torch.int32).expand(2, -1))
+
+
+def test_per_head_k_equal_entries_is_uniform(backend):
+    p = torch.randn(3, 4, 90).to(_dev())
+    for kk in (0, 6, 200):
+        a = eviction_schedule(p, sinks=3, window=7, k=kk)
+        assert torch.equal(a, eviction_schedule(p, sinks=3, window=7, k=[kk] * 4))
+        assert torch.equal(a, eviction_schedule(p, sinks=3, window=7, k=torch.full((4,), kk, device=_dev())))
+        ya, ba = eviction_decisions(p, sinks=3, window=7, k=kk)
+        yb, bb = eviction_decisions(p, sinks=3, window=7, k=(kk,) * 4)
+        assert torch.equal(ya, yb) and torch.equal(ba, bb)
+
+
+def test_per_head_k_numpy_and_big_values(backend):
+    import numpy as np
+
+    p = torch.randn(1, 3, 50).to(_dev())
+    ks = [2**40, 0, 9]  # a huge k means "keep everything" (clamped, never overflows int32)
+    want = ref.eviction_schedule(p.cpu(), sinks=2, window=4, k=[50, 0, 9])
+    assert torch.equal(eviction_schedule(p, sinks=2, window=4, k=ks).cpu(), want)
+    assert torch.equal(eviction_schedule(p, sinks=2, window=4, k=np.array(ks)).cpu(), want)
+    assert torch.equal(eviction_schedule(p, sinks=2, window=4, k=torch.tensor(ks, device=_dev())).cpu(), want)
+
+
+@pytest.mark.parametrize(
+    "k,err,match",
+    [
+        ([1, 2], ValueError, r"one entry per KV head, 3 .*got 2"),
+        ((1, 2, 3, 4), ValueError, r"one entry per KV head, 3 .*got 4"),
+        ([1, -1, 2], ValueError, r"must be >= 0, got -1 at head 1"),
+        ([1, 2.0, 2], TypeError, r"must hold ints, got float"),
+        ([1, True, 2], TypeError, r"must hold ints, got bool"),
+        (torch.tensor([1, 2]), ValueError, r"\[H\] = \[3\].*got shape \(2,\)"),
+        (torch.tensor([[1, 2, 3]]), ValueError, r"1-D .*got shape \(1, 3\)"),
+        (torch.tensor([1, -4, 2]), ValueError, r"must be >= 0.*negative at heads \[1\]"),
+        (torch.tensor([1.0, 2.0, 3.0]), TypeError, r"integer tensor .*torch.float32"),
+        (torch.tensor([True, False, True]), TypeError, r"integer tensor .*torch.bool"),
+        ("abc", TypeError, r"k must be an int, a sequence"),
+        (None, TypeError, r"k must be an int, a sequence"),
+    ],
+)
+def test_per_head_k_bad_input(k, err, match):
+    prio = torch.zeros(2, 3, 9)
+    for fn in (eviction_schedule, eviction_decisions):
+        with pytest.raises(err, match=match):
+            fn(prio, sinks=1, window=2, k=k)
+
+
+def test_unchecked_negative_tensor_k_counts_as_zero(backend):
+    """check=False: the tensor is not read on the host; a negative entry is clamped to 0 on the device."""
+    p = torch.randn(2, 3, 40).to(_dev())
+    kt = torch.tensor([-3, 4, 100], device=_dev())
+    got = eviction_schedule(p, sinks=2, window=5, k=kt, check=False)
+    assert torch.equal(got, eviction_schedule(p, sinks=2, window=5, k=[0, 4, 100]))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        eviction_schedule(p, sinks=2, window=5, k=kt, check=True)
+
+
+def test_cuda_tensor_k_is_not_read_on_the_host(monkeypatch):
+    """The Triton path takes a device tensor k without reading it back: no .tolist/.item/bool on it."""
+    from kvpop_kernels import schedule as sched
+
+    if not (torch.cuda.is_available() or kutils.interpreting()):
+        pytest.skip("no Triton backend")
+    p = torch.randn(1, 3, 40).to(_dev())
+    kt = torch.tensor([0, 4, 7], device=_dev())
+    want = ref.eviction_schedule(p.cpu(), sinks=2, window=5, k=[0, 4, 7])
+    # pretend the tensor lives on a device: host_check then says "do not read"
+    monkeypatch.setattr(sched, "host_check", lambda check, device: False)
+
+    def refuse(*a, **kw):
+        raise AssertionError("k was read on the host")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    assert torch.equal(eviction_schedule(p, sinks=2, window=5, k=kt), want)
