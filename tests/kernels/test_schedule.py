@@ -361,3 +361,18 @@ def test_cuda_tensor_k_is_not_read_on_the_host(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", refuse)
     monkeypatch.setattr(torch.Tensor, "item", refuse)
     assert torch.equal(eviction_schedule(p, sinks=2, window=5, k=kt), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1000, 4097])
+def test_gpu_per_head_k_matches_cpu_path(S):
+    from kvpop_kernels.schedule import _cpu_schedule
+
+    p = torch.randn(2, 8, S)
+    ks = torch.tensor([0, 1, 300, 17, S, 2 * S, 64, 999])
+    ev_cpu, y_cpu, b_cpu = _cpu_schedule(p, 4, 256, ks.clamp(max=S), decisions=True)
+    for k in (ks.cuda(), ks.tolist()):
+        ev = eviction_schedule(p.cuda(), sinks=4, window=256, k=k).cpu()
+        y, bnd = (x.cpu() for x in eviction_decisions(p.cuda(), sinks=4, window=256, k=k))
+        assert torch.equal(ev, torch.from_numpy(ev_cpu))
+        assert torch.equal(y, torch.from_numpy(y_cpu)) and torch.equal(bnd, torch.from_numpy(b_cpu))
