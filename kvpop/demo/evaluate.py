@@ -39,9 +39,7 @@ Budgets default to 6.25 %, 12.5 % and 25 % of the training length (128/256/512 a
 slots, where the policies differ.  All policies share the same sinks and window, so they hold the
 same ``B`` entries per layer and KV head.
 
-:func:`retrofit` is the short training of the demo (``kvpop.train.train``): scorers with
-``mask_source="scorer"`` (by default the model frozen, scorers only), or the model with the fixed
-StreamingLLM mask (``fixed-finetune``).
+The retrofits that make the learned rows are :mod:`kvpop.demo.retrofit`'s (re-exported here).
 """
 from __future__ import annotations
 

@@ -1,74 +1,10 @@
-"""A KVpop training loop: the model distils from its frozen original, the scorers learn ``L_score``.
+"""A KVpop training loop: the model distils from its frozen original, the method's layers learn their loss.
 
-:func:`train` runs optimiser steps over a re-iterable of token batches on a *patched* model:
-
-* per micro-batch: the teacher's top-``k`` log-probabilities and rest mass (no grad), the patched
-  student's forward (sparse attention with the scorer's mask; every layer records its ``L_score``
-  terms), then ``loss = KL_topk(teacher || student) + score_weight * L_score``, divided by ``grad_accum``;
-  neither model's ``[S, V]`` logits are ever formed: both LM heads run chunked and fused with the top-k
-  and the KL (``kvpop.core.distill``), the student's recomputed in the backward;
-  the two terms touch disjoint parameters (scorer inputs are detached), so one backward serves both;
-* every ``grad_accum`` micro-batches: gradient clipping (model and scorers separately), one AdamW step
-  with two parameter groups (``lr_model`` for the model, ``lr_scorer`` for scorers and decays; no weight
-  decay on the decays), a linear warm-up of ``warmup_steps``;
-* progress with ``kl``, ``score``, the scorer's decision accuracy and the gamma range (``kvpop.progress``:
-  a tqdm bar on a terminal, a line every few steps when stderr is a file or a pipe);
-* checkpoints every ``checkpoint_every`` steps (and at the end) into ``checkpoint_dir``:
-  ``last.pt`` (model and scorer state, optimiser, scheduler, step, micro-batches consumed, RNG states,
-  the history so far) written to a temporary file and renamed, plus ``scorers.safetensors``
-  (``kvpop.save_scorers``); ``history.jsonl`` gets one line as each step finishes.  ``resume=True``
-  loads ``last.pt`` (``weights_only=True``: a checkpoint holding anything but tensors and plain
-  containers is refused, never executed), rewrites ``history.jsonl`` from it and fast-forwards the data
-  to where it stopped, so a resumed run repeats the next step of the uninterrupted run exactly
-  (tests/training/test_train.py).  With a ``checkpoint_dir``, SIGINT/SIGTERM stop the run after the
-  step in flight, with a checkpoint of it: ``train`` then raises :class:`TrainingInterrupted` (a
-  ``KeyboardInterrupt``; a second signal aborts at once).  See :mod:`kvpop.training.runstate`.
-
-Several processes (``torchrun``): when ``torch.distributed`` is initialised with more than one rank,
-the model is wrapped in ``DistributedDataParallel`` (``find_unused_parameters=True``: a forward with
-no eviction decision leaves the scorers unused), rank ``r`` takes the micro-batches ``r, r + W, ...``
-of ``data``, gradients are averaged over the ranks, the logged losses are averaged too, and rank 0
-alone writes checkpoints and draws the progress bar.  With ``balance=False`` in the ``KVpopConfig``
-two ranks compute exactly the step of one process on both batches (tests/training/test_train.py, gloo on the
-CPU); with class balancing each rank balances its own decisions.
-
-``dist="fsdp"`` shards the model with FSDP2 instead (``torch.distributed.fsdp.fully_shard``, one unit
-per decoder layer, then the root; a 1-D device mesh over all ranks).  The scorers and decays are
-*not* sharded (``ignored_params``): they are small, stay replicated, and their gradients are
-averaged over the ranks by hand after the backward (their loss does not pass through the decoder
-layers' outputs, so FSDP's backward hooks would not see them).  Parameters and buffers are broadcast
-from rank 0 before sharding.  The teacher is sharded too, in place (its own FSDP units, forward only),
-unless it already is or lies on another kind of device than the model.  Checkpoints gather full state dicts on rank 0
-(``get_model_state_dict`` / ``get_optimizer_state_dict`` with ``full_state_dict=True,
-cpu_offload=True``), so ``last.pt`` holds the same model keys as without FSDP; its optimiser state is
-keyed by parameter names (``optimizer_fqn``) and resuming it needs ``dist="fsdp"`` again (with any
-number of ranks).  :func:`save_model` writes the fine-tuned model with ``save_pretrained``.
-
-``bf16=True`` (CUDA only) runs the student's and the teacher's forwards under
-``torch.autocast("cuda", torch.bfloat16)`` with float32 master weights and optimiser state (pure
-bf16 weights would round away updates of ``lr_model ~ 1e-5``); a teacher made by ``train`` is stored
-in bf16.
-
-``activation_checkpointing=True`` turns on transformers' non-reentrant activation checkpointing
-(see ``kvpop.patch`` for why the reentrant form cannot work).
-
-The teacher must hold the *original* weights: by default ``train`` makes it with
-``kvpop.make_teacher(model)`` before loading a checkpoint, i.e. from the weights the model has when
-``train`` is called -- call it on the original model, also when resuming.  Pass ``teacher=`` to reuse
-one (e.g. a teacher on another device).  ``train_model=False`` freezes the model and trains the
-scorers only (then no KL is computed, and the teacher is needed only for ``target_source="teacher"``).
-
-``target_source="teacher"`` in the model's ``KVpopConfig``: the teacher's forward runs under
-``kvpop.teacher_targets`` and hands every layer its exact target ``[B, Hkv, S]`` (its own queries,
-keys and dense LSE) before the student's forward (``kvpop.set_teacher_targets``).
-
-The method is an object (:mod:`kvpop.training.methods`): ``method=`` or, by default, the one the model
-is patched with (``KVpopMethod`` after ``kvpop.patch``, ``DMSMethod`` after
-``kvpop.baselines.dms.patch_dms``, ``kvpop train --method dms``).  It says which parameters are its own
-and their learning rates, its auxiliary loss (``L_score``; DMS: the compression loss), its teacher needs
-and step hook (KVpop: the teacher's targets; DMS: the step of its compression schedule), and the layer
-file checkpoints write (``scorers.safetensors``; DMS: ``gates.safetensors``); the loop has no branch on
-the method.
+:func:`train` runs optimiser steps over a re-iterable of token batches on a patched model, driven by a
+method object (:mod:`kvpop.training.methods`; no branch on the method in the loop): fused top-k
+distillation, two AdamW groups, progress, atomic checkpoints with exact resume, SIGINT/SIGTERM handled
+after the step in flight, DDP / FSDP2 over ranks, bf16 autocast.  The contract of each of these is
+docs/DESIGN.md section 10, "The training loop".
 """
 from __future__ import annotations
 
