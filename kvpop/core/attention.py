@@ -130,7 +130,9 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     ``query [B, Hq, S, D]``, ``key, value, k_pre [B, Hkv, S, D]`` (``k_pre``: the pre-RoPE key) ->
     ``(out [B, Hq, S, D], lse float32 [B, Hq, S])``.  Sets ``layer.last_priority`` (float32) and
     ``layer.last_evict_at`` (int32), each ``[B, Hkv, S]``, and, when ``training`` (and
-    ``config.compute_loss``, policy ``"kvpop"``, ``S > budget``), ``layer.loss_terms``.
+    ``config.compute_loss``, policy ``"kvpop"``, ``S`` above the smallest budget of the layer's heads),
+    ``layer.loss_terms``.  With ``head_budgets`` each KV head runs with its own ``k[l][h]``
+    (``KVpopLayer.long_range_k``) in the schedule and in the loss's decisions.
     """
     cfg = layer.config
     if cfg.policy in ("tova", "h2o"):
@@ -146,9 +148,11 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
             f"k_norm, [B, Hkv, S, D] = {(B, Hkv, S, D)} after transposing; got "
             f"{None if k_pre is None else tuple(k_pre.shape)}); was the model patched by kvpop.patch?"
         )
-    k_long = cfg.k
+    k_long = layer.long_range_k()  # an int, or one per KV head (head_budgets)
+    # the smallest budget of the layer's heads: a head evicts (and decides) once S exceeds its budget
+    min_budget = cfg.sinks + cfg.window + (k_long if isinstance(k_long, int) else min(k_long))
     streaming = streaming_policy(cfg)
-    need_loss = training and cfg.compute_loss and cfg.policy == "kvpop" and S > cfg.budget
+    need_loss = training and cfg.compute_loss and cfg.policy == "kvpop" and S > min_budget
     log_gamma = layer.log_gamma()
     tpos = torch.arange(S, device=query.device)
 
@@ -184,7 +188,7 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
             prio = priority(r_tgt, tpos, log_gamma.detach())
         else:
             prio = priority(r_hat.detach(), tpos, log_gamma.detach())
-        if S <= cfg.budget:  # at most s + w + k tokens: nothing can be evicted
+        if S <= min_budget:  # at most s + w + k[h] tokens on every head: nothing can be evicted
             evict_at = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=query.device)
         else:
             evict_at = kvpop_kernels.eviction_schedule(prio.contiguous(), sinks=cfg.sinks, window=cfg.window,

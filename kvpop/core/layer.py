@@ -38,7 +38,9 @@ class KVpopLayer(nn.Module):
     (this layer's ``L_score`` terms of the last training forward), ``last_priority`` /
     ``last_evict_at``, ``decode_fn``, ``active_cache`` (the cache the attention module was called
     with, set by a forward pre-hook), ``teacher_target`` (``r_tgt [B, Hkv, S]`` from the frozen
-    teacher when ``target_source="teacher"``, see ``kvpop.core.attention.set_teacher_targets``).
+    teacher when ``target_source="teacher"``, see ``kvpop.core.attention.set_teacher_targets``),
+    ``k_override`` (``None``, or a per-head ``k`` that full-sequence forwards use instead of the
+    config's: set only while ``kvpop.core.budgets.ablation_importance`` measures a head).
     """
 
     def __init__(self, config: KVpopConfig, num_kv_heads: int, head_dim: int, layer_idx: int,
@@ -59,10 +61,19 @@ class KVpopLayer(nn.Module):
         self.decode_fn: Callable | None = None
         self.active_cache: Any = None
         self.teacher_target: torch.Tensor | None = None
+        self.k_override: tuple[int, ...] | None = None
+
+    def long_range_k(self) -> int | tuple[int, ...]:
+        """This layer's long-range slots in a full-sequence forward: ``config.layer_k`` (the int ``k``, or
+        ``k[l][h]`` per KV head with ``head_budgets``), or ``k_override`` while one is set."""
+        if self.k_override is not None:
+            return self.k_override
+        return self.config.layer_k(self.layer_idx, self.num_kv_heads)
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"layer={self.layer_idx}, scorer={c.scorer}, sinks={c.sinks}, window={c.window}, budget={c.budget}"
+        budget = c.budget if c.head_budgets is None else c.layer_budgets(self.layer_idx, self.num_kv_heads)
+        return f"layer={self.layer_idx}, scorer={c.scorer}, sinks={c.sinks}, window={c.window}, budget={budget}"
 
     def log_gamma(self) -> torch.Tensor:
         """``log(gamma_h)`` ``[Hkv]`` float32, differentiable in ``decay_logit``."""

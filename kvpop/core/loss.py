@@ -5,6 +5,7 @@ distillation KL lives in ``kvpop.core.distill`` and is re-exported here.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ __all__ = ["score_loss_terms", "score_loss", "score_stats", "distill_loss", "tea
 
 @float32_scoring
 def score_loss_terms(r_hat: torch.Tensor, r_tgt: torch.Tensor, log_gamma: torch.Tensor, *, sinks: int,
-                     window: int, k: int, tau: float = 1.0, tie_margin: float = 0.5,
+                     window: int, k: int | Sequence[int] | torch.Tensor, tau: float = 1.0, tie_margin: float = 0.5,
                      balance: bool = True) -> dict[str, torch.Tensor]:
     """One layer's ``L_score`` terms.
 
@@ -38,7 +39,9 @@ def score_loss_terms(r_hat: torch.Tensor, r_tgt: torch.Tensor, log_gamma: torch.
         r_hat: scorer output ``[B, Hkv, S]`` (float, with grad).
         r_tgt: target ``[B, Hkv, S]`` float32 (``future_attention_target``; no grad).
         log_gamma: ``log(gamma_h)`` ``[Hkv]`` float32 (with grad).
-        sinks, window, k: the cache shape; tau, tie_margin, balance: see the module docstring.
+        sinks, window, k: the cache shape; ``k`` an int or one per KV head (head-adaptive budgets: each
+            head's decisions with its own ``k[h]``, as ``kvpop_kernels.eviction_decisions`` takes it);
+            tau, tie_margin, balance: see the module docstring.
 
     Returns a dict of 0-d tensors: ``loss_sum`` (``sum omega * softplus``, differentiable),
     ``n`` (decisions), ``n_keep`` (``y = +1``), ``n_correct`` (decisions where ``sign(delta) == y``)

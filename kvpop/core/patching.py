@@ -26,6 +26,10 @@ Activation checkpointing: use the non-reentrant form
 (``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``):
 the reentrant form runs the first forward under ``no_grad``, so no layer would record ``L_score``.
 
+Head-adaptive budgets (``KVpopConfig.head_budgets``, docs/DESIGN.md section 7): the rows must fit the
+model (one per decoder layer, one budget per KV head) or ``patch`` raises ``ValueError``; on a model
+whose config has them, ``patch(model, budget=X)`` needs ``head_budgets=`` too (new rows, or ``None``).
+
 Limits: no padding in a full-sequence forward (a 2D attention mask with zeros -> ValueError), no
 sliding-window layers, no attention dropout, no ``output_attentions``.
 
@@ -51,7 +55,7 @@ from .layer import KVpopLayer
 from .lifecycle import state_owner
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "get_config", "disabled", "make_teacher",
-           "SUPPORTED_MODEL_TYPES", "SPEC", "state_owner"]
+           "SUPPORTED_MODEL_TYPES", "SPEC", "state_owner", "check_head_budgets"]
 
 SPEC = L.register_spec(L.PatchSpec(
     name="kvpop", config_type=KVpopConfig, submodule="kvpop", layer_type=KVpopLayer, attn_name=ATTN_NAME,
@@ -85,8 +89,10 @@ def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any)
     model patched with another method (DMS) raises ``ValueError``.
     """
     adapter = L.check_model(model)
+    _check_budget_override(model, config, overrides)
     old, new = L.requested(model, SPEC, config, overrides)
     check_budget_for(new, model.config)
+    check_head_budgets(new, model, adapter)
     register()
     if old is not None:
         if new == old:
@@ -108,6 +114,41 @@ def patch(model: nn.Module, config: KVpopConfig | None = None, **overrides: Any)
                        attn.register_forward_pre_hook(layer.capture_cache, with_kwargs=True)]
 
     return L.install(model, SPEC, new, build)
+
+
+def _check_budget_override(model: nn.Module, config: KVpopConfig | None, overrides: dict[str, Any]) -> None:
+    """``patch(model, budget=X)`` on a model whose config has ``head_budgets``: refused unless
+    ``head_budgets`` comes too (the per-head budgets hold the old total and are not rescaled silently)."""
+    if "budget" not in overrides or "head_budgets" in overrides:
+        return
+    st = getattr(model, SPEC.state_attr, None)
+    base = config if config is not None else (st["config"] if st is not None else None)
+    if base is None or base.head_budgets is None or overrides["budget"] == base.budget:
+        return
+    raise ValueError(
+        f"budget={overrides['budget']!r}: the config has head_budgets (per-head budgets of mean {base.budget}, "
+        f"fixed at retrofit time), which a new budget alone would not rescale; pass head_budgets too: "
+        f"kvpop.core.budgets.allocate(scores, total=layers*heads*{overrides['budget']!r}, ...) for adaptive budgets "
+        f"at the new mean, or head_budgets=None for the uniform budget")
+
+
+def check_head_budgets(config: KVpopConfig, model: nn.Module, adapter: Any = None) -> None:
+    """``ValueError`` unless ``config.head_budgets`` (when set) has one row per decoder layer of ``model``
+    and, in each row, one budget per KV head of that layer."""
+    if config.head_budgets is None:
+        return
+    adapter = adapter if adapter is not None else L.check_model(model)
+    mods = adapter.attention_modules(model)
+    heads = {int(m.layer_idx): adapter.num_kv_heads(m) for m in mods}
+    rows = config.head_budgets
+    shape = [len(r) for r in rows]
+    want = [heads[i] for i in sorted(heads)]
+    if sorted(heads) != list(range(len(rows))) or shape != want:
+        raise ValueError(
+            f"head_budgets has {len(rows)} rows (layers) of {sorted(set(shape))} KV heads; the model has "
+            f"{len(mods)} decoder layers with {sorted(set(want))} KV heads each (layer indices "
+            f"{sorted(heads)[:8]}{' ...' if len(heads) > 8 else ''}): give one row per layer and one budget per "
+            f"KV head (kvpop.core.budgets.allocate(scores [{len(mods)}, {want[0] if want else '?'}], ...))")
 
 
 def unpatch(model: nn.Module) -> nn.Module:
