@@ -4,8 +4,9 @@
 ``"kvpop"`` attention function), ``hooks`` (the scorer's priorities while decoding), ``cache``
 (KVpopCache), ``lifecycle`` (the patch lifecycle every method shares), ``patching`` (patch / unpatch /
 patched), ``checkpoint`` (save / load scorers; the layer file), ``loss`` (L_score), ``distill`` (the
-distillation KL, the fused chunked LM head).  The core imports ``kvpop.models`` (the family seam) and
-``kvpop_kernels``, never ``kvpop.baselines``, ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``
+distillation KL, the fused chunked LM head), ``budgets`` (head-adaptive budgets: ``allocate``,
+``ablation_importance``; import it from ``kvpop.core.budgets``).  The core imports ``kvpop.models``
+(the family seam) and ``kvpop_kernels``, never ``kvpop.baselines``, ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``
 (but for the deprecated alias ``kvpop.core.dms``).
 """
 from .attention import set_teacher_targets, teacher_targets
