@@ -278,7 +278,9 @@ class KVpopConfig(ConfigFields):
         return tuple(b - self.sinks - self.window for b in self.layer_budgets(layer_idx, num_heads))
 
     def layer_max_budget(self, layer_idx: int) -> int:
-        """The largest budget of a KV head of layer ``layer_idx`` (a sequence no longer evicts nothing)."""
+        """The largest budget of a KV head of layer ``layer_idx`` (what a cache holds per head at most).  Not the
+        no-eviction bound: a head evicts once ``S > B[l][h]``, so a layer evicts nothing only while ``S`` is at most
+        its *smallest* budget (``min(layer_budgets(l, H))``, what the full-sequence forward checks)."""
         if self.head_budgets is None:
             return self.budget
         return max(self.head_budgets[layer_idx])

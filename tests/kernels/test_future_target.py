@@ -362,20 +362,9 @@ print(json.dumps(out))
 def test_label_kernels_compile_for_sm90():
     """The target kernel builds for an H100/H200 (sm_90) with each label, bf16 and fp32 inputs, in a process
     without the interpreter (no GPU needed): no compile error, shared memory within one block's 227 KiB."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from compile_check import run_without_interpreter
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in res:
-        pytest.skip(f"Triton's compiler API is not reachable: {res['skip']}")
+    res = run_without_interpreter(_SM90_SCRIPT)
     assert len(res) == 6
     for name, r in res.items():
         assert r["shared"] <= 227 * 1024, (name, r)
