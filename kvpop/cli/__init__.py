@@ -17,7 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("kvpop.cli.eval", "eviction policies at fixed cache budgets: accuracy on the synthetic task, or "
                                "NLL / top-1 agreement with dense on your model's own traces (--data)"),
     "demo": ("kvpop.cli.demo", "retrofit the shipped tiny model, evaluate, write results.json and a plot"),
-    "pretrain": ("kvpop.cli.pretrain", "dense pre-training of the shipped tiny model on the synthetic task"),
+    "pretrain": ("kvpop.cli.pretrain", "dense pre-training of the shipped tiny model on the synthetic task, or of a "
+                 "small Qwen3 on token-id JSONL (--data)"),
 }
 
 

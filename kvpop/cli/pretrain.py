@@ -1,12 +1,16 @@
-"""``kvpop pretrain``: dense pre-training of the shipped tiny model on a synthetic task.
+"""``kvpop pretrain``: dense pre-training of the shipped tiny model on a synthetic task, or of a small
+Qwen3 on a JSONL data set of token ids (``--data``).
 
 Usage::
 
     kvpop pretrain --out runs/tiny --steps 6000 --threads 1
     kvpop pretrain --out runs/tiny --resume          # continue exactly where it stopped
     kvpop pretrain --out runs/tiny --export DIR      # copy OUT/model to DIR with its test accuracy
+    kvpop pretrain --data train.jsonl --out runs/code --layers 4 --steps 1500   # real text (token ids)
+    kvpop pretrain --data train.jsonl --out runs/code --export DIR   # copy OUT/model with its TRAINING.md
 
-What the training does (curriculum, losses, checkpoints, outputs): :mod:`kvpop.demo.pretrain`.
+What the training does (curriculum, losses, checkpoints, outputs): :mod:`kvpop.demo.pretrain`; with
+``--data``: :mod:`kvpop.demo.pretrain_data`.
 """
 from __future__ import annotations
 
@@ -61,6 +65,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated lengths to evaluate on export (default L_train/2, L_train, 2 L_train)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress report (a tqdm bar on a terminal, else a line per N steps)")
+    d = p.add_argument_group("real data (--data; kvpop.demo.pretrain_data)")
+    d.add_argument("--data", default=None, metavar="JSONL",
+                   help='train on this JSONL of {"input_ids": [...]} records (e.g. python -m '
+                        "kvpop.demo.realtext_corpus --splits train) instead of a synthetic task; the task options "
+                        "(--task, --curriculum, --advance-acc, --filler-weight, --stop-acc, ...) are refused")
+    d.add_argument("--valid-data", default=None, metavar="JSONL",
+                   help="validation records (default: validation.jsonl beside --data); the first --eval-n "
+                        "sequences")
+    d.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
+    d.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    d.add_argument("--vocab-size", type=int, default=None,
+                   help="default: the manifest.json beside --data, else the largest id + 1")
+    d.add_argument("--max-positions", type=int, default=None,
+                   help="max_position_embeddings (default 2 --seq-len)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +95,23 @@ def run(args: argparse.Namespace) -> int:
     # the settings only (no parser bookkeeping): they are written to args.json and the checkpoints
     args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("command", "_module")})
     torch.set_num_threads(max(1, args.threads))
+    if args.data is not None:
+        from kvpop.demo.pretrain_data import export_data_model, pretrain_data
+
+        if not args.export:
+            return pretrain_data(args)
+        try:
+            export_data_model(Path(args.out) / args.export_from, args.export,
+                              command=f"kvpop pretrain --data {args.data} --out {args.out} --export {args.export}")
+        except ValueError as e:
+            print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+            return 2
+        print(f"exported {Path(args.out) / args.export_from} to {args.export}")
+        return 0
+    data_only = [n for n in ("valid_data", "vocab_size", "max_positions") if getattr(args, n) is not None]
+    if data_only:
+        print(f"kvpop pretrain: error: --{data_only[0].replace('_', '-')} is for --data", file=sys.stderr)
+        return 2
     if not args.export:
         return pretrain(args)
     task = get_task(args.task)

@@ -184,6 +184,27 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike, *, lengths: lis
     return record
 
 
+def restore_checkpoint(ckpt_path: Path, model, opt, out: Path, check=None) -> dict:
+    """Load ``ckpt_path`` into ``model``, ``opt`` and the RNGs and trim ``out/log.jsonl`` to the steps it
+    finished; returns the checkpoint.  ``check(ck)``, when given, may refuse it (raise) before anything is
+    restored."""
+    try:
+        ck = load_checkpoint(ckpt_path)
+    except CheckpointError as e:
+        raise SystemExit(f"kvpop pretrain: {e}") from None
+    if check is not None:
+        check(ck)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optim"])
+    set_rng_state(ck["rng"])
+    # the log keeps the lines of the steps the checkpoint finished, none of those it did not
+    log_path = out / "log.jsonl"
+    if log_path.exists():
+        lines = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
+        write_jsonl(log_path, [r for r in lines if r.get("step", 0) <= ck["state"]["step"]])
+    return ck
+
+
 def _lr_at(step: int, args) -> float:
     """Linear warm-up, constant, then a linear cool-down to 0 over the last ``--cooldown`` steps."""
     if step < args.warmup:
@@ -221,19 +242,7 @@ def pretrain(args: argparse.Namespace) -> int:
         if not ckpt_path.exists():
             print(f"no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
         else:
-            try:
-                ck = load_checkpoint(ckpt_path)
-            except CheckpointError as e:
-                raise SystemExit(f"kvpop pretrain: {e}") from None
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optim"])
-            state = ck["state"]
-            set_rng_state(ck["rng"])
-            # the log keeps the lines of the steps the checkpoint finished, none of those it did not
-            log_path = out / "log.jsonl"
-            if log_path.exists():
-                lines = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
-                write_jsonl(log_path, [r for r in lines if r.get("step", 0) <= state["step"]])
+            state = restore_checkpoint(ckpt_path, model, opt, out)["state"]
             print(f"resumed at step {state['step']} stage {state['stage']}", file=sys.stderr)
     if state["step"] == 0:
         write_jsonl(out / "log.jsonl", [])  # a fresh run starts a fresh log

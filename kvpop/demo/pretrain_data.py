@@ -1,0 +1,374 @@
+"""Dense pre-training of a small Qwen3 on a JSONL data set of token ids (``kvpop pretrain --data``).
+
+The command is ``kvpop pretrain --data TRAIN.jsonl`` (arguments: :mod:`kvpop.cli.pretrain`); this module
+holds the training (:func:`pretrain_data`), the validation measure (:func:`validation_nll`: the mean
+next-token NLL and its curve over positions) and the export of the trained model with its ``TRAINING.md``
+(:func:`export_data_model`).
+
+* **Data.**  ``--data`` is read with :func:`kvpop.training.data.read_jsonl` and cut into ``--seq-len``
+  sequences (:func:`kvpop.training.data.chunk`).  The sequence of each batch row is fixed by the step:
+  global sample ``g = step * batch + j`` is sequence ``perm_e[g mod N]`` of epoch ``e = g // N``, ``perm_e``
+  a shuffle seeded by ``--seed`` and ``e`` (:func:`sample_index`), so a resumed run sees the data an
+  uninterrupted one would.  ``--valid-data`` (default ``validation.jsonl`` beside ``--data`` when there is
+  one) gives the validation sequences (the first ``--eval-n``).
+* **Model.**  A ``Qwen3ForCausalLM`` (``--layers``, ``--hidden``, ``--heads``/``--kv-heads``,
+  ``--head-dim``, ``--intermediate``, tied embeddings, ``max_position_embeddings = --max-positions``,
+  default 2 ``--seq-len``).  The vocabulary is the data directory's ``manifest.json`` ``vocab`` (the corpus
+  of :mod:`kvpop.demo.realtext_corpus`: bytes 0..255 and specials, 260) when it has one, else the largest
+  id + 1 (``--vocab-size`` overrides).
+* **Loss.**  Cross-entropy of every next token; AdamW with warm-up and an optional linear cool-down
+  (as ``kvpop pretrain`` on the task).
+* **Outputs.**  ``OUT/ckpt.pt`` (atomic: model, optimiser, step, RNG; SIGTERM/SIGINT checkpoint and stop;
+  ``--resume`` continues exactly), ``OUT/log.jsonl``, ``OUT/model`` (the best validation NLL) and
+  ``OUT/model_final`` (at ``--steps``), each with ``training.json`` and ``TRAINING.md``: the command, the
+  date, the wall time, the data (fingerprint, and the corpus manifest's package versions and hashes) and
+  the final train / validation loss with the validation NLL per bucket of positions (does the model use
+  its context?).  ``--export DIR`` copies ``OUT/model`` there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvpop.demo.pretrain import _lr_at, _save_model, restore_checkpoint
+from kvpop.training import data as data_io
+from kvpop.training.runstate import (
+    StopSignals,
+    atomic_save,
+    rng_state,
+    write_jsonl,
+)
+
+__all__ = ["sample_index", "build_lm", "validation_nll", "pretrain_data", "export_data_model", "data_manifest",
+           "BUCKET"]
+
+BUCKET = 128
+"""Positions per bucket of the validation NLL curve."""
+TASK_ONLY = {"curriculum": None, "advance_acc": 0.9, "min_stage_steps": 50, "filler_weight": 0.1,
+             "stop_acc": 1.01, "export_lengths": None, "export_from": "model", "task": "kvtrace"}
+"""Options of the synthetic-task pre-training and their defaults: with ``--data`` another value is refused."""
+
+
+def sample_index(step: int, j: int, batch: int, n: int, seed: int) -> int:
+    """The sequence (of ``n``) in row ``j`` of the batch of ``step`` (see the module docstring)."""
+    g = step * batch + j
+    epoch, k = divmod(g, n)
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order[k]
+
+
+def data_manifest(path: str | os.PathLike) -> dict | None:
+    """The ``manifest.json`` beside a data file (:mod:`kvpop.demo.realtext_corpus`), or None."""
+    m = Path(path).parent / "manifest.json"
+    if not m.is_file():
+        return None
+    try:
+        return json.loads(m.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def build_lm(vocab_size: int, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+             intermediate: int, max_positions: int, rope_theta: float, seed: int,
+             special: dict[str, int | None] | None = None):
+    """A freshly initialised ``Qwen3ForCausalLM`` (fp32, sdpa attention, tied embeddings)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    special = special or {}
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=max_positions,
+                      rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+                      tie_word_embeddings=True, bos_token_id=special.get("bos"), eos_token_id=special.get("eos"),
+                      pad_token_id=special.get("pad"))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg)
+
+
+@torch.no_grad()
+def validation_nll(model, seqs: list[torch.Tensor], *, batch_size: int = 4, bucket: int = BUCKET) -> dict[str, Any]:
+    """Mean next-token NLL (nats) of ``model`` over ``seqs`` (int64 ``[L]`` each, one length), and per bucket
+    of ``bucket`` predicted positions (position p predicts token p + 1)."""
+    was = model.training
+    model.eval()
+    total = None
+    for i in range(0, len(seqs), batch_size):
+        ids = torch.stack(seqs[i:i + batch_size])
+        logits = model(ids, use_cache=False).logits[:, :-1].float()
+        nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").double().sum(0)
+        total = nll if total is None else total + nll
+    model.train(was)
+    per_pos = total / len(seqs)
+    n = per_pos.numel()
+    buckets = [{"positions": f"{a}-{min(a + bucket, n) - 1}", "nll": round(float(per_pos[a:a + bucket].mean()), 4)}
+               for a in range(0, n, bucket)]
+    return {"nll": round(float(per_pos.mean()), 4), "buckets": buckets, "sequences": len(seqs)}
+
+
+@torch.no_grad()
+def context_curve(model, seqs: list[torch.Tensor], *, windows: tuple[int, ...] = (32, 64, 128, 256, 512),
+                  start: int | None = None, batch_size: int = 4) -> dict[str, Any]:
+    """Does the model use its long context?  Mean next-token NLL at the positions ``>= start`` (default the
+    second half of the sequences) when each query sees only the last ``w`` tokens (itself included; a band
+    mask), for each ``w`` of ``windows``, and with the full causal context: the same target tokens every time,
+    so a lower NLL with more context is the context's doing, not the content's."""
+    L = seqs[0].numel()
+    start = L // 2 if start is None else start
+    out = []
+    was = model.training
+    model.eval()
+    for w in [*(w for w in windows if w < L), L]:
+        q = torch.arange(L)[:, None]
+        t = torch.arange(L)[None, :]
+        vis = (t <= q) & (t > q - w)
+        mask = torch.zeros(1, 1, L, L)
+        mask[0, 0][~vis] = float("-inf")
+        total = n = 0.0
+        for i in range(0, len(seqs), batch_size):
+            ids = torch.stack(seqs[i:i + batch_size])
+            logits = model(ids, attention_mask=mask.expand(ids.shape[0], 1, L, L), use_cache=False).logits
+            nll = F.cross_entropy(logits[:, start:-1].transpose(1, 2).float(), ids[:, start + 1:], reduction="sum")
+            total += float(nll)
+            n += ids.shape[0] * (L - 1 - start)
+        out.append({"context": "full" if w == L else w, "nll": round(total / n, 4)})
+    model.train(was)
+    return {"scored_from": start, "sequences": len(seqs), "rows": out}
+
+
+def _command(args: argparse.Namespace) -> str:
+    return getattr(args, "command_line", None) or ("kvpop pretrain " + " ".join(sys.argv[2:]))
+
+
+def _training_md(info: dict) -> str:
+    a = info["args"]
+    lines = [f"# {info['name']}: a byte-level Qwen3 pre-trained on real text", "",
+             f"A {a['layers']}-layer `Qwen3ForCausalLM` (hidden {a['hidden']}, {a['heads']} query heads / "
+             f"{a['kv_heads']} KV heads, head_dim {a['head_dim']}, MLP {a['intermediate']}, RoPE theta "
+             f"{a['rope_theta']:g}, max_position_embeddings {info['max_positions']}, tied embeddings, vocab "
+             f"{info['vocab_size']}, {info['n_params']:,} parameters, fp32) trained densely by `kvpop pretrain "
+             f"--data` (`kvpop/demo/pretrain_data.py`) on {info['train_sequences']} sequences of {a['seq_len']} "
+             f"tokens.", "", "## Command", "", f"    {info['command']}", "",
+             f"Date: {info['date']}. Steps: {info['step']} of {a['steps']} (batch {a['batch_size']}, "
+             f"{a['batch_size'] * a['seq_len']:,} tokens per step, {info['step'] * a['batch_size'] * a['seq_len']:,} "
+             f"tokens in all). Wall time: {info['elapsed_s'] / 60:.1f} minutes"
+             f" with {a['threads']} torch thread(s). The data of step i are fixed by i and --seed {a['seed']}.", "",
+             "## Data", "", f"- train: `{info['data']}` ({info['data_fingerprint']})",
+             f"- validation: `{info['valid_data']}` ({info['valid_fingerprint']}), first {info['valid']['sequences']}"
+             f" sequences"]
+    man = info.get("manifest")
+    if man:
+        lines += ["- corpus manifest (`manifest.json` beside the data): packages "
+                  + ", ".join(f"{k} {v}" for k, v in man.get("package_versions", {}).items())
+                  + f"; Python {man.get('python')}"]
+        for s, e in man.get("splits", {}).items():
+            lines.append(f"  - {s}: {e['records']} records from {e['files_used']} files, file list hash "
+                         f"{e['files_used_hash']}, JSONL blake2b {e['jsonl_blake2b']}")
+    v = info["valid"]
+    lines += ["", "## Figures", "",
+              f"- final train loss (mean of the last 20 steps): {info['train_loss']:.4f} nats/token",
+              f"- validation NLL: {v['nll']:.4f} nats/token ({v['nll'] / math.log(2):.3f} bits/byte)", "",
+              "Validation NLL per bucket of positions (a model that uses its context predicts later positions "
+              "better):", "", "| positions | " + " | ".join(b["positions"] for b in v["buckets"]) + " |",
+              "|---|" + "---|" * len(v["buckets"]),
+              "| NLL (nats) | " + " | ".join(f"{b['nll']:.3f}" for b in v["buckets"]) + " |", "",
+              "(The start of a record is often a file's opening, licence text and imports, easier than what "
+              "follows: the curve mixes content with context.)", ""]
+    cc = info.get("context_curve")
+    if cc:
+        lines += [f"Long context, content held fixed: validation NLL at positions >= {cc['scored_from']} of "
+                  f"{cc['sequences']} sequences when each query sees only its last w tokens (a band mask), and the "
+                  f"full causal context (measured by `kvpop pretrain --export`):", "",
+                  "| context w | " + " | ".join(str(r["context"]) for r in cc["rows"]) + " |",
+                  "|---|" + "---|" * len(cc["rows"]),
+                  "| NLL (nats) | " + " | ".join(f"{r['nll']:.4f}" for r in cc["rows"]) + " |", ""]
+    return "\n".join(lines)
+
+
+def _save(model, path: Path, info: dict) -> None:
+    """``save_pretrained`` into ``path`` (swapped in whole, as the task's pre-training does), then its
+    ``training.json`` and ``TRAINING.md``."""
+    _save_model(model, path, info)
+    (path / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    (path / "TRAINING.md").write_text(_training_md(info))
+
+
+def export_data_model(src: str | os.PathLike, dst: str | os.PathLike, *, command: str | None = None) -> dict:
+    """Copy ``config.json`` and ``model.safetensors`` of ``src`` (a model ``kvpop pretrain --data`` saved) to
+    ``dst`` with its ``training.json`` and ``TRAINING.md``, adding the :func:`context_curve` on its validation
+    sequences.  Returns the ``training.json`` record."""
+    from kvpop.models import load_model_dir
+
+    src, dst = Path(src), Path(dst)
+    names = ("config.json", "model.safetensors", "training.json")
+    missing = [n for n in names if not (src / n).is_file()]
+    if missing:
+        raise ValueError(f"{src} lacks {missing}: export a directory kvpop pretrain --data wrote (OUT/model)")
+    info = json.loads((src / "training.json").read_text())
+    model = load_model_dir(src, dtype=torch.float32).eval()
+    valid = data_io.chunk(data_io.read_jsonl(info["valid_data"], vocab_size=info["vocab_size"]),
+                          info["args"]["seq_len"], source=info["valid_data"])[:info["valid"]["sequences"]]
+    info["context_curve"] = context_curve(model, valid)
+    info["export_command"] = command
+    dst.mkdir(parents=True, exist_ok=True)
+    for n in ("config.json", "model.safetensors"):
+        shutil.copyfile(src / n, dst / n)
+    (dst / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    (dst / "TRAINING.md").write_text(_training_md(info))
+    return info
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name, default in TASK_ONLY.items():
+        if getattr(args, name, default) != default:
+            raise ValueError(f"--{name.replace('_', '-')} is for the synthetic task; it has no meaning with --data")
+    for name, low in (("seq_len", 2), ("batch_size", 1), ("steps", 1), ("eval_n", 1), ("eval_every", 1),
+                      ("ckpt_every", 1)):
+        v = getattr(args, name)
+        if v < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+
+
+def pretrain_data(args: argparse.Namespace) -> int:
+    """Pre-train (or resume) on ``args.data`` (the namespace of ``kvpop pretrain``); returns the exit status."""
+    from kvpop.progress import progress
+
+    try:
+        _check_args(args)
+        out = Path(args.out)
+        man = data_manifest(args.data)
+        vocab = args.vocab_size or (man or {}).get("vocab", {}).get("vocab_size")
+        train_records = data_io.read_jsonl(args.data, vocab_size=vocab)
+        vocab = vocab or max(max(r) for r in train_records) + 1
+        train = data_io.chunk(train_records, args.seq_len, source=str(args.data))
+        del train_records
+        valid_path = args.valid_data or (Path(args.data).parent / "validation.jsonl")
+        if not Path(valid_path).is_file():
+            raise ValueError(f"no validation data: give --valid-data (there is no {valid_path})")
+        valid = data_io.chunk(data_io.read_jsonl(valid_path, vocab_size=vocab), args.seq_len,
+                              source=str(valid_path))[:args.eval_n]
+        if len(train) < args.batch_size:
+            raise ValueError(f"{args.data} gives {len(train)} sequence(s) of {args.seq_len} tokens, fewer than "
+                             f"--batch-size {args.batch_size}")
+    except ValueError as e:
+        print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    special = (man or {}).get("vocab", {})
+    max_positions = args.max_positions or 2 * args.seq_len
+    model = build_lm(vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                     head_dim=args.head_dim, intermediate=args.intermediate, max_positions=max_positions,
+                     rope_theta=args.rope_theta, seed=args.seed,
+                     special={k: special.get(k) for k in ("bos", "eos", "pad")})
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
+    fingerprint = data_io.data_fingerprint(args.data)
+    state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0, "best_valid": math.inf, "losses": [],
+                             "data_fingerprint": fingerprint}
+    ckpt_path = out / "ckpt.pt"
+    if args.resume and ckpt_path.exists():
+        def same_data(ck: dict) -> None:
+            if ck["state"].get("data_fingerprint") != fingerprint:
+                raise ValueError(f"{args.data} is not the data {ckpt_path} was trained on "
+                                 f"({ck['state'].get('data_fingerprint')} vs now {fingerprint})")
+
+        try:
+            state = restore_checkpoint(ckpt_path, model, opt, out, check=same_data)["state"]
+        except ValueError as e:
+            print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+            return 2
+        print(f"resumed at step {state['step']}", file=sys.stderr)
+    elif args.resume:
+        print(f"no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
+    if state["step"] == 0:
+        write_jsonl(out / "log.jsonl", [])
+    settings = {k: v for k, v in vars(args).items() if k not in TASK_ONLY and k not in ("command", "_module")}
+    (out / "args.json").write_text(json.dumps(settings, indent=2))
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def info(valid_rec: dict, name: str) -> dict:
+        tail = state["losses"][-20:]
+        return {"name": name, "command": _command(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "step": state["step"], "elapsed_s": round(state["elapsed_s"], 1), "args": settings,
+                "vocab_size": vocab, "max_positions": max_positions, "n_params": n_params,
+                "train_sequences": len(train), "data": str(args.data), "data_fingerprint": fingerprint,
+                "valid_data": str(valid_path), "valid_fingerprint": data_io.data_fingerprint(valid_path),
+                "manifest": man, "train_loss": round(sum(tail) / max(1, len(tail)), 4), "valid": valid_rec}
+
+    def checkpoint():
+        atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
+                     "args": settings, "rng": rng_state()}, ckpt_path)
+
+    bar = progress(args.steps, desc="kvpop pretrain --data", initial=state["step"], enabled=not args.no_progress,
+                   mininterval=5.0)
+    signals = StopSignals(name="kvpop pretrain").install()
+    t0 = time.time() - state["elapsed_s"]
+    model.train()
+    with open(out / "log.jsonl", "a") as log:
+        while state["step"] < args.steps:
+            step = state["step"]
+            ids = torch.stack([train[sample_index(step, j, args.batch_size, len(train), args.seed)]
+                               for j in range(args.batch_size)])
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, args)
+            logits = model(ids, use_cache=False).logits[:, :-1]
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            lv = float(loss.detach())
+            state["step"] += 1
+            state["losses"] = (state["losses"] + [lv])[-20:]
+            state["elapsed_s"] = time.time() - t0
+            rec = {"step": state["step"], "loss": round(lv, 4), "gn": round(float(gn), 3),
+                   "lr": _lr_at(step, args), "t": round(state["elapsed_s"], 1)}
+            if bar is not None:
+                bar.set_postfix(loss=f"{lv:.3f}")
+                bar.update(1)
+            done = state["step"] >= args.steps
+            if state["step"] % args.eval_every == 0 or done:
+                v = validation_nll(model, valid)
+                rec["valid_nll"] = v["nll"]
+                rec["valid_buckets"] = [b["nll"] for b in v["buckets"]]
+                if v["nll"] < state["best_valid"]:
+                    state["best_valid"] = v["nll"]
+                    _save(model, out / "model", info(v, out.name + "/model"))
+                    rec["saved"] = True
+                if done:
+                    _save(model, out / "model_final", info(v, out.name + "/model_final"))
+                msg = json.dumps(rec)
+                (bar.write(msg) if bar is not None else print(msg, flush=True))
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            stop = (args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes) \
+                or signals.signum is not None
+            if stop or done or state["step"] % args.ckpt_every == 0:
+                checkpoint()
+                if stop:
+                    break
+    checkpoint()
+    if bar is not None:
+        bar.close()
+    signals.restore()
+    print(json.dumps({"done": state["step"] >= args.steps, "step": state["step"],
+                      "best_valid_nll": state["best_valid"], "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
+    if signals.signum is not None:
+        print(f"kvpop pretrain: stopped by a signal after step {state['step']}; {ckpt_path} holds it: "
+              f"run the same command with --resume to continue", file=sys.stderr)
+        return 128 + signals.signum
+    return 0

@@ -1,0 +1,183 @@
+"""The real-text instrument: the oracle's NLL on byte-level code (``python -m kvpop.demo.realtext``).
+
+The corpus is :mod:`kvpop.demo.realtext_corpus` (installed packages' source and documentation, split by
+file, shipped validation and test splits in ``kvpop/data/realtext``); the model is
+``kvpop/data/tiny_qwen3_code`` (``kvpop pretrain --data``, its ``TRAINING.md``).  The learned policies and
+the fixed rules are measured by ``kvpop eval --data`` (:mod:`kvpop.demo.trace_eval`); this module adds the
+*oracle*: the teacher's exact label (``mask_source="teacher"``, ``target_source="teacher"``: the frozen
+dense model's own attention, pooled by ``label``) used directly as the eviction priority at a fixed decay
+``gamma``, no scorer.  It is scored exactly as ``kvpop eval --data`` scores a policy: teacher-forced
+next-token NLL at every position ``>= max(budgets)`` (the same positions for every budget), minus the
+dense model's on the same positions (:func:`oracle_rows`).
+
+::
+
+    python -m kvpop.demo.realtext oracle --data kvpop/data/realtext/validation.jsonl --budgets 64,128,256 \\
+        --labels mean,max,power:4 --gammas 0.9999,0.999,0.995,0.99 --out oracle_valid.json
+
+``--labels`` takes ``mean``, ``max`` and ``power:A`` (the power mean with exponent ``A``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpop.core.attention import set_teacher_targets, teacher_targets
+from kvpop.core.config import KVpopConfig
+from kvpop.core.patching import patch
+
+from .realtext_corpus import SHIPPED_DIR
+
+__all__ = ["SHIPPED_MODEL", "SHIPPED_DIR", "parse_labels", "oracle_config", "oracle_logits", "oracle_rows", "main"]
+
+SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "data" / "tiny_qwen3_code"
+"""The byte-level Qwen3 pre-trained on the corpus's train split."""
+
+
+def parse_labels(spec: str) -> list[tuple[str, float]]:
+    """``"mean,max,power:4"`` -> ``[("mean", 1.0), ("max", 1.0), ("power", 4.0)]``."""
+    out = []
+    for part in (x.strip() for x in spec.split(",")):
+        if not part:
+            continue
+        name, _, power = part.partition(":")
+        if name not in ("mean", "max", "power"):
+            raise ValueError(f"unknown label {name!r} in --labels {spec!r}; allowed: mean, max, power:A")
+        if name == "power":
+            try:
+                a = float(power)
+            except ValueError:
+                raise ValueError(f"--labels: power needs its exponent, power:A with A > 0 (got {part!r})") from None
+            if not a > 0:
+                raise ValueError(f"--labels: the power mean's exponent must be > 0, got {part!r}")
+        elif power:
+            raise ValueError(f"--labels: {name} takes no exponent (got {part!r})")
+        else:
+            a = 1.0
+        out.append((name, a))
+    if not out:
+        raise ValueError(f"--labels lists no label (got {spec!r})")
+    return out
+
+
+def oracle_config(label: str, power: float, gamma: float, *, budget: int, sinks: int, window: int) -> KVpopConfig:
+    """The oracle: the teacher's exact ``label`` as the priority at the fixed decay ``gamma``."""
+    if not 0.0 < gamma < 1.0:
+        raise ValueError(f"gamma must lie in (0, 1), got {gamma!r}")
+    return KVpopConfig(sinks=sinks, window=window, budget=budget, mask_source="teacher", target_source="teacher",
+                       label=label, label_power=power, compute_loss=False,
+                       gamma_min=1.0 - 2.0 * (1.0 - gamma), gamma_max=1.0 - 0.5 * (1.0 - gamma), gamma_init=gamma)
+
+
+@torch.no_grad()
+def oracle_logits(base: nn.Module, oracle: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[1, L, V]`` of the patched ``oracle`` on one sequence, its priorities the teacher's labels
+    computed from ``base`` (the unpatched dense model) on the same sequence."""
+    from kvpop.core.layer import kvpop_layers
+
+    cfg = kvpop_layers(oracle)[0].config
+    ids = ids.reshape(1, -1)
+    with teacher_targets(base, cfg) as store:
+        base(ids, use_cache=False)
+    set_teacher_targets(oracle, dict(store))
+    try:
+        return oracle(ids, use_cache=False).logits
+    finally:
+        set_teacher_targets(oracle, None)
+
+
+def oracle_rows(base: nn.Module, traces: Sequence[torch.Tensor], *, budgets: Sequence[int],
+                labels: Sequence[tuple[str, float]], gammas: Sequence[float], sinks: int = 4,
+                window: int = 32, progress: bool = True) -> list[dict[str, Any]]:
+    """One row per (label, gamma, budget): NLL, dense NLL, their difference and top-1 agreement with dense at
+    every position ``>= max(budgets)`` of ``traces`` (as :func:`kvpop.demo.trace_eval.evaluate_traces`)."""
+    from .trace_eval import sequence_scores
+
+    budgets = sorted({int(b) for b in budgets})
+    least = sinks + window + 1
+    if budgets[0] < least:
+        raise ValueError(f"budget {budgets[0]} is below sinks + window + 1 = {least}")
+    start = budgets[-1]
+    traces = [t.reshape(-1).long() for t in traces if t.numel() - 1 > start]
+    if not traces:
+        raise ValueError(f"no trace is longer than the largest budget + 1 ({start + 1})")
+    dense = [sequence_scores(base(t[None], use_cache=False).logits, t, start) for t in traces]
+    rows = []
+    for label, power in labels:
+        for gamma in gammas:
+            for b in budgets:
+                t0 = time.time()
+                m = patch(copy.deepcopy(base), oracle_config(label, power, gamma, budget=b, sinks=sinks,
+                                                             window=window)).eval()
+                nll = dnll = 0.0
+                agree = n = 0
+                for t, (d_nll, d_arg) in zip(traces, dense):
+                    p_nll, p_arg = sequence_scores(oracle_logits(base, m, t), t, start)
+                    nll += float(p_nll.sum())
+                    dnll += float(d_nll.sum())
+                    agree += int((p_arg == d_arg).sum())
+                    n += int(p_nll.numel())
+                row = {"policy": "oracle", "label": label, "power": power, "gamma": gamma, "budget": b,
+                       "scored_from": start, "positions": n, "n_sequences": len(traces), "nll": nll / n,
+                       "dense_nll": dnll / n, "delta_nll": (nll - dnll) / n, "top1_agreement": agree / n,
+                       "wall_s": round(time.time() - t0, 1)}
+                rows.append(row)
+                if progress:
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvpop.demo.realtext", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    o = sub.add_parser("oracle", help="the oracle's NLL increase over dense for each label, decay and budget")
+    o.add_argument("--model", default=str(SHIPPED_MODEL))
+    o.add_argument("--data", required=True, help="JSONL of token ids (e.g. kvpop/data/realtext/validation.jsonl)")
+    o.add_argument("--budgets", default="64,128,256")
+    o.add_argument("--labels", default="mean,max,power:4")
+    o.add_argument("--gammas", default="0.999")
+    o.add_argument("--sinks", type=int, default=4)
+    o.add_argument("--window", type=int, default=32)
+    o.add_argument("--n-sequences", type=int, default=None, help="the first N records (default all)")
+    o.add_argument("--threads", type=int, default=1)
+    o.add_argument("--out", required=True, help="JSON file for the rows")
+    a = p.parse_args(argv)
+    from kvpop.training import data as data_io
+
+    from .trace_eval import load_model
+
+    t0 = time.time()
+    try:
+        labels = parse_labels(a.labels)
+        gammas = [float(x) for x in a.gammas.split(",") if x.strip()]
+        budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
+        torch.set_num_threads(max(1, a.threads))
+        base = load_model(a.model)
+        records = data_io.read_jsonl(a.data, vocab_size=base.config.vocab_size)
+        traces = [torch.tensor(r, dtype=torch.int64) for r in records][:a.n_sequences]
+        rows = oracle_rows(base, traces, budgets=budgets, labels=labels, gammas=gammas, sinks=a.sinks,
+                           window=a.window)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"realtext oracle: error: {e}", file=sys.stderr)
+        return 2
+    res = {"command": "python -m kvpop.demo.realtext " + " ".join(sys.argv[1:] if argv is None else argv),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": a.model, "data": a.data,
+           "sinks": a.sinks, "window": a.window, "wall_s": round(time.time() - t0, 1), "rows": rows}
+    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    best = min(rows, key=lambda r: (r["budget"], r["delta_nll"]) if not math.isnan(r["delta_nll"]) else (0, 1e9))
+    print(json.dumps({"wrote": a.out, "wall_s": res["wall_s"], "best_at_smallest_budget": best}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
