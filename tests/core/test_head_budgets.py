@@ -220,3 +220,31 @@ def test_save_load_round_trip_keeps_head_budgets(tmp_path, ids):
     with pytest.raises(ValueError, match="head_budgets has 2 rows"):
         kvpop.load_scorers(c, path)
     assert not kvpop.is_patched(c)
+
+
+# ------------------------------------------------------------------------------------- the training loop
+def test_train_with_head_budgets_checkpoints_and_resumes(tmp_path):
+    """kvpop.training.train on a model with head_budgets: the score loss falls, the checkpoint's scorer file
+    carries the rows, and a resumed run (the same rows) repeats the uninterrupted one's last step."""
+    from kvpop.training.train import TrainConfig, train
+
+    data = [torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    cfg = TrainConfig(steps=3, lr_model=1e-3, lr_scorer=3e-2, progress=False)
+
+    def fresh():
+        m = tiny_model()
+        t = kvpop.make_teacher(m)
+        torch.manual_seed(11)
+        return kvpop.patch(m, head_budgets=HB, **SMALL), t
+
+    m_full, t_full = fresh()
+    full = train(m_full, data, cfg, teacher=t_full)
+    # decisions per row: layer 0 heads k = 0, 28 -> 0, 48-10-28; layer 1 k = 20, 8 -> 48-10-20, 48-10-8
+    assert all(h["decisions"] == 2 * (10 + 18 + 30) and h["score"] == h["score"] for h in full)
+    m_a, t_a = fresh()
+    train(m_a, data, cfg, teacher=t_a, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    assert kvpop.read_scorer_config(tmp_path / "scorers.safetensors").head_budgets == HB
+    m_b, t_b = fresh()
+    rest = train(m_b, data, cfg, teacher=t_b, checkpoint_dir=str(tmp_path), resume=True)
+    assert [h["step"] for h in rest] == [3]
+    assert rest[0]["score"] == pytest.approx(full[2]["score"], rel=1e-5, abs=1e-7)
