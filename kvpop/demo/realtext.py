@@ -38,7 +38,8 @@ from kvpop.core.patching import patch
 
 from .realtext_corpus import SHIPPED_DIR
 
-__all__ = ["SHIPPED_MODEL", "SHIPPED_DIR", "parse_labels", "oracle_config", "oracle_logits", "oracle_rows", "main"]
+__all__ = ["SHIPPED_MODEL", "SHIPPED_DIR", "parse_labels", "oracle_config", "oracle_logits", "oracle_rows", "table",
+           "main"]
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "data" / "tiny_qwen3_code"
 """The byte-level Qwen3 pre-trained on the corpus's train split."""
@@ -96,6 +97,7 @@ def oracle_logits(base: nn.Module, oracle: nn.Module, ids: torch.Tensor) -> torc
         set_teacher_targets(oracle, None)
 
 
+@torch.no_grad()
 def oracle_rows(base: nn.Module, traces: Sequence[torch.Tensor], *, budgets: Sequence[int],
                 labels: Sequence[tuple[str, float]], gammas: Sequence[float], sinks: int = 4,
                 window: int = 32, progress: bool = True) -> list[dict[str, Any]]:
@@ -137,6 +139,58 @@ def oracle_rows(base: nn.Module, traces: Sequence[torch.Tensor], *, budgets: Seq
     return rows
 
 
+LEARNED = ("kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint", "kvpop-mlstm-joint")
+
+
+def table(evals: Sequence[dict], oracle: dict | None = None, *, goal_budget: int = 128) -> tuple[str, dict]:
+    """Markdown of ``kvpop eval --data`` results (``results.json`` objects; rows of the same positions) and the
+    oracle's rows: NLL increase over dense / top-1 agreement per policy and budget, then the goals at
+    ``goal_budget`` (the best learned KVpop row <= 0.75x streaming's increase and below H2O's; each joint
+    retrofit <= its scorer-only one).  Returns the markdown and the goals."""
+    rows = [r for e in evals for r in e["rows"]]
+    starts = {e["scored_from"] for e in evals} | ({oracle["rows"][0]["scored_from"]} if oracle else set())
+    if len(starts) != 1:
+        raise ValueError(f"the results score different positions (from {sorted(starts)}); give runs of the same "
+                         f"budgets")
+    dense = {round(r["dense_nll"], 6) for r in rows} | ({round(r["dense_nll"], 6) for r in oracle["rows"]}
+                                                       if oracle else set())
+    if len(dense) != 1:
+        raise ValueError(f"the results have different dense NLLs {sorted(dense)}: not the same traces")
+    cell: dict[tuple[str, int], dict] = {}
+    for r in rows:
+        cell.setdefault((r["policy"], r["budget"]), r)
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    for r in (oracle or {}).get("rows", []):
+        name = f"oracle ({r['label']}" + (f" a={r['power']:g}" if r["label"] == "power" else "") + \
+            f", gamma {r['gamma']:g})"
+        cell[(name, r["budget"])] = r
+        if name not in names:
+            names.append(name)
+    budgets = sorted({b for _, b in cell})
+    lines = [f"NLL increase over dense (nats/token) / top-1 agreement with dense, at positions >= {starts.pop()} "
+             f"(dense NLL {dense.pop():.4f} nats/token on the same positions)", "",
+             "| policy | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for n in names:
+        lines.append(f"| {n} | " + " | ".join(
+            f"{cell[(n, b)]['delta_nll']:+.4f} / {cell[(n, b)]['top1_agreement']:.3f}" if (n, b) in cell else "-"
+            for b in budgets) + " |")
+    d = {p: cell[(p, goal_budget)]["delta_nll"] for p in names if (p, goal_budget) in cell}
+    goals: dict[str, Any] = {"budget": goal_budget}
+    learned = {p: d[p] for p in LEARNED if p in d}
+    if learned and "streaming" in d:
+        best = min(learned, key=learned.get)
+        goals["best_learned"] = best
+        goals["best_vs_streaming"] = {"best": learned[best], "limit": 0.75 * d["streaming"],
+                                      "met": learned[best] <= 0.75 * d["streaming"]}
+        if "h2o" in d:
+            goals["best_vs_h2o"] = {"best": learned[best], "h2o": d["h2o"], "met": learned[best] < d["h2o"]}
+    for s in ("kvpop-mlp", "kvpop-mlstm"):
+        if s in d and f"{s}-joint" in d:
+            goals[f"{s}-joint_vs_scorer_only"] = {"joint": d[f"{s}-joint"], "scorer_only": d[s],
+                                                  "met": d[f"{s}-joint"] <= d[s]}
+    return "\n".join(lines), goals
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpop.demo.realtext", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -151,7 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--n-sequences", type=int, default=None, help="the first N records (default all)")
     o.add_argument("--threads", type=int, default=1)
     o.add_argument("--out", required=True, help="JSON file for the rows")
+    t = sub.add_parser("table", help="one table of kvpop eval --data results and the oracle's rows, with the goals")
+    t.add_argument("--eval", action="append", required=True, help="a kvpop eval --data results.json (repeatable)")
+    t.add_argument("--oracle", default=None, help="the oracle's JSON (python -m kvpop.demo.realtext oracle)")
+    t.add_argument("--goal-budget", type=int, default=128)
     a = p.parse_args(argv)
+    if a.cmd == "table":
+        try:
+            md, goals = table([json.loads(Path(x).read_text()) for x in a.eval],
+                              json.loads(Path(a.oracle).read_text()) if a.oracle else None, goal_budget=a.goal_budget)
+        except (ValueError, OSError, KeyError) as e:
+            print(f"realtext table: error: {e}", file=sys.stderr)
+            return 2
+        print(md + "\n\n" + json.dumps(goals, indent=1))
+        return 0
     from kvpop.training import data as data_io
 
     from .trace_eval import load_model

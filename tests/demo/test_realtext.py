@@ -220,3 +220,22 @@ def test_oracle_rows_and_labels():
     assert rows[0]["dense_nll"] == rows[1]["dense_nll"]
     with pytest.raises(ValueError, match="sinks \\+ window \\+ 1"):
         RT.oracle_rows(base, traces, budgets=[10], labels=[("mean", 1.0)], gammas=[0.99], sinks=4, window=8)
+
+
+def test_table_and_goals():
+    def row(p, b, d, **kw):
+        return {"policy": p, "budget": b, "scored_from": 256, "dense_nll": 1.0, "delta_nll": d, "top1_agreement": 0.9,
+                **kw}
+
+    ev = {"scored_from": 256, "rows": [row("streaming", 128, 0.04), row("h2o", 128, 0.05),
+                                       row("kvpop-mlp", 128, 0.02), row("kvpop-mlp-joint", 128, 0.025),
+                                       row("kvpop-mlstm", 64, 0.1)]}
+    orc = {"rows": [row("oracle", 128, 0.01, label="power", power=4.0, gamma=0.99)]}
+    md, goals = RT.table([ev], orc)
+    assert "| oracle (power a=4, gamma 0.99) | - | +0.0100 / 0.900 |" in md
+    assert goals["best_learned"] == "kvpop-mlp" and goals["best_vs_streaming"]["met"]  # 0.02 <= 0.03
+    assert goals["best_vs_h2o"]["met"] and not goals["kvpop-mlp-joint_vs_scorer_only"]["met"]
+    ev["rows"][0]["delta_nll"] = 0.02  # 0.02 > 0.75 * 0.02
+    assert not RT.table([ev])[1]["best_vs_streaming"]["met"]
+    with pytest.raises(ValueError, match="different dense"):
+        RT.table([ev, {"scored_from": 256, "rows": [row("dense", 64, 0.0, dense_nll=2.0)]}])
