@@ -320,8 +320,9 @@ def generate_rows(model: nn.Module, policy: str, budget: int | None, prompts: Se
     sampler (unused when ``temperature == 0``, greedy)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
+    from kvpop.core.budgets import rebudget
     from kvpop.core.cache import KVpopCache
-    from kvpop.core.patching import get_config, patch
+    from kvpop.core.patching import get_config
     from kvpop.demo.evaluate import CACHE_POLICY
     from kvpop.models import cache_kwarg_name
 
@@ -352,7 +353,7 @@ def generate_rows(model: nn.Module, policy: str, budget: int | None, prompts: Se
     cache = None
     if policy != "dense":
         if budget is not None and get_config(model).budget != budget:
-            patch(model, budget=int(budget))
+            rebudget(model, int(budget))
         cache = KVpopCache(model, policy=CACHE_POLICY[policy])
     rows = _generate(model, ids, mask, list(seeds), cache, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id,

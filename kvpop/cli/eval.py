@@ -11,7 +11,9 @@ a directory serves); ``--scorers POLICY=FILE``, ``--finetuned POLICY=DIR`` and `
 one by one.  Sinks and window are the runs' own (saved in the scorer / gate file): a ``--sinks`` or
 ``--window`` that contradicts them is refused with both values named, as is a set of runs trained at
 different ones; the budgets may differ from training on purpose, and the table's "trained at" column says
-what each run was trained at.
+what each run was trained at.  A run trained with head-adaptive budgets is served with its rows at its own
+budget and, at another, with rows shared anew by the importance in its ``head_budgets.json``
+(``kvpop.core.budgets.rebudget``); without that importance another budget is refused.
 
 Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.demo.evaluate``), the
 ``dms`` row through ``kvpop.baselines.dms.patch_dms`` + ``DMSCache`` at the same mean budget.
@@ -234,7 +236,7 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
         lengths = [int(t.numel()) for t in traces]
         cfg.resolve(lengths)
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
-                                budget=cfg.budgets[0], load=TE.load_model)
+                                budget=cfg.budgets[0], load=TE.load_model, budgets=cfg.budgets)
         rows = TE.evaluate_traces(models, traces, cfg)
     except (ValueError, FileNotFoundError, TypeError, NotImplementedError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
@@ -292,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
                            sinks=sinks, window=window, policies=wanted or E.POLICIES, progress=not args.no_progress)
         base = E.load_base_model(args.model)
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
-                                budget=cfg.budgets[0], load=E.load_base_model)
+                                budget=cfg.budgets[0], load=E.load_base_model, budgets=cfg.budgets)
         t0 = time.time()
         results = E.evaluate(models, cfg)
         results["eval_seconds"] = round(time.time() - t0, 1)

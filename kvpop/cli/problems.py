@@ -156,7 +156,7 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
         else:
             models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=sinks, window=window,
                                     budget=cfg.budgets[0] if cfg.budgets else sinks + window + 1,
-                                    load=TE.load_model)
+                                    load=TE.load_model, budgets=cfg.budgets)
         tok = tokenizer() if any(p.answers is not None for p in problems) else None
         gc = base.generation_config
         eos = gc.eos_token_id if gc.eos_token_id is not None else base.config.eos_token_id

@@ -24,7 +24,11 @@ What ``--out DIR`` receives: ``last.pt`` (the full training state, written atomi
 ``kvpop.load_scorers``), ``model/`` (the fine-tuned model, ``save_pretrained`` without the scorer
 tensors; not with ``--no-train-model``), with ``--method dms`` ``gates.safetensors`` instead of the scorers
 (``kvpop.baselines.dms.load_dms``), ``args.json`` (the arguments) and ``history.jsonl`` (one line
-of losses per step, appended as each step finishes).  ``--resume`` continues from ``last.pt`` exactly (a
+of losses per step, appended as each step finishes).  Head-adaptive budgets (docs/DESIGN.md section 7):
+``--head-budgets FILE.json`` trains with the given per-layer, per-KV-head budgets, ``--allocate ablation``
+chooses them before training from each head's importance on validation sequences (``--valid-data``,
+with ``--task`` the task's own), and both write ``head_budgets.json`` (the rows, and the importance that
+``kvpop eval`` shares another budget by).  ``--resume`` continues from ``last.pt`` exactly (a
 resumed run repeats the steps of an uninterrupted one, and its ``history.jsonl`` is the uninterrupted
 run's); every argument but ``--steps``, ``--checkpoint-every``, ``--no-progress``, ``--device`` and the
 spelling of ``--out`` must be the same as in the first run (checked against ``args.json``; file paths
@@ -50,7 +54,7 @@ from kvpop.demo.task import SHIPPED_MODEL
 # arguments that may change between a run and its --resume (--out is where the run is; paths are
 # compared resolved)
 _RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume", "out", "device"}
-_PATHS = ("data", "model")
+_PATHS = ("data", "model", "head_budgets", "valid_data")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -141,6 +145,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"upper end of the learned per-head decay (default {d.gamma_max})")
     kv.add_argument("--gamma-init", type=float, default=d.gamma_init,
                     help=f"initial decay, strictly inside the range (default {d.gamma_init})")
+    hb = kv.add_mutually_exclusive_group()
+    hb.add_argument("--head-budgets", type=str, default=None, metavar="FILE.json",
+                    help="head-adaptive budgets (docs/DESIGN.md section 7): a JSON list (one per layer) of lists (one "
+                         "budget per KV head), or an object with a \"head_budgets\" key (what --allocate writes), with "
+                         "the uniform total layers x heads x --budget; copied into OUT/head_budgets.json")
+    hb.add_argument("--allocate", choices=("ablation",), default=None,
+                    help="head-adaptive budgets chosen before training: ablation = the validation NLL rise when one "
+                         "head alone keeps no long-range slot (kvpop.core.budgets.ablation_importance, the run's label "
+                         "of the model as loaded as the mask), shared at the uniform total by "
+                         "kvpop.core.budgets.allocate; measured on "
+                         "--valid-data (with --task: the task's validation sequences), never the training data; "
+                         "budgets and importance go to OUT/head_budgets.json")
+    kv.add_argument("--min-k", type=int, default=None,
+                    help="with --allocate: the fewest long-range slots a head gets (default 0: a head may keep only "
+                         "its sinks and window)")
+    kv.add_argument("--valid-data", type=str, default=None, metavar="FILE.jsonl",
+                    help="with --allocate: validation records (same format as --data, cut at --seq-len), not the "
+                         "training file")
+    kv.add_argument("--valid-sequences", type=int, default=None,
+                    help=f"with --allocate: validation sequences measured (default {VALID_SEQUENCES}; each head costs "
+                         f"one forward over them)")
     kv.add_argument("--no-balance", action="store_true",
                     help="do not balance keep/drop decisions in L_score (then several processes take "
                          "exactly the steps of one)")
@@ -181,6 +206,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
 
 
+VALID_SEQUENCES = 8
+"""``--allocate``'s default number of validation sequences."""
+
 KEEP_MARGIN = 0.25
 """A DMS run warns when the mean keep fraction of its last :data:`KEEP_STEPS` steps is further than this
 fraction of the target from the target (e.g. outside 0.094-0.156 for --target-keep 0.125)."""
@@ -220,6 +248,24 @@ def _check_args(args: argparse.Namespace) -> None:
             _fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if not args.data and not args.task:
         _fail("give the training data: --data FILE.jsonl or --task")
+    adaptive = args.head_budgets is not None or args.allocate is not None
+    if args.method == "dms" and adaptive:
+        _fail(f"{'--head-budgets' if args.head_budgets else '--allocate'} is for --method kvpop (DMS's gates decide "
+              f"per token, with no fixed budget per head)")
+    for name in ("min_k", "valid_data", "valid_sequences"):
+        if getattr(args, name) is not None and args.allocate is None:
+            _fail(f"--{name.replace('_', '-')} is an option of --allocate (give --allocate ablation, or leave it out)")
+    if args.min_k is not None and args.min_k < 0:
+        _fail(f"--min-k must be >= 0, got {args.min_k}")
+    if args.valid_sequences is not None and args.valid_sequences < 1:
+        _fail(f"--valid-sequences must be >= 1, got {args.valid_sequences}")
+    if args.allocate is not None and args.valid_data is None and not args.task:
+        _fail(f"--allocate {args.allocate} measures each head's importance on validation data, never on the training "
+              f"data: give --valid-data FILE.jsonl (records held out from --data)")
+    if args.valid_data is not None and args.data is not None and \
+            Path(args.valid_data).resolve() == Path(args.data).resolve():
+        _fail(f"--valid-data {args.valid_data} is the training file --data: the allocation must be measured on "
+              f"held-out records")
     if args.method == "kvpop" and args.seq_len <= args.budget:
         _fail(f"--seq-len ({args.seq_len}) must be larger than --budget ({args.budget}): a sequence of at most "
               f"budget tokens evicts nothing, so the scorers get no training signal")
@@ -303,15 +349,23 @@ def _data(args: argparse.Namespace, model, source: Path | None):
         if model.config.vocab_size < T.VOCAB_SIZE:
             _fail(f"--task needs a vocabulary of >= {T.VOCAB_SIZE} tokens; the model has {model.config.vocab_size}")
         return T.TaskBatches(args.seq_len, args.batch_size)
+    seqs = _sequences(args, args.data, model, source)
+    return data_io.make_batches(seqs, args.batch_size, seed=args.seed, source=args.data)
+
+
+def _sequences(args: argparse.Namespace, path: str, model, source: Path | None) -> list:
+    """The records of the JSONL file ``path`` cut into ``--seq-len`` sequences (``--pack`` as given)."""
+    from kvpop.training import data as data_io
+
     tok_holder: dict = {}
 
     def tokenizer():
         if source is None:
-            _fail(f"{args.data} has text records but --tiny has no tokenizer; give token ids or --model DIR")
+            _fail(f"{path} has text records but --tiny has no tokenizer; give token ids or --model DIR")
         tok_holder["tok"] = data_io.load_tokenizer(source)
         return tok_holder["tok"]
 
-    records = data_io.read_jsonl(args.data, vocab_size=model.config.vocab_size, tokenizer=tokenizer,
+    records = data_io.read_jsonl(path, vocab_size=model.config.vocab_size, tokenizer=tokenizer,
                                  tokenizer_source=str(source))
     sep = None
     if args.pack:
@@ -319,8 +373,85 @@ def _data(args: argparse.Namespace, model, source: Path | None):
         sep = getattr(tok, "eos_token_id", None) if tok is not None else getattr(model.config, "eos_token_id", None)
         if isinstance(sep, list):
             sep = sep[0] if sep else None
-    seqs = data_io.chunk(records, args.seq_len, pack=args.pack, sep_id=sep, source=args.data)
-    return data_io.make_batches(seqs, args.batch_size, seed=args.seed, source=args.data)
+    return data_io.chunk(records, args.seq_len, pack=args.pack, sep_id=sep, source=path)
+
+
+def _valid_batches(args: argparse.Namespace, model, source: Path | None) -> tuple[list, str]:
+    """``--allocate``'s validation token ids (batches of ``--batch-size``) and what they are, in words:
+    ``--valid-data`` cut at ``--seq-len``, or with ``--task`` (and no file) the task's validation seeds."""
+    import torch
+
+    n = args.valid_sequences or VALID_SEQUENCES
+    if args.valid_data is not None:
+        try:
+            seqs = _sequences(args, args.valid_data, model, source)[:n]
+        except ValueError as e:
+            _fail(f"--valid-data: {e}")
+        what = f"{len(seqs)} sequence(s) of {args.seq_len} tokens from {args.valid_data}"
+    else:
+        from kvpop.demo import task as T
+
+        seqs = list(T.make_batch([T.valid_seed(i) for i in range(n)], args.seq_len)["input_ids"])
+        what = f"{n} validation sequence(s) of the task (valid_seed(0..{n - 1})), {args.seq_len} tokens"
+    if not seqs:
+        _fail(f"--valid-data {args.valid_data} gives no sequence of --seq-len {args.seq_len} tokens")
+    b = args.batch_size
+    return [torch.stack(seqs[i:i + b]) for i in range(0, len(seqs), b)], what
+
+
+def _head_budgets(args: argparse.Namespace, kv_cfg, model, source: Path | None, out: Path):
+    """The run's config with head-adaptive budgets (``--head-budgets`` / ``--allocate``) and the document to
+    write as ``OUT/head_budgets.json`` (``None``: nothing new to write)."""
+    import time
+
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, ablation_importance, allocate, read_head_budgets
+    from kvpop.core.patching import check_head_budgets
+
+    if args.head_budgets is not None:
+        flag, path = f"--head-budgets {args.head_budgets}", args.head_budgets
+    else:
+        flag, path = f"--allocate {args.allocate} --resume", out / HEAD_BUDGETS_FILE
+    if args.head_budgets is not None or args.resume:
+        if args.head_budgets is None and not path.is_file():
+            _fail(f"{flag}: {path} is missing (it holds the budgets the first run chose and trained with); restore it")
+        try:
+            hb = read_head_budgets(path)
+        except ValueError as e:
+            _fail(f"{flag}: {e}")
+        if hb["budget"] != args.budget:
+            rows = hb["head_budgets"]
+            _fail(f"{flag}: the budgets hold a mean of {hb['budget']} entries per head ({sum(map(sum, rows))} "
+                  f"over {len(hb['head_budgets'])} layers x {len(hb['head_budgets'][0])} KV heads), --budget is "
+                  f"{args.budget}: give --budget {hb['budget']}")
+        try:
+            cfg = kv_cfg.replace(head_budgets=hb["head_budgets"])
+            check_head_budgets(cfg, model)
+        except (TypeError, ValueError) as e:
+            _fail(f"{flag}: {e}")
+        doc = None
+        if args.head_budgets is not None:
+            doc = {k: v for k, v in hb.items() if k not in ("head_budgets", "budget")}
+            doc.setdefault("rule", "given")
+            doc["source"] = str(Path(path).resolve())
+        return cfg, (hb["head_budgets"], doc)
+    batches, what = _valid_batches(args, model, source)
+    measure = kv_cfg.replace(mask_source="teacher", target_source="teacher")
+    t0 = time.time()
+    try:  # the model as loaded is the frozen original: its own exact label is the mask
+        imp = ablation_importance(model, batches, config=measure, teacher=model)
+        L, H = imp.shape
+        rows = allocate(imp, total=L * H * args.budget, sinks=args.sinks, window=args.window, min_k=args.min_k or 0)
+    except (TypeError, ValueError) as e:
+        _fail(f"--allocate {args.allocate}: {e}")
+    doc = {"importance": imp.tolist(), "min_k": args.min_k or 0, "granularity": 1, "rule": "ablation",
+           "measured_on": what,
+           "measure": "kvpop.core.budgets.ablation_importance: the rise of the mean next-token NLL (nats) when one "
+                      "head alone keeps no long-range slot; mask: the run's label (--label, --eps, --gamma-init) "
+                      "computed exactly from the model's dense attention (mask_source='teacher', "
+                      "target_source='teacher'); "
+                      "the model as loaded, before training",
+           "wall_s": round(time.time() - t0, 1)}
+    return kv_cfg.replace(head_budgets=rows), (rows, doc)
 
 
 def _fingerprint(args: argparse.Namespace) -> str | None:
@@ -393,7 +524,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _check_outputs(args: argparse.Namespace, out: Path) -> None:
     """Nothing in the way of what the run writes (a file where the model folder goes, a folder where a file goes)."""
-    files = ["last.pt", "history.jsonl", "args.json",
+    files = ["last.pt", "history.jsonl", "args.json", "head_budgets.json",
              "gates.safetensors" if args.method == "dms" else "scorers.safetensors"]
     for name in files:
         if (out / name).is_dir():
@@ -460,6 +591,10 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
             data = _data(args, model, source)
         except ValueError as e:
             _fail(str(e))
+        chosen = None
+        if args.method == "kvpop" and (args.head_budgets is not None or args.allocate is not None):
+            kv_cfg, chosen = _head_budgets(args, kv_cfg, model, source, out)
+            method = KVpopMethod(kv_cfg)
         torch.manual_seed(args.seed)  # the scorers' initialisation
         try:
             method.attach(model)
@@ -482,6 +617,13 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                 saved = {**_comparable(_arg_dict(args)), "out": str(out.resolve())}
                 text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
                 atomic_write(out / "args.json", lambda f: f.write(text), binary=False)
+            if chosen is not None and chosen[1] is not None:
+                from kvpop.core.budgets import HEAD_BUDGETS_FILE, write_head_budgets
+
+                write_head_budgets(out / HEAD_BUDGETS_FILE, chosen[0], **chosen[1])
+                if args.allocate is not None:
+                    print(f"kvpop train: --allocate {args.allocate}: per-head budgets {[list(r) for r in chosen[0]]} "
+                          f"(mean {args.budget}); wrote {out / HEAD_BUDGETS_FILE}", file=sys.stderr)
         try:
             hist = train(model, data, tcfg, resume=args.resume, method=method)  # writes last.pt, history.jsonl
         except TrainingInterrupted as e:

@@ -44,6 +44,7 @@ class Trained:
     model: Path | None = None
     config: Any = None  # KVpopConfig or DMSConfig
     extra: dict = field(default_factory=dict)
+    head_plan: dict | None = None  # the run's head_budgets.json (kvpop.core.budgets.read_head_budgets)
 
     def summary(self) -> dict:
         """What ``results.json`` records of the training (``trained``)."""
@@ -55,6 +56,10 @@ class Trained:
                 out["target_keep"] = c.target_keep
             else:
                 out["budget"] = c.budget
+                if getattr(c, "head_budgets", None) is not None:
+                    out["head_budgets"] = [list(r) for r in c.head_budgets]
+                    if self.head_plan is not None and self.head_plan.get("rule"):
+                        out["head_budgets_rule"] = self.head_plan["rule"]
         return out
 
 
@@ -79,7 +84,7 @@ def _infer(d: Path, source: str) -> Trained:
                                  f"(fixed-finetune) but {d / MODEL_DIR} holds no model")
             return Trained("fixed-finetune", source, model=model, config=cfg)
         name = next(p for p, s in SCORER_OF.items() if s == cfg.scorer and p.endswith("-joint") == (model is not None))
-        return Trained(name, source, scorers=d / SCORERS_FILE, model=model, config=cfg)
+        return Trained(name, source, scorers=d / SCORERS_FILE, model=model, config=cfg, head_plan=_head_plan(d, cfg))
     if model is not None:
         done = d / "done.json"  # kvpop demo's retrofit directories say which policy they are
         policy = None
@@ -94,6 +99,38 @@ def _infer(d: Path, source: str) -> Trained:
                          f"e.g. --run fixed-finetune={d}")
     raise ValueError(f"--run {source}: {d} holds no trained run (expected {SCORERS_FILE}, {GATES_FILE} or "
                      f"{MODEL_DIR}/, what kvpop train --out writes)")
+
+
+def _head_plan(d: Path, cfg: Any) -> dict | None:
+    """The run's ``head_budgets.json`` (``kvpop train --head-budgets`` / ``--allocate``) when its scorers were
+    trained with ``head_budgets``; its rows must be theirs."""
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets
+
+    path = d / HEAD_BUDGETS_FILE
+    if cfg.head_budgets is None or not path.is_file():
+        return None
+    plan = read_head_budgets(path)
+    if plan["head_budgets"] != cfg.head_budgets:
+        raise ValueError(f"{path} holds head_budgets {[list(r) for r in plan['head_budgets']]}, but the scorers in "
+                         f"{d / SCORERS_FILE} were trained with {[list(r) for r in cfg.head_budgets]}: the file is "
+                         f"not this run's")
+    return plan
+
+
+def check_head_budgets_at(trained: dict, budgets: list[int] | None) -> None:
+    """``ValueError`` before any work when a run trained with ``head_budgets`` is to be evaluated at a budget
+    other than its own without the importance to share the new total (its ``head_budgets.json``)."""
+    for t in trained.values():
+        c = t.config
+        if getattr(c, "head_budgets", None) is None or t.scorers is None:
+            continue
+        other = sorted({int(b) for b in budgets or ()} - {c.budget})
+        if other and (t.head_plan is None or t.head_plan.get("importance") is None):
+            raise ValueError(
+                f"{t.policy} ({t.source}) was trained with head_budgets (per-head budgets of mean {c.budget}, fixed at "
+                f"retrofit time); budget(s) {other} need the importance they were allocated from to share another "
+                f"total, and the run has no head_budgets.json with an \"importance\" table (kvpop train --allocate "
+                f"writes one): evaluate it at --budgets {c.budget}")
 
 
 def read_run(spec: str) -> Trained:
@@ -160,9 +197,11 @@ def parse_ints(s: str | None) -> list[int] | None:
 
 
 def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, window: int, budget: int,
-                   load) -> dict:
+                   load, budgets: list[int] | None = None) -> dict:
     """policy -> model for every policy of ``cfg_policies`` that has what it needs (``trained``: policy ->
-    :class:`kvpop.cli.trained.Trained`); a policy named in ``wanted`` without it raises ValueError."""
+    :class:`kvpop.cli.trained.Trained`); a policy named in ``wanted`` without it raises ValueError, as does a
+    run with ``head_budgets`` that cannot be shared at one of ``budgets`` (:func:`check_head_budgets_at`)."""
+    check_head_budgets_at({p: t for p, t in trained.items() if p in cfg_policies}, [budget, *(budgets or ())])
     models = {"dense": base}
     shared = None
     for p in cfg_policies:
@@ -193,7 +232,7 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
             models[p] = shared
             continue
         models[p] = E.policy_model(base, p, scorers=t.scorers if t is not None else None, finetuned=ft, sinks=sinks,
-                                   window=window, budget=budget)
+                                   window=window, budget=budget, head_plan=t.head_plan if t is not None else None)
     return models
 
 

@@ -16,11 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import set_teacher_targets, teacher_targets
 from .config import KVpopConfig, _int
 from .layer import kvpop_layers
 from .patching import patched
 
-__all__ = ["allocate", "uniform", "ablation_importance"]
+__all__ = ["allocate", "uniform", "ablation_importance", "rescale", "set_importance", "rebudget",
+           "read_head_budgets", "write_head_budgets", "HEAD_BUDGETS_FILE"]
+
+HEAD_BUDGETS_FILE = "head_budgets.json"
+"""What ``kvpop train --allocate`` writes into the run directory (and ``kvpop eval --run`` reads back)."""
 
 
 def uniform(L: int, H: int, budget: int) -> tuple[tuple[int, ...], ...]:
@@ -145,20 +150,37 @@ def _check_batches(batches: Iterable[Any]) -> list[torch.Tensor]:
     return out
 
 
-def _mean_nll(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
-    """Teacher-forced next-token NLL, the mean over every predicted token of every batch (float64 sums)."""
+def _exact_targets(teacher: nn.Module, config: KVpopConfig, ids: torch.Tensor,
+                   device: torch.device) -> dict[int, torch.Tensor]:
+    """The frozen ``teacher``'s exact label of every layer for one batch (``kvpop.teacher_targets``)."""
+    with torch.no_grad(), teacher_targets(teacher, config) as store:
+        teacher(ids.to(device=device, dtype=torch.long), use_cache=False)
+    return dict(store)
+
+
+def _mean_nll(model: nn.Module, batches: list[torch.Tensor], device: torch.device,
+              targets: list[dict[int, torch.Tensor]] | None = None) -> float:
+    """Teacher-forced next-token NLL, the mean over every predicted token of every batch (float64 sums);
+    ``targets``: each batch's teacher targets (``set_teacher_targets``), or ``None``."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids in batches:
+        for i, ids in enumerate(batches):
             ids = ids.to(device=device, dtype=torch.long)
-            logits = model(ids).logits[:, :-1].float()
+            if targets is not None:
+                set_teacher_targets(model, targets[i])
+            try:
+                logits = model(ids).logits[:, :-1].float()
+            finally:
+                if targets is not None:
+                    set_teacher_targets(model, None)
             total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                            reduction="sum").double())
             count += ids[:, 1:].numel()
     return total / count
 
 
-def ablation_importance(model: nn.Module, batches: Iterable[torch.Tensor], *, config: KVpopConfig) -> torch.Tensor:
+def ablation_importance(model: nn.Module, batches: Iterable[torch.Tensor], *, config: KVpopConfig,
+                        teacher: nn.Module | None = None) -> torch.Tensor:
     """Importance of each (layer, KV head)'s long-range slots: float64 ``[L, H]``, ``>= 0``.
 
     Entry ``[l, h]`` is how much the model's mean next-token NLL (teacher-forced, over every predicted
@@ -172,15 +194,27 @@ def ablation_importance(model: nn.Module, batches: Iterable[torch.Tensor], *, co
     padding; ``S`` above ``config.budget``, or nothing is evicted and every entry is 0).  ``L * H + 1``
     forwards under ``torch.no_grad()`` in eval mode (the model's mode is restored); deterministic where the
     forward is.  Feed the result to :func:`allocate`.
+
+    ``teacher``: the frozen, unpatched original, needed when ``config.target_source == "teacher"`` with
+    ``mask_source="teacher"`` (the oracle of the exact label: its targets are computed once per batch
+    under :func:`kvpop.teacher_targets`, before ``model`` is patched, so an unpatched ``model`` may be its own
+    teacher, and handed to every forward); ``ValueError`` without it.
     """
     if not isinstance(config, KVpopConfig):
         raise TypeError(f"config must be a kvpop.KVpopConfig, got {type(config).__name__}")
     ids = _check_batches(batches)
     base = config.replace(head_budgets=None) if config.head_budgets is not None else config
+    exact = base.target_source == "teacher" and base.mask_source == "teacher"
+    if exact and teacher is None:
+        raise ValueError("config has mask_source='teacher' and target_source='teacher' (the exact label of the "
+                         "frozen original as the mask): pass teacher= (the unpatched original model), or "
+                         "target_source='student' (the label from the measured model's own attention)")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
+        # before the patch: the teacher may be the unpatched model itself
+        targets = [_exact_targets(teacher, base, x, device) for x in ids] if exact else None
         with patched(model, base):
             layers = kvpop_layers(model)
             heads = {layer.num_kv_heads for layer in layers}
@@ -188,15 +222,148 @@ def ablation_importance(model: nn.Module, batches: Iterable[torch.Tensor], *, co
                 raise ValueError(f"ablation_importance needs the same number of KV heads in every layer, got "
                                  f"{sorted(heads)}")
             H = heads.pop()
-            baseline = _mean_nll(model, ids, device)
+            baseline = _mean_nll(model, ids, device, targets)
             out = torch.zeros(len(layers), H, dtype=torch.float64)
             for li, layer in enumerate(layers):
                 for h in range(H):
                     layer.k_override = tuple(0 if j == h else base.k for j in range(H))
                     try:
-                        out[li, h] = max(0.0, _mean_nll(model, ids, device) - baseline)
+                        out[li, h] = max(0.0, _mean_nll(model, ids, device, targets) - baseline)
                     finally:
                         layer.k_override = None
     finally:
         model.train(was_training)
     return out
+
+
+# ------------------------------------------------------------------------------ re-budgeting and files
+def rescale(config: KVpopConfig, budget: int, *, importance: Any = None, min_k: int = 0,
+            granularity: int = 1) -> KVpopConfig:
+    """``config`` at mean budget ``budget``.
+
+    Uniform configs: ``config.replace(budget=budget)``.  With ``head_budgets``: ``config`` itself at its own
+    budget; at another, the rows allocated anew from the ``importance`` they were chosen by
+    (:func:`allocate` at the total ``L * H * budget`` with ``min_k`` and ``granularity``); without an
+    importance, ``ValueError`` (the rows hold the old total, and scaling them by hand would change which
+    heads hold the slots)."""
+    if not isinstance(config, KVpopConfig):
+        raise TypeError(f"config must be a kvpop.KVpopConfig, got {type(config).__name__}")
+    _int("budget", budget, 1)
+    if config.head_budgets is None:
+        return config if budget == config.budget else config.replace(budget=budget)
+    if budget == config.budget:
+        return config
+    if importance is None:
+        raise ValueError(f"the config has head_budgets (per-head budgets of mean {config.budget}, fixed at retrofit "
+                         f"time); budget {budget} needs the importance they were allocated from to share the new "
+                         f"total ({HEAD_BUDGETS_FILE} with an \"importance\" table, which kvpop train --allocate "
+                         f"writes into the run directory), or evaluate at budget {config.budget}")
+    L, H = len(config.head_budgets), len(config.head_budgets[0])
+    arr = _scores_array(importance)
+    if arr.shape != (L, H):
+        raise ValueError(f"importance has shape {tuple(arr.shape)}; the head_budgets are {L} layers x {H} KV heads")
+    rows = allocate(arr, total=L * H * budget, sinks=config.sinks, window=config.window, min_k=min_k,
+                    granularity=granularity)
+    return config.replace(budget=budget, head_budgets=rows)
+
+
+_PLAN = "_kvpop_budget_plan"
+
+
+def set_importance(model: nn.Module, importance: Any, *, min_k: int = 0, granularity: int = 1) -> None:
+    """Remember on a patched ``model`` the importance its ``head_budgets`` were allocated from, so that
+    :func:`rebudget` can share another total the same way (and come back to the current rows exactly)."""
+    from .patching import get_config
+
+    cfg = get_config(model)
+    if cfg.head_budgets is None:
+        raise ValueError("set_importance: the model's config has no head_budgets (uniform budgets need none)")
+    arr = _scores_array(importance)
+    L, H = len(cfg.head_budgets), len(cfg.head_budgets[0])
+    if arr.shape != (L, H):
+        raise ValueError(f"importance has shape {tuple(arr.shape)}; the head_budgets are {L} layers x {H} KV heads")
+    _int("min_k", min_k, 0)
+    _int("granularity", granularity, 1)
+    setattr(model, _PLAN, {"importance": arr, "min_k": min_k, "granularity": granularity, "home": cfg})
+
+
+def rebudget(model: nn.Module, budget: int) -> nn.Module:
+    """Re-patch a patched ``model`` at mean budget ``budget`` (its scorers kept): ``kvpop.patch(model,
+    budget=...)`` for uniform budgets; with ``head_budgets``, the rows of :func:`rescale` from the importance
+    given to :func:`set_importance` (the original rows at the original budget), else ``ValueError``."""
+    from .patching import get_config, patch
+
+    cfg = get_config(model)
+    if budget == cfg.budget:
+        return model
+    if cfg.head_budgets is None:
+        return patch(model, budget=int(budget))
+    plan = getattr(model, _PLAN, None)
+    if plan is not None and plan["home"].budget == budget:
+        return patch(model, plan["home"])
+    new = rescale(cfg, int(budget), importance=None if plan is None else plan["importance"],
+                  min_k=0 if plan is None else plan["min_k"], granularity=1 if plan is None else plan["granularity"])
+    return patch(model, new)
+
+
+def read_head_budgets(path: Any) -> dict[str, Any]:
+    """A head-budgets file: a JSON list of lists (per layer, per KV head budgets), or an object with a
+    ``"head_budgets"`` key (what :func:`write_head_budgets` writes: also ``"importance"`` ``[L, H]``,
+    ``"min_k"``, ``"granularity"``).  Returns ``{"head_budgets": rows (tuples), "importance": [L, H] list or
+    None, "min_k": int, "granularity": int, ...the file's other keys}``; ``ValueError`` naming the file
+    for anything else (the rows are checked against a model by ``kvpop.patch``)."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{p}: no such file") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{p}: cannot read it as JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    out: dict[str, Any] = {"importance": None, "min_k": 0, "granularity": 1}
+    if isinstance(data, dict):
+        if "head_budgets" not in data:
+            raise ValueError(f"{p}: a JSON object needs a \"head_budgets\" key (one list of budgets per layer); "
+                             f"got keys {sorted(data)[:10]}")
+        out.update(data)
+        rows = data["head_budgets"]
+    else:
+        rows = data
+    ok = (isinstance(rows, list) and rows and all(isinstance(r, list) and r for r in rows)
+          and all(isinstance(b, int) and not isinstance(b, bool) for r in rows for b in r))
+    if not ok:
+        raise ValueError(f"{p}: head_budgets must be a non-empty list (one per layer) of non-empty lists of "
+                         f"integers (one budget per KV head), got {json.dumps(rows)[:200]}")
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError(f"{p}: every layer needs one budget per KV head (the same count), got rows of lengths "
+                         f"{[len(r) for r in rows]}")
+    total, n = sum(map(sum, rows)), len(rows) * len(rows[0])
+    if total % n:
+        raise ValueError(f"{p}: the budgets sum to {total}, not a multiple of layers x heads = {n}: they must hold "
+                         f"the uniform total layers x heads x budget")
+    out["head_budgets"] = tuple(tuple(r) for r in rows)
+    out["budget"] = total // n
+    if out["importance"] is not None:
+        arr = _scores_array(out["importance"])
+        if arr.shape != (len(rows), len(rows[0])):
+            raise ValueError(f"{p}: importance has shape {tuple(arr.shape)}, head_budgets {len(rows)} x "
+                             f"{len(rows[0])}")
+    for key in ("min_k", "granularity"):
+        _int(f"{p}: {key}", out[key], 0 if key == "min_k" else 1)
+    return out
+
+
+def write_head_budgets(path: Any, head_budgets: Any, *, importance: Any = None, min_k: int = 0,
+                       granularity: int = 1, **extra: Any) -> None:
+    """Write a head-budgets file (:func:`read_head_budgets` reads it back), atomically."""
+    import json
+
+    from .files import atomic_write
+
+    doc = {"head_budgets": [list(r) for r in head_budgets], "budget": sum(map(sum, head_budgets)) //
+           (len(head_budgets) * len(head_budgets[0])), "min_k": min_k, "granularity": granularity,
+           "importance": None if importance is None else _scores_array(importance).tolist(), **extra}
+    text = json.dumps(doc, indent=1) + "\n"
+    atomic_write(path, lambda f: f.write(text), binary=False)

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kvpop.core.budgets import rebudget
 from kvpop.core.cache import KVpopCache
-from kvpop.core.patching import get_config, is_patched, patch
+from kvpop.core.patching import get_config, is_patched
 from kvpop.models import cache_kwarg_name
 
 __all__ = ["decode_predictions", "decode_check", "DECODE_POLICIES"]
@@ -96,7 +97,7 @@ def decode_predictions(model: nn.Module, ids: torch.Tensor, policy: str, budget:
     if not is_patched(model):
         raise ValueError(f"policy {policy!r} needs a kvpop-patched model (see kvpop.demo.evaluate.policy_model)")
     if budget is not None and get_config(model).budget != budget:
-        patch(model, budget=int(budget))
+        rebudget(model, int(budget))
     p = max(1, get_config(model).sinks) if prompt is None else prompt
     _check_prompt(p, ids.shape[1])
     return _decode_kvpop(model, ids, CACHE_POLICY[policy], p)

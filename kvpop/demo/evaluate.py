@@ -58,6 +58,7 @@ from kvpop.baselines.dms.budget import calibrate_threshold as dms_calibrate
 from kvpop.baselines.dms.budget import dms_logits, dms_policy_model
 from kvpop.baselines.dms.budget import mean_entries as dms_mean_entries
 from kvpop.baselines.dms.budget import row_stats as dms_row_stats
+from kvpop.core.budgets import rebudget, set_importance
 from kvpop.core.cache import KVpopCache
 from kvpop.core.checkpoint import load_scorers, read_scorer_config
 from kvpop.core.patching import get_config, is_patched, patch, unpatch
@@ -200,11 +201,14 @@ def load_base_model(path: str | os.PathLike | None = None) -> nn.Module:
 
 def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | None = None,
                  finetuned: nn.Module | None = None, sinks: int = DEFAULT_SINKS, window: int = DEFAULT_WINDOW,
-                 budget: int = 256) -> nn.Module:
+                 budget: int = 256, head_plan: dict | None = None) -> nn.Module:
     """The model that serves ``policy`` (a patched copy; ``dense`` -> ``base`` itself, unpatched).
 
     ``scorers``: a scorer file (``kvpop.save_scorers``) for ``kvpop-mlp``/``kvpop-mlstm``;
     ``finetuned``: a fine-tuned model to use instead of ``base`` (``fixed-finetune`` needs one).
+    Scorers trained with ``head_budgets`` keep them at their own budget; at another ``budget`` they are
+    shared anew from ``head_plan`` (``kvpop.core.budgets.read_head_budgets``'s dict with an ``importance``,
+    e.g. the run's ``head_budgets.json``; :func:`kvpop.core.budgets.rebudget`), else ``ValueError``.
     """
     _check_policies([policy])
     if policy == "dense":
@@ -229,8 +233,16 @@ def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | N
         if cfg.scorer == "mlstm" and cfg.window != window:
             raise ValueError(f"the mLSTM scorers in {scorers} were trained with window={cfg.window}; "
                              f"evaluate with the same window (got window={window})")
-        patch(model, cfg, sinks=sinks, window=window, budget=budget)
-        load_scorers(model, scorers)
+        if cfg.head_budgets is None:
+            patch(model, cfg, sinks=sinks, window=window, budget=budget)
+            load_scorers(model, scorers)
+        else:  # the rows fixed at retrofit time; another budget shares the importance they came from
+            patch(model, cfg, sinks=sinks, window=window)
+            load_scorers(model, scorers)
+            if head_plan is not None and head_plan.get("importance") is not None:
+                set_importance(model, head_plan["importance"], min_k=head_plan.get("min_k", 0),
+                               granularity=head_plan.get("granularity", 1))
+            rebudget(model, budget)
     else:
         patch(model, sinks=sinks, window=window, budget=budget, scorer="mlp")  # scorer unused
     return model.eval()
@@ -247,7 +259,8 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget
     ``dense``, ``tova`` and ``h2o`` (:data:`BATCHED`) also take a batch ``[n, L]`` of sequences of one length
     (the batched cache decodes them together, each row evicting on its own; ``[n, L, V]`` logits).
     ``model`` is :func:`policy_model`'s model for ``policy``; ``budget`` re-budgets it with
-    ``kvpop.patch(model, budget=...)`` first.  ``dms``/``dms-test-calibrated``: at gate ``threshold`` when
+    ``kvpop.core.budgets.rebudget(model, budget)`` first (``kvpop.patch(model, budget=...)``, or new head
+    budgets from the importance of the old ones).  ``dms``/``dms-test-calibrated``: at gate ``threshold`` when
     given, else at the threshold calibrated on this sequence to mean budget ``budget``.
     """
     ids = input_ids
@@ -273,7 +286,7 @@ def policy_logits(model: nn.Module, input_ids: torch.Tensor, policy: str, budget
     if not is_patched(model):
         raise ValueError(f"policy {policy!r} needs a kvpop-patched model (see policy_model)")
     if budget is not None and get_config(model).budget != budget:
-        patch(model, budget=int(budget))
+        rebudget(model, int(budget))  # head_budgets: shared anew from their importance (policy_model)
     cache = KVpopCache(model, policy=CACHE_POLICY[policy])
     return model(ids, **{cache_kwarg_name(): cache}).logits
 
@@ -474,10 +487,11 @@ def format_table(results: dict) -> str:
 
 def trained_label(results: dict, policy: str) -> str:
     """What ``results['trained'][policy]`` (``kvpop eval``'s record of the runs) says the policy was trained
-    at: ``B=96`` for a fixed-budget retrofit, ``keep 0.125`` for DMS, ``-`` when unknown or untrained."""
+    at: ``B=96`` for a fixed-budget retrofit (``B=96 adaptive`` with head-adaptive budgets of mean 96),
+    ``keep 0.125`` for DMS, ``-`` when unknown or untrained."""
     t = (results.get("trained") or {}).get(policy) or {}
     if "budget" in t:
-        return f"B={t['budget']}"
+        return f"B={t['budget']}" + (" adaptive" if t.get("head_budgets") else "")
     if "target_keep" in t:
         return f"keep {t['target_keep']:g}"
     return "-"

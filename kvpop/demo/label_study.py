@@ -18,7 +18,12 @@ Stages (settings chosen on validation sequences, the test sequences used once):
    ``decay_range_for_context`` (``--span-nats`` over the training length); validation accuracy every
    ``--eval-every`` steps, the best state kept (early stopping with ``--patience`` evaluations).
 3. ``test``: the chosen oracle cell, the seed's label at the same decay, and each scorer's best state
-   on the test sequences, once.
+   on the test sequences, once.  With ``--head-adaptive ablation`` also head-adaptive budgets
+   (docs/DESIGN.md section 7): for the oracle of the mean and of the max label at the chosen decay and
+   for each scorer, the importance of every (layer, KV head) by ``kvpop.core.budgets.ablation_importance``
+   on the *validation* sequences under that policy's own mask (the oracle's exact label, or the scorer),
+   ``allocate`` at the same total (``--min-k``), and the test accuracy with those ``head_budgets`` beside
+   the uniform one; the importance and the budgets are saved in the output (``head_adaptive``).
 
 ::
 
@@ -38,6 +43,7 @@ import torch
 from torch import nn
 
 from kvpop.core.attention import set_teacher_targets, teacher_targets
+from kvpop.core.budgets import ablation_importance, allocate, rebudget
 from kvpop.core.checkpoint import load_scorers, read_scorer_config, save_scorers
 from kvpop.core.config import KVpopConfig, decay_range_for_context
 from kvpop.core.layer import kvpop_layers
@@ -50,7 +56,7 @@ TASKS = {"lookahead": lookahead_task, "kvtrace": task}
 T = lookahead_task  # the task of the functions below; main() rebinds it from --task
 
 __all__ = ["LABEL_GRID", "GAMMA_GRID", "fixed_decay", "oracle_config", "accuracy", "oracle_grid",
-           "train_scorer", "main"]
+           "train_scorer", "head_adaptive", "main"]
 
 LABEL_GRID = (("mean", 1.0), ("max", 1.0), ("power", 2.0), ("power", 4.0), ("power", 8.0))
 GAMMA_GRID = (0.999999, 0.9999, 0.999, 0.995, 0.99)
@@ -169,6 +175,27 @@ def train_scorer(base: nn.Module, scorer: str, *, label: str, power: float, gamm
             "config": cfg.to_dict(), "train_wall_s": round(time.time() - t0, 1)}
 
 
+def head_adaptive(base: nn.Module, model: nn.Module, valid: dict, test: dict, *, min_k: int = 0,
+                  chunk: int = 16) -> dict[str, Any]:
+    """Head-adaptive budgets for one policy: ``model`` patched with its uniform config (the oracle's or a
+    scorer's) at the budget to share.  The importance of every (layer, KV head) by ``ablation_importance``
+    on ``valid`` (the policy's own mask; the oracle's exact label from ``base``), ``allocate`` at the same
+    total with ``min_k``, then the accuracy on ``test`` with those budgets and with the uniform ones."""
+    cfg = kvpop_layers(model)[0].config
+    t0 = time.time()
+    ids = valid["input_ids"]
+    imp = ablation_importance(model, [ids[i:i + chunk] for i in range(0, ids.shape[0], chunk)], config=cfg,
+                              teacher=base)
+    L, H = imp.shape
+    rows = allocate(imp, total=L * H * cfg.budget, sinks=cfg.sinks, window=cfg.window, min_k=min_k)
+    uniform_acc = accuracy(base, model, test)
+    adaptive = copy.deepcopy(model)
+    patch(adaptive, cfg.replace(head_budgets=rows))
+    return {"importance": imp.tolist(), "head_budgets": [list(r) for r in rows], "min_k": min_k,
+            "uniform_accuracy": uniform_acc, "adaptive_accuracy": accuracy(base, adaptive, test),
+            "wall_s": round(time.time() - t0, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpop.demo.label_study", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=sorted(TASKS), default="lookahead")
@@ -196,8 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-dir", default=None, help="write each trained scorer's best state here (NAME.safetensors)")
     p.add_argument("--load", action="append", default=[],
                    help="SCORER=FILE: a scorer file saved by an earlier run, for the test stage")
+    p.add_argument("--head-adaptive", choices=("ablation",), default=None,
+                   help="test stage: also head-adaptive budgets chosen by ablation_importance on the validation "
+                        "sequences (the oracle with the mean and the max label, and each scorer)")
+    p.add_argument("--min-k", type=int, default=0, help="--head-adaptive: the fewest long-range slots a head gets")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.min_k < 0:
+        p.error(f"--min-k must be >= 0, got {args.min_k}")
     from kvpop.demo.evaluate import load_base_model
 
     global T
@@ -271,14 +304,29 @@ def main(argv: list[str] | None = None) -> int:
             for s, m in trained.items():
                 c = kvpop_layers(m)[0].config
                 lab = c.label if c.label != "power" else f"power a={c.label_power:g}"
-                rows[f"kvpop-{s} (scorer-only, {lab} label)"] = accuracy(base, patch(m, budget=budget), test)
+                rows[f"kvpop-{s} (scorer-only, {lab} label)"] = accuracy(base, rebudget(m, budget), test)
             rows["dense"] = _dense_accuracy(base, test)
             per_budget[str(budget)] = rows
             print(json.dumps({"budget": budget, **rows}), flush=True)
+            if args.head_adaptive:
+                ha = res.setdefault("head_adaptive", {}).setdefault(str(budget), {})
+                for lab in ("mean", "max"):
+                    m = patch(copy.deepcopy(base), oracle_config(lab, 1.0, choice["gamma"], budget))
+                    ha[f"oracle ({lab} label)"] = head_adaptive(base, m, valid, test, min_k=args.min_k)
+                    print(json.dumps({"budget": budget, f"oracle ({lab} label)": ha[f"oracle ({lab} label)"]}),
+                          flush=True)
+                    save()
+                for s, m in trained.items():
+                    ha[f"kvpop-{s}"] = head_adaptive(base, rebudget(m, budget), valid, test, min_k=args.min_k)
+                    print(json.dumps({"budget": budget, f"kvpop-{s}": ha[f"kvpop-{s}"]}), flush=True)
+                    save()
         rows = per_budget[str(test_budgets[0])]
         res["test"] = rows if len(test_budgets) == 1 else per_budget
         res["test_len"] = test_len
         res["test_wall_s"] = round(time.time() - t0, 1)
+        if args.head_adaptive:
+            res["head_adaptive_rule"] = (f"ablation_importance on the {args.n_valid} validation sequences under each "
+                                         f"policy's own mask, allocate at the same total, min_k={args.min_k}")
         save()
     save()
     return 0

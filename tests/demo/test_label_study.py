@@ -66,3 +66,31 @@ def test_kvtrace_task_and_test_budgets(tmp_path):
         assert 0.0 <= rows["kvpop-mlp (scorer-only, max label)"] <= 1.0
     with pytest.raises(SystemExit):
         L.main(["--task", "kvtrace", "--test-budgets", "a,b", "--out", str(out)])
+
+
+def test_head_adaptive_stage(base, tmp_path):
+    """--head-adaptive ablation: importance on the validation sequences under each oracle's own mask,
+    allocate at the same total, test accuracy with those budgets beside the uniform ones; saved in the output."""
+    import json
+
+    from kvpop.core.budgets import ablation_importance, allocate
+
+    out = tmp_path / "r.json"
+    assert L.main(["--stages", "test", "--choice", "mean:1.0:0.999999", "--head-adaptive", "ablation", "--n-valid",
+                   "2", "--n-test", "2", "--min-k", "2", "--train-len", "256", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    ha = res["head_adaptive"]["64"]
+    assert set(ha) == {"oracle (mean label)", "oracle (max label)"}
+    valid = T.make_batch([T.valid_seed(i) for i in range(2)], 256)
+    test = T.make_batch([T.test_seed(i) for i in range(2)], 256)
+    cfg = L.oracle_config("mean", 1.0, 0.999999, 64)
+    imp = ablation_importance(kvpop.patch(kvpop.make_teacher(base), cfg), [valid["input_ids"]], config=cfg,
+                              teacher=base)
+    r = ha["oracle (mean label)"]
+    assert torch.allclose(imp, torch.tensor(r["importance"], dtype=torch.float64), rtol=0, atol=1e-9)
+    rows = allocate(imp, total=4 * 64, sinks=L.SINKS, window=L.WINDOW, min_k=2)
+    assert [list(x) for x in rows] == r["head_budgets"] and min(min(x) for x in rows) >= L.SINKS + L.WINDOW + 2
+    assert r["uniform_accuracy"] == res["test"]["oracle (mean label)"]
+    m = kvpop.patch(kvpop.make_teacher(base), cfg.replace(head_budgets=rows))
+    assert r["adaptive_accuracy"] == L.accuracy(base, m, test)
+    assert "min_k=2" in res["head_adaptive_rule"]
