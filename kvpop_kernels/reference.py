@@ -196,8 +196,15 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
                         slot_prio: torch.Tensor, leaving_prio: torch.Tensor, *, pos: int,
-                        sinks: int, window: int, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        sinks: int, window: int, scale: float | None = None,
+                        head_budgets: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch-1 decode step over a fixed budget of ``B = s + w + k`` slots per KV head.
+
+    ``head_budgets`` (a sequence of ``Hkv`` ints ``B_h = s + w + k_h``, or a 1-D tensor): the packed
+    layout of head-adaptive budgets, ``k_cache, v_cache [T, D]`` with ``T = sum B_h``, head ``h`` in the
+    slots ``[off_h, off_h + B_h)`` (``off_h`` the prefix sum of the budgets), ``slot_pos [T]``,
+    ``slot_prio [K]`` with ``K = sum k_h`` (head ``h`` at the prefix sum of the ``k``).  Each head runs
+    the step below on its own slots (a plain loop over the heads).
 
     Layout of the slots of each KV head (``B = k_cache.shape[1]``):
 
@@ -222,6 +229,9 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     Updates ``k_cache, v_cache, slot_pos, slot_prio`` in place; returns ``(out [Hq, D] in q's
     dtype, lse float32 [Hq])``.
     """
+    if head_budgets is not None:
+        return _packed_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos=pos,
+                              sinks=sinks, window=window, scale=scale, head_budgets=head_budgets)
     Hq, D = q.shape
     Hkv, B, _ = k_cache.shape
     G = Hq // Hkv
@@ -253,6 +263,27 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     lse = torch.logsumexp(logits, dim=-1)
     out = torch.einsum("hb,hbd->hd", torch.softmax(logits, dim=-1), vv)
     return out.to(q.dtype), lse.float()
+
+
+def _packed_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, *, pos, sinks,
+                   window, scale, head_budgets):
+    """The packed layout: the uniform step on each head's slots (views, so the updates land in place)."""
+    budgets = [int(b) for b in head_budgets]
+    Hkv = len(budgets)
+    G = q.shape[0] // Hkv
+    outs, lses = [], []
+    off = koff = 0
+    for h, b in enumerate(budgets):
+        kh = b - sinks - window
+        o, lse = fixed_budget_decode(
+            q[h * G:(h + 1) * G], k_new[h:h + 1], v_new[h:h + 1], k_cache[off:off + b].unsqueeze(0),
+            v_cache[off:off + b].unsqueeze(0), slot_pos[off:off + b].unsqueeze(0),
+            slot_prio[koff:koff + kh].unsqueeze(0), leaving_prio[h:h + 1], pos=pos, sinks=sinks, window=window,
+            scale=scale)
+        outs.append(o)
+        lses.append(lse)
+        off, koff = off + b, koff + kh
+    return torch.cat(outs), torch.cat(lses)
 
 
 def ragged_paged_decode(q: torch.Tensor, fixed_k: torch.Tensor, fixed_v: torch.Tensor, n_fixed: int,
