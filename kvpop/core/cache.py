@@ -44,7 +44,8 @@ class KVpopCacheLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, *, sinks: int, window: int, budget: int, policy: str = "kvpop"):
+    def __init__(self, *, sinks: int, window: int, budget: int, policy: str = "kvpop",
+                 head_budgets: tuple[int, ...] | None = None):
         super().__init__()
         if budget < sinks + window:
             raise ValueError(f"budget ({budget}) must be >= sinks + window ({sinks + window})")
@@ -52,8 +53,21 @@ class KVpopCacheLayer(CacheLayerMixin):
             raise ValueError(f"budget ({budget}) must be <= {MAX_SLOTS} slots (cache positions are int32)")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if head_budgets is not None:
+            head_budgets = tuple(head_budgets)
+            if policy not in _STATIC:
+                raise ValueError(
+                    f"policy={policy!r} keeps uniform budgets (its attention scores are kept per slot of a "
+                    f"[heads, budget] layout); head_budgets works with the policies {_STATIC}: pass one of them, "
+                    f"or a config without head_budgets")
+            if any(b < sinks + window for b in head_budgets) or sum(head_budgets) > MAX_SLOTS:
+                raise ValueError(f"head_budgets {head_budgets} must each be >= sinks + window ({sinks + window}) "
+                                 f"and sum to at most {MAX_SLOTS} slots")
         self.sinks, self.window, self.budget, self.policy = sinks, window, budget, policy
         self.k = budget - sinks - window
+        # head-adaptive budgets: one packed row of T = sum(B_h) slots per batch row (kvpop_kernels'
+        # packed layout, docs/DESIGN.md section 9); ``budget`` stays the config's mean
+        self.head_budgets = head_budgets
         self.seen = 0  # columns seen (padding included): transformers' view of the sequence length
         # the same count as a device tensor: what a compiled step updates (a Python int changed inside a
         # compiled graph would be a guard, i.e. one recompilation per token); ``seen`` follows it lazily
@@ -69,12 +83,22 @@ class KVpopCacheLayer(CacheLayerMixin):
         dev = key_states.device
         self.device = dev
         self.dtype = key_states.dtype
-        self.keys = torch.zeros(n, hkv, self.budget, d, dtype=key_states.dtype, device=dev)
-        self.values = torch.zeros(n, hkv, self.budget, value_states.shape[-1], dtype=value_states.dtype, device=dev)
-        self.slot_pos = torch.full((n, hkv, self.budget), -1, dtype=torch.int32, device=dev)
-        self.slot_prio = torch.full((n, hkv, self.k), float("-inf"), dtype=torch.float32, device=dev)
+        self.num_kv_heads = hkv
+        if self.head_budgets is None:
+            slots, lr = (n, hkv, self.budget), (n, hkv, self.k)
+        else:
+            if len(self.head_budgets) != hkv:
+                raise ValueError(f"this KVpopCache's head_budgets hold {len(self.head_budgets)} KV heads per layer but "
+                                 f"the model's layer has {hkv}: allocate budgets for this model")
+            T = sum(self.head_budgets)
+            slots, lr = (n, T), (n, T - hkv * (self.sinks + self.window))
+            self._head_offs = torch.tensor([o for o, *_ in self.spans()], dtype=torch.int64, device=dev)
+        self.keys = torch.zeros(*slots, d, dtype=key_states.dtype, device=dev)
+        self.values = torch.zeros(*slots, value_states.shape[-1], dtype=value_states.dtype, device=dev)
+        self.slot_pos = torch.full(slots, -1, dtype=torch.int32, device=dev)
+        self.slot_prio = torch.full(lr, float("-inf"), dtype=torch.float32, device=dev)
         self.ring_prio = torch.full((n, hkv, self.window), float("-inf"), dtype=torch.float32, device=dev)
-        self.score = torch.zeros(n, hkv, self.budget, dtype=torch.float32, device=dev)
+        self.score = torch.zeros(slots, dtype=torch.float32, device=dev)
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self._seen_t = self._seen_t.to(dev)
         self.is_initialized = True
@@ -87,9 +111,9 @@ class KVpopCacheLayer(CacheLayerMixin):
                 f"this KVpopCache holds {self.keys.shape[0]} sequences but the call has batch size "
                 f"{key_states.shape[0]}; use a fresh kvpop.KVpopCache(model) (or cache.reset()) for a new batch"
             )
-        elif key_states.shape[1] != self.keys.shape[1] or key_states.shape[-1] != self.keys.shape[-1]:
+        elif key_states.shape[1] != self.num_kv_heads or key_states.shape[-1] != self.keys.shape[-1]:
             raise ValueError(
-                f"this KVpopCache holds {self.keys.shape[1]} KV heads of size {self.keys.shape[-1]} but the call "
+                f"this KVpopCache holds {self.num_kv_heads} KV heads of size {self.keys.shape[-1]} but the call "
                 f"brings {key_states.shape[1]} of size {key_states.shape[-1]} (another model?); use a fresh "
                 f"kvpop.KVpopCache(model) for each model"
             )
@@ -168,11 +192,15 @@ class KVpopCacheLayer(CacheLayerMixin):
 
     def rows(self, idx: torch.Tensor) -> KVpopCacheLayer:
         """A new layer holding copies of the rows ``idx`` (scatter it back with :meth:`set_rows`)."""
-        sub = KVpopCacheLayer(sinks=self.sinks, window=self.window, budget=self.budget, policy=self.policy)
+        sub = KVpopCacheLayer(sinks=self.sinks, window=self.window, budget=self.budget, policy=self.policy,
+                              head_budgets=self.head_budgets)
         for name in _ROW_STATE:
             setattr(sub, name, getattr(self, name)[idx])
         sub.scorer_state = _map_state(self.scorer_state, lambda t: t[idx])
         sub.device, sub.dtype, sub.is_initialized = self.device, self.dtype, True
+        sub.num_kv_heads = self.num_kv_heads
+        if self.head_budgets is not None:
+            sub._head_offs = self._head_offs
         sub.seen, sub.prefilled = self.seen, self.prefilled
         return sub
 
@@ -192,6 +220,25 @@ class KVpopCacheLayer(CacheLayerMixin):
         """Slot of the token at ``pos`` (an int or an integer tensor) while it is a sink or in the window."""
         return slot_of(pos, sinks=self.sinks, window=self.window)
 
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """``(slot offset, budget, long-range offset, k)`` of each KV head in the packed layout (head-adaptive
+        budgets only)."""
+        sw, out, off, koff = self.sinks + self.window, [], 0, 0
+        for b in self.head_budgets:
+            out.append((off, b, koff, b - sw))
+            off, koff = off + b, koff + b - sw
+        return out
+
+    def window_values(self, t: torch.Tensor) -> torch.Tensor:
+        """The values ``[N, Hkv, D]`` of each row's token ``t [N]`` (int64, on the device) while it is a sink or in
+        the window, in either layout (no host read)."""
+        slot = self.slot_of(t)  # [N]
+        if self.head_budgets is None:
+            n, hkv, _, d = self.values.shape
+            return self.values.gather(2, slot[:, None, None, None].expand(n, hkv, 1, d)).squeeze(2)
+        idx = self._head_offs[None, :] + slot[:, None]  # [N, Hkv]
+        return self.values.gather(1, idx[..., None].expand(*idx.shape, self.values.shape[-1]))
+
     def nbytes(self) -> int:
         """Bytes held by this layer (constant once initialised)."""
         if not self.is_initialized:
@@ -201,7 +248,11 @@ class KVpopCacheLayer(CacheLayerMixin):
 
     def long_range_positions(self, row: int = 0) -> list[set[int]]:
         """Per KV head of batch row ``row``, the positions held in the long-range slots (for tests and inspection)."""
-        pos = self.slot_pos[row, :, self.sinks + self.window:].tolist()
+        sw = self.sinks + self.window
+        if self.head_budgets is None:
+            pos = self.slot_pos[row, :, sw:].tolist()
+        else:
+            pos = [self.slot_pos[row, off + sw:off + b].tolist() for off, b, _, _ in self.spans()]
         return [{p for p in r if p >= 0} for r in pos]
 
 
@@ -322,14 +373,16 @@ class KVpopCache(ServedCache, Cache):
         self.kvpop_config = self.served_config = config
         self.policy = policy
         self._claims: dict[int, tuple[str, Any, bool]] = {}
-        layers = [KVpopCacheLayer(sinks=config.sinks, window=config.window, budget=config.budget, policy=policy)
-                  for _ in range(num_layers)]
+        rows = _head_budget_rows(config, num_layers, model)
+        layers = [KVpopCacheLayer(sinks=config.sinks, window=config.window, budget=config.budget, policy=policy,
+                                  head_budgets=rows[i])
+                  for i in range(num_layers)]
         for layer in layers:
             layer.is_compileable = bool(compileable)
         super().__init__(layers=layers)
 
     served_by = "kvpop"
-    served_fields = ("sinks", "window", "budget")
+    served_fields = ("sinks", "window", "budget", "head_budgets")
     served_how = "kvpop.patch(model)"
     served_ctor = "kvpop.KVpopCache(model)"
 
@@ -342,6 +395,23 @@ class KVpopCache(ServedCache, Cache):
     def nbytes(self) -> int:
         """Bytes held by all layers: constant however many tokens were generated."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def _head_budget_rows(config: Any, num_layers: int, model: Any) -> list[tuple[int, ...] | None]:
+    """Each layer's per-KV-head budgets (``None`` per layer without ``config.head_budgets``), checked against the
+    layer count and, given a model, its KV heads."""
+    hb = getattr(config, "head_budgets", None)
+    if hb is None:
+        return [None] * num_layers
+    if len(hb) != num_layers:
+        raise ValueError(f"head_budgets has {len(hb)} layers but the cache is built for {num_layers}: allocate "
+                         f"budgets for this model (kvpop.core.budgets.allocate)")
+    if model is not None and hasattr(model, "config"):
+        text = model.config.get_text_config()
+        hkv = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+        if isinstance(hkv, int):
+            return [config.layer_budgets(i, hkv) for i in range(num_layers)]
+    return [tuple(r) for r in hb]
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -501,25 +571,40 @@ def _prefill_group(layer: KVpopCacheLayer, module, query, key, value, scaling, h
 
 def _prefill(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks: PriorityHooks) -> torch.Tensor:
     """Prefill ``n`` rows of ``S`` real tokens each: ``query [n, Hq, S, D]`` -> ``[n, S, Hq, D]``."""
-    s, w, k = layer.sinks, layer.window, layer.k
+    s, w = layer.sinks, layer.window
     n, hkv, S, D = key.shape
     prio = hooks.prompt(module, layer, key, value).float()  # [n, Hkv, S]
+    k = layer.k if layer.head_budgets is None else [b - s - w for b in layer.head_budgets]  # k[l][h] per head
     evict_at = eviction_schedule(prio, sinks=s, window=w, k=k)
     out, _ = sparse_attention(query, key, value, evict_at, sinks=s, window=w, scale=scaling)
-    # keep exactly what the schedule keeps at the prompt's last position q = S - 1; the rows and KV
-    # heads of the group are flattened into one "head" axis of n * Hkv
+    # keep exactly what the schedule keeps at the prompt's last position; the rows and KV heads of the
+    # group are flattened into one "head" axis of n * Hkv (uniform), or each head's slots filled in turn
+    if layer.head_budgets is None:
+        R, B, k = n * hkv, layer.budget, layer.k
+        _fill_slots(layer.keys.view(R, B, -1), layer.values.view(R, B, -1), layer.slot_pos.view(R, B),
+                    layer.slot_prio.view(R, k), layer.ring_prio.view(R, w), key.reshape(R, S, D),
+                    value.reshape(R, S, value.shape[-1]), evict_at.reshape(R, S), prio.reshape(R, S), s, w, k)
+    else:
+        for h, (off, b, koff, k) in enumerate(layer.spans()):
+            _fill_slots(layer.keys[:, off:off + b], layer.values[:, off:off + b], layer.slot_pos[:, off:off + b],
+                        layer.slot_prio[:, koff:koff + k], layer.ring_prio[:, h], key[:, h], value[:, h],
+                        evict_at[:, h], prio[:, h], s, w, k)
+    layer.pos.fill_(S)
+    return out.transpose(1, 2)
+
+
+def _fill_slots(keys, values, slot_pos, slot_prio, ring_prio, kk, vv, ev, pr, s: int, w: int, k: int) -> None:
+    """Write what the schedule keeps at the prompt's last position into ``R`` heads' slots (views, in place):
+    ``keys/values [R, B, D]``, ``slot_pos [R, B]``, ``slot_prio [R, k]``, ``ring_prio [R, w]`` from the prompt's
+    ``kk/vv [R, S, D]``, ``ev`` (``evict_at``) and ``pr`` (priorities) ``[R, S]``."""
+    R, S = ev.shape
     q = S - 1
-    R = n * hkv
-    kk, vv = key.reshape(R, S, D), value.reshape(R, S, value.shape[-1])
-    ev, pr = evict_at.reshape(R, S), prio.reshape(R, S)
-    keys, values = layer.keys.view(R, layer.budget, -1), layer.values.view(R, layer.budget, -1)
-    slot_pos, slot_prio = layer.slot_pos.view(R, layer.budget), layer.slot_prio.view(R, k)
-    ring_prio = layer.ring_prio.view(R, w)
+    dev = kk.device
     n_sink = min(s, S)
     keys[:, :n_sink] = kk[:, :n_sink]
     values[:, :n_sink] = vv[:, :n_sink]
-    slot_pos[:, :n_sink] = torch.arange(n_sink, dtype=torch.int32, device=kk.device)
-    win = torch.arange(max(s, S - w), max(s, S), device=kk.device)  # empty while the prompt is all sinks
+    slot_pos[:, :n_sink] = torch.arange(n_sink, dtype=torch.int32, device=dev)
+    win = torch.arange(max(s, S - w), max(s, S), device=dev)  # empty while the prompt is all sinks
     if win.numel():
         slots = s + (win - s) % w
         keys[:, slots] = kk[:, win]
@@ -527,21 +612,19 @@ def _prefill(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks: 
         slot_pos[:, slots] = win.to(torch.int32)
         ring_prio[:, slots - s] = pr[:, win]
     if k > 0 and S - w > s:
-        elig = torch.arange(s, q - w + 1, device=kk.device)
+        elig = torch.arange(s, q - w + 1, device=dev)
         kept = ev[:, elig] > q  # [R, |E|], at most k per head
         n_kept = kept.sum(-1)
         # stable order: kept tokens first, by position
         order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[:, :k]  # [R, min(k,|E|)]
         toks = elig[order]  # positions
-        valid = torch.arange(order.shape[1], device=kk.device).unsqueeze(0) < n_kept.unsqueeze(1)
-        lr = s + w + torch.arange(order.shape[1], device=kk.device)
-        hidx = torch.arange(R, device=kk.device).unsqueeze(1)
+        valid = torch.arange(order.shape[1], device=dev).unsqueeze(0) < n_kept.unsqueeze(1)
+        lr = s + w + torch.arange(order.shape[1], device=dev)
+        hidx = torch.arange(R, device=dev).unsqueeze(1)
         keys[hidx, lr] = torch.where(valid[..., None], kk[hidx, toks], keys[hidx, lr])
         values[hidx, lr] = torch.where(valid[..., None], vv[hidx, toks], values[hidx, lr])
         slot_pos[hidx, lr] = torch.where(valid, toks.to(torch.int32), slot_pos[hidx, lr])
         slot_prio[:, : order.shape[1]] = torch.where(valid, pr[hidx, toks], slot_prio[:, : order.shape[1]])
-    layer.pos.fill_(S)
-    return out.transpose(1, 2)
 
 
 def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: PriorityHooks, i: int = 0) -> torch.Tensor:
@@ -562,7 +645,8 @@ def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: Priority
     else:  # ignored by the step in rows where pos - w < s
         leaving = layer.ring_prio.gather(2, ring).squeeze(2)
     out, lse = fixed_budget_decode(q1, k1, v1, layer.keys, layer.values, layer.slot_pos, layer.slot_prio,
-                                   leaving, pos=pos, sinks=s, window=w, scale=scaling, check=False)
+                                   leaving, pos=pos, sinks=s, window=w, scale=scaling, check=False,
+                                   head_budgets=layer.head_budgets)
     if hooks is not None and hooks.token is not None and not attention_scored:
         new = hooks.token(module, layer, k1, v1, pos, i).float()  # [N, Hkv]
         old = layer.ring_prio.gather(2, ring).squeeze(2)

@@ -88,8 +88,7 @@ class ScorerHooks:
                 cache_layer.scorer_state = (*sc.decode_state(N, value_new.device), ring)
             *state, ring = cache_layer.scorer_state
             t = (pos - w).clamp_min(0)  # rows with pos < w: a score nobody reads (the step ignores it)
-            slot = cache_layer.slot_of(t)[:, None, None, None].expand(N, hkv, 1, D)
-            v_t = cache_layer.values.gather(2, slot).squeeze(2)
+            v_t = cache_layer.window_values(t)
             k_t = ring.gather(2, (t % w)[:, None, None, None].expand(N, hkv, 1, D)).squeeze(2)
             r = sc.decode_leaving(tuple(state), kp, value_new, pos, k_t.to(kp.dtype), v_t)
             ring.scatter_(2, (pos % w)[:, None, None, None].expand(N, hkv, 1, D), kp.to(ring.dtype).unsqueeze(2))

@@ -59,6 +59,12 @@ def resolve(cfg: Any) -> Settings:
     if scorers is not None and config.structural_mismatch(base):
         raise ValueError(f"kvpop_config changes the scorer's structure ({config.structural_mismatch(base)}); only "
                          f"the cache shape (budget, sinks, window of an MLP scorer) may differ from the file")
+    if getattr(config, "head_budgets", None) is not None:
+        raise ValueError(
+            "the vLLM plugin keeps uniform budgets: its paged cache gives every KV head the same pages, so per-head "
+            "budgets (head_budgets, from the scorer file or kvpop_config) would pay the largest head's budget in "
+            "every head (docs/DESIGN.md section 5); serve this model with kvpop.KVpopCache in transformers, or "
+            "pass kvpop_config={'head_budgets': None} to serve it with the uniform budget")
     if policy == "kvpop" and config.scorer != "mlp":
         raise ValueError(
             f"the vLLM plugin serves the MLP scorer only; {scorers} holds an {config.scorer!r} scorer. The mLSTM "
