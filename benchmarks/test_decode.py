@@ -21,6 +21,12 @@ kvpop and dense side by side; the peak memory of the decode phase alone (after t
 was allocated before ``generate``.  The target (flat memory): kvpop's growth from the shortest to the
 longest context <= 5% of dense's growth.
 
+Group ``decode-step-head-adaptive``: head-adaptive budgets (``head_budgets=``, the packed layout; one KV head
+about 4x the budget of the others) against uniform budgets of the same total, one layer's batch-1 step at
+a 32K context, timed side by side in one run (Qwen3-8B shapes and a mean budget of 2048 on CUDA, the CPU
+shapes above and a mean of 512 on the CPU).  Targets: ``ratio_adaptive_over_uniform <= 1.3`` and
+``bytes_adaptive_over_uniform == 1`` (the cache holds the sum of the budgets).
+
 Run: ``pytest benchmarks/test_decode.py --benchmark-only`` (``--benchmark-disable`` in CI).
 """
 from __future__ import annotations
@@ -62,21 +68,35 @@ def _ctx_label(ctx: int) -> str:
     return f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
 
 
-def _kvpop_state(ctx: int, B: int, gen: torch.Generator):
+def _kvpop_state(ctx: int, B: int, gen: torch.Generator, heads: int = HKV):
     """A consistent full cache at position ``ctx``: sinks, the last ``w`` tokens in the ring, ``k``
     distinct older tokens with random priorities in the long-range slots."""
     s, w = SINKS, WINDOW
     k = B - s - w
-    kc = torch.randn(HKV, B, D, generator=gen).to(DEVICE, DTYPE)
-    vc = torch.randn(HKV, B, D, generator=gen).to(DEVICE, DTYPE)
-    slot_pos = torch.empty(HKV, B, dtype=torch.int32)
+    kc = torch.randn(heads, B, D, generator=gen).to(DEVICE, DTYPE)
+    vc = torch.randn(heads, B, D, generator=gen).to(DEVICE, DTYPE)
+    slot_pos = torch.empty(heads, B, dtype=torch.int32)
     slot_pos[:, :s] = torch.arange(s, dtype=torch.int32)
     ring_t = torch.arange(ctx - w, ctx)
     slot_pos[:, s + (ring_t - s) % w] = ring_t.to(torch.int32)
-    for h in range(HKV):
+    for h in range(heads):
         slot_pos[h, s + w:] = (torch.randperm(ctx - w - s, generator=gen)[:k] + s).to(torch.int32)
-    slot_prio = torch.randn(HKV, k, generator=gen)
+    slot_prio = torch.randn(heads, k, generator=gen)
     return [kc, vc, slot_pos.to(DEVICE), slot_prio.to(DEVICE)]
+
+
+def _packed_state(ctx: int, budgets: tuple[int, ...], gen: torch.Generator):
+    """The packed layout of ``fixed_budget_decode(head_budgets=budgets)``: each head's full cache, back to back."""
+    heads = [_kvpop_state(ctx, b, gen, heads=1) for b in budgets]
+    return [torch.cat([h[i][0] for h in heads], dim=0).contiguous() for i in range(4)]
+
+
+def skewed_budgets(mean: int, heads: int) -> tuple[int, ...]:
+    """One head (the middle one) about 4x the budget of each other head, the total ``heads x mean``."""
+    small = mean * heads // (heads + 3)
+    out = [small] * heads
+    out[heads // 2] = mean * heads - small * (heads - 1)
+    return tuple(out)
 
 
 def _make_sdpa(ctx: int, q, kn, vn, gen):
@@ -238,6 +258,65 @@ def test_decode_step_speedup(benchmark, monkeypatch, budget):
                     ratio_longest_over_first_ctx=t_kv / t_kv1)
     benchmark.extra_info.update(info)
     benchmark.pedantic(kv_step, rounds=1, iterations=1, warmup_rounds=0)
+
+
+HA_CTX, HA_BUDGET = 32 * 1024, (2048 if CUDA else 512)
+
+
+@pytest.mark.benchmark(group="decode-step-head-adaptive")
+def test_decode_step_head_adaptive(benchmark, monkeypatch):
+    """Head-adaptive budgets against uniform ones of the same total, timed side by side: one KV head holds
+    about 4x the slots of the others (``skewed_budgets``).  ``extra_info``: both step times (CUDA: CUDA-graph
+    replays where they work, else eager), ``ratio_adaptive_over_uniform`` (target <= 1.3) and the two caches'
+    bytes, ``bytes_adaptive_over_uniform`` (target 1: the packed layout holds the sum of the budgets)."""
+    if not CUDA:
+        monkeypatch.setattr(kutils, "interpreting", lambda: False)
+    gen = torch.Generator().manual_seed(2)
+    budgets = skewed_budgets(HA_BUDGET, HKV)
+    q = torch.randn(HQ, D, generator=gen).to(DEVICE, DTYPE)
+    kn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
+    vn = torch.randn(HKV, D, generator=gen).to(DEVICE, DTYPE)
+    lp = torch.randn(HKV, generator=gen).to(DEVICE)
+    uni, ada = _kvpop_state(HA_CTX, HA_BUDGET, gen), _packed_state(HA_CTX, budgets, gen)
+
+    def uni_at(p):
+        return fixed_budget_decode(q, kn, vn, *uni, lp, pos=p, sinks=SINKS, window=WINDOW)
+
+    def ada_at(p):
+        return fixed_budget_decode(q, kn, vn, *ada, lp, pos=p, sinks=SINKS, window=WINDOW, head_budgets=budgets)
+
+    uni_step, ada_step = _stepper(uni_at, HA_CTX, None), _stepper(ada_at, HA_CTX, None)
+    for _ in range(5):
+        uni_step(), ada_step()
+    _sync()
+    nbytes = {name: sum(t.numel() * t.element_size() for t in st) for name, st in (("uniform", uni), ("adaptive", ada))}
+    info = {"context": HA_CTX, "budget_mean": HA_BUDGET, "head_budgets": list(budgets), "Hq": HQ, "Hkv": HKV,
+            "head_dim": D, "dtype": str(DTYPE), "uniform_bytes": nbytes["uniform"],
+            "adaptive_bytes": nbytes["adaptive"], "bytes_adaptive_over_uniform": nbytes["adaptive"] / nbytes["uniform"]}
+    if CUDA:
+        u, a = _cuda_timings(uni_at, uni_step, HA_CTX), _cuda_timings(ada_at, ada_step, HA_CTX)
+        key = "graph_ms" if "graph_ms" in u and "graph_ms" in a else "eager_ms"
+        info.update(uniform_eager_ms=u["eager_ms"], adaptive_eager_ms=a["eager_ms"], ratio_source=key[:-3],
+                    ratio_adaptive_over_uniform_eager=a["eager_ms"] / u["eager_ms"],
+                    ratio_adaptive_over_uniform=a[key] / u[key])
+        if key == "graph_ms":
+            info.update(uniform_graph_ms=u["graph_ms"], adaptive_graph_ms=a["graph_ms"])
+    else:  # alternating rounds, best of all (as the context-scaling target above), on one intra-op thread:
+        # on a shared machine whose cores are all busy, a step that waits for a descheduled worker thread
+        # took 50-100 ms (both layouts; which one is hit first decides the ratio), a step on one thread ~0.3 ms
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            best = {"uniform": float("inf"), "adaptive": float("inf")}
+            for _ in range(7):
+                for name, fn in (("uniform", uni_step), ("adaptive", ada_step)):
+                    best[name] = min(best[name], best_time(fn, reps=10, warmup=1))
+        finally:
+            torch.set_num_threads(threads)
+        info.update(uniform_s=best["uniform"], adaptive_s=best["adaptive"], intra_op_threads=1,
+                    ratio_adaptive_over_uniform=best["adaptive"] / best["uniform"])
+    benchmark.extra_info.update(info)
+    benchmark.pedantic(ada_step, rounds=1, iterations=1, warmup_rounds=0)
 
 
 # ----------------------------------------------------------------------------- whole-model generation

@@ -95,6 +95,19 @@ TARGETS: tuple[Target, ...] = (
            "dense's growth", key="kvpop_growth_over_dense_growth", op="<=", goal=0.05, device="cuda",
            file="benchmarks/test_decode.py", test="test_decode_generate_memory",
            also=("kvpop_decode_peak_gb_longest", "dense_decode_peak_gb_longest")),
+    # issue 22 item 4 (head-adaptive budgets): the packed layout's decode step against uniform budgets of the
+    # same total, side by side in one run (one KV head ~4x the others)
+    Target("decode-head-adaptive-cpu", 22, "decode step CPU path, head-adaptive budgets (one head ~4x) / uniform, "
+           "same total (mean 512), 32K context", key="ratio_adaptive_over_uniform", op="<=", goal=1.3, device="cpu",
+           file="benchmarks/test_decode.py", test="test_decode_step_head_adaptive",
+           also=("adaptive_s", "uniform_s")),
+    Target("decode-head-adaptive-gpu", 22, "decode step, Qwen3-8B shapes (32/8 heads, D=128, bf16), head-adaptive "
+           "budgets (one head ~4x, mean 2048) / uniform B=2048", key="ratio_adaptive_over_uniform", op="<=",
+           goal=1.3, device="cuda", file="benchmarks/test_decode.py", test="test_decode_step_head_adaptive",
+           also=("ratio_source", "ratio_adaptive_over_uniform_eager")),
+    Target("decode-head-adaptive-bytes", 22, "decode cache bytes, head-adaptive budgets / uniform of the same total",
+           key="bytes_adaptive_over_uniform", op="<=", goal=1.0, device="any", file="benchmarks/test_decode.py",
+           test="test_decode_step_head_adaptive", also=("adaptive_bytes", "uniform_bytes")),
     # issue 12 (batched decoding).  Under --benchmark-disable (CI) its benchmark runs smoke sizes without the
     # CPU figures, so the CPU rows are matched by key, not pinned: a pinned row on the dry run's device must
     # record its number there, and these cannot (the dry check then fails; it did once)
