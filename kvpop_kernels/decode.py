@@ -363,17 +363,21 @@ def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
     return out.reshape(N, Hq, D).to(q.dtype), lse.reshape(N, Hq)
 
 
+def _cat(xs: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=dim)
+
+
 @torch.no_grad()
 def _torch_decode_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, *,
                          lay: _Layout, sinks, window, scale):
     """The packed layout's step in PyTorch (CPU tensors): ``k_cache [N, T, D]``, ``slot_pos [N, T]``,
     ``slot_prio [N, K]``.  Vectorised over rows, heads and slots: the decision on a padded gather of the
-    long-range slots ``[N, Hl, kmax]``, the softmax's maximum a segment reduction over the slots' head
-    index; the only loop is a static one over the heads for the two matrix products of the attention
-    (and the softmax's sums), which read each head's slots once.  No data-dependent branch."""
+    long-range slots ``[N, Hl, kmax]`` (every head at once), the cache writes once for all heads; the
+    attention runs the uniform step's ops on each run of consecutive heads of equal budget (a uniform
+    block, a view): one run for equal budgets, a static loop over the runs otherwise.  No
+    data-dependent branch."""
     N, Hq, D = q.shape
     Hkv = k_new.shape[1]
-    T = k_cache.shape[1]
     G = Hq // Hkv
     s, w = sinks, window
     dev = q.device
@@ -405,26 +409,22 @@ def _torch_decode_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio,
     v_cache[ni, sn] = torch.where(ok[..., None], v_new, v_cache[ni, sn])
     slot_pos[ni, sn] = torch.where(ok, pos[:, None].to(torch.int32), slot_pos[ni, sn])
 
-    kc, vc = k_cache.float(), v_cache.float()
-    valid = slot_pos >= 0  # [N, T]
-    vc = vc.masked_fill(~valid[..., None], 0.0)
     qg = q.float().view(N, Hkv, G, D)
-    spans = list(zip(lay.offs, lay.budgets))
-    scores = torch.cat([torch.matmul(qg[:, h], kc[:, o:o + b].transpose(1, 2)) for h, (o, b) in enumerate(spans)],
-                       dim=2)  # [N, G, T], unscaled
-    scores = scores.masked_fill_(~valid[:, None, :], float("-inf"))
-    m = scores.new_full((N, G, Hkv), float("-inf")).scatter_reduce_(2, lay.seg_slot.expand(N, G, T), scores,
-                                                                       "amax")  # finite: the new token
-    probs = scores.sub_(m[..., lay.seg_slot]).mul_(scale).exp_()
-    outs, sums = [], []
-    for o, b in spans:
-        p_h = probs[..., o:o + b]
-        outs.append(torch.matmul(p_h, vc[:, o:o + b]))  # [N, G, D]
-        sums.append(p_h.sum(dim=-1))
-    out = torch.stack(outs, dim=1)  # [N, Hkv, G, D]
-    l = torch.stack(sums, dim=1)  # [N, Hkv, G]
-    out = out.div_(l[..., None])
-    lse = m.transpose(1, 2).mul(scale).add_(l.log_())
+    outs, lses = [], []
+    for run in lay.runs:  # the uniform step's attention on each run's block
+        r, span = run.h1 - run.h0, slice(run.off, run.off + (run.h1 - run.h0) * run.b)
+        kc = k_cache[:, span].unflatten(1, (r, run.b)).float()  # [N, r, b, D] (no copy for float32)
+        vc = v_cache[:, span].unflatten(1, (r, run.b)).float()
+        valid = slot_pos[:, span].unflatten(1, (r, run.b)) >= 0  # empty slots: whatever they hold is ignored
+        scores = torch.matmul(qg[:, run.h0:run.h1], kc.transpose(-1, -2))  # [N, r, G, b], unscaled
+        scores = scores.masked_fill_(~valid[:, :, None, :], float("-inf"))
+        vc = vc.masked_fill(~valid[..., None], 0.0)
+        m = scores.amax(dim=-1, keepdim=True)  # finite: the new token is always visible
+        probs = scores.sub_(m).mul_(scale).exp_()
+        l = probs.sum(dim=-1, keepdim=True)
+        outs.append(torch.matmul(probs, vc).div_(l))
+        lses.append(m.mul_(scale).add_(l.log_()).squeeze(-1))  # [N, r, G]
+    out, lse = _cat(outs, 1), _cat(lses, 1)
     out = out.masked_fill_(bad[:, None, None, None], float("nan"))
     lse = lse.masked_fill_(bad[:, None, None], float("nan"))
     return out.reshape(N, Hq, D).to(q.dtype), lse.reshape(N, Hq)
@@ -588,14 +588,23 @@ def _check_budget_values(budgets: tuple[int, ...], T: int, sinks: int, window: i
                          f"layout holds every head's budget back to back (T = sum of the budgets)")
 
 
+class _Run(NamedTuple):
+    """Consecutive heads ``[h0, h1)`` of one budget ``b``: in the packed layout their slots
+    ``[off, off + (h1 - h0) b)`` are a uniform ``[h1 - h0, b]`` block (a view)."""
+
+    h0: int
+    h1: int
+    off: int
+    b: int
+
+
 class _Layout(NamedTuple):
-    """Index tensors of one packed layout (host-known budgets), built once per budgets and device."""
+    """What the launchers need of one packed layout (host-known budgets), built once per budgets and device."""
 
     budgets: tuple[int, ...]
-    offs: tuple[int, ...]  # slot offset of each head
     meta: torch.Tensor  # [3, Hkv] int64: budgets, slot offsets, long-range offsets (the kernels' view)
-    off: torch.Tensor  # [Hkv] int64
-    seg_slot: torch.Tensor  # [T] int64: the head of each slot
+    off: torch.Tensor  # [Hkv] int64: slot offset of each head
+    runs: tuple[_Run, ...]  # the heads cut into runs of equal budgets (the PyTorch path's attention blocks)
     lr_heads: torch.Tensor | None  # [Hl] int64: the heads with k_h > 0 (None: every head)
     n_lr_heads: int  # Hl
     pad_lr: torch.Tensor  # [Hl, kmax] int64: long-range index of each head's j-th slot (padding: its last)
@@ -615,24 +624,27 @@ def _layout(budgets: tuple[int, ...], sinks: int, window: int, device: torch.dev
         if len(_LAYOUTS) > 64:
             _LAYOUTS.clear()
         sw = sinks + window
-        ks = [b - sw for b in budgets]
         offs, koffs = [0], [0]
-        for b, k in zip(budgets, ks):
+        for b in budgets:
             offs.append(offs[-1] + b)
-            koffs.append(koffs[-1] + k)
-        heads = [h for h, k in enumerate(ks) if k > 0]
-        kmax = max(ks)
-        pad_lr = [[koffs[h] + min(j, ks[h] - 1) for j in range(kmax)] for h in heads]
-        pad_slot = [[offs[h] + sw + min(j, ks[h] - 1) for j in range(kmax)] for h in heads]
+            koffs.append(koffs[-1] + b - sw)
 
         def t(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype).to(device)
 
-        lay = _Layout(budgets, tuple(offs[:-1]), t([list(budgets), offs[:-1], koffs[:-1]]), t(offs[:-1]),
-                      t([h for h, b in enumerate(budgets) for _ in range(b)]),
-                      None if len(heads) == len(budgets) else t(heads), len(heads),
-                      t(pad_lr).view(len(heads), kmax), t(pad_slot).view(len(heads), kmax),
-                      t([[j >= ks[h] for j in range(kmax)] for h in heads], torch.bool).view(len(heads), kmax),
+        runs, h0 = [], 0
+        for h in range(1, len(budgets) + 1):
+            if h == len(budgets) or budgets[h] != budgets[h0]:
+                runs.append(_Run(h0, h, offs[h0], budgets[h0]))
+                h0 = h
+        ks = [b - sw for b in budgets]
+        heads = [h for h, k in enumerate(ks) if k > 0]
+        kmax, hl = max(ks), len(heads)
+        lay = _Layout(budgets, t([list(budgets), offs[:-1], koffs[:-1]]), t(offs[:-1]), tuple(runs),
+                      None if hl == len(budgets) else t(heads), hl,
+                      t([[koffs[h] + min(j, ks[h] - 1) for j in range(kmax)] for h in heads]).view(hl, kmax),
+                      t([[offs[h] + sw + min(j, ks[h] - 1) for j in range(kmax)] for h in heads]).view(hl, kmax),
+                      t([[j >= ks[h] for j in range(kmax)] for h in heads], torch.bool).view(hl, kmax),
                       t([koffs[h] for h in heads]), t([offs[h] + sw for h in heads]))
         _LAYOUTS[key] = lay
     return lay
