@@ -19,11 +19,11 @@ from kvpop_kernels import fixed_budget_decode, reference
 HAS_CUDA = torch.cuda.is_available()
 
 
-def packed_state(N, budgets, D, s, w, fill=0.0):
+def packed_state(N, budgets, D, s, w, fill=0.0, dtype=torch.float32):
     T = sum(budgets)
     K = T - len(budgets) * (s + w)
-    return [torch.full((N, T, D), fill), torch.full((N, T, D), fill), torch.full((N, T), -1, dtype=torch.int32),
-            torch.full((N, K), float("-inf"))]
+    return [torch.full((N, T, D), fill, dtype=dtype), torch.full((N, T, D), fill, dtype=dtype),
+            torch.full((N, T), -1, dtype=torch.int32), torch.full((N, K), float("-inf"))]
 
 
 def step_inputs(N, Hkv, G, D, gen, *, ties=True):
@@ -37,26 +37,28 @@ def step_inputs(N, Hkv, G, D, gen, *, ties=True):
     return q, kn, vn, lp
 
 
-def run_packed(budgets, G, D, s, w, steps, *, N=3, start=(0, 4, 11), seed=0, ties=True, as_tensor=False, **kw):
-    """Step a batch of ``N`` rows (at positions ``start``) and every row through the reference."""
+def run_packed(budgets, G, D, s, w, steps, *, N=3, start=(0, 4, 11), seed=0, ties=True, as_tensor=False,
+               device="cpu", dtype=torch.float32, tol=(1e-4, 1e-5, 1e-5), **kw):
+    """Step a batch of ``N`` rows (at positions ``start``) and every row through the reference (on CPU copies)."""
     gen = torch.Generator().manual_seed(seed)
     Hkv = len(budgets)
-    state = packed_state(N, budgets, D, s, w)
-    rows = [[t[n].clone() for t in state] for n in range(N)]
+    rows = [[t[0].clone() for t in packed_state(1, budgets, D, s, w, dtype=dtype)] for _ in range(N)]
+    state = [t.to(device) for t in packed_state(N, budgets, D, s, w, dtype=dtype)]
     pos = torch.tensor(start[:N], dtype=torch.int64)
-    hb = torch.tensor(budgets) if as_tensor else budgets
+    hb = torch.tensor(budgets, device=device) if as_tensor else budgets
     for _ in range(steps):
-        q, kn, vn, lp = step_inputs(N, Hkv, G, D, gen, ties=ties)
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp.clone(), pos=pos, sinks=s, window=w, head_budgets=hb,
-                                   **kw)
+        q, kn, vn, lp = (x.to(dtype) if x.is_floating_point() and x.dim() == 3 else x
+                         for x in step_inputs(N, Hkv, G, D, gen, ties=ties))
+        o, l = fixed_budget_decode(q.to(device), kn.to(device), vn.to(device), *state, lp.to(device),
+                                   pos=pos.to(device), sinks=s, window=w, head_budgets=hb, **kw)
         assert o.shape == (N, Hkv * G, D) and l.shape == (N, Hkv * G) and l.dtype == torch.float32
         for n in range(N):
             ro, rl = reference.fixed_budget_decode(q[n], kn[n], vn[n], *rows[n], lp[n].clone(), pos=int(pos[n]),
                                                    sinks=s, window=w, head_budgets=budgets)
-            assert_close_rms(o[n], ro)
-            assert_close_rms(l[n], rl)
+            assert_close_rms(o[n].cpu(), ro, *tol)
+            assert_close_rms(l[n].cpu(), rl, *tol)
             for name, a, b in zip(("k_cache", "v_cache", "slot_pos", "slot_prio"), state, rows[n]):
-                assert torch.equal(a[n], b), f"{name} of row {n} differs from the reference at pos {int(pos[n])}"
+                assert torch.equal(a[n].cpu(), b), f"{name} of row {n} differs from the reference at pos {int(pos[n])}"
         pos = pos + 1
     return state
 
@@ -92,6 +94,18 @@ def test_triton_packed_splits(num_splits, block_n):
         pytest.skip("no Triton backend")
     run_packed((5, 5 + 2, 5 + 40), 2, 24, 2, 3, 30, N=2, start=(0, 25), seed=2, num_splits=num_splits,
                block_n=block_n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_gpu_packed_bf16(as_tensor):
+    """bf16 on the GPU, Qwen3-like groups (G = 4, D = 128), skewed budgets with a k_h = 0 head, default plan;
+    the reference on CPU copies: the same cache state bit for bit, outputs to bf16 tolerance."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    s, w = 4, 16
+    run_packed((s + w, s + w + 9, s + w + 70, s + w + 3), 4, 128, s, w, 120, N=3, start=(0, 40, 77), seed=6,
+               as_tensor=as_tensor, device="cuda", dtype=torch.bfloat16, tol=(2e-2, 2e-2, 2e-2))
 
 
 def test_equal_budgets_equal_the_uniform_layout(backend):
