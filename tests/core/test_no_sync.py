@@ -21,11 +21,16 @@ def cpu_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
-@pytest.mark.parametrize("policy,scorer", [("kvpop", "mlp"), ("kvpop", "mlstm"), ("streaming", "mlp"),
-                                           ("tova", "mlp"), ("h2o", "mlp")])
-def test_one_layer_decode_step_compiles_fullgraph(policy, scorer):
+HB = ((6, 18), (14, 10))  # head-adaptive budgets (the packed layout), the uniform total 2 x 2 x 12
+
+
+@pytest.mark.parametrize("policy,scorer,head_budgets", [
+    ("kvpop", "mlp", None), ("kvpop", "mlstm", None), ("streaming", "mlp", None), ("tova", "mlp", None),
+    ("h2o", "mlp", None), ("kvpop", "mlp", HB), ("kvpop", "mlstm", HB)])
+def test_one_layer_decode_step_compiles_fullgraph(policy, scorer, head_budgets):
     torch._dynamo.reset()
-    m = kvpop.patch(tiny_model(seed=2), scorer=scorer, policy=policy, sinks=2, window=4, budget=12)
+    m = kvpop.patch(tiny_model(seed=2), scorer=scorer, policy=policy, sinks=2, window=4, budget=12,
+                    head_budgets=head_budgets)
     N, Hkv, Hq, D = 3, 2, 4, 32
     ids = torch.randint(1, 128, (N, 15), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(N, 15, dtype=torch.long)
