@@ -39,7 +39,7 @@ from kvpop.core.patching import patch
 from .realtext_corpus import SHIPPED_DIR
 
 __all__ = ["SHIPPED_MODEL", "SHIPPED_DIR", "parse_labels", "oracle_config", "oracle_logits", "oracle_rows", "table",
-           "main"]
+           "head_adaptive_rows", "main"]
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "data" / "tiny_qwen3_code"
 """The byte-level Qwen3 pre-trained on the corpus's train split."""
@@ -139,6 +139,68 @@ def oracle_rows(base: nn.Module, traces: Sequence[torch.Tensor], *, budgets: Seq
     return rows
 
 
+def head_adaptive_rows(base: nn.Module, scorers: str, traces: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], *,
+                       budgets: Sequence[int], label: str, power: float, gamma: float, sinks: int = 4,
+                       window: int = 32, progress: bool = True) -> list[dict[str, Any]]:
+    """Head-adaptive fixed budgets (``KVpopConfig.head_budgets``, :mod:`kvpop.core.budgets`) on real text.
+
+    For each budget ``B``: the importance of each (layer, KV head)'s long-range slots is measured on the
+    ``valid`` sequences with the trained ``scorers`` (:func:`kvpop.core.budgets.ablation_importance`) and
+    the same total ``L * H * B`` is shared by :func:`kvpop.core.budgets.allocate`; then, on ``traces``, the
+    scorers and the oracle (``label``/``power`` at ``gamma``) run with uniform and with those budgets.  Every
+    row goes through the teacher-forced full-sequence forward of the patched model (the schedule of a
+    ``KVpopCache`` prefill; the cache does not take per-head budgets), scored as :func:`oracle_rows`."""
+    from kvpop.core.budgets import ablation_importance, allocate
+    from kvpop.core.checkpoint import load_scorers, read_scorer_config
+    from kvpop.core.layer import kvpop_layers
+
+    from .trace_eval import sequence_scores
+
+    budgets = sorted({int(b) for b in budgets})
+    start = budgets[-1]
+    traces = [t.reshape(-1).long() for t in traces if t.numel() - 1 > start]
+    scfg = read_scorer_config(scorers)
+    dense = [sequence_scores(base(t[None], use_cache=False).logits, t, start) for t in traces]
+    vbatch = [torch.stack([v.reshape(-1).long() for v in valid])]
+    rows = []
+    for b in budgets:
+        t0 = time.time()
+        learned = load_scorers(patch(copy.deepcopy(base), scfg, sinks=sinks, window=window, budget=b), scorers).eval()
+        layers = kvpop_layers(learned)
+        imp = ablation_importance(learned, vbatch, config=layers[0].config)
+        hb = allocate(imp, total=len(layers) * layers[0].num_kv_heads * b, sinks=sinks, window=window)
+        imp_s = round(time.time() - t0, 1)
+        variants = []
+        for name, head_budgets in (("uniform", None), ("head-adaptive", hb)):
+            m = patch(copy.deepcopy(learned), budget=b, head_budgets=head_budgets).eval()
+            variants.append((f"{'kvpop-mlp' if scfg.scorer == 'mlp' else 'kvpop-mlstm'} ({name}, full forward)",
+                             m, False, head_budgets))
+            ocfg = oracle_config(label, power, gamma, budget=b, sinks=sinks, window=window)
+            if head_budgets is not None:
+                ocfg = ocfg.replace(head_budgets=head_budgets)
+            variants.append((f"oracle ({label}, gamma {gamma:g}; {name})", patch(copy.deepcopy(base), ocfg).eval(),
+                             True, head_budgets))
+        for name, m, is_oracle, head_budgets in variants:
+            t1 = time.time()
+            nll = dnll = 0.0
+            agree = n = 0
+            for t, (d_nll, d_arg) in zip(traces, dense):
+                logits = oracle_logits(base, m, t) if is_oracle else m(t[None], use_cache=False).logits
+                p_nll, p_arg = sequence_scores(logits, t, start)
+                nll += float(p_nll.sum())
+                dnll += float(d_nll.sum())
+                agree += int((p_arg == d_arg).sum())
+                n += int(p_nll.numel())
+            row = {"policy": name, "budget": b, "scored_from": start, "positions": n, "n_sequences": len(traces),
+                   "nll": nll / n, "dense_nll": dnll / n, "delta_nll": (nll - dnll) / n, "top1_agreement": agree / n,
+                   "head_budgets": head_budgets, "importance": imp.tolist() if head_budgets is not None else None,
+                   "importance_s": imp_s, "wall_s": round(time.time() - t1, 1)}
+            rows.append(row)
+            if progress:
+                print(json.dumps({k: v for k, v in row.items() if k != "importance"}), flush=True)
+    return rows
+
+
 LEARNED = ("kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint", "kvpop-mlstm-joint")
 
 
@@ -205,11 +267,46 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--n-sequences", type=int, default=None, help="the first N records (default all)")
     o.add_argument("--threads", type=int, default=1)
     o.add_argument("--out", required=True, help="JSON file for the rows")
+    h = sub.add_parser("head-adaptive", help="head-adaptive budgets from a scorer run's ablation importance on "
+                       "validation, beside uniform, for the scorers and the oracle")
+    h.add_argument("--model", default=str(SHIPPED_MODEL))
+    h.add_argument("--scorers", required=True, help="a scorer file (kvpop train --out DIR: DIR/scorers.safetensors)")
+    h.add_argument("--valid", required=True, help="validation JSONL (the importance)")
+    h.add_argument("--n-valid", type=int, default=8)
+    h.add_argument("--data", required=True, help="test JSONL")
+    h.add_argument("--n-sequences", type=int, default=None)
+    h.add_argument("--budgets", default="64,128,256")
+    h.add_argument("--label", default="mean")
+    h.add_argument("--gamma", type=float, default=0.999)
+    h.add_argument("--sinks", type=int, default=4)
+    h.add_argument("--window", type=int, default=32)
+    h.add_argument("--out", required=True)
     t = sub.add_parser("table", help="one table of kvpop eval --data results and the oracle's rows, with the goals")
     t.add_argument("--eval", action="append", required=True, help="a kvpop eval --data results.json (repeatable)")
     t.add_argument("--oracle", default=None, help="the oracle's JSON (python -m kvpop.demo.realtext oracle)")
     t.add_argument("--goal-budget", type=int, default=128)
     a = p.parse_args(argv)
+    if a.cmd == "head-adaptive":
+        from kvpop.training import data as data_io
+
+        from .trace_eval import load_model
+
+        t0 = time.time()
+        torch.set_num_threads(1)
+        [(label, power)] = parse_labels(a.label)
+        base = load_model(a.model)
+        for q in base.parameters():
+            q.requires_grad_(False)
+        test = [torch.tensor(r) for r in data_io.read_jsonl(a.data, vocab_size=base.config.vocab_size)][:a.n_sequences]
+        valid = [torch.tensor(r) for r in data_io.read_jsonl(a.valid, vocab_size=base.config.vocab_size)][:a.n_valid]
+        with torch.no_grad():
+            rows = head_adaptive_rows(base, a.scorers, test, valid, budgets=[int(x) for x in a.budgets.split(",")],
+                                      label=label, power=power, gamma=a.gamma, sinks=a.sinks, window=a.window)
+        res = {"command": "python -m kvpop.demo.realtext " + " ".join(sys.argv[1:] if argv is None else argv),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": round(time.time() - t0, 1),
+               "rows": rows}
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        return 0
     if a.cmd == "table":
         try:
             md, goals = table([json.loads(Path(x).read_text()) for x in a.eval],

@@ -1,5 +1,6 @@
 """The real-text instrument: the corpus builder (kvpop.demo.realtext_corpus), ``kvpop pretrain --data``
 (kvpop.demo.pretrain_data), the shipped corpus splits and model, and the oracle rows (kvpop.demo.realtext)."""
+import copy
 import json
 import os
 from pathlib import Path
@@ -239,3 +240,33 @@ def test_table_and_goals():
     assert not RT.table([ev])[1]["best_vs_streaming"]["met"]
     with pytest.raises(ValueError, match="different dense"):
         RT.table([ev, {"scored_from": 256, "rows": [row("dense", 64, 0.0, dense_nll=2.0)]}])
+
+
+def test_head_adaptive_rows_uniform_row_equals_kvpop_eval(tmp_path):
+    """The uniform scorer row of the full-sequence path equals kvpop eval --data's (the KVpopCache prefill) on
+    the same positions; the head-adaptive budgets keep the uniform total."""
+    from kvpop.core.checkpoint import save_scorers
+    from kvpop.core.patching import patch
+    from kvpop.demo import evaluate as E
+    from kvpop.demo import trace_eval as TE
+
+    base = E.load_base_model()
+    for q in base.parameters():
+        q.requires_grad_(False)
+    torch.manual_seed(3)
+    trained = patch(copy.deepcopy(base), sinks=4, window=8, budget=41, scorer="mlp")
+    save_scorers(trained, tmp_path / "s.safetensors")
+    g = torch.Generator().manual_seed(2)
+    traces = [torch.randint(3, 600, (97,), generator=g) for _ in range(2)]
+    with torch.no_grad():
+        rows = RT.head_adaptive_rows(base, str(tmp_path / "s.safetensors"), traces, traces[:1], budgets=[41],
+                                     label="mean", power=1.0, gamma=0.999, sinks=4, window=8, progress=False)
+    uni = rows[0]
+    assert uni["policy"].startswith("kvpop-mlp (uniform")
+    models = {"dense": base, "kvpop-mlp": E.policy_model(base, "kvpop-mlp", scorers=tmp_path / "s.safetensors",
+                                                         sinks=4, window=8, budget=41)}
+    ref = TE.evaluate_traces(models, traces, TE.TraceEvalConfig(budgets=[41], sinks=4, window=8,
+                                                                policies=["dense", "kvpop-mlp"], progress=False))
+    assert uni["delta_nll"] == pytest.approx(ref[0]["delta_nll"], abs=1e-6)
+    hb = rows[2]["head_budgets"]
+    assert rows[2]["policy"].startswith("kvpop-mlp (head-adaptive") and sum(map(sum, hb)) == 41 * len(hb) * len(hb[0])
