@@ -146,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default budgets 6.25/12.5/25%% of the longest trace)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="with --data: cut every record into sequences of this many tokens (default: records whole)")
+    p.add_argument("--dms-valid-data", default=None, metavar="JSONL",
+                   help="with --data and a dms run: choose DMS's gate threshold per budget on these validation traces "
+                        "and keep it fixed for --data (default: calibrated on each evaluated trace, which sees it)")
     from .problems import add_arguments as add_problems
 
     add_problems(p)
@@ -237,6 +240,21 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
         cfg.resolve(lengths)
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
                                 budget=cfg.budgets[0], load=TE.load_model, budgets=cfg.budgets)
+        if args.dms_valid_data is not None:
+            if "dms" not in models:
+                raise ValueError("--dms-valid-data chooses DMS's threshold: it needs a dms run (--run DIR of "
+                                 "kvpop train --method dms, or --dms DIR)")
+            if Path(args.dms_valid_data).resolve() == Path(args.data).resolve():
+                raise ValueError(f"--dms-valid-data {args.dms_valid_data} is the evaluated --data itself: give "
+                                 f"validation traces the evaluation does not score")
+            vrec = data_io.read_jsonl(args.dms_valid_data, vocab_size=base.config.vocab_size,
+                                      tokenizer=lambda: data_io.load_tokenizer(args.model),
+                                      tokenizer_source=str(args.model))
+            vtr = (data_io.chunk(vrec, args.seq_len, source=str(args.dms_valid_data)) if args.seq_len is not None
+                   else [torch.tensor(r, dtype=torch.int64) for r in vrec if len(r) >= 2])
+            if args.n_sequences is not None:
+                vtr = vtr[:args.n_sequences]
+            cfg.dms_thresholds = TE.dms_thresholds_on(models["dms"], vtr, cfg.budgets)
         rows = TE.evaluate_traces(models, traces, cfg)
     except (ValueError, FileNotFoundError, TypeError, NotImplementedError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
@@ -244,6 +262,8 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
     results = TE.trace_results(rows, cfg, lengths=lengths, extra={
         "model": str(args.model), "data": str(args.data), "seq_len": args.seq_len,
         "trained": {p: summary[p] for p in summary if p in models},
+        "dms_thresholds": None if cfg.dms_thresholds is None else {str(b): t for b, t in cfg.dms_thresholds.items()},
+        "dms_valid_data": args.dms_valid_data,
         "threads": torch.get_num_threads(), "eval_seconds": round(time.time() - t0, 1)})
     table = TE.format_trace_table(results)
     print(table)

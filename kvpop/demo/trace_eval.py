@@ -33,7 +33,15 @@ from torch import nn
 
 from .dms import RANGES
 from .dms import row_stats as dms_row_stats
-from .evaluate import DEFAULT_SINKS, DEFAULT_WINDOW, POLICIES, _check_policies, policy_logits, trained_label
+from .evaluate import (
+    DEFAULT_SINKS,
+    DEFAULT_WINDOW,
+    DMS_POLICIES,
+    POLICIES,
+    _check_policies,
+    policy_logits,
+    trained_label,
+)
 
 __all__ = ["TraceEvalConfig", "load_model", "sequence_scores", "evaluate_traces", "trace_results",
            "format_trace_table", "plot_trace_results"]
@@ -51,6 +59,9 @@ class TraceEvalConfig:
         sinks, window: shared by every policy (``budget >= sinks + window + 1``).
         policies: policies to run (``dense`` is always measured, as the reference).
         progress: show a tqdm bar.
+        dms_thresholds: DMS's gate threshold per budget, fixed for every trace (chosen on validation
+            traces, :func:`dms_thresholds_on`); ``None`` (default): calibrated on each evaluated trace itself
+            (the rows say which, ``dms_threshold_from``).
     """
 
     budgets: Sequence[int] | None = None
@@ -58,6 +69,7 @@ class TraceEvalConfig:
     window: int = DEFAULT_WINDOW
     policies: Sequence[str] = POLICIES
     progress: bool = True
+    dms_thresholds: Mapping[int, float] | None = None
 
     def resolve(self, lengths: Sequence[int]) -> None:
         """Fill in the default budgets for traces of ``lengths`` tokens and check them."""
@@ -79,6 +91,25 @@ class TraceEvalConfig:
                              f"{longest} tokens; give smaller --budgets")
         self.budgets = sorted({int(b) for b in budgets})
         self.policies = _check_policies(self.policies)
+
+
+def dms_thresholds_on(model: nn.Module, traces: Sequence[torch.Tensor], budgets: Sequence[int]) -> dict[int, float]:
+    """DMS's gate threshold per budget chosen on ``traces`` (validation data, never the evaluated traces): the
+    largest threshold at which the mean entries per layer and KV head after the traces, over all of them, stay
+    within the budget (``kvpop.baselines.dms.budget.calibrate_threshold``; traces of one length as one batch,
+    else the median of the per-trace thresholds)."""
+    from kvpop.baselines.dms.budget import calibrate_threshold
+
+    traces = [t.reshape(-1).long() for t in traces]
+    if not traces:
+        raise ValueError("no validation traces to choose DMS's threshold on")
+    out = {}
+    for b in budgets:
+        if len({int(t.numel()) for t in traces}) == 1:
+            out[int(b)] = float(calibrate_threshold(model, torch.stack(traces), int(b)))
+        else:
+            out[int(b)] = float(torch.tensor([calibrate_threshold(model, t, int(b)) for t in traces]).median())
+    return out
 
 
 def load_model(path: str | os.PathLike) -> nn.Module:
@@ -140,7 +171,8 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                         if bar is not None:
                             bar.update(1)
                         continue
-                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, p, b), t, start)
+                    thr = None if p not in DMS_POLICIES or cfg.dms_thresholds is None else cfg.dms_thresholds[b]
+                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, p, b, threshold=thr), t, start)
                     nll += float(p_nll.sum())
                     dnll += float(d_nll[start:].sum())
                     agree += int((p_arg == d_arg[start:]).sum())
@@ -152,6 +184,9 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                        "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,
                        "delta_nll": (nll - dnll) / n if n else math.nan,
                        "top1_agreement": agree / n if n else math.nan, **dms_row_stats(models[p])}
+                if p in DMS_POLICIES:
+                    row["dms_threshold_from"] = ("validation traces" if cfg.dms_thresholds is not None
+                                                 else "each evaluated trace")
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
@@ -200,9 +235,12 @@ def format_trace_table(results: dict) -> str:
         lines.append("| " + " | ".join(line) + " |")
     dms = [cell[("dms", b)] for b in budgets if ("dms", b) in cell and "dms_entries_mean" in cell[("dms", b)]]
     if dms:
-        lines += ["", "DMS entries held per layer and KV head, mean [min, max] over heads (averaged over traces): "
-                      "at the last position (where the mean is matched to B), and each head's mean over each "
-                      "quarter of the positions.", ""]
+        src = dms[0].get("dms_threshold_from", "each evaluated trace")
+        match = ("where the validation traces' mean was matched to B" if src == "validation traces"
+                 else "where each trace's mean is matched to B")
+        lines += ["", f"DMS entries held per layer and KV head, mean [min, max] over heads (averaged over traces), "
+                      f"gate threshold calibrated on {src}: at the last position ({match}), and each head's mean "
+                      f"over each quarter of the positions.", ""]
         rng = [f"positions {100 * k // RANGES}-{100 * (k + 1) // RANGES}%" for k in range(RANGES)]
         lines += ["| budget | last position | " + " | ".join(rng) + " |", "|" + "---|" * (2 + RANGES)]
         for r in dms:

@@ -165,3 +165,35 @@ def test_entries_by_position_equal_a_token_by_token_decode():
     assert torch.equal(got, want)
     assert torch.equal(got[:, -1], pre.head_entries().reshape(-1).long())
     assert int(got[:, -1].min()) < int(got[:, -1].max())  # the heads differ: the test sees raggedness
+
+
+def test_dms_threshold_chosen_on_validation_traces(runs, traces, tmp_path, capsys):
+    valid = _write(tmp_path / "valid.jsonl", 2, 96, T.valid_seed)
+    out = tmp_path / "out"
+    assert _eval("--data", str(traces), "--budgets", "16,40", "--out", str(out), "--policies", "dense,dms",
+                 "--run", str(runs / "dms"), "--dms-valid-data", str(valid)) == 0
+    res = json.loads((out / "results.json").read_text())
+    # the thresholds are the validation traces' own calibration, fixed for every evaluated trace
+    from kvpop.demo.trace_eval import load_model
+
+    model = DE.dms_policy_model(load_model(runs / "dms" / "model"), runs / "dms" / "gates.safetensors",
+                                sinks=SINKS, window=WINDOW)
+    vids = torch.stack([T.make_example(T.valid_seed(i), 96)["input_ids"] for i in range(2)])
+    for b in (16, 40):
+        assert res["dms_thresholds"][str(b)] == pytest.approx(DE.calibrate_threshold(model, vids, b))
+    rows = [r for r in res["rows"] if r["policy"] == "dms"]
+    assert {r["dms_threshold_from"] for r in rows} == {"validation traces"}
+    assert res["dms_valid_data"] == str(valid)
+    # without it, each evaluated trace calibrates its own
+    assert _eval("--data", str(traces), "--budgets", "40", "--out", str(out), "--policies", "dense,dms",
+                 "--run", str(runs / "dms")) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["dms_thresholds"] is None
+    assert {r["dms_threshold_from"] for r in res["rows"] if r["policy"] == "dms"} == {"each evaluated trace"}
+    # user errors
+    assert _eval("--data", str(traces), "--budgets", "40", "--run", str(runs / "dms"),
+                 "--dms-valid-data", str(traces)) == 2
+    assert "is the evaluated --data itself" in capsys.readouterr().err
+    assert _eval("--data", str(traces), "--budgets", "40", "--run", str(runs / "mlp"),
+                 "--dms-valid-data", str(valid)) == 2
+    assert "needs a dms run" in capsys.readouterr().err
