@@ -121,10 +121,12 @@ def oracle_grid(base: nn.Module, batch: dict, budget: int, labels=LABEL_GRID, ga
 
 def train_scorer(base: nn.Module, scorer: str, *, label: str, power: float, gamma: float, budget: int,
                  valid: dict, steps: int, eval_every: int, patience: int, lr: float, span_nats: float,
-                 batch: int = 4, seed: int = 0, train_len: int | None = None) -> dict[str, Any]:
+                 batch: int = 4, seed: int = 0, train_len: int | None = None,
+                 valid_budget: int | None = None) -> dict[str, Any]:
     """Train ``scorer`` (model frozen) on the teacher's ``label`` with the decay learned from ``gamma``.
 
-    Training sequences have ``train_len`` tokens (default the task's ``TRAIN_LEN``).  Returns the history
+    Training sequences have ``train_len`` tokens (default the task's ``TRAIN_LEN``); validation runs at
+    ``valid_budget`` (default ``budget``: runs trained at different budgets compare at one).  Returns the history
     of validation accuracies, the best step, and the best state (in memory)."""
     train_len = T.TRAIN_LEN if train_len is None else train_len
     rng = decay_range_for_context(train_len, span_nats)
@@ -157,7 +159,11 @@ def train_scorer(base: nn.Module, scorer: str, *, label: str, power: float, gamm
         loss.backward()
         opt.step()
         if step % eval_every == 0 or step == steps:
-            acc = accuracy(base, model, valid)
+            if valid_budget is not None and valid_budget != budget:
+                acc = accuracy(base, patch(model, budget=valid_budget), valid)
+                patch(model, budget=budget)
+            else:
+                acc = accuracy(base, model, valid)
             g = torch.cat([layer.gamma().detach() for layer in kvpop_layers(model)])
             hist.append({"step": step, "loss": float(loss.detach()), "valid_accuracy": acc, "gamma_min": float(g.min()),
                          "gamma_max": float(g.max()), "wall_s": round(time.time() - t0, 1)})
@@ -203,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=64, help="the budget of the oracle grid and of the scorers' training")
     p.add_argument("--test-budgets", default=None,
                    help="comma-separated budgets of the test stage (default: --budget); scorers are re-budgeted")
+    p.add_argument("--valid-budget", type=int, default=None,
+                   help="budget of the scorers' validation (default --budget)")
     p.add_argument("--train-len", type=int, default=None,
                    help="length of the training and validation sequences (default: the task's TRAIN_LEN)")
     p.add_argument("--n-valid", type=int, default=64)
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in [x for x in args.scorers.split(",") if x]:
             r = train_scorer(base, s, budget=args.budget, valid=valid, steps=args.steps, eval_every=args.eval_every,
                              patience=args.patience, lr=args.lr, span_nats=args.span_nats, batch=args.batch,
-                             train_len=train_len, **choice)
+                             train_len=train_len, valid_budget=args.valid_budget, **choice)
             trained[s] = r.pop("model")
             res["scorers"][s] = r
             if args.save_dir:

@@ -94,3 +94,12 @@ def test_head_adaptive_stage(base, tmp_path):
     m = kvpop.patch(kvpop.make_teacher(base), cfg.replace(head_budgets=rows))
     assert r["adaptive_accuracy"] == L.accuracy(base, m, test)
     assert "min_k=2" in res["head_adaptive_rule"]
+
+
+def test_validation_at_another_budget_than_training(base):
+    valid = T.make_batch([T.valid_seed(0)], T.TRAIN_LEN)
+    r = L.train_scorer(base, "mlp", label="max", power=1.0, gamma=0.9999, budget=64, valid=valid, steps=2,
+                       eval_every=1, patience=5, lr=1e-2, span_nats=8.0, batch=1, valid_budget=48)
+    m = r["model"]
+    assert kvpop.kvpop_layers(m)[0].config.budget == 64  # trained (and returned) at its own budget
+    assert L.accuracy(base, kvpop.patch(m, budget=48), valid) == r["best_valid"]  # validated at 48
