@@ -678,6 +678,16 @@ def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() > 0 and b.numel() > 0 and a.data_ptr() == b.data_ptr()
 
 
+def _batch_form(batched, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos):
+    """The step's tensors with a leading batch dimension, and ``pos`` as an int64 ``[N]`` tensor."""
+    if not batched:
+        q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio = (
+            x.unsqueeze(0) for x in (q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio))
+    if not isinstance(pos, torch.Tensor):
+        pos = torch.full((q.shape[0],), pos, dtype=torch.int64, device=q.device)
+    return q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos
+
+
 def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
                         slot_prio: torch.Tensor, leaving_prio: torch.Tensor, *, pos: int | torch.Tensor,
@@ -770,11 +780,8 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     if isinstance(pos, torch.Tensor) and host_check(check, q.device):
         _check_positions(pos)
     batched = q.dim() == 3
-    if not batched:
-        q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio = (
-            x.unsqueeze(0) for x in (q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio))
-    if not isinstance(pos, torch.Tensor):
-        pos = torch.full((q.shape[0],), pos, dtype=torch.int64, device=q.device)
+    q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos = _batch_form(
+        batched, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos)
     if q.shape[0] == 0:  # no row: nothing to write (and no pointer a kernel may take)
         out, lse = q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     elif use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio):
@@ -798,11 +805,8 @@ def _packed_step(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving
     if isinstance(pos, torch.Tensor) and checked:
         _check_positions(pos)
     batched = q.dim() == 3
-    if not batched:
-        q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio = (
-            x.unsqueeze(0) for x in (q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio))
-    if not isinstance(pos, torch.Tensor):
-        pos = torch.full((q.shape[0],), pos, dtype=torch.int64, device=q.device)
+    q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos = _batch_form(
+        batched, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos)
     T = k_cache.shape[1]
     triton_path = use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio)
     budgets = head_budgets

@@ -50,3 +50,13 @@ def record_qk(model, ids):
     finally:
         model.config._attn_implementation = prev
     return rec, logits
+
+
+def randomize_scorers(model, seed=5):
+    """Give a patched model's scorers seeded random weights (the decays kept), so that their scores matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".kvpop." in n and not n.endswith("decay_logit"):
+                p.copy_(torch.randn(p.shape, generator=g))
+    return model

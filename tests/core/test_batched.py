@@ -2,7 +2,7 @@
 ``num_return_sequences`` (issue 12)."""
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import randomize_scorers, tiny_model
 
 import kvpop
 from kvpop.models import cache_kwarg_name
@@ -21,13 +21,8 @@ def cpu_path(monkeypatch):
 
 
 def _model(policy, scorer):
-    m = kvpop.patch(tiny_model(seed=1), scorer=scorer, policy=policy, sinks=SINKS, window=WINDOW, budget=BUDGET)
-    with torch.no_grad():  # make the scores matter
-        g = torch.Generator().manual_seed(5)
-        for n, p in m.named_parameters():
-            if ".kvpop." in n and not n.endswith("decay_logit"):
-                p.copy_(torch.randn(p.shape, generator=g))
-    return m
+    return randomize_scorers(kvpop.patch(tiny_model(seed=1), scorer=scorer, policy=policy, sinks=SINKS,
+                                         window=WINDOW, budget=BUDGET))
 
 
 def _left_padded(prompts, pad=0):

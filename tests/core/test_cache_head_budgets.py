@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_cache import HOOKS, _key_priority  # the stand-in scorer of the uniform cache's tests
-from tiny import tiny_model
+from tiny import randomize_scorers, tiny_model
 from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -203,14 +203,8 @@ CACHE = cache_kwarg_name()
 
 
 def _patched(scorer="mlp", policy="kvpop"):
-    m = kvpop.patch(tiny_model(seed=1), scorer=scorer, policy=policy, sinks=2, window=8, budget=24,
-                    head_budgets=SMALL_HB)
-    with torch.no_grad():  # make the scores matter
-        g = torch.Generator().manual_seed(5)
-        for n, p in m.named_parameters():
-            if ".kvpop." in n and not n.endswith("decay_logit"):
-                p.copy_(torch.randn(p.shape, generator=g))
-    return m
+    return randomize_scorers(kvpop.patch(tiny_model(seed=1), scorer=scorer, policy=policy, sinks=2, window=8,
+                                         budget=24, head_budgets=SMALL_HB))
 
 
 @pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
