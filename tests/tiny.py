@@ -60,3 +60,16 @@ def randomize_scorers(model, seed=5):
             if ".kvpop." in n and not n.endswith("decay_logit"):
                 p.copy_(torch.randn(p.shape, generator=g))
     return model
+
+
+def kvtrace_model(hidden=64, heads=4, kv_heads=2, intermediate=128):
+    """A seeded random 2-layer Qwen3 (head_dim 16) over the kvtrace task's vocabulary, in eval mode."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kvpop.demo import task as T
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=T.VOCAB_SIZE, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                      max_position_embeddings=1024, tie_word_embeddings=True, attention_dropout=0.0)
+    return Qwen3ForCausalLM(cfg).eval()

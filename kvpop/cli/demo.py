@@ -44,6 +44,10 @@ def label_variant(joint: str, source: str) -> str:
     return f"{joint}-{source}-label"
 
 
+LABEL_VARIANTS_OF = {f"{j}-{src}-label": j for j in JOINT_OF for src in ("student", "teacher")}
+"""A joint retrofit's label-source variant -> the joint retrofit (:func:`label_variant`)."""
+
+
 def demo_retrofits(chosen: dict) -> tuple[str, ...]:
     """The retrofits a demo run trains, in order: :data:`RETROFITS`, then, for each joint retrofit, the
     label source its ``chosen`` settings do not use (a labelled second row of the table)."""
@@ -53,13 +57,24 @@ def demo_retrofits(chosen: dict) -> tuple[str, ...]:
                              if src != chosen[j].get("target_source", "student"))
 
 GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4,),
-        "target_source": ("student", "teacher"), "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,)}
+        "target_source": ("student", "teacher"), "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,),
+        "label": ("mean", "max"), "decay_span": (None, 8.0), "label_lr_scorer": (1e-2,), "label_steps": (200,),
+        "eval_every": (0,), "patience": (0,), "joint_init": ("fresh", "scorer-only")}
 """The candidates of ``--select``.  Scorer-only: every (k, lr_scorer) at the first number of steps, then the
-best of those at every number of steps.  Joint: the scorer-only choice of the same scorer with every
-``joint_lr_model`` (student label), then the best of those with every ``target_source`` (the label's source).
-fixed-finetune: every (finetune_lr_model, finetune_steps).  A grid of one value
-fixes that setting (the CPU budget of a 2-core machine shared by many jobs: each candidate is a retrofit
-plus a validation run).  A task module's ``DEMO_GRID`` replaces some of these entries for its task."""
+best of those at every number of steps, then the best of those with every (label, decay_span) (the label the
+scorers learn, ``KVpopConfig.label``, and the decay's range: ``None`` the seed's, a number of nats the range
+tied to the training length, ``decay_range_for_context``).  Joint: the scorer-only choice of the same scorer
+with every ``joint_lr_model`` (student label), then the best of those with every ``target_source`` (the
+label's source) and every ``joint_init`` (``"fresh"`` scorers or the scorer-only retrofit's as the start).
+fixed-finetune: every (finetune_lr_model, finetune_steps).  ``--select-stage label`` searches only the label
+family: every (label, decay_span, label_lr_scorer) for each scorer-only retrofit at ``label_steps`` steps (the
+other settings as CHOSEN), then each joint retrofit with its scorer's choice and every ``joint_init``.
+``eval_every`` / ``patience`` (one value each): validation during every kvpop retrofit, the best state kept
+(``kvpop.demo.retrofit``; 0: none).  A grid of one value fixes that setting (the CPU budget of a 2-core
+machine: each candidate is a retrofit plus a validation run).  A task module's ``DEMO_GRID`` replaces some of
+these entries for its task."""
+LABEL_KEYS = ("label", "decay_span", "eval_every", "patience")
+"""Settings a joint retrofit takes from its scorer-only retrofit's choice (besides ``lr_scorer`` and ``k``)."""
 
 CHOSEN = {
     "kvtrace": {  # kvpop demo --select, 2026-11-30 (DEMO_GRID of kvpop.demo.task)
@@ -85,6 +100,11 @@ CHOSEN = {
 QUICK = {"steps": 3, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student"}
 
 
+def selection_file(stage: str) -> str:
+    """The record ``kvpop demo --select --select-stage STAGE`` writes into ``OUT/<task>/``."""
+    return "selection.json" if stage == "all" else f"selection-{stage}.json"
+
+
 def task_module(name: str):
     import importlib
 
@@ -101,9 +121,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--select", action="store_true",
                    help="choose the training settings on validation sequences (the grid GRID) instead of "
                         "running the demo; writes OUT/<task>/selection.json")
-    p.add_argument("--select-stage", default="all", choices=("all", "target_source"),
-                   help="with --select: all (every setting) or target_source (only the joint retrofits' label source, "
-                        "student vs teacher, the other settings as CHOSEN)")
+    p.add_argument("--select-stage", default="all", choices=("all", "target_source", "label"),
+                   help="with --select: all (every setting), target_source (only the joint retrofits' label source, "
+                        "student vs teacher, the other settings as CHOSEN) or label (the label family: label, decay "
+                        "and scorer lr of the scorer-only retrofits, then the joint retrofits' start; the other "
+                        "settings as CHOSEN)")
     p.add_argument("--resume", action="store_true",
                    help="reuse finished parts in --out (retrofits, measured rows) and continue unfinished ones")
     p.add_argument("--quick", action="store_true",
@@ -169,10 +191,11 @@ def _settings(args: argparse.Namespace, task: str) -> dict:
             j, src = next((j, src) for j in JOINT_OF for src in ("student", "teacher") if p == label_variant(j, src))
             c = {**chosen[j], "target_source": src}
         if p == "fixed-finetune":
-            c.pop("k", None)
-            c.pop("lr_scorer", None)
+            for key in ("k", "lr_scorer", *LABEL_KEYS, "joint_init"):
+                c.pop(key, None)
         if p in SCORER_ONLY or p == "fixed-finetune":
             c.pop("target_source", None)
+            c.pop("joint_init", None)
         if p in SCORER_ONLY:
             c.pop("lr_model", None)
         if args.steps is not None:
@@ -212,7 +235,17 @@ def _task_budgets(mod, train_len: int) -> list[int]:
     return budgets_for(train_len, getattr(mod, "BUDGET_FRACTIONS", BUDGET_FRACTIONS))
 
 
-def _retrofit_config(E, s: dict, policy: str, c: dict):
+def _trial_dir(out: Path, policy: str, c: dict) -> Path:
+    """Where ``kvpop demo --select`` trains ``policy`` with settings ``c`` (``OUT/<task>/<policy>/<tag>``)."""
+    def fmt(v):
+        return "none" if v is None else v if isinstance(v, str) else f"{v:g}"
+
+    return out / policy / "_".join(f"{k}{fmt(v)}" for k, v in sorted(c.items()))
+
+
+def _retrofit_config(E, s: dict, policy: str, c: dict, init: Path | None = None):
+    """The :class:`~kvpop.demo.retrofit.RetrofitConfig` of ``policy`` with settings ``c``; ``init``: the scorer
+    file a ``joint_init="scorer-only"`` retrofit starts from."""
     least = s["sinks"] + s["window"] + 1
     if policy == "fixed-finetune":
         budget = int(round(0.125 * s["train_length"]))
@@ -227,8 +260,61 @@ def _retrofit_config(E, s: dict, policy: str, c: dict):
                             sinks=s["sinks"], window=s["window"], lr_scorer=float(c.get("lr_scorer", 1e-2)),
                             lr_model=float(c.get("lr_model", 1e-4)), tau=s["tau"],
                             train_model=policy not in SCORER_ONLY,
-                            target_source=c.get("target_source", "student"),
+                            target_source=c.get("target_source", "student"), label=c.get("label", "mean"),
+                            decay_span=c.get("decay_span"), eval_every=int(c.get("eval_every", 0)),
+                            patience=int(c.get("patience", 0)),
+                            init_scorers=str(init) if c.get("joint_init") == "scorer-only" and init else None,
                             checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
+
+
+def _init_file(out: Path, policy: str, c: dict, trial_of: dict | None = None) -> Path | None:
+    """The scorer file a joint retrofit with ``joint_init="scorer-only"`` starts from: its scorer-only
+    retrofit's (``out/<scorer-only>/``; with ``trial_of``, the ``--select`` trial of those scorer-only
+    settings)."""
+    if c.get("joint_init") != "scorer-only":
+        return None
+    sc = JOINT_OF[LABEL_VARIANTS_OF.get(policy, policy)]
+    return (out / sc if trial_of is None else _trial_dir(out, sc, trial_of)) / "scorers.safetensors"
+
+
+def _valid_config(E, s: dict, args: argparse.Namespace):
+    """The validation sequences every choice is made on (``--select``, early stopping): ``valid_seed``, L_train,
+    the task's budgets, ``--n-sequences`` (default 6)."""
+    v = _eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=args.n_sequences or (1 if args.quick else 6),
+                     split="valid")
+    v.progress = False
+    return v
+
+
+def _validator(E, mod, base, s: dict, args: argparse.Namespace, policy: str, d: Path, dense_done: dict):
+    """``validate(model)`` of ``policy``'s retrofit in ``d``: the mean validation accuracy over the budgets at
+    L_train (:func:`_valid_config`) of the model in training, served as ``kvpop demo`` serves it."""
+    from kvpop.core.checkpoint import save_scorers
+    from kvpop.demo import retrofit as R
+
+    vcfg = _valid_config(E, s, args)
+    pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
+
+    def validate(model) -> float:
+        import copy
+
+        f = d / "train.pt" / "validate.safetensors"
+        ft = None
+        if policy != "fixed-finetune":
+            save_scorers(model, f)
+        if policy in E.JOINT or policy == "fixed-finetune":
+            ft = copy.deepcopy(model)
+            R._strip(ft)
+        served = (E.policy_model(base, policy, finetuned=ft, **pm) if policy == "fixed-finetune"
+                  else E.policy_model(base, policy, scorers=f, finetuned=ft, **pm))
+        res = E.evaluate({"dense": base, policy: served}, vcfg, task=mod, done=dense_done)
+        for row in res["rows"]:
+            if row["policy"] == "dense":
+                dense_done[f"dense|{row['budget']}|{row['length']}"] = row
+        acc = [row["accuracy"] for row in res["rows"] if row["policy"] == policy]
+        return sum(acc) / len(acc)
+
+    return validate
 
 
 def _policy_model(E, base, policy: str, d: Path, pm: dict):
@@ -283,7 +369,8 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     mod = task_module(task)
     s = _settings(args, task)
     cfg = _eval_config(E, s, args)
-    rcs = {p: _retrofit_config(E, s, p, c) for p, c in s["retrofits"].items()}
+    rcs = {p: None if c.get("joint_init") == "scorer-only" else _retrofit_config(E, s, p, c)
+           for p, c in s["retrofits"].items()}  # a warm start's config once its scorer file exists
     base = E.load_base_model(_base_model_dir(args, task))
     out.mkdir(parents=True, exist_ok=True)
     rows_file = out / "rows.jsonl"
@@ -297,12 +384,18 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
     progress = not args.no_progress
 
     timings = {}
-    for p in rcs:
+    dense_done: dict = {}
+    for p, c in s["retrofits"].items():
         t0 = time.time()
-        rc = rcs[p]
+        rc = rcs[p] = rcs[p] or _retrofit_config(E, s, p, c, _init_file(out, p, c))
+        adopted = _adopt_trial(out, p, c)
         print(f"[kvpop demo] {task}: retrofit {p}: {rc.steps} steps at length {rc.length}, budget {rc.budget}"
-              f"{', model and scorers' if rc.train_model and p != 'fixed-finetune' else ''}", flush=True)
-        R.retrofit(base, p, out / p, rc, resume=args.resume, progress=progress, task=mod)
+              f"{', model and scorers' if rc.train_model and p != 'fixed-finetune' else ''}"
+              f"{', label ' + rc.label if p != 'fixed-finetune' else ''}"
+              f"{', validated every ' + str(rc.eval_every) if rc.eval_every else ''}"
+              f"{', from the --select trial' if adopted else ''}", flush=True)
+        R.retrofit(base, p, out / p, rc, resume=args.resume or adopted, progress=progress, task=mod,
+                   validate=_validator(E, mod, base, s, args, p, out / p, dense_done) if rc.eval_every else None)
         timings[f"retrofit_{p}_s"] = round(time.time() - t0, 1)
 
     if s["dms_steps"] > 0:  # the learned baseline: gates and model together (kvpop.demo.retrofit)
@@ -354,6 +447,25 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
                      "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t_start)),
                      "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}, out / "run.json")
     return results
+
+
+def _adopt_trial(out: Path, policy: str, c: dict) -> bool:
+    """Copy a finished ``--select`` trial of ``policy`` with exactly the settings ``c`` (same ``--out``) into
+    ``out/<policy>`` unless that holds a finished retrofit; :func:`kvpop.demo.retrofit.retrofit` then checks
+    its settings and reuses it, or trains anew when they differ.  Returns whether a trial was copied."""
+    import shutil
+
+    src, dst = _trial_dir(out, policy, c), out / policy
+    if not (src / "done.json").exists() or (dst / "done.json").exists():
+        return False
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("scorers.safetensors", "model"):
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name, dirs_exist_ok=True)
+        elif (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+    shutil.copy2(src / "done.json", dst / "done.json")
+    return True
 
 
 def _decode_rows(E, mod, models: dict, s: dict, cfg, out: Path, old: dict | None, stamp: dict,
@@ -418,15 +530,14 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
 
     mod = task_module(task)
     s = _settings(args, task)
-    vcfg = _eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=args.n_sequences or (1 if args.quick else 6),
-                        split="valid")
-    vcfg.progress = False
+    vcfg = _valid_config(E, s, args)
     base = E.load_base_model(_base_model_dir(args, task))
     pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
     out.mkdir(parents=True, exist_ok=True)
     full = {**GRID, **getattr(mod, "DEMO_GRID", {})}
     grid = ({**{k: v[:1] for k, v in full.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],),
-             "target_source": full["target_source"]} if args.quick else full)
+             "label_steps": (QUICK["steps"],), "target_source": full["target_source"], "label": full["label"],
+             "joint_init": full["joint_init"]} if args.quick else full)
     record = {"task": task, "grid": grid, "criterion": "mean validation accuracy over the budgets at L_train",
               "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})",
                              "length": s["train_len"], "budgets": vcfg.budgets, "sinks": vcfg.sinks,
@@ -435,13 +546,15 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
     dense_done: dict = {}
 
     def save() -> None:
-        E.write_results(record, out / "selection.json")
+        E.write_results(record, out / selection_file(args.select_stage))
 
     def trial(policy: str, stage: str, c: dict) -> dict:
-        tag = "_".join(f"{k}{v}" if isinstance(v, str) else f"{k}{v:g}" for k, v in sorted(c.items()))
-        d = out / policy / tag
-        R.retrofit(base, policy, d, _retrofit_config(E, s, policy, c), resume=True, progress=not args.no_progress,
-                   task=mod)
+        d = _trial_dir(out, policy, c)
+        sc = JOINT_OF.get(LABEL_VARIANTS_OF.get(policy, policy))
+        rc = _retrofit_config(E, s, policy, c,
+                              _init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
+        R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,
+                   validate=_validator(E, mod, base, s, args, policy, d, dense_done) if rc.eval_every else None)
         vf = d / "validation.json"
         if vf.exists() and json.loads(vf.read_text()).get("settings") == c:
             r = json.loads(vf.read_text())
@@ -454,6 +567,9 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
             acc = {str(row["budget"]): row["accuracy"] for row in res["rows"] if row["policy"] == policy}
             r = {"policy": policy, "stage": stage, "settings": c, "val_accuracy": acc,
                  "val_mean": sum(acc.values()) / len(acc), "val_dense": res["dense_accuracy"]}
+            done = json.loads((d / "done.json").read_text())
+            if "best_step" in done:  # early stopping: the state kept and the validations it was chosen by
+                r["best_step"], r["validations"] = done["best_step"], done["validation"]
             vf.write_text(json.dumps(r, indent=1))
         record["candidates"].append(r)
         save()
@@ -465,6 +581,24 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
         return max(rs, key=lambda r: r["val_mean"])  # the first of equals: the earlier (cheaper) candidate
 
     chosen = record["chosen"]
+    if args.select_stage == "label":  # the label family; the other settings as chosen before (CHOSEN)
+        fixed = {"eval_every": grid["eval_every"][0], "patience": grid["patience"][0]}
+        for p in SCORER_ONLY:
+            c = {k: v for k, v in s["retrofits"][p].items() if k not in ("label", "decay_span", "lr_scorer")}
+            chosen[p] = best([trial(p, "label x decay_span x lr_scorer",
+                                    {**c, **fixed, "steps": grid["label_steps"][0], "label": lab,
+                                     "decay_span": span, "lr_scorer": lr})
+                              for lab in grid["label"] for span in grid["decay_span"]
+                              for lr in grid["label_lr_scorer"]])["settings"]
+        for p, sc in JOINT_OF.items():
+            c = {**s["retrofits"][p], **{k: chosen[sc][k] for k in (*LABEL_KEYS, "lr_scorer") if k in chosen[sc]},
+                 "eval_every": 0, "patience": 0}  # the joint retrofits' own steps, no early stopping
+            chosen[p] = best([trial(p, "joint_init", {**c, "joint_init": ji})
+                              for ji in grid["joint_init"]])["settings"]
+        chosen["fixed-finetune"] = dict(s["retrofits"]["fixed-finetune"])
+        save()
+        print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
+        return record
     if args.select_stage == "target_source":  # the other settings as chosen before (CHOSEN, or --quick's)
         for p in JOINT_OF:
             c = {k: v for k, v in s["retrofits"][p].items() if k != "target_source"}
@@ -473,16 +607,24 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
         save()
         print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
         return record
+    fixed = {"eval_every": grid["eval_every"][0], "patience": grid["patience"][0], "label": grid["label"][0],
+             "decay_span": grid["decay_span"][0]}
     for p in SCORER_ONLY:
-        first = best([trial(p, "k x lr_scorer", {"steps": grid["steps"][0], "k": k, "lr_scorer": lr})
+        first = best([trial(p, "k x lr_scorer", {**fixed, "steps": grid["steps"][0], "k": k, "lr_scorer": lr})
                       for k in grid["k"] for lr in grid["lr_scorer"]])
-        chosen[p] = best([first] + [trial(p, "steps", {**first["settings"], "steps": st})
-                                    for st in grid["steps"][1:]])["settings"]
+        first = best([first] + [trial(p, "steps", {**first["settings"], "steps": st}) for st in grid["steps"][1:]])
+        chosen[p] = best([first] + [trial(p, "label x decay_span", {**first["settings"], "label": lab,
+                                                                     "decay_span": span})
+                                    for lab in grid["label"] for span in grid["decay_span"]
+                                    if (lab, span) != (fixed["label"], fixed["decay_span"])])["settings"]
     for p, sc in JOINT_OF.items():
-        first = best([trial(p, "lr_model", {**chosen[sc], "lr_model": lm, "target_source": "student"})
+        first = best([trial(p, "lr_model", {**chosen[sc], "lr_model": lm, "target_source": "student",
+                                            "joint_init": grid["joint_init"][0]})
                       for lm in grid["joint_lr_model"]])
-        chosen[p] = best([first] + [trial(p, "target_source", {**first["settings"], "target_source": src})
-                                    for src in grid["target_source"] if src != "student"])["settings"]
+        first = best([first] + [trial(p, "target_source", {**first["settings"], "target_source": src})
+                                for src in grid["target_source"] if src != "student"])
+        chosen[p] = best([first] + [trial(p, "joint_init", {**first["settings"], "joint_init": ji})
+                                    for ji in grid["joint_init"][1:]])["settings"]
     chosen["fixed-finetune"] = best([trial("fixed-finetune", "lr_model x steps", {"steps": st, "lr_model": lm})
                                      for lm in grid["finetune_lr_model"] for st in grid["finetune_steps"]])["settings"]
     save()

@@ -24,10 +24,11 @@ from torch import nn
 
 from kvpop.baselines.dms import DMSConfig, patch_dms, save_dms
 from kvpop.baselines.dms.budget import GATES
-from kvpop.core.checkpoint import save_scorers
-from kvpop.core.config import KVpopConfig
+from kvpop.core.checkpoint import load_scorers, save_scorers
+from kvpop.core.config import LABELS, KVpopConfig, decay_range_for_context
 from kvpop.core.lifecycle import carried, remove
 from kvpop.core.patching import make_teacher, patch
+from kvpop.training.runstate import append_jsonl, atomic_save, write_jsonl
 from kvpop.training.train import TrainConfig, train
 
 from . import task as T
@@ -63,6 +64,16 @@ class RetrofitConfig:
             original with the full cache).
         train_model: also fine-tune the model (KL to the frozen original) with ``lr_model``.
         checkpoint_every: steps between checkpoints (resume after an interruption).
+        label, label_power: the label the scorers learn (``KVpopConfig.label``: ``"mean"``, the seed's,
+            ``"max"`` or ``"power"`` with exponent ``label_power``).
+        decay_span: ``None`` keeps ``KVpopConfig``'s range of the learned decay; a number of nats ties the
+            range to the training length (:func:`kvpop.core.config.decay_range_for_context`).
+        init_scorers: a scorer file (``kvpop.save_scorers``) the scorers start from instead of their
+            seeded initialisation (a joint retrofit warm-started by its scorer-only one); ``done.json``
+            records its SHA-256, not its path.
+        eval_every: with a ``validate`` callback (:func:`retrofit`), validate every this many steps and at
+            the last, and keep the best state (early stopping by selection); 0: no validation.
+        patience: stop after this many validations without a better one (0: train every step).
     """
 
     steps: int = 200
@@ -78,6 +89,37 @@ class RetrofitConfig:
     checkpoint_every: int = 25
     seed: int = 0
     target_source: str = "student"
+    label: str = "mean"
+    label_power: float = 4.0
+    decay_span: float | None = None
+    init_scorers: str | None = None
+    eval_every: int = 0
+    patience: int = 0
+
+    def __post_init__(self) -> None:
+        if self.label not in LABELS:
+            raise ValueError(f"label must be one of {list(LABELS)}, got {self.label!r}")
+        for name in ("eval_every", "patience"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.decay_span is not None and not (isinstance(self.decay_span, (int, float))
+                                                and not isinstance(self.decay_span, bool) and self.decay_span > 0):
+            raise ValueError(f"decay_span must be None (KVpopConfig's decay range) or a number of nats > 0, got "
+                             f"{self.decay_span!r}")
+
+    def decay_range(self) -> dict[str, float]:
+        """``KVpopConfig``'s decay fields of this retrofit (empty: its defaults)."""
+        return {} if self.decay_span is None else decay_range_for_context(self.length, float(self.decay_span))
+
+    def stamp(self) -> dict[str, Any]:
+        """These settings as ``done.json`` records them (``init_scorers`` by its content's SHA-256)."""
+        d = asdict(self)
+        if self.init_scorers is not None:
+            import hashlib
+
+            d["init_scorers"] = {"sha256": hashlib.sha256(Path(self.init_scorers).read_bytes()).hexdigest()}
+        return d
 
 
 def retrofit_seed(name: str, seed: int) -> int:
@@ -106,7 +148,8 @@ def _train_data(cfg: RetrofitConfig, n: int, task_cfg: Any, task: Any) -> list[t
 
 
 def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: RetrofitConfig | None = None, *,
-             resume: bool = True, progress: bool = True, task_cfg: Any = None, task: Any = T) -> Path:
+             resume: bool = True, progress: bool = True, task_cfg: Any = None, task: Any = T,
+             validate: Callable[[nn.Module], float] | None = None) -> Path:
     """Train what ``policy`` needs from ``base`` (left untouched) and save it into ``out_dir``.
 
     * ``kvpop-mlp`` / ``kvpop-mlstm``: a copy of ``base`` patched with that scorer
@@ -116,6 +159,10 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
       model and scorers together, the model with a KL loss to the frozen original); writes both.
     * ``fixed-finetune``: the model fine-tuned with the fixed StreamingLLM mask
       (``mask_source="streaming"``, no score loss, KL to the frozen original); writes ``model/``.
+
+    With ``validate`` (the model in training -> a score, higher is better) and ``cfg.eval_every``, the
+    run validates every ``eval_every`` steps, saves the best state and stops after ``cfg.patience``
+    validations without a better one; ``done.json`` records every validation and the best step.
 
     A finished run leaves ``done.json`` (settings and last losses); with ``resume`` an existing
     ``done.json`` with the same settings is reused as it is, and an interrupted run continues from
@@ -130,12 +177,21 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
                          compute_loss=False, tau=cfg.tau)
     else:
         kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
-                         mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source)
+                         mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source, label=cfg.label,
+                         label_power=cfg.label_power, **cfg.decay_range())
+    if cfg.init_scorers is not None and policy == "fixed-finetune":
+        raise ValueError("init_scorers: fixed-finetune trains no scorers")
     train_model = cfg.train_model or policy == "fixed-finetune" or policy in JOINT
     save = None if policy == "fixed-finetune" else (lambda m, out: save_scorers(m, out / "scorers.safetensors"))
-    return _run(base, out_dir, {"policy": policy, **asdict(cfg)}, cfg, lambda m: patch(m, kv), save, train_model,
+
+    def attach(m: nn.Module) -> None:
+        patch(m, kv)
+        if cfg.init_scorers is not None:
+            load_scorers(m, cfg.init_scorers)
+
+    return _run(base, out_dir, {"policy": policy, **cfg.stamp()}, cfg, attach, save, train_model,
                 retrofit_seed(LABEL_VARIANTS.get(policy, policy), cfg.seed), resume=resume, progress=progress,
-                task_cfg=task_cfg, task=task)
+                task_cfg=task_cfg, task=task, validate=validate)
 
 
 def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: RetrofitConfig | None = None, *,
@@ -149,6 +205,8 @@ def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: RetrofitConfi
     cfg = cfg or RetrofitConfig()
     dms = DMSConfig(sinks=cfg.sinks, window=cfg.window, target_keep=target_keep,
                     schedule_steps=max(1, round(schedule_frac * cfg.steps)))
+    if cfg.init_scorers is not None or cfg.eval_every:
+        raise ValueError("retrofit_dms takes no init_scorers or eval_every (its compression schedule runs to the end)")
     settings = {"policy": "dms", **asdict(cfg), "target_keep": target_keep, "schedule_frac": schedule_frac}
     return _run(base, out_dir, settings, cfg, lambda m: patch_dms(m, dms), lambda m, out: save_dms(m, out / GATES),
                 True, retrofit_seed("dms", cfg.seed), resume=resume, progress=progress, task_cfg=task_cfg, task=task)
@@ -156,7 +214,8 @@ def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: RetrofitConfi
 
 def _run(base: nn.Module, out_dir: str | os.PathLike, settings: dict, cfg: RetrofitConfig,
          attach: Callable[[nn.Module], Any], save: Callable[[nn.Module, Path], Any] | None, train_model: bool,
-         rseed: int, *, resume: bool, progress: bool, task_cfg: Any, task: Any) -> Path:
+         rseed: int, *, resume: bool, progress: bool, task_cfg: Any, task: Any,
+         validate: Callable[[nn.Module], float] | None = None) -> Path:
     """One retrofit: a copy of ``base`` (any method removed) gets ``attach``-ed (its layers initialised from
     ``rseed``, the global streams untouched), trains (seed ``rseed``), ``save``s its layers into ``out_dir``
     (and ``model/`` when ``train_model``); ``done.json`` marks it finished."""
@@ -186,9 +245,13 @@ def _run(base: nn.Module, out_dir: str | os.PathLike, settings: dict, cfg: Retro
     tc = TrainConfig(steps=cfg.steps, lr_scorer=cfg.lr_scorer, lr_model=cfg.lr_model, train_model=train_model,
                      checkpoint_dir=str(ckpt), checkpoint_every=cfg.checkpoint_every, progress=progress,
                      seed=rseed)
+    record: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tqdm/torch noise about the tiny model
-        hist = train(model, data, tc, teacher=teacher, resume=resume)
+        if validate is not None and cfg.eval_every:
+            hist, record = _train_validated(model, data, tc, teacher, resume, cfg, validate, ckpt)
+        else:
+            hist = train(model, data, tc, teacher=teacher, resume=resume)
     if save is not None:
         save(model, out)
     if train_model:
@@ -196,9 +259,48 @@ def _run(base: nn.Module, out_dir: str | os.PathLike, settings: dict, cfg: Retro
         _strip(plain)
         plain.save_pretrained(str(out / "model"))
     tmp = done_file.with_name("done.json.tmp")
-    tmp.write_text(json.dumps({"settings": settings, "last": hist[-1] if hist else {}}, indent=1))
+    tmp.write_text(json.dumps({"settings": settings, "last": hist[-1] if hist else {}, **record}, indent=1))
     os.replace(tmp, done_file)
     return out
+
+
+def _train_validated(model: nn.Module, data: list, tc: TrainConfig, teacher: nn.Module | None, resume: bool,
+                     cfg: RetrofitConfig, validate: Callable[[nn.Module], float], ckpt: Path) -> tuple[list, dict]:
+    """Train to ``cfg.steps`` in segments of ``cfg.eval_every`` steps (each resumes the last checkpoint, so the
+    run is the one uninterrupted run), validate after each, keep the best state in ``ckpt/best.pt`` and stop
+    after ``cfg.patience`` validations without a better one; then load the best state.  Validations survive an
+    interruption (``ckpt/validation.jsonl``).  Returns the loss history and ``{"validation", "best_step"}``."""
+    from dataclasses import replace
+
+    vfile, best_file = ckpt / "validation.jsonl", ckpt / "best.pt"
+    done = ([json.loads(x) for x in vfile.read_text().splitlines() if x.strip()]
+            if resume and vfile.exists() and best_file.exists() else [])
+    write_jsonl(vfile, done)
+    stops = [*range(cfg.eval_every, cfg.steps, cfg.eval_every), cfg.steps]
+    hist: list[dict] = []
+    best, bad = None, 0
+    for i, target in enumerate(stops):
+        hist += train(model, data, replace(tc, steps=target), teacher=teacher, resume=resume or i > 0)
+        rec = next((r for r in done if r["step"] == target), None)  # validated before an interruption
+        better = False
+        if rec is None:
+            model.eval()
+            rec = {"step": target, "score": float(validate(model))}
+            model.train()
+            better = best is None or rec["score"] > best["score"]
+            if better:  # the state first: a record never names a best state that was not saved
+                atomic_save({k: v.detach().clone() for k, v in model.state_dict().items()}, best_file)
+            append_jsonl(vfile, rec)
+            done.append(rec)
+        better = better or best is None or rec["score"] > best["score"]
+        if better:
+            best, bad = rec, 0
+        else:
+            bad += 1
+            if cfg.patience and bad >= cfg.patience:
+                break
+    model.load_state_dict(torch.load(best_file, weights_only=True))
+    return hist, {"validation": done, "best_step": best["step"], "best_score": best["score"]}
 
 
 def _strip(model: nn.Module) -> None:

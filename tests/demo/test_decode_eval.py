@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny import kvtrace_model
 
 from kvpop.core.checkpoint import save_scorers
 from kvpop.core.patching import patch
@@ -14,18 +14,9 @@ from kvpop.demo.decode_eval import decode_check, decode_predictions
 L = 96
 
 
-@pytest.fixture(autouse=True)
-def cpu_path(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
 @pytest.fixture(scope="module")
 def base():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=T.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                      tie_word_embeddings=True, attention_dropout=0.0)
-    return Qwen3ForCausalLM(cfg).eval()
+    return kvtrace_model()
 
 
 @pytest.mark.parametrize("policy", ["kvpop-mlp", "kvpop-mlstm", "fixed-finetune"])

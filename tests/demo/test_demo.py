@@ -12,11 +12,6 @@ from kvpop.demo.evaluate import JOINT, LABEL_VARIANTS, POLICIES
 RESULTS = Path(__file__).resolve().parents[2] / "kvpop" / "data" / "demo_results"
 
 
-@pytest.fixture(autouse=True)
-def cpu_path(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
 def _rows(res):
     return [(r["policy"], r["budget"], r["length"], r["accuracy"]) for r in res["rows"]]
 
@@ -84,13 +79,58 @@ def test_select_quick_chooses_on_validation_sequences(tmp_path, capsys):
     assert "chosen" in capsys.readouterr().out
 
 
+def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, capsys, monkeypatch):
+    """``--select-stage label``: mean vs max label for each scorer-only retrofit, then fresh vs warm-started
+    joint retrofits; a demo run in the same --out with those settings reuses the trials instead of training."""
+    import kvpop.cli.demo as D
+
+    out = tmp_path / "sel"
+    assert main(["demo", "--quick", "--select", "--select-stage", "label", "--task", "kvtrace", "--out", str(out),
+                 "--no-progress"]) == 0
+    sel = json.loads((out / "kvtrace" / "selection-label.json").read_text())
+    by = {}
+    for c in sel["candidates"]:
+        by.setdefault(c["policy"], []).append(c["settings"])
+    for p in ("kvpop-mlp", "kvpop-mlstm"):
+        assert sorted(c["label"] for c in by[p]) == ["max", "mean"]
+        assert all(c["eval_every"] == 50 for c in by[p])  # the kvtrace task's DEMO_GRID
+    for j, sc in JOINT_OF.items():
+        assert sorted(c["joint_init"] for c in by[j]) == ["fresh", "scorer-only"]
+        assert all(c["label"] == sel["chosen"][sc]["label"] for c in by[j])
+    cand = {(c["policy"], json.dumps(c["settings"], sort_keys=True)): c for c in sel["candidates"]}
+    for p, c in sel["chosen"].items():
+        if p != "fixed-finetune":
+            assert cand[(p, json.dumps(c, sort_keys=True))]["val_mean"] == max(
+                x["val_mean"] for x in sel["candidates"] if x["policy"] == p)
+    warm = D._trial_dir(out / "kvtrace", "kvpop-mlp-joint",
+                        next(c for c in by["kvpop-mlp-joint"] if c["joint_init"] == "scorer-only"))
+    assert "sha256" in json.loads((warm / "done.json").read_text())["settings"]["init_scorers"]
+    capsys.readouterr()
+    # the demo with the max-label settings of the trials: the scorer-only retrofits are adopted, not retrained
+    monkeypatch.setattr(D, "QUICK", {**D.QUICK, "label": "max", "decay_span": None, "eval_every": 50, "patience": 0})
+    assert main(["demo", "--quick", "--task", "kvtrace", "--out", str(out), "--no-progress", "--dms-steps", "0",
+                 "--no-decode-check"]) == 0
+    printed = capsys.readouterr().out
+    for p in ("kvpop-mlp", "kvpop-mlstm"):
+        assert f"retrofit {p}: 3 steps" in printed
+        line = next(x for x in printed.splitlines() if f"retrofit {p}:" in x)
+        assert "from the --select trial" in line and "label max" in line
+    assert "from the --select trial" not in next(x for x in printed.splitlines() if "retrofit kvpop-mlp-joint:" in x)
+    res = json.loads((out / "kvtrace" / "results.json").read_text())
+    assert {r["policy"] for r in res["rows"]} >= {"kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint"}
+
+
 @pytest.mark.parametrize("task", ["kvtrace", "lookahead"])
 def test_the_demo_defaults_are_the_shipped_validation_choice(task):
-    """CHOSEN (the demo's defaults) is what `kvpop demo --select` chose, as recorded with its figures."""
-    sel = json.loads((RESULTS / task / "selection.json").read_text())
+    """CHOSEN (the demo's defaults) is what `kvpop demo --select` chose, as recorded with its figures (the
+    label family's stage, ``selection-label.json``, where it ran after the full grid)."""
+    from kvpop.cli.demo import selection_file
+
+    f = RESULTS / task / selection_file("label")
+    sel = json.loads((f if f.exists() else RESULTS / task / selection_file("all")).read_text())
     assert sel["validation"]["split"] == "valid"
     def norm(c):
-        return {k: v if isinstance(v, str) else float(v) for k, v in c.items()}
+        return {k: v if isinstance(v, str) or v is None else float(v) for k, v in c.items()}
 
     chosen = {p: norm(c) for p, c in sel["chosen"].items()}
     assert chosen == {p: norm(c) for p, c in CHOSEN[task].items()}

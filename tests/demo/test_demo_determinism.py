@@ -10,16 +10,10 @@ import random
 import shutil
 
 import numpy as np
-import pytest
 import torch
 
 from kvpop.cli import main
 from kvpop.cli.demo import TASKS
-
-
-@pytest.fixture(autouse=True)
-def cpu_path(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 def _demo(out, *extra):

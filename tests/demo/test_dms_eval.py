@@ -15,11 +15,6 @@ from kvpop.demo import task as T
 L = 128
 
 
-@pytest.fixture(autouse=True)
-def cpu_path(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A 'DMS run' as kvpop train --method dms writes it: random gates + a model directory."""

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny import kvtrace_model
 
 import kvpop
 from kvpop.baselines import dms as D
@@ -16,19 +16,9 @@ from kvpop.models import cache_kwarg_name
 L = 128  # task minimum is 64; 8 graded reads at 128
 
 
-@pytest.fixture(autouse=True)
-def cpu_path(monkeypatch):
-    """The PyTorch CPU path (the kernels are tested elsewhere; the interpreter would be slow)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
 @pytest.fixture(scope="module")
 def base():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=T.VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                      tie_word_embeddings=True, attention_dropout=0.0)
-    return Qwen3ForCausalLM(cfg).eval()
+    return kvtrace_model()
 
 
 @pytest.fixture(scope="module")

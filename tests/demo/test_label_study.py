@@ -10,11 +10,6 @@ from kvpop.demo import lookahead_task as T
 from kvpop.demo.evaluate import load_base_model
 
 
-@pytest.fixture(autouse=True)
-def cpu_path(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
 @pytest.fixture(scope="module")
 def base():
     m = load_base_model(T.SHIPPED_MODEL)

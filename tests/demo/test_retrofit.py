@@ -1,0 +1,138 @@
+"""kvpop.demo.retrofit: the label family, early stopping on validation and warm starts (PyTorch CPU path)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import kvtrace_model
+
+from kvpop.core.checkpoint import read_scorer_config
+from kvpop.core.config import decay_range_for_context
+from kvpop.demo import retrofit as R
+
+L = 128
+
+
+@pytest.fixture(scope="module")
+def base():
+    return kvtrace_model(hidden=32, heads=2, kv_heads=1, intermediate=64)
+
+
+def _cfg(**kw):
+    return R.RetrofitConfig(**{"steps": 4, "length": L, "budget": 24, "sinks": 2, "window": 4,
+                               "checkpoint_every": 2, **kw})
+
+
+def _scorers(d):
+    return load_file(d / "scorers.safetensors")
+
+
+def _step_of(d):
+    """The step the run in ``d`` stands at (its history has a line per step done)."""
+    return len((d / "train.pt" / "history.jsonl").read_text().splitlines())
+
+
+@pytest.mark.parametrize(("kw", "msg"), [({"label": "median"}, "label must be one of"),
+                                         ({"eval_every": -1}, "eval_every must be an int >= 0"),
+                                         ({"patience": 1.5}, "patience must be an int >= 0"),
+                                         ({"decay_span": 0}, "decay_span must be None")])
+def test_bad_settings(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _cfg(**kw)
+
+
+def test_the_label_and_the_decay_reach_the_scorers(base, tmp_path):
+    d = R.retrofit(base, "kvpop-mlp", tmp_path / "r", _cfg(steps=1, label="max", decay_span=8.0), progress=False)
+    cfg = read_scorer_config(d / "scorers.safetensors")
+    rng = decay_range_for_context(L, 8.0)
+    assert cfg.label == "max"
+    assert (cfg.gamma_min, cfg.gamma_max, cfg.gamma_init) == pytest.approx(
+        (rng["gamma_min"], rng["gamma_max"], rng["gamma_init"]))
+    default = read_scorer_config(R.retrofit(base, "kvpop-mlp", tmp_path / "d", _cfg(steps=1), progress=False)
+                                 / "scorers.safetensors")
+    assert default.label == "mean" and default.gamma_min == 0.999
+
+
+def test_early_stopping_keeps_the_best_state(base, tmp_path):
+    """Validations at 2, 4, 6, 8 (0.1, 0.9, 0.2, 0.3): patience 2 stops after 8 of 10 steps and keeps step 4's
+    state, which equals a plain 4-step run's (the segments resume one another: the same run)."""
+    scores = {2: 0.1, 4: 0.9, 6: 0.2, 8: 0.3, 10: 1.0}
+    d = tmp_path / "v"
+    seen = []
+
+    def validate(model):
+        seen.append(_step_of(d))
+        return scores[seen[-1]]
+
+    R.retrofit(base, "kvpop-mlstm", d, _cfg(steps=10, eval_every=2, patience=2), progress=False, validate=validate)
+    done = json.loads((d / "done.json").read_text())
+    assert seen == [2, 4, 6, 8]
+    assert done["best_step"] == 4 and done["best_score"] == 0.9
+    assert [r["step"] for r in done["validation"]] == [2, 4, 6, 8]
+    plain = R.retrofit(base, "kvpop-mlstm", tmp_path / "p", _cfg(steps=4), progress=False)
+    a, b = _scorers(d), _scorers(plain)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_without_patience_every_step_runs_and_the_best_is_kept(base, tmp_path):
+    d = tmp_path / "v"
+    scores = iter([0.5, 0.4, 0.3])
+    R.retrofit(base, "kvpop-mlp", d, _cfg(steps=5, eval_every=2), progress=False, validate=lambda m: next(scores))
+    done = json.loads((d / "done.json").read_text())
+    assert [r["step"] for r in done["validation"]] == [2, 4, 5] and done["best_step"] == 2
+    assert done["last"]["step"] == 5  # trained to the end; the state saved is step 2's
+
+
+def test_an_interrupted_validated_run_resumes_to_the_same_result(base, tmp_path):
+    scores = {2: 0.2, 4: 0.6, 6: 0.5, 8: 0.4}
+    ref = tmp_path / "ref"
+    R.retrofit(base, "kvpop-mlp", ref, _cfg(steps=8, eval_every=2), progress=False,
+               validate=lambda m: scores[_step_of(ref)])
+    d = tmp_path / "int"
+    calls = []
+
+    def failing(model):
+        calls.append(_step_of(d))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return scores[calls[-1]]
+
+    with pytest.raises(KeyboardInterrupt):
+        R.retrofit(base, "kvpop-mlp", d, _cfg(steps=8, eval_every=2), progress=False, validate=failing)
+    assert not (d / "done.json").exists()
+    again = []
+
+    def validate(model):
+        again.append(_step_of(d))
+        return scores[again[-1]]
+
+    R.retrofit(base, "kvpop-mlp", d, _cfg(steps=8, eval_every=2), progress=False, validate=validate, resume=True)
+    assert again == [6, 8]  # steps 2 and 4 were validated before the interruption
+    a, b = json.loads((d / "done.json").read_text()), json.loads((ref / "done.json").read_text())
+    assert a["validation"] == b["validation"] and a["best_step"] == b["best_step"] == 4
+    sa, sb = _scorers(d), _scorers(ref)
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_joint_retrofit_starts_from_the_given_scorers(base, tmp_path):
+    first = R.retrofit(base, "kvpop-mlp", tmp_path / "s", _cfg(steps=3), progress=False)
+    init = first / "scorers.safetensors"
+    d = R.retrofit(base, "kvpop-mlp-joint", tmp_path / "j",
+                   _cfg(steps=1, lr_scorer=1e-12, lr_model=1e-12, init_scorers=str(init)), progress=False)
+    a, b = _scorers(d), load_file(init)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-9, msg=k)
+    fresh = _scorers(R.retrofit(base, "kvpop-mlp-joint", tmp_path / "f", _cfg(steps=1, lr_scorer=1e-12,
+                                                                              lr_model=1e-12), progress=False))
+    assert any(not torch.allclose(fresh[k], b[k]) for k in b)
+    import hashlib
+
+    stamp = json.loads((d / "done.json").read_text())["settings"]["init_scorers"]
+    assert stamp == {"sha256": hashlib.sha256(init.read_bytes()).hexdigest()}
+    with pytest.raises(ValueError, match="fixed-finetune trains no scorers"):
+        R.retrofit(base, "fixed-finetune", tmp_path / "x", _cfg(init_scorers=str(init)), progress=False)
+    with pytest.raises(ValueError, match="retrofit_dms takes no"):
+        R.retrofit_dms(base, tmp_path / "y", _cfg(eval_every=2), progress=False)
