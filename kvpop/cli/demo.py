@@ -59,7 +59,8 @@ def demo_retrofits(chosen: dict) -> tuple[str, ...]:
 GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4,),
         "target_source": ("student", "teacher"), "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,),
         "label": ("mean", "max"), "decay_span": (None, 8.0), "label_lr_scorer": (1e-2,), "label_steps": (200,),
-        "eval_every": (0,), "patience": (0,), "joint_init": ("fresh", "scorer-only")}
+        "eval_every": (0,), "patience": (0,), "joint_init": ("fresh", "scorer-only"),
+        "head_budgets": ("uniform", "ablation")}
 """The candidates of ``--select``.  Scorer-only: every (k, lr_scorer) at the first number of steps, then the
 best of those at every number of steps, then the best of those with every (label, decay_span) (the label the
 scorers learn, ``KVpopConfig.label``, and the decay's range: ``None`` the seed's, a number of nats the range
@@ -68,29 +69,40 @@ with every ``joint_lr_model`` (student label), then the best of those with every
 label's source) and every ``joint_init`` (``"fresh"`` scorers or the scorer-only retrofit's as the start).
 fixed-finetune: every (finetune_lr_model, finetune_steps).  ``--select-stage label`` searches only the label
 family: every (label, decay_span, label_lr_scorer) for each scorer-only retrofit at ``label_steps`` steps (the
-other settings as CHOSEN), then each joint retrofit with its scorer's choice and every ``joint_init``.
+other settings as CHOSEN), the best of those with every ``head_budgets`` (``"ablation"``: head-adaptive budgets
+fixed before training, ``RetrofitConfig.head_allocation``), then each joint retrofit with its scorer's choice
+and every ``joint_init``.
 ``eval_every`` / ``patience`` (one value each): validation during every kvpop retrofit, the best state kept
 (``kvpop.demo.retrofit``; 0: none).  A grid of one value fixes that setting (the CPU budget of a 2-core
 machine: each candidate is a retrofit plus a validation run).  A task module's ``DEMO_GRID`` replaces some of
 these entries for its task."""
-LABEL_KEYS = ("label", "decay_span", "eval_every", "patience")
+LABEL_KEYS = ("label", "decay_span", "eval_every", "patience", "head_budgets")
 """Settings a joint retrofit takes from its scorer-only retrofit's choice (besides ``lr_scorer`` and ``k``)."""
 
 CHOSEN = {
-    "kvtrace": {  # kvpop demo --select, 2026-11-30 (DEMO_GRID of kvpop.demo.task)
-        "kvpop-mlp": {"steps": 100, "k": 4, "lr_scorer": 1e-2},
-        "kvpop-mlstm": {"steps": 200, "k": 4, "lr_scorer": 1e-2},
-        "kvpop-mlp-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student"},
-        "kvpop-mlstm-joint": {"steps": 200, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4,
-                              "target_source": "student"},
+    "kvtrace": {  # kvpop demo --select --select-stage label, 2026-12-01, over --select's 2026-11-30 choice
+        "kvpop-mlp": {"steps": 200, "k": 4, "eval_every": 50, "patience": 0, "label": "mean", "decay_span": None,
+                      "lr_scorer": 1e-2},
+        "kvpop-mlstm": {"steps": 200, "k": 4, "eval_every": 50, "patience": 0, "label": "mean", "decay_span": None,
+                        "lr_scorer": 1e-2},
+        "kvpop-mlp-joint": {"steps": 100, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student",
+                            "label": "mean", "decay_span": None, "eval_every": 0, "patience": 0, "joint_init": "fresh"},
+        "kvpop-mlstm-joint": {"steps": 200, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student",
+                              "label": "mean", "decay_span": None, "eval_every": 0, "patience": 0,
+                              "joint_init": "fresh"},
         "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
     },
-    "lookahead": {  # kvpop demo --select --task lookahead, 2026-11-30 (DEMO_GRID of kvpop.demo.lookahead_task)
-        "kvpop-mlp": {"steps": 200, "k": 12, "lr_scorer": 1e-2},
-        "kvpop-mlstm": {"steps": 100, "k": 12, "lr_scorer": 3e-2},
-        "kvpop-mlp-joint": {"steps": 200, "k": 12, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student"},
-        "kvpop-mlstm-joint": {"steps": 100, "k": 12, "lr_scorer": 3e-2, "lr_model": 1e-4,
-                              "target_source": "student"},
+    "lookahead": {  # kvpop demo --select --select-stage label --task lookahead, 2026-12-01, over 2026-11-30's
+        "kvpop-mlp": {"steps": 3000, "k": 12, "eval_every": 250, "patience": 3, "label": "max", "decay_span": None,
+                      "lr_scorer": 3e-3},
+        "kvpop-mlstm": {"steps": 3000, "k": 12, "eval_every": 250, "patience": 3, "label": "mean",
+                        "decay_span": None, "lr_scorer": 3e-3},
+        "kvpop-mlp-joint": {"steps": 200, "k": 12, "lr_scorer": 3e-3, "lr_model": 1e-4, "target_source": "student",
+                            "label": "max", "decay_span": None, "eval_every": 0, "patience": 0,
+                            "joint_init": "scorer-only"},
+        "kvpop-mlstm-joint": {"steps": 100, "k": 12, "lr_scorer": 3e-3, "lr_model": 1e-4, "target_source": "student",
+                              "label": "mean", "decay_span": None, "eval_every": 0, "patience": 0,
+                              "joint_init": "scorer-only"},
         "fixed-finetune": {"steps": 30, "lr_model": 1e-4},
     },
 }
@@ -264,6 +276,7 @@ def _retrofit_config(E, s: dict, policy: str, c: dict, init: Path | None = None)
                             decay_span=c.get("decay_span"), eval_every=int(c.get("eval_every", 0)),
                             patience=int(c.get("patience", 0)),
                             init_scorers=str(init) if c.get("joint_init") == "scorer-only" and init else None,
+                            head_allocation="ablation" if c.get("head_budgets") == "ablation" else None,
                             checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
 
 
@@ -306,7 +319,7 @@ def _validator(E, mod, base, s: dict, args: argparse.Namespace, policy: str, d: 
             ft = copy.deepcopy(model)
             R._strip(ft)
         served = (E.policy_model(base, policy, finetuned=ft, **pm) if policy == "fixed-finetune"
-                  else E.policy_model(base, policy, scorers=f, finetuned=ft, **pm))
+                  else E.policy_model(base, policy, scorers=f, finetuned=ft, head_plan=_head_plan(d), **pm))
         res = E.evaluate({"dense": base, policy: served}, vcfg, task=mod, done=dense_done)
         for row in res["rows"]:
             if row["policy"] == "dense":
@@ -317,12 +330,20 @@ def _validator(E, mod, base, s: dict, args: argparse.Namespace, policy: str, d: 
     return validate
 
 
+def _head_plan(d: Path) -> dict | None:
+    """The head-adaptive budgets a retrofit in ``d`` was trained with (``head_budgets.json``), or ``None``."""
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets
+
+    return read_head_budgets(d / HEAD_BUDGETS_FILE) if (d / HEAD_BUDGETS_FILE).exists() else None
+
+
 def _policy_model(E, base, policy: str, d: Path, pm: dict):
     """The model serving ``policy`` from its retrofit directory ``d``."""
     if policy == "fixed-finetune":
         return E.policy_model(base, policy, finetuned=E.load_base_model(d / "model"), **pm)
     ft = E.load_base_model(d / "model") if policy in E.JOINT else None
-    return E.policy_model(base, policy, scorers=d / "scorers.safetensors", finetuned=ft, **pm)
+    return E.policy_model(base, policy, scorers=d / "scorers.safetensors", finetuned=ft, head_plan=_head_plan(d),
+                          **pm)
 
 
 def _eval_config(E, s: dict, args: argparse.Namespace, **kw):
@@ -459,7 +480,7 @@ def _adopt_trial(out: Path, policy: str, c: dict) -> bool:
     if not (src / "done.json").exists() or (dst / "done.json").exists():
         return False
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ("scorers.safetensors", "model"):
+    for name in ("scorers.safetensors", "model", "head_budgets.json"):
         if (src / name).is_dir():
             shutil.copytree(src / name, dst / name, dirs_exist_ok=True)
         elif (src / name).exists():
@@ -537,7 +558,7 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
     full = {**GRID, **getattr(mod, "DEMO_GRID", {})}
     grid = ({**{k: v[:1] for k, v in full.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],),
              "label_steps": (QUICK["steps"],), "target_source": full["target_source"], "label": full["label"],
-             "joint_init": full["joint_init"]} if args.quick else full)
+             "joint_init": full["joint_init"], "head_budgets": full["head_budgets"]} if args.quick else full)
     record = {"task": task, "grid": grid, "criterion": "mean validation accuracy over the budgets at L_train",
               "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})",
                              "length": s["train_len"], "budgets": vcfg.budgets, "sinks": vcfg.sinks,
@@ -589,9 +610,12 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
                                     {**c, **fixed, "steps": grid["label_steps"][0], "label": lab,
                                      "decay_span": span, "lr_scorer": lr})
                               for lab in grid["label"] for span in grid["decay_span"]
-                              for lr in grid["label_lr_scorer"]])["settings"]
+                              for lr in grid["label_lr_scorer"]])
+            chosen[p] = best([chosen[p]] + [trial(p, "head_budgets", {**chosen[p]["settings"], "head_budgets": hb})
+                                            for hb in grid["head_budgets"] if hb != "uniform"])["settings"]
         for p, sc in JOINT_OF.items():
-            c = {**s["retrofits"][p], **{k: chosen[sc][k] for k in (*LABEL_KEYS, "lr_scorer") if k in chosen[sc]},
+            c = {**{k: v for k, v in s["retrofits"][p].items() if k != "head_budgets"},
+                 **{k: chosen[sc][k] for k in (*LABEL_KEYS, "lr_scorer") if k in chosen[sc]},
                  "eval_every": 0, "patience": 0}  # the joint retrofits' own steps, no early stopping
             chosen[p] = best([trial(p, "joint_init", {**c, "joint_init": ji})
                               for ji in grid["joint_init"]])["settings"]
@@ -613,10 +637,11 @@ def _select(args: argparse.Namespace, task: str, out: Path) -> dict:
         first = best([trial(p, "k x lr_scorer", {**fixed, "steps": grid["steps"][0], "k": k, "lr_scorer": lr})
                       for k in grid["k"] for lr in grid["lr_scorer"]])
         first = best([first] + [trial(p, "steps", {**first["settings"], "steps": st}) for st in grid["steps"][1:]])
-        chosen[p] = best([first] + [trial(p, "label x decay_span", {**first["settings"], "label": lab,
-                                                                     "decay_span": span})
-                                    for lab in grid["label"] for span in grid["decay_span"]
-                                    if (lab, span) != (fixed["label"], fixed["decay_span"])])["settings"]
+        first = best([first] + [trial(p, "label x decay_span", {**first["settings"], "label": lab, "decay_span": span})
+                                for lab in grid["label"] for span in grid["decay_span"]
+                                if (lab, span) != (fixed["label"], fixed["decay_span"])])
+        chosen[p] = best([first] + [trial(p, "head_budgets", {**first["settings"], "head_budgets": hb})
+                                    for hb in grid["head_budgets"] if hb != "uniform"])["settings"]
     for p, sc in JOINT_OF.items():
         first = best([trial(p, "lr_model", {**chosen[sc], "lr_model": lm, "target_source": "student",
                                             "joint_init": grid["joint_init"][0]})

@@ -73,7 +73,13 @@ class RetrofitConfig:
             records its SHA-256, not its path.
         eval_every: with a ``validate`` callback (:func:`retrofit`), validate every this many steps and at
             the last, and keep the best state (early stopping by selection); 0: no validation.
-        patience: stop after this many validations without a better one (0: train every step).
+        patience: stop after this many validations without a better or equal one (0: train every step).
+        head_allocation: ``None`` (uniform budgets) or ``"ablation"``: head-adaptive budgets fixed before
+            training (the same total), shared by :func:`kvpop.core.budgets.allocate` in proportion to
+            :func:`~kvpop.core.budgets.ablation_importance` on ``ABLATION_SEQUENCES`` validation sequences of
+            the training length, the mask being the label computed exactly from the frozen model; written
+            with the importance to ``head_budgets.json`` (``kvpop eval --run`` and ``kvpop demo`` re-budget
+            from it).
     """
 
     steps: int = 200
@@ -95,8 +101,12 @@ class RetrofitConfig:
     init_scorers: str | None = None
     eval_every: int = 0
     patience: int = 0
+    head_allocation: str | None = None
 
     def __post_init__(self) -> None:
+        if self.head_allocation not in (None, "ablation"):
+            raise ValueError(f"head_allocation must be None (uniform budgets) or 'ablation', got "
+                             f"{self.head_allocation!r}")
         if self.label not in LABELS:
             raise ValueError(f"label must be one of {list(LABELS)}, got {self.label!r}")
         for name in ("eval_every", "patience"):
@@ -115,6 +125,8 @@ class RetrofitConfig:
     def stamp(self) -> dict[str, Any]:
         """These settings as ``done.json`` records them (``init_scorers`` by its content's SHA-256)."""
         d = asdict(self)
+        if self.head_allocation is None:  # a uniform retrofit stamps as it did before the option existed
+            del d["head_allocation"]
         if self.init_scorers is not None:
             import hashlib
 
@@ -179,8 +191,10 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
         kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
                          mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source, label=cfg.label,
                          label_power=cfg.label_power, **cfg.decay_range())
-    if cfg.init_scorers is not None and policy == "fixed-finetune":
-        raise ValueError("init_scorers: fixed-finetune trains no scorers")
+    if policy == "fixed-finetune" and (cfg.init_scorers is not None or cfg.head_allocation is not None):
+        raise ValueError("init_scorers, head_allocation: fixed-finetune trains no scorers")
+    if cfg.head_allocation is not None:
+        kv = _allocate(base, kv, cfg, Path(out_dir), task_cfg if task_cfg is not None else task.DEFAULT, task)
     train_model = cfg.train_model or policy == "fixed-finetune" or policy in JOINT
     save = None if policy == "fixed-finetune" else (lambda m, out: save_scorers(m, out / "scorers.safetensors"))
 
@@ -205,8 +219,9 @@ def retrofit_dms(base: nn.Module, out_dir: str | os.PathLike, cfg: RetrofitConfi
     cfg = cfg or RetrofitConfig()
     dms = DMSConfig(sinks=cfg.sinks, window=cfg.window, target_keep=target_keep,
                     schedule_steps=max(1, round(schedule_frac * cfg.steps)))
-    if cfg.init_scorers is not None or cfg.eval_every:
-        raise ValueError("retrofit_dms takes no init_scorers or eval_every (its compression schedule runs to the end)")
+    if cfg.init_scorers is not None or cfg.eval_every or cfg.head_allocation is not None:
+        raise ValueError("retrofit_dms takes no init_scorers, eval_every or head_allocation (its gates decide each "
+                         "head's memory; its compression schedule runs to the end)")
     settings = {"policy": "dms", **asdict(cfg), "target_keep": target_keep, "schedule_frac": schedule_frac}
     return _run(base, out_dir, settings, cfg, lambda m: patch_dms(m, dms), lambda m, out: save_dms(m, out / GATES),
                 True, retrofit_seed("dms", cfg.seed), resume=resume, progress=progress, task_cfg=task_cfg, task=task)
@@ -264,11 +279,42 @@ def _run(base: nn.Module, out_dir: str | os.PathLike, settings: dict, cfg: Retro
     return out
 
 
+ABLATION_SEQUENCES = 8
+"""Validation sequences (``task.valid_seed(0..7)``) of ``head_allocation="ablation"``'s importance."""
+
+
+def _allocate(base: nn.Module, kv: KVpopConfig, cfg: RetrofitConfig, out: Path, task_cfg: Any,
+              task: Any) -> KVpopConfig:
+    """``kv`` with head-adaptive budgets by ablation importance (:attr:`RetrofitConfig.head_allocation`),
+    written to ``out/head_budgets.json``; reused from there when it was measured with the same settings."""
+    from kvpop.core import budgets as B
+
+    f = out / B.HEAD_BUDGETS_FILE
+    measure = kv.replace(mask_source="teacher", target_source="teacher")
+    what = json.loads(json.dumps({"rule": "ablation", "length": cfg.length, "mask": measure.to_dict(),
+                                  "sequences": f"{task.__name__}.valid_seed(0..{ABLATION_SEQUENCES - 1})"}))
+    if f.exists():
+        hb = B.read_head_budgets(f)
+        if hb.get("measured_on") == what:
+            return kv.replace(head_budgets=hb["head_budgets"])
+    ids = task.make_batch([task.valid_seed(i) for i in range(ABLATION_SEQUENCES)], cfg.length, task_cfg)["input_ids"]
+    model = copy.deepcopy(base)
+    _strip(model)
+    imp = B.ablation_importance(model, [ids[i:i + 4] for i in range(0, ids.shape[0], 4)], config=measure,
+                                teacher=base)
+    L, H = imp.shape
+    rows = B.allocate(imp, total=L * H * kv.budget, sinks=kv.sinks, window=kv.window)
+    out.mkdir(parents=True, exist_ok=True)
+    B.write_head_budgets(f, rows, importance=imp, measured_on=what)
+    return kv.replace(head_budgets=rows)
+
+
 def _train_validated(model: nn.Module, data: list, tc: TrainConfig, teacher: nn.Module | None, resume: bool,
                      cfg: RetrofitConfig, validate: Callable[[nn.Module], float], ckpt: Path) -> tuple[list, dict]:
     """Train to ``cfg.steps`` in segments of ``cfg.eval_every`` steps (each resumes the last checkpoint, so the
-    run is the one uninterrupted run), validate after each, keep the best state in ``ckpt/best.pt`` and stop
-    after ``cfg.patience`` validations without a better one; then load the best state.  Validations survive an
+    run is the one uninterrupted run), validate after each, keep the best state in ``ckpt/best.pt`` (of equal
+    scores the later: a saturated validation would otherwise keep the least trained state) and stop after
+    ``cfg.patience`` validations without a better or equal one; then load the best state.  Validations survive an
     interruption (``ckpt/validation.jsonl``).  Returns the loss history and ``{"validation", "best_step"}``."""
     from dataclasses import replace
 
@@ -287,12 +333,12 @@ def _train_validated(model: nn.Module, data: list, tc: TrainConfig, teacher: nn.
             model.eval()
             rec = {"step": target, "score": float(validate(model))}
             model.train()
-            better = best is None or rec["score"] > best["score"]
+            better = best is None or rec["score"] >= best["score"]  # of equals the later, more trained state
             if better:  # the state first: a record never names a best state that was not saved
                 atomic_save({k: v.detach().clone() for k, v in model.state_dict().items()}, best_file)
             append_jsonl(vfile, rec)
             done.append(rec)
-        better = better or best is None or rec["score"] > best["score"]
+        better = better or best is None or rec["score"] >= best["score"]
         if better:
             best, bad = rec, 0
         else:

@@ -92,10 +92,15 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
     for c in sel["candidates"]:
         by.setdefault(c["policy"], []).append(c["settings"])
     for p in ("kvpop-mlp", "kvpop-mlstm"):
-        assert sorted(c["label"] for c in by[p]) == ["max", "mean"]
+        assert sorted(c["label"] for c in by[p][:2]) == ["max", "mean"]
         assert all(c["eval_every"] == 50 for c in by[p])  # the kvtrace task's DEMO_GRID
+        assert [c.get("head_budgets") for c in by[p]] == [None, None, "ablation"]  # after the label's choice
+        ha = D._trial_dir(out / "kvtrace", p, by[p][-1])
+        assert (ha / "head_budgets.json").exists() and not (D._trial_dir(out / "kvtrace", p, by[p][0])
+                                                              / "head_budgets.json").exists()
     for j, sc in JOINT_OF.items():
         assert sorted(c["joint_init"] for c in by[j]) == ["fresh", "scorer-only"]
+        assert all(c.get("head_budgets") == sel["chosen"][sc].get("head_budgets") for c in by[j])
         assert all(c["label"] == sel["chosen"][sc]["label"] for c in by[j])
     cand = {(c["policy"], json.dumps(c["settings"], sort_keys=True)): c for c in sel["candidates"]}
     for p, c in sel["chosen"].items():

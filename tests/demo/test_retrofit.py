@@ -83,6 +83,10 @@ def test_without_patience_every_step_runs_and_the_best_is_kept(base, tmp_path):
     done = json.loads((d / "done.json").read_text())
     assert [r["step"] for r in done["validation"]] == [2, 4, 5] and done["best_step"] == 2
     assert done["last"]["step"] == 5  # trained to the end; the state saved is step 2's
+    ties = iter([1.0, 1.0, 0.9])  # a saturated validation: of equals the later, more trained state
+    R.retrofit(base, "kvpop-mlp", tmp_path / "t", _cfg(steps=5, eval_every=2), progress=False,
+               validate=lambda m: next(ties))
+    assert json.loads((tmp_path / "t" / "done.json").read_text())["best_step"] == 4
 
 
 def test_an_interrupted_validated_run_resumes_to_the_same_result(base, tmp_path):
@@ -136,3 +140,27 @@ def test_a_joint_retrofit_starts_from_the_given_scorers(base, tmp_path):
         R.retrofit(base, "fixed-finetune", tmp_path / "x", _cfg(init_scorers=str(init)), progress=False)
     with pytest.raises(ValueError, match="retrofit_dms takes no"):
         R.retrofit_dms(base, tmp_path / "y", _cfg(eval_every=2), progress=False)
+
+
+def test_head_adaptive_budgets_fixed_before_training(base, tmp_path):
+    """``head_allocation="ablation"``: budgets by ablation importance on validation sequences, the uniform total,
+    written beside the scorers (which carry them) and reused by a second run with the same settings."""
+    from kvpop.core.budgets import read_head_budgets
+
+    cfg = _cfg(steps=2, head_allocation="ablation")
+    d = R.retrofit(base, "kvpop-mlstm", tmp_path / "h", cfg, progress=False)
+    hb = read_head_budgets(d / "head_budgets.json")
+    rows = hb["head_budgets"]
+    assert len(rows) == 2 and len(rows[0]) == 1 and sum(map(sum, rows)) == 2 * 1 * cfg.budget
+    assert all(b >= cfg.sinks + cfg.window for r in rows for b in r)
+    assert hb["measured_on"]["rule"] == "ablation" and "valid_seed(0..7)" in hb["measured_on"]["sequences"]
+    assert [list(r) for r in read_scorer_config(d / "scorers.safetensors").head_budgets] == [list(r) for r in rows]
+    assert json.loads((d / "done.json").read_text())["settings"]["head_allocation"] == "ablation"
+    mtime = (d / "head_budgets.json").stat().st_mtime_ns
+    R.retrofit(base, "kvpop-mlstm", d, cfg, progress=False, resume=False)
+    assert (d / "head_budgets.json").stat().st_mtime_ns == mtime  # measured once
+    uniform = json.loads((R.retrofit(base, "kvpop-mlp", tmp_path / "u", _cfg(steps=1), progress=False)
+                          / "done.json").read_text())
+    assert "head_allocation" not in uniform["settings"]  # uniform retrofits stamp as before the option
+    with pytest.raises(ValueError, match="head_allocation must be"):
+        _cfg(head_allocation="mass")
