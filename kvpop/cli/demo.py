@@ -94,12 +94,12 @@ CHOSEN = {
     },
     "lookahead": {  # kvpop demo --select --select-stage label --task lookahead, 2026-12-01, over 2026-11-30's
         "kvpop-mlp": {"steps": 3000, "k": 12, "eval_every": 250, "patience": 3, "label": "max", "decay_span": None,
-                      "lr_scorer": 3e-3},
+                      "lr_scorer": 3e-3, "head_budgets": "ablation"},
         "kvpop-mlstm": {"steps": 3000, "k": 12, "eval_every": 250, "patience": 3, "label": "mean",
                         "decay_span": None, "lr_scorer": 3e-3},
         "kvpop-mlp-joint": {"steps": 200, "k": 12, "lr_scorer": 3e-3, "lr_model": 1e-4, "target_source": "student",
-                            "label": "max", "decay_span": None, "eval_every": 0, "patience": 0,
-                            "joint_init": "scorer-only"},
+                            "label": "max", "decay_span": None, "eval_every": 0, "patience": 0, "joint_init": "fresh",
+                            "head_budgets": "ablation"},
         "kvpop-mlstm-joint": {"steps": 100, "k": 12, "lr_scorer": 3e-3, "lr_model": 1e-4, "target_source": "student",
                               "label": "mean", "decay_span": None, "eval_every": 0, "patience": 0,
                               "joint_init": "scorer-only"},
@@ -472,17 +472,27 @@ def _run_task(args: argparse.Namespace, task: str, out: Path) -> dict:
 
 def _adopt_trial(out: Path, policy: str, c: dict) -> bool:
     """Copy a finished ``--select`` trial of ``policy`` with exactly the settings ``c`` (same ``--out``) into
-    ``out/<policy>`` unless that holds a finished retrofit; :func:`kvpop.demo.retrofit.retrofit` then checks
-    its settings and reuses it, or trains anew when they differ.  Returns whether a trial was copied."""
+    ``out/<policy>`` unless that holds the same finished retrofit (a finished one with other settings is
+    replaced); :func:`kvpop.demo.retrofit.retrofit` then checks its settings and reuses it, or trains anew
+    when they differ.  Returns whether ``out/<policy>`` now holds the trial."""
     import shutil
 
     src, dst = _trial_dir(out, policy, c), out / policy
-    if not (src / "done.json").exists() or (dst / "done.json").exists():
+    if not (src / "done.json").exists():
         return False
+    if (dst / "done.json").exists() and (json.loads((dst / "done.json").read_text())["settings"]
+                                         == json.loads((src / "done.json").read_text())["settings"]):
+        return True  # adopted before
+    parts = ("scorers.safetensors", "model", "head_budgets.json")
+    for name in ("done.json", *parts):  # nothing of another retrofit stays beside the adopted one
+        if (dst / name).is_dir():
+            shutil.rmtree(dst / name)
+        elif (dst / name).exists():
+            (dst / name).unlink()
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ("scorers.safetensors", "model", "head_budgets.json"):
+    for name in parts:
         if (src / name).is_dir():
-            shutil.copytree(src / name, dst / name, dirs_exist_ok=True)
+            shutil.copytree(src / name, dst / name)
         elif (src / name).exists():
             shutil.copy2(src / name, dst / name)
     shutil.copy2(src / "done.json", dst / "done.json")

@@ -157,3 +157,23 @@ def test_demo_bad_inputs(tmp_path, capsys, monkeypatch):
     assert "no shipped model yet" in capsys.readouterr().err
     assert main(["demo", "--quick", "--task", "kvtrace", "--out", x, "--train-budget", "3", "--no-progress"]) == 2
     assert "--train-budget 3 is too small" in capsys.readouterr().err
+
+
+def test_adopting_a_trial_replaces_another_retrofit_and_keeps_the_same(tmp_path):
+    import kvpop.cli.demo as D
+
+    c = {"steps": 3, "k": 4, "label": "max"}
+    src = D._trial_dir(tmp_path, "kvpop-mlp", c)
+    src.mkdir(parents=True)
+    (src / "done.json").write_text(json.dumps({"settings": {"label": "max"}}))
+    (src / "scorers.safetensors").write_bytes(b"new")
+    dst = tmp_path / "kvpop-mlp"
+    (dst / "done.json").write_text(json.dumps({"settings": {"label": "mean"}}))
+    (dst / "head_budgets.json").write_text("{}")  # of the replaced retrofit: must not stay
+    assert D._adopt_trial(tmp_path, "kvpop-mlp", c)
+    assert (dst / "scorers.safetensors").read_bytes() == b"new" and not (dst / "head_budgets.json").exists()
+    assert json.loads((dst / "done.json").read_text())["settings"] == {"label": "max"}
+    (dst / "scorers.safetensors").write_bytes(b"kept")
+    assert D._adopt_trial(tmp_path, "kvpop-mlp", c)  # the same retrofit: nothing copied again
+    assert (dst / "scorers.safetensors").read_bytes() == b"kept"
+    assert not D._adopt_trial(tmp_path, "kvpop-mlp", {**c, "k": 16})  # no such trial
