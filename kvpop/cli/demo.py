@@ -12,8 +12,10 @@ settings determine: a re-run on the same machine and thread count writes the sam
 ``accuracy_vs_budget.png``, ``dms.md`` (DMS's memory at its validation-chosen threshold), ``decode.md`` (the
 learned policies' reads by token-by-token decoding beside the prefill's) and ``run.json`` (wall times, date,
 arguments).  The training settings are :data:`CHOSEN`, picked on validation sequences by ``--select`` over
-:data:`GRID`, the joint retrofits' label source included (student; each run also trains them on the other
-source, the ``-teacher-label`` rows).  ``--resume`` reuses
+:data:`GRID` (``--select-stage label``: the label family, the decay range, head-adaptive budgets and the
+joint retrofits' start, with early stopping on validation), the joint retrofits' label source included
+(each run also trains them on the other source, the ``-<source>-label`` rows); a run in the ``--out`` of a
+``--select`` reuses the trial of each chosen setting.  ``--resume`` reuses
 finished retrofits (``<policy>/done.json``) and measured rows (``rows.jsonl``) and continues an unfinished
 retrofit from its checkpoint; ``--quick`` is a seconds-long smoke run (meaningless figures).  What the demo
 does in detail and what it measured: ``kvpop/data/demo_results/README.md``.
@@ -97,9 +99,9 @@ CHOSEN = {
                       "lr_scorer": 3e-3, "head_budgets": "ablation"},
         "kvpop-mlstm": {"steps": 3000, "k": 12, "eval_every": 250, "patience": 3, "label": "mean",
                         "decay_span": None, "lr_scorer": 3e-3},
-        "kvpop-mlp-joint": {"steps": 200, "k": 12, "lr_scorer": 3e-3, "lr_model": 1e-4, "target_source": "student",
+        "kvpop-mlp-joint": {"steps": 200, "k": 12, "lr_scorer": 3e-3, "lr_model": 1e-4, "target_source": "teacher",
                             "label": "max", "decay_span": None, "eval_every": 0, "patience": 0, "joint_init": "fresh",
-                            "head_budgets": "ablation"},
+                            "head_budgets": "ablation"},  # the label source: --select-stage target_source after
         "kvpop-mlstm-joint": {"steps": 100, "k": 12, "lr_scorer": 3e-3, "lr_model": 1e-4, "target_source": "student",
                               "label": "mean", "decay_span": None, "eval_every": 0, "patience": 0,
                               "joint_init": "scorer-only"},

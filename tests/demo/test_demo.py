@@ -127,18 +127,22 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
 
 @pytest.mark.parametrize("task", ["kvtrace", "lookahead"])
 def test_the_demo_defaults_are_the_shipped_validation_choice(task):
-    """CHOSEN (the demo's defaults) is what `kvpop demo --select` chose, as recorded with its figures (the
-    label family's stage, ``selection-label.json``, where it ran after the full grid)."""
+    """CHOSEN (the demo's defaults) is what `kvpop demo --select` chose, as recorded with its figures: the full
+    grid's record, then each later stage's choice over it (the label family, then the label source)."""
     from kvpop.cli.demo import selection_file
 
-    f = RESULTS / task / selection_file("label")
-    sel = json.loads((f if f.exists() else RESULTS / task / selection_file("all")).read_text())
-    assert sel["validation"]["split"] == "valid"
+    chosen = {}
+    for stage in ("all", "label", "target_source"):
+        f = RESULTS / task / selection_file(stage)
+        if f.exists():
+            sel = json.loads(f.read_text())
+            assert sel["validation"]["split"] == "valid"
+            chosen.update(sel["chosen"])
+
     def norm(c):
         return {k: v if isinstance(v, str) or v is None else float(v) for k, v in c.items()}
 
-    chosen = {p: norm(c) for p, c in sel["chosen"].items()}
-    assert chosen == {p: norm(c) for p, c in CHOSEN[task].items()}
+    assert {p: norm(c) for p, c in chosen.items()} == {p: norm(c) for p, c in CHOSEN[task].items()}
 
 
 def test_demo_bad_inputs(tmp_path, capsys, monkeypatch):
