@@ -70,7 +70,7 @@ class RetrofitConfig:
             range to the training length (:func:`kvpop.core.config.decay_range_for_context`).
         init_scorers: a scorer file (``kvpop.save_scorers``) the scorers start from instead of their
             seeded initialisation (a joint retrofit warm-started by its scorer-only one); ``done.json``
-            records its SHA-256, not its path.
+            records the SHA-256 of its content (metadata and tensors), not its path.
         eval_every: with a ``validate`` callback (:func:`retrofit`), validate every this many steps and at
             the last, and keep the best state (early stopping by selection); 0: no validation.
         patience: stop after this many validations without a better or equal one (0: train every step).
@@ -128,10 +128,25 @@ class RetrofitConfig:
         if self.head_allocation is None:  # a uniform retrofit stamps as it did before the option existed
             del d["head_allocation"]
         if self.init_scorers is not None:
-            import hashlib
-
-            d["init_scorers"] = {"sha256": hashlib.sha256(Path(self.init_scorers).read_bytes()).hexdigest()}
+            d["init_scorers"] = {"sha256": _content_sha256(self.init_scorers)}
         return d
+
+
+def _content_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a safetensors file's content: its metadata and every tensor (name, dtype, shape, bytes) in
+    name order, so that two files holding the same scorers hash alike whatever order their header took."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    with safe_open(str(path), "pt") as f:
+        h.update(json.dumps(f.metadata() or {}, sort_keys=True).encode())
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def retrofit_seed(name: str, seed: int) -> int:

@@ -132,10 +132,19 @@ def test_a_joint_retrofit_starts_from_the_given_scorers(base, tmp_path):
     fresh = _scorers(R.retrofit(base, "kvpop-mlp-joint", tmp_path / "f", _cfg(steps=1, lr_scorer=1e-12,
                                                                               lr_model=1e-12), progress=False))
     assert any(not torch.allclose(fresh[k], b[k]) for k in b)
-    import hashlib
-
     stamp = json.loads((d / "done.json").read_text())["settings"]["init_scorers"]
-    assert stamp == {"sha256": hashlib.sha256(init.read_bytes()).hexdigest()}
+    assert stamp == {"sha256": R._content_sha256(init)}
+    # the content, not the bytes: the same tensors and metadata written in another order hash alike
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(init), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in reversed(list(f.keys()))}
+    save_file(tensors, tmp_path / "again.safetensors", metadata=dict(reversed(list(meta.items()))))
+    assert R._content_sha256(tmp_path / "again.safetensors") == stamp["sha256"]
+    tensors[next(iter(tensors))] = tensors[next(iter(tensors))] + 1
+    save_file(tensors, tmp_path / "other.safetensors", metadata=meta)
+    assert R._content_sha256(tmp_path / "other.safetensors") != stamp["sha256"]
     with pytest.raises(ValueError, match="fixed-finetune trains no scorers"):
         R.retrofit(base, "fixed-finetune", tmp_path / "x", _cfg(init_scorers=str(init)), progress=False)
     with pytest.raises(ValueError, match="retrofit_dms takes no"):
