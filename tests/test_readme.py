@@ -30,7 +30,8 @@ RESULTS = README.parent / "kvpop" / "data" / "demo_results"
 # the README's headline rows on the demo -> (task, the column of that task's table.md they quote)
 HEADLINE = {"kvtrace demo: accuracy at 2,048 tokens": ("kvtrace", "L=2048 B=128"),
             "the same at 4,096 tokens": ("kvtrace", "L=4096 B=128"),
-            "lookahead demo: accuracy at 512 tokens": ("lookahead", "L=512 B=64")}
+            "lookahead demo: accuracy at 512 tokens": ("lookahead", "L=512 B=64"),
+            "the same at 1,024 tokens": ("lookahead", "L=1024 B=64")}
 NAMES = {"StreamingLLM": "streaming", "H2O": "h2o", "TOVA": "tova", "DMS": "dms"}
 
 
