@@ -181,3 +181,22 @@ def test_adopting_a_trial_replaces_another_retrofit_and_keeps_the_same(tmp_path)
     assert D._adopt_trial(tmp_path, "kvpop-mlp", c)  # the same retrofit: nothing copied again
     assert (dst / "scorers.safetensors").read_bytes() == b"kept"
     assert not D._adopt_trial(tmp_path, "kvpop-mlp", {**c, "k": 16})  # no such trial
+
+
+def test_demo_with_head_adaptive_budgets_end_to_end(tmp_path, capsys, monkeypatch):
+    """Retrofits with head-adaptive budgets through the whole demo: allocation, training, evaluation at every
+    budget (re-budgeted by the saved importance), token-by-token decoding through the packed cache."""
+    import kvpop.cli.demo as D
+    from kvpop.core.budgets import read_head_budgets
+
+    monkeypatch.setattr(D, "QUICK", {**D.QUICK, "label": "max", "head_budgets": "ablation"})
+    out = tmp_path / "ha"
+    assert main(["demo", "--quick", "--task", "kvtrace", "--out", str(out), "--no-progress", "--dms-steps", "0"]) == 0
+    d = out / "kvtrace"
+    res = json.loads((d / "results.json").read_text())
+    for p in ("kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint", "kvpop-mlstm-joint"):
+        rows = read_head_budgets(d / p / "head_budgets.json")["head_budgets"]
+        assert sum(map(sum, rows)) == len(rows) * len(rows[0]) * res["demo"]["retrofit"][p]["settings"]["budget"]
+        assert {r["budget"] for r in res["rows"] if r["policy"] == p} == {8, 16, 32}
+    assert {r["policy"] for r in res["decode"]} >= {"kvpop-mlp", "kvpop-mlstm"}
+    assert all(r["differ"] == 0 for r in res["decode"])  # decoding through the packed cache reads as the prefill
