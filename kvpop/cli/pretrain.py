@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         from kvpop.demo.pretrain_data import export_data_model, pretrain_data
 
         if not args.export:
-            return pretrain_data(args)
+            return _locked(args, pretrain_data)
         try:
             export_data_model(Path(args.out) / args.export_from, args.export,
                               command=f"kvpop pretrain --data {args.data} --out {args.out} --export {args.export}")
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpop pretrain: error: --{data_only[0].replace('_', '-')} is for --data", file=sys.stderr)
         return 2
     if not args.export:
-        return pretrain(args)
+        return _locked(args, pretrain)
     task = get_task(args.task)
     L_train = parse_curriculum(args.curriculum or TASKS[args.task][1])[-1][0]
     lengths = ([int(x) for x in args.export_lengths.split(",")] if args.export_lengths
@@ -125,6 +125,23 @@ def run(args: argparse.Namespace) -> int:
                        n=args.eval_n, command=command, task=task)
     print(json.dumps(rec["test_accuracy"]))
     return 0
+
+
+def _locked(args: argparse.Namespace, fn) -> int:
+    """``fn(args)`` holding ``--out``'s run lock: two trainings in one run directory would overwrite each
+    other's checkpoints and log (an export only reads the run, and takes no lock)."""
+    from kvpop.training.runstate import RunDirectoryError, RunLock
+
+    lock = RunLock(args.out, "kvpop pretrain")
+    try:
+        lock.acquire()
+    except RunDirectoryError as e:
+        print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return fn(args)
+    finally:
+        lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:

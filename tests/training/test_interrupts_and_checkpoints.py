@@ -329,3 +329,29 @@ def test_a_damaged_checkpoint_is_refused_naming_the_entry(tmp_path, damage, msg)
         with pytest.raises(CheckpointError):
             restore_rng_state(ck.get("rng"), tmp_path / "last.pt")
         assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("with_data", [False, True])
+def test_a_second_pretrain_in_the_same_out_is_refused_while_the_first_holds_it(tmp_path, capsys, with_data):
+    """``kvpop pretrain`` (task or ``--data``) holds ``--out``'s run lock: a second run there is refused with
+    the holder's pid before it writes anything; once the lock is released the run proceeds."""
+    import json
+
+    from kvpop.cli.pretrain import main as pretrain_main
+    from kvpop.training.runstate import RunLock
+
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--steps", "1", *PRETRAIN_TINY]
+    if with_data:
+        data = tmp_path / "ids.jsonl"
+        for f in (data, tmp_path / "validation.jsonl"):  # the validation file found beside the data
+            f.write_text("".join(json.dumps({"input_ids": [(i * 7 + j) % 50 for j in range(80)]}) + "\n"
+                                 for i in range(8)))
+        argv = ["--data", str(data), "--vocab-size", "64", "--seq-len", "64", "--batch-size", "2", "--out", str(out),
+                "--steps", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                "--intermediate", "32", "--eval-every", "1000", "--eval-n", "2", "--no-progress"]
+    with RunLock(out, "kvpop pretrain"):
+        assert pretrain_main(argv) == 2
+        assert f"in use by another kvpop pretrain run (pid {os.getpid()})" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == [".kvpop.lock"]
+    assert pretrain_main(argv) == 0
