@@ -657,6 +657,8 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                           f"accuracy {h.get('accuracy', float('nan')):.3f}; wrote {out}")
             else:
                 print(f"kvpop train: nothing to do, {out / 'last.pt'} is at step >= --steps {args.steps}")
+        if started and dist.is_initialized():  # every rank done (rank 0 writes and prints last) before the
+            dist.barrier()  # group is torn down: a rank tearing down gloo while its peer still ran once aborted
         return 0
     finally:
         if started and dist.is_initialized():
