@@ -445,20 +445,14 @@ def _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio,
     check_tensor("slot_pos", slot_pos, 2 + e, dtypes=(torch.int32,))
     check_tensor("slot_prio", slot_prio, 2 + e, dtypes=(torch.float32,))
     check_tensor("leaving_prio", leaving_prio, 1 + e, dtypes=(torch.float32,))
-    _check_common(q, k_new, v_new, pos, sinks, window, e)
+    _check_common(q, k_new, v_new, k_cache, v_cache, pos, sinks, window, e)
     s, w = sinks, window
-    for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype} (cast one of them)")
-    Hq, D = q.shape[e:]
+    D = q.shape[-1]
     Hkv, B, Dk = k_cache.shape[e:]
     if tuple(v_cache.shape) != (*q.shape[:e], Hkv, B, D) or Dk != D or k_cache.shape[:e] != q.shape[:e]:
         raise ValueError(f"k_cache and v_cache must both be [{lead}Hkv, B, D] with D = q.shape[-1] = {D}, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    check_gqa(Hq, Hkv)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-        if tuple(x.shape) != (*q.shape[:e], Hkv, D):
-            raise ValueError(f"{name} must be [{lead}Hkv, D] = {[*q.shape[:e], Hkv, D]}, got {tuple(x.shape)}")
+    _check_new(q, k_new, v_new, Hkv, e)
     if B < s + w:
         raise ValueError(f"the budget B = k_cache.shape[-2] = {B} must be >= sinks + window = {s} + {w} = {s + w}")
     if tuple(slot_pos.shape) != (*q.shape[:e], Hkv, B):
@@ -490,8 +484,8 @@ def _check_state(k_cache, v_cache, slot_pos, slot_prio) -> None:
                                  f"own tensor")
 
 
-def _check_common(q, k_new, v_new, pos, sinks, window, e):
-    """Ranks and dtypes of the step's inputs and the position argument (both layouts)."""
+def _check_common(q, k_new, v_new, k_cache, v_cache, pos, sinks, window, e):
+    """Dtypes of the step's inputs and the position argument (both layouts; ranks checked before)."""
     N = q.shape[0] if e else 1
     if isinstance(pos, torch.Tensor):
         if pos.dtype not in (torch.int32, torch.int64) or tuple(pos.shape) != (N,):
@@ -507,6 +501,18 @@ def _check_common(q, k_new, v_new, pos, sinks, window, e):
     check_int("window", window, minimum=1)
     if q.dtype not in CACHE_DTYPES:
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype} (cast one of them)")
+
+
+def _check_new(q, k_new, v_new, Hkv, e, note=""):
+    """GQA and the new token's shapes ``[N?, Hkv, D]`` (both layouts)."""
+    lead, D = ("N, " if e else ""), q.shape[-1]
+    check_gqa(q.shape[e], Hkv)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(x.shape) != (*q.shape[:e], Hkv, D):
+            raise ValueError(f"{name} must be [{lead}Hkv, D] = {[*q.shape[:e], Hkv, D]}{note}, got {tuple(x.shape)}")
 
 
 def _check_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window,
@@ -526,7 +532,7 @@ def _check_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
     check_tensor("slot_pos", slot_pos, 1 + e, dtypes=(torch.int32,))
     check_tensor("slot_prio", slot_prio, 1 + e, dtypes=(torch.float32,))
     check_tensor("leaving_prio", leaving_prio, 1 + e, dtypes=(torch.float32,))
-    _check_common(q, k_new, v_new, pos, sinks, window, e)
+    _check_common(q, k_new, v_new, k_cache, v_cache, pos, sinks, window, e)
     s, w = sinks, window
     if isinstance(head_budgets, torch.Tensor):
         if head_budgets.dim() != 1 or head_budgets.dtype not in (torch.int32, torch.int64):
@@ -539,30 +545,20 @@ def _check_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavin
         for h, b in enumerate(head_budgets):
             if isinstance(b, bool) or not isinstance(b, int):
                 raise TypeError(f"head_budgets[{h}] must be an int, got {type(b).__name__} ({b!r})")
-            if b < s + w:
-                raise ValueError(f"head_budgets[{h}] = {b} must be >= sinks + window = {s + w} (k_h >= 0)")
         Hkv = len(head_budgets)
     else:
         raise TypeError(f"head_budgets must be None, a tuple of ints or a 1-D int tensor (one budget per KV head), "
                         f"got {type(head_budgets).__name__}")
     if Hkv < 1:
         raise ValueError("head_budgets must hold one budget per KV head, got none")
-    for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype} (cast one of them)")
     D = q.shape[-1]
-    check_gqa(q.shape[e], Hkv)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-        if tuple(x.shape) != (*q.shape[:e], Hkv, D):
-            raise ValueError(f"{name} must be [{lead}Hkv, D] = {[*q.shape[:e], Hkv, D]} (Hkv = len(head_budgets)), "
-                             f"got {tuple(x.shape)}")
+    _check_new(q, k_new, v_new, Hkv, e, " (Hkv = len(head_budgets))")
     T = k_cache.shape[e]
     if tuple(k_cache.shape) != (*q.shape[:e], T, D) or tuple(v_cache.shape) != (*q.shape[:e], T, D):
         raise ValueError(f"k_cache and v_cache must both be [{lead}T, D] with D = q.shape[-1] = {D}, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if isinstance(head_budgets, (tuple, list)) and sum(head_budgets) != T:
-        raise ValueError(f"k_cache holds T = {T} slots but head_budgets sum to {sum(head_budgets)}: the packed "
-                         f"layout holds every head's budget back to back (T = sum of the budgets)")
+    if isinstance(head_budgets, (tuple, list)):  # a tensor's values are checked once read back
+        _check_budget_values(tuple(head_budgets), T, s, w)
     if T < Hkv * (s + w):
         raise ValueError(f"k_cache holds T = {T} slots, fewer than Hkv x (sinks + window) = {Hkv} x {s + w}")
     K = T - Hkv * (s + w)

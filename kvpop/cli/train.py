@@ -404,7 +404,7 @@ def _head_budgets(args: argparse.Namespace, kv_cfg, model, source: Path | None, 
     write as ``OUT/head_budgets.json`` (``None``: nothing new to write)."""
     import time
 
-    from kvpop.core.budgets import HEAD_BUDGETS_FILE, ablation_importance, allocate, read_head_budgets
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, ablation_budgets, read_head_budgets
     from kvpop.core.patching import check_head_budgets
 
     if args.head_budgets is not None:
@@ -435,12 +435,9 @@ def _head_budgets(args: argparse.Namespace, kv_cfg, model, source: Path | None, 
             doc["source"] = str(Path(path).resolve())
         return cfg, (hb["head_budgets"], doc)
     batches, what = _valid_batches(args, model, source)
-    measure = kv_cfg.replace(mask_source="teacher", target_source="teacher")
     t0 = time.time()
     try:  # the model as loaded is the frozen original: its own exact label is the mask
-        imp = ablation_importance(model, batches, config=measure, teacher=model)
-        L, H = imp.shape
-        rows = allocate(imp, total=L * H * args.budget, sinks=args.sinks, window=args.window, min_k=args.min_k or 0)
+        rows, imp = ablation_budgets(model, batches, config=kv_cfg, min_k=args.min_k or 0)
     except (TypeError, ValueError) as e:
         _fail(f"--allocate {args.allocate}: {e}")
     doc = {"importance": imp.tolist(), "min_k": args.min_k or 0, "granularity": 1, "rule": "ablation",

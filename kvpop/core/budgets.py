@@ -21,7 +21,7 @@ from .config import KVpopConfig, _int
 from .layer import kvpop_layers
 from .patching import patched
 
-__all__ = ["allocate", "uniform", "ablation_importance", "rescale", "set_importance", "rebudget",
+__all__ = ["allocate", "uniform", "ablation_importance", "ablation_budgets", "rescale", "set_importance", "rebudget",
            "read_head_budgets", "write_head_budgets", "HEAD_BUDGETS_FILE"]
 
 HEAD_BUDGETS_FILE = "head_budgets.json"
@@ -234,6 +234,21 @@ def ablation_importance(model: nn.Module, batches: Iterable[torch.Tensor], *, co
     finally:
         model.train(was_training)
     return out
+
+
+def ablation_budgets(model: nn.Module, batches: Iterable[torch.Tensor], *, config: KVpopConfig,
+                     teacher: nn.Module | None = None,
+                     min_k: int = 0) -> tuple[tuple[tuple[int, ...], ...], torch.Tensor]:
+    """``(head_budgets, importance)`` chosen before training: :func:`ablation_importance` under ``config``'s
+    label computed exactly from the dense model (``mask_source="teacher"``, ``target_source="teacher"``; no
+    scorer needed), shared by :func:`allocate` at the uniform total ``L x H x config.budget``.  ``teacher``:
+    the frozen dense model whose attention makes the label (default ``model`` itself, which must then be the
+    original)."""
+    measure = config.replace(mask_source="teacher", target_source="teacher")
+    imp = ablation_importance(model, batches, config=measure, teacher=model if teacher is None else teacher)
+    L, H = imp.shape
+    rows = allocate(imp, total=L * H * config.budget, sinks=config.sinks, window=config.window, min_k=min_k)
+    return rows, imp
 
 
 # ------------------------------------------------------------------------------ re-budgeting and files

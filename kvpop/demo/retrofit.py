@@ -305,8 +305,8 @@ def _allocate(base: nn.Module, kv: KVpopConfig, cfg: RetrofitConfig, out: Path, 
     from kvpop.core import budgets as B
 
     f = out / B.HEAD_BUDGETS_FILE
-    measure = kv.replace(mask_source="teacher", target_source="teacher")
-    what = json.loads(json.dumps({"rule": "ablation", "length": cfg.length, "mask": measure.to_dict(),
+    what = json.loads(json.dumps({"rule": "ablation", "length": cfg.length,
+                                  "mask": kv.replace(mask_source="teacher", target_source="teacher").to_dict(),
                                   "sequences": f"{task.__name__}.valid_seed(0..{ABLATION_SEQUENCES - 1})"}))
     if f.exists():
         hb = B.read_head_budgets(f)
@@ -315,10 +315,7 @@ def _allocate(base: nn.Module, kv: KVpopConfig, cfg: RetrofitConfig, out: Path, 
     ids = task.make_batch([task.valid_seed(i) for i in range(ABLATION_SEQUENCES)], cfg.length, task_cfg)["input_ids"]
     model = copy.deepcopy(base)
     _strip(model)
-    imp = B.ablation_importance(model, [ids[i:i + 4] for i in range(0, ids.shape[0], 4)], config=measure,
-                                teacher=base)
-    L, H = imp.shape
-    rows = B.allocate(imp, total=L * H * kv.budget, sinks=kv.sinks, window=kv.window)
+    rows, imp = B.ablation_budgets(model, [ids[i:i + 4] for i in range(0, ids.shape[0], 4)], config=kv, teacher=base)
     out.mkdir(parents=True, exist_ok=True)
     B.write_head_budgets(f, rows, importance=imp, measured_on=what)
     return kv.replace(head_budgets=rows)

@@ -171,6 +171,19 @@ def test_ablation_shape_sign_determinism_and_restore(shipped, importance):
     assert sum(map(sum, hb)) == 160
 
 
+def test_ablation_budgets_measure_the_exact_label_and_share_the_uniform_total(shipped, importance):
+    """``ablation_budgets`` (what ``kvpop train --allocate`` and the demo's retrofits use): the importance under
+    the config's label computed exactly (whatever its ``mask_source``), allocated at ``L x H x budget``."""
+    from kvpop.core.budgets import ablation_budgets
+
+    model, batches = shipped
+    rows, imp = ablation_budgets(model, batches, config=CFG.replace(mask_source="scorer"), min_k=2)
+    exact = ablation_importance(model, batches, config=CFG.replace(target_source="teacher"), teacher=model)
+    assert torch.equal(imp, exact)
+    assert rows == allocate(exact, total=4 * 40, sinks=4, window=16, min_k=2)
+    assert not kvpop.is_patched(model)
+
+
 def test_a_head_with_zero_values_has_no_importance(shipped, importance):
     """Constructed case: with its value projection zeroed, the most important head's output is 0 whatever it
     attends to, so taking its long-range slots away changes nothing."""

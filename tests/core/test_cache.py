@@ -35,9 +35,21 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
         return out, None
     # teacher-forced: one sparse attention over the whole sequence with the same priorities
     prio = _key_priority(key) if cfg.policy == "kvpop" else torch.zeros(key.shape[:3])
-    ev = eviction_schedule(prio, sinks=cfg.sinks, window=cfg.window, k=cfg.budget - cfg.sinks - cfg.window)
+    ev = _schedule(prio, cfg, module.layer_idx)
     o, _ = sparse_attention(query, key, value, ev, sinks=cfg.sinks, window=cfg.window, scale=scaling)
     return o.transpose(1, 2), None
+
+
+def _schedule(prio, cfg, layer_idx):
+    """The teacher-forced schedule: uniform ``k``, or with ``cfg.head_budgets`` (test_cache_head_budgets.py)
+    ``k[l][h]`` long-range slots per head, scheduled head by head (not through the per-head ``k`` of
+    ``eviction_schedule``, so that the cache is checked against an independent path)."""
+    hb = getattr(cfg, "head_budgets", None)
+    if hb is None:
+        return eviction_schedule(prio, sinks=cfg.sinks, window=cfg.window, k=cfg.budget - cfg.sinks - cfg.window)
+    ev = [eviction_schedule(prio[:, h:h + 1].contiguous(), sinks=cfg.sinks, window=cfg.window,
+                            k=b - cfg.sinks - cfg.window) for h, b in enumerate(hb[layer_idx])]
+    return torch.cat(ev, dim=1)
 
 
 AttentionInterface.register("kvpop_cache_test", _attention)

@@ -3,51 +3,22 @@
 ``fixed_budget_decode(head_budgets=...)``.
 
 Oracles: a teacher-forced sparse forward whose schedule keeps ``k[l][h]`` tokens per head, head by head (the
-stand-in attention below, as in ``test_cache.py``), and the patched model's own teacher-forced forward (which
+stand-in attention of ``test_cache.py``), and the patched model's own teacher-forced forward (which
 schedules each head with its own ``k``)."""
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_cache import HOOKS, _key_priority  # the stand-in scorer of the uniform cache's tests
+from test_cache import STATE  # the stand-in scorer and attention of the uniform cache's tests
 from tiny import randomize_scorers, tiny_model
-from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
-from transformers.masking_utils import AttentionMaskInterface
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import kvpop
-from kvpop.core.cache import KVpopCache, cache_attention
+from kvpop.core.cache import KVpopCache
 from kvpop.models import cache_kwarg_name
-from kvpop_kernels import eviction_schedule, sparse_attention
 
 S_, W_, B_ = 2, 4, 11  # k = 5 on average
 HB = ((6, 16), (14, 8))  # per layer, per KV head: k = (0, 10), (8, 2); the uniform total 2 x 2 x 11
-STATE = SimpleNamespace(cfg=None)
-
-
-def _schedule(prio, cfg, layer_idx):
-    """The teacher-forced schedule: ``k[l][h]`` long-range slots per head (uniform ``k`` without budgets)."""
-    if cfg.head_budgets is None:
-        return eviction_schedule(prio, sinks=cfg.sinks, window=cfg.window, k=cfg.budget - cfg.sinks - cfg.window)
-    ev = [eviction_schedule(prio[:, h:h + 1].contiguous(), sinks=cfg.sinks, window=cfg.window,
-                            k=b - cfg.sinks - cfg.window) for h, b in enumerate(cfg.head_budgets[layer_idx])]
-    return torch.cat(ev, dim=1)
-
-
-def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    cfg = STATE.cfg
-    cache = getattr(module, "test_cache", None)
-    out = cache_attention(cache, module, query, key, value, scaling=scaling, hooks=HOOKS) \
-        if isinstance(cache, KVpopCache) else None
-    if out is not None:
-        return out, None
-    prio = _key_priority(key) if cfg.policy == "kvpop" else torch.zeros(key.shape[:3])
-    ev = _schedule(prio, cfg, module.layer_idx)
-    o, _ = sparse_attention(query, key, value, ev, sinks=cfg.sinks, window=cfg.window, scale=scaling)
-    return o.transpose(1, 2), None
-
-
-AttentionInterface.register("kvpop_hb_test", _attention)
-AttentionMaskInterface.register("kvpop_hb_test", lambda *args, **kwargs: None)
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +37,7 @@ def model():
     cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
     m = Qwen3ForCausalLM(cfg).eval()
-    m.set_attn_implementation("kvpop_hb_test")
+    m.set_attn_implementation("kvpop_cache_test")
 
     def remember_cache(module, args, kwargs):  # what kvpop.patch's pre-hook does
         module.test_cache = cache = kwargs.get("cache", kwargs.get("past_key_values"))
