@@ -125,6 +125,8 @@ def _check_weight_shapes(d: Path, weights: list[str], config: Any) -> None:
 def load_model_dir(path: str | os.PathLike, *, families: tuple[str, ...] | None = None, dtype: Any = None) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` of a directory that :func:`check_model_dir` accepted
     (local files only; ``dtype`` default float32).  ``ValueError`` naming ``path`` when it cannot load."""
+    import pickle
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -132,5 +134,17 @@ def load_model_dir(path: str | os.PathLike, *, families: tuple[str, ...] | None 
     try:
         return AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True,
                                                     dtype=torch.float32 if dtype is None else dtype)
+    except pickle.UnpicklingError as e:  # a .bin file, read by torch.load(weights_only=True): nothing ran
+        found = re.search(r"GLOBAL:?\s+([\w.]+)", str(e))
+        what = f" (it names the Python object {found.group(1)})" if found else ""
+        bins = ", ".join(f for f in WEIGHT_FILES if f.endswith(".bin") and (Path(path) / f).is_file()) or "its .bin"
+        if not found and "global" not in str(e).lower():
+            msg = " ".join(str(e).replace("Weights only load failed.", "").split())
+            msg = re.split(r"In PyTorch 2\.6|Re-running `torch\.load`|Check the documentation", msg)[0].strip()
+            raise ValueError(f"cannot load the model from {path}: {bins} is not a file written by torch.save"
+                             + (f" ({msg[:200]})" if msg else "")) from None
+        raise ValueError(f"the weights in {path} ({bins}) were refused because loading them could run code: they "
+                         f"hold objects other than tensors{what}. Save the model with save_pretrained "
+                         f"(safetensors) from a trusted copy") from None
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"cannot load the model from {path}: {type(e).__name__}: {str(e)[:400]}") from None
