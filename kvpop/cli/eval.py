@@ -56,6 +56,8 @@ def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
         p, path = v.split("=", 1)
         if p not in POLICIES or p == "dense":
             raise ValueError(f"--{what}: unknown policy {p!r}; allowed: {[x for x in POLICIES if x != 'dense']}")
+        if p in out:
+            raise ValueError(f"--{what} {p}= is given twice: {out[p]} and {path}")
         out[p] = path
     return out
 
@@ -171,11 +173,10 @@ def finish(results: dict, out: Path | None, plot: bool) -> None:
 def _trained(args: argparse.Namespace) -> dict:
     """policy -> :class:`kvpop.cli.trained.Trained` from ``--run``, ``--scorers``, ``--finetuned`` and ``--dms``
     (files checked and configs read here, before any model is loaded)."""
-    from kvpop.baselines.dms import read_dms_config
     from kvpop.core.checkpoint import read_scorer_config
     from kvpop.demo import evaluate as E
 
-    from .trained import GATES_FILE, Trained, model_dir, read_run
+    from .trained import GATES_FILE, SCORERS_FILE, Trained, dms_run, read_run
 
     out: dict[str, Trained] = {}
 
@@ -194,15 +195,37 @@ def _trained(args: argparse.Namespace) -> dict:
         d = Path(args.dms)
         if not (d / GATES_FILE).is_file():
             raise FileNotFoundError(f"--dms {d}: no {GATES_FILE} there (kvpop train --method dms --out DIR writes it)")
-        add(Trained("dms", f"--dms {d}", gates=d / GATES_FILE, model=model_dir(d),
-                    config=read_dms_config(d / GATES_FILE)))
+        add(dms_run(d, f"--dms {d}"))
     for p, path in _pairs(args.finetuned, "finetuned").items():
+        given = f"--finetuned {p}={path}"
+        if p in ("tova", "h2o"):
+            raise ValueError(f"{given}: the {p} row is the base model (--model) under the {p} cache, and kvpop eval "
+                             f"has no row for a fine-tuned model under it (fixed-finetune is a fine-tuned model under "
+                             f"the streaming cache); to run {p} on {path}, give --model {path}")
+        if p in E.DMS_POLICIES:
+            raise ValueError(f"{given}: a DMS run's gates and model are given together: --dms RUN or --run RUN (the "
+                             f"kvpop train --method dms --out directory)")
+        if p == "streaming":  # a fine-tuned model under the streaming cache is the fixed-finetune row
+            p = "fixed-finetune"
         if p in out and out[p].model is not None:
             raise ValueError(f"policy {p!r} has two fine-tuned models: {out[p].model} ({out[p].source}) and {path}")
         if p in out:
             out[p].model = Path(path)
         else:
-            out[p] = Trained(p, f"--finetuned {p}={path}", model=Path(path))
+            out[p] = Trained(p, given, model=Path(path))
+        if given.startswith("--finetuned streaming="):
+            out[p].extra["given_as"] = "streaming"
+    for t in out.values():
+        if t.policy in E.SCORER_OF and t.scorers is None:
+            near = [f for f in (t.model / SCORERS_FILE, t.model.parent / SCORERS_FILE) if f.is_file()]
+            hint = f" (e.g. --scorers {t.policy}={near[0]})" if near else ""
+            raise ValueError(f"{t.source}: {t.policy} serves trained scorers on this model, but no scorer file "
+                             f"({SCORERS_FILE}) was given for it: add --scorers {t.policy}=FILE{hint}, or give the "
+                             f"whole run: --run {t.policy}=RUN")
+        if t.policy in E.JOINT and t.model is None:
+            raise ValueError(f"{t.source}: the {t.policy} scorers were trained together with a model and serve only "
+                             f"on it, but no model was given: add --finetuned {t.policy}=DIR (the run's model/), or "
+                             f"give the whole run: --run RUN")
     return out
 
 
@@ -294,6 +317,14 @@ def run(args: argparse.Namespace) -> int:
         check_common(args)
         check_out(args.out)
         trained = _trained(args)
+        for t in trained.values():
+            if t.extra.get("given_as") and wanted is not None and t.policy not in wanted:
+                raise ValueError(f"{t.source} is evaluated as the {t.policy} row, which --policies {args.policies} "
+                                 f"leaves out: add {t.policy} to --policies")
+        for t in trained.values():
+            if t.extra.get("given_as") == "streaming":
+                print(f"kvpop eval: {t.source} is evaluated as the fixed-finetune row (a fine-tuned model under the "
+                      f"streaming cache); the streaming row stays the base model", file=sys.stderr)
         torch.set_num_threads(args.threads)
     except (ValueError, FileNotFoundError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)

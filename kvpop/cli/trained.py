@@ -68,14 +68,66 @@ def model_dir(d: Path) -> Path | None:
     return m if (m / "config.json").is_file() else None
 
 
-def _infer(d: Path, source: str) -> Trained:
+def _json_object(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when it is absent, unreadable or not an object."""
+    if not path.is_file():
+        return None
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _demo_policy(d: Path) -> str | None:
+    """The policy a ``kvpop demo`` retrofit directory says it is (its ``done.json``), else None."""
+    settings = (_json_object(d / "done.json") or {}).get("settings")
+    policy = settings.get("policy") if isinstance(settings, dict) else None
+    return policy if isinstance(policy, str) else None
+
+
+def model_was_trained(d: Path) -> bool | None:
+    """Whether the run in ``d`` trained the model together with its scorers or gates (so that they serve only on
+    that model, ``d/model/``): ``kvpop train``'s ``args.json`` (without ``--no-train-model``), or the policy of a
+    ``kvpop demo`` retrofit's ``done.json``; None when ``d`` says neither."""
+    from kvpop.demo.evaluate import JOINT
+
+    args = _json_object(d / "args.json")
+    if args is not None and isinstance(args.get("no_train_model"), bool):
+        return not args["no_train_model"]
+    policy = _demo_policy(d)
+    if policy is not None:
+        return policy in JOINT or policy in ("fixed-finetune", "dms")
+    return None
+
+
+def _missing_model(d: Path, source: str, what: str) -> ValueError:
+    m = d / MODEL_DIR
+    why = ("is missing" if not m.exists() else "is not a directory" if not m.is_dir() else "holds no config.json")
+    return ValueError(f"{source}: the run trained the model together with its {what}, which serve only on that "
+                      f"model, but {m} {why} (kvpop train writes it at the end of the run); restore it, or "
+                      f"evaluate the whole run again after kvpop train --resume")
+
+
+def dms_run(d: Path, source: str) -> Trained:
+    """The ``dms`` policy of a run directory with ``gates.safetensors``; its ``model/`` is required unless the run
+    says it trained the gates on the frozen base model (``--no-train-model``)."""
     from kvpop.baselines.dms import read_dms_config
+
+    config = read_dms_config(d / GATES_FILE)
+    model = model_dir(d)
+    if model is None and model_was_trained(d) is not False:
+        raise _missing_model(d, source, "DMS gates")
+    return Trained("dms", source, gates=d / GATES_FILE, model=model, config=config)
+
+
+def _infer(d: Path, source: str) -> Trained:
     from kvpop.core.checkpoint import read_scorer_config
     from kvpop.demo.evaluate import SCORER_OF
 
     model = model_dir(d)
     if (d / GATES_FILE).is_file():
-        return Trained("dms", source, gates=d / GATES_FILE, model=model, config=read_dms_config(d / GATES_FILE))
+        return dms_run(d, f"--run {source}")
     if (d / SCORERS_FILE).is_file():
         cfg = read_scorer_config(d / SCORERS_FILE)
         if cfg.mask_source == "streaming":
@@ -83,16 +135,12 @@ def _infer(d: Path, source: str) -> Trained:
                 raise ValueError(f"--run {source}: the run was trained under the fixed streaming mask "
                                  f"(fixed-finetune) but {d / MODEL_DIR} holds no model")
             return Trained("fixed-finetune", source, model=model, config=cfg)
+        if model is None and model_was_trained(d):
+            raise _missing_model(d, f"--run {source}", "scorers")
         name = next(p for p, s in SCORER_OF.items() if s == cfg.scorer and p.endswith("-joint") == (model is not None))
         return Trained(name, source, scorers=d / SCORERS_FILE, model=model, config=cfg, head_plan=_head_plan(d, cfg))
     if model is not None:
-        done = d / "done.json"  # kvpop demo's retrofit directories say which policy they are
-        policy = None
-        if done.is_file():
-            try:
-                policy = json.loads(done.read_text()).get("settings", {}).get("policy")
-            except (ValueError, AttributeError):
-                policy = None
+        policy = _demo_policy(d)  # kvpop demo's retrofit directories say which policy they are
         if policy == "fixed-finetune":
             return Trained("fixed-finetune", source, model=model)
         raise ValueError(f"--run {source}: {d} holds only a model ({d / MODEL_DIR}); name the policy it serves, "
@@ -220,7 +268,13 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
         ft = load(t.model) if t is not None and t.model is not None else None
         if p in E.SCORER_OF and (t is None or t.scorers is None):
             if wanted is not None:
-                raise ValueError(f"policy {p!r} needs its scorers: --run {p}=DIR or --scorers {p}=FILE")
+                if p not in E.JOINT:
+                    raise ValueError(f"policy {p!r} needs its scorers: --run {p}=DIR or --scorers {p}=FILE")
+                alone = [f"{o.source} gives {o.policy} (scorers without a model/)" for o in trained.values()
+                         if o.policy not in E.JOINT and E.SCORER_OF.get(o.policy) == E.SCORER_OF[p]]
+                raise ValueError(f"policy {p!r} needs scorers and the model trained with them: --run DIR of a kvpop "
+                                 f"train run that holds {SCORERS_FILE} and {MODEL_DIR}/, or --scorers {p}=FILE "
+                                 f"--finetuned {p}=DIR" + (f"; {'; '.join(alone)}" if alone else ""))
             continue
         if p == "fixed-finetune" and ft is None:
             if wanted is not None:

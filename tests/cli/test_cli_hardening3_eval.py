@@ -1,6 +1,7 @@
 """``kvpop eval`` on bad and edge input, round three (issue 30): runs whose parts do not belong together,
 fine-tuned models named under the wrong row, generation bounds, and the obscure errors.  The table is
 docs/HARDENING.md, "Round three (issue 30)", "kvpop eval"."""
+import json
 import os
 import shutil
 
@@ -12,9 +13,11 @@ pytest.importorskip("transformers")
 from test_cli_train import _write_ids  # noqa: E402  (tests/cli/test_cli_train.py)
 
 from kvpop.cli import main  # noqa: E402
+from kvpop.cli.trained import read_run  # noqa: E402
 
 TRAIN = ["--seq-len", "48", "--sinks", "2", "--window", "8", "--no-progress"]
-SYNTH = ["--lengths", "64", "--budgets", "24", "--n-sequences", "1", "--no-progress", "--no-plot"]
+SYNTH = ["--lengths", "64", "--budgets", "24", "--n-sequences", "1", "--sinks", "2", "--window", "8", "--no-progress",
+         "--no-plot"]
 
 
 @pytest.fixture(autouse=True)
@@ -69,3 +72,67 @@ def test_a_code_carrying_pytorch_model_bin_in_a_runs_model_is_refused(runs, tmp_
     (model / "pytorch_model.bin").write_bytes(b"not a torch file")
     err = _err(capsys, "--run", str(run), *SYNTH)
     assert "pytorch_model.bin is not a file written by torch.save" in err and "weights_only" not in err
+
+
+# ----------------------------------------------------------------------------- items 5, 10: parts of a run
+def test_a_dms_run_without_its_model_is_refused_not_served_on_the_base_model(runs, tmp_path, capsys):
+    run = _copy(runs, "dms", tmp_path)
+    shutil.rmtree(run / "model")
+    for given in (["--run", str(run)], ["--dms", str(run)], ["--run", f"dms={run}"]):
+        err = _err(capsys, *given, *SYNTH)
+        assert "the run trained the model together with its DMS gates" in err and f"{run / 'model'} is missing" in err
+    # a run that trained its gates on the frozen base model (--no-train-model) has no model/ and needs none
+    args = json.loads((run / "args.json").read_text())
+    (run / "args.json").write_text(json.dumps({**args, "no_train_model": True}))
+    t = read_run(str(run))
+    assert t.policy == "dms" and t.model is None
+
+
+def test_a_joint_run_missing_its_model_says_the_model_is_missing(runs, tmp_path, capsys):
+    run = _copy(runs, "joint", tmp_path)
+    shutil.rmtree(run / "model")
+    for given in (["--run", str(run)], ["--run", str(run), "--policies", "dense,kvpop-mlp-joint"],
+                  ["--run", f"kvpop-mlp={run}"]):
+        err = _err(capsys, *given, *SYNTH)
+        assert "the run trained the model together with its scorers" in err, err
+        assert f"{run / 'model'} is missing" in err and "needs its scorers" not in err
+    # scorers alone (kvpop train --no-train-model) are kvpop-mlp; asked for as joint, the message says what is missing
+    args = json.loads((run / "args.json").read_text())
+    (run / "args.json").write_text(json.dumps({**args, "no_train_model": True}))
+    assert read_run(str(run)).policy == "kvpop-mlp"
+    err = _err(capsys, "--run", str(run), "--policies", "dense,kvpop-mlp-joint", *SYNTH)
+    assert "needs scorers and the model trained with them" in err
+    assert "gives kvpop-mlp (scorers without a model/)" in err
+
+
+def test_finetuned_streaming_is_the_fixed_finetune_row(runs, tmp_path, capsys):
+    model = runs / "joint" / "model"
+    out = tmp_path / "out"
+    assert main(["eval", "--finetuned", f"streaming={model}", "--policies", "dense,streaming,fixed-finetune",
+                 "--out", str(out), *SYNTH]) == 0
+    assert "is evaluated as the fixed-finetune row" in capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    assert {r["policy"] for r in res["rows"]} == {"dense", "streaming", "fixed-finetune"}
+    assert res["trained"] == {"fixed-finetune": {"source": f"--finetuned streaming={model}"}}
+    # the streaming row is the base model's: the same as without --finetuned
+    assert main(["eval", "--policies", "dense,streaming", "--out", str(tmp_path / "base"), *SYNTH]) == 0
+    base = json.loads((tmp_path / "base" / "results.json").read_text())
+    acc = {r["policy"]: r["accuracy"] for r in res["rows"] if r["policy"] != "fixed-finetune"}
+    assert acc == {r["policy"]: r["accuracy"] for r in base["rows"]}
+    err = _err(capsys, "--finetuned", f"streaming={model}", "--policies", "dense,streaming", *SYNTH)
+    assert "is evaluated as the fixed-finetune row, which --policies dense,streaming leaves out" in err
+    err = _err(capsys, "--finetuned", f"tova={model}", *SYNTH)
+    assert "has no row for a fine-tuned model under it" in err and f"give --model {model}" in err
+    err = _err(capsys, "--finetuned", f"dms={model}", *SYNTH)
+    assert "--dms RUN or --run RUN" in err
+    err = _err(capsys, "--finetuned", f"streaming={model}", "--finetuned", f"streaming={model}", *SYNTH)
+    assert "--finetuned streaming= is given twice" in err
+
+
+def test_a_scorer_policy_without_its_scorers_or_its_model_is_refused(runs, capsys):
+    run = runs / "joint"
+    err = _err(capsys, "--finetuned", f"kvpop-mlp={run / 'model'}", *SYNTH)
+    assert "no scorer file (scorers.safetensors) was given for it" in err
+    assert f"--scorers kvpop-mlp={run / 'scorers.safetensors'}" in err
+    err = _err(capsys, "--scorers", f"kvpop-mlp-joint={run / 'scorers.safetensors'}", *SYNTH)
+    assert "were trained together with a model and serve only on it, but no model was given" in err
