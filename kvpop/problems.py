@@ -67,6 +67,7 @@ class Problem:
     prompt_ids: list[int]
     answers: list[str] | None = None
     answer_ids: list[int] | None = None
+    where: str | None = None  # the record's file and line (and id), for messages
 
 
 def _where(path: Path, lineno: int, rec: Any = None) -> str:
@@ -167,12 +168,60 @@ def read_problems(path: str | os.PathLike, *, vocab_size: int, tokenizer: Callab
                 raise ValueError(f'{where}: "id" must be a string or an int, got {type(rid).__name__}')
             rid = str(rid)
             if rid in ids_seen:
+                if "id" not in rec:
+                    raise ValueError(f'{where}: the record has no "id", so its id is its index {rid}, which the record '
+                                     f'on line {ids_seen[rid]} gives as its "id": give this record an "id" (or none '
+                                     f'of them one)')
                 raise ValueError(f'{where}: "id" {rid!r} is also the id of the record on line {ids_seen[rid]}')
             ids_seen[rid] = lineno
-            out.append(Problem(len(out), rid, prompt, answers, answer_ids))
+            out.append(Problem(len(out), rid, prompt, answers, answer_ids, where))
     if not out:
         raise ValueError(f"--problems {p} holds no record")
     return out
+
+
+def model_context(config: Any) -> int | None:
+    """The positions a model takes (a transformers config's ``max_position_embeddings``; with RoPE scaling, at
+    least ``factor`` times the ``original_max_position_embeddings``); None when the config gives none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    mp = getattr(text, "max_position_embeddings", None)
+    if isinstance(mp, bool) or not isinstance(mp, int) or mp < 1:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+        factor, orig = rope.get("factor"), rope.get("original_max_position_embeddings")
+        if isinstance(factor, (int, float)) and isinstance(orig, int) and math.isfinite(factor):
+            mp = max(mp, int(factor * orig))
+    return mp
+
+
+def check_lengths(problems: Sequence[Problem], max_new_tokens: int, context: int | None, *,
+                  model: str = "the model") -> None:
+    """``ValueError`` before anything is generated when a prompt, or a prompt and ``max_new_tokens`` new tokens,
+    would run past the model's ``context`` (:func:`model_context`), or when an ``answer_ids`` answer is longer
+    than ``max_new_tokens`` (it could never be generated: it would score 0 under every policy)."""
+    short = [p for p in problems if p.answer_ids is not None and len(p.answer_ids) > max_new_tokens]
+    if short:
+        p = max(short, key=lambda q: len(q.answer_ids))
+        raise ValueError(f"{p.where or f'problem {p.id}'}: \"answer_ids\" has {len(p.answer_ids)} tokens, more than "
+                         f"--max-new-tokens {max_new_tokens} generates ({len(short)} problem(s) like it would score 0 "
+                         f"under every policy): give --max-new-tokens {len(p.answer_ids)} or more")
+    if context is None:
+        return
+    if max_new_tokens >= context:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} is not below the context of {model}, {context} "
+                         f"positions (max_position_embeddings), which holds the prompt and the answer: give at most "
+                         f"{context - 1}")
+    p = max(problems, key=lambda q: len(q.prompt_ids))
+    n = len(p.prompt_ids)
+    where = p.where or f"problem {p.id}"
+    if n >= context:
+        raise ValueError(f"{where}: the prompt is {n} tokens, not shorter than the context of {model}, {context} "
+                         f"positions (max_position_embeddings): shorten it")
+    if n + max_new_tokens > context:
+        raise ValueError(f"{where}: the prompt's {n} tokens and --max-new-tokens {max_new_tokens} pass the context of "
+                         f"{model}, {context} positions (max_position_embeddings): give --max-new-tokens "
+                         f"{context - n} or less, or shorten the prompt")
 
 
 # ------------------------------------------------------------------------------------ scoring

@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling seed; each problem and sample draws from its own generator seeded by it (default 0)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens generated at most per answer (default: the longest answer_ids when every record has "
-                        "them, else 512)")
+                        "them, else 512, at most the model's context less the longest prompt); a prompt and its "
+                        "answer must fit the context (max_position_embeddings)")
     g.add_argument("--chat-template", action="store_true",
                    help="wrap text prompts in the model's chat template (one user turn, generation prompt added)")
     g.add_argument("--extract", default="last-number",
@@ -144,10 +145,16 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
         problems = P.read_problems(path, vocab_size=base.config.vocab_size, tokenizer=tokenizer,
                                    tokenizer_source=f"the model directory {model_dir}",
                                    chat_template=args.chat_template)
+        context = P.model_context(base.config)
         max_new = args.max_new_tokens
         if max_new is None:
             max_new = (max(len(p.answer_ids) for p in problems)
                        if all(p.answer_ids is not None for p in problems) else 512)
+            if context is not None:  # the default stays inside the context with the longest prompt
+                max_new = max(1, min(max_new, context - max(len(p.prompt_ids) for p in problems)))
+        elif max_new < 1:
+            raise ValueError(f"--max-new-tokens must be an int >= 1, got {max_new}")
+        P.check_lengths(problems, max_new, context, model=f"the model {model_dir}")
         cfg = P.ProblemsConfig(budgets=budgets, policies=wanted or list(E.POLICIES), samples=args.samples,
                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=max_new,
                                extract=args.extract, batch_size=args.batch_size, sinks=sinks, window=window,

@@ -14,6 +14,7 @@ from test_cli_train import _write_ids  # noqa: E402  (tests/cli/test_cli_train.p
 
 from kvpop.cli import main  # noqa: E402
 from kvpop.cli.trained import read_run  # noqa: E402
+from kvpop.demo import evaluate as E  # noqa: E402
 
 TRAIN = ["--seq-len", "48", "--sinks", "2", "--window", "8", "--no-progress"]
 SYNTH = ["--lengths", "64", "--budgets", "24", "--n-sequences", "1", "--sinks", "2", "--window", "8", "--no-progress",
@@ -136,3 +137,57 @@ def test_a_scorer_policy_without_its_scorers_or_its_model_is_refused(runs, capsy
     assert f"--scorers kvpop-mlp={run / 'scorers.safetensors'}" in err
     err = _err(capsys, "--scorers", f"kvpop-mlp-joint={run / 'scorers.safetensors'}", *SYNTH)
     assert "were trained together with a model and serve only on it, but no model was given" in err
+
+
+# ----------------------------------------------------------------------------- item 8 and item 10: --problems
+def _problems_file(path, *records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_problems_that_cannot_fit_the_context_are_refused_before_generating(tmp_path, capsys, monkeypatch):
+    from kvpop import problems as P
+
+    def generate(*a, **k):
+        raise AssertionError("generation started before the refusal")
+
+    monkeypatch.setattr(P, "generate_rows", generate)
+    ctx = json.loads((E.SHIPPED_MODEL / "config.json").read_text())["max_position_embeddings"]
+    ok = {"prompt_ids": [1, 2, 3], "answer_ids": [4]}
+    run = ["--problems", None, "--policies", "dense,streaming", "--budgets", "48", "--no-progress", "--no-plot"]
+
+    def err(path, *extra):
+        run[1] = str(path)
+        return _err(capsys, *run, *extra)
+
+    data = _problems_file(tmp_path / "p.jsonl", ok, {"id": "long", "prompt_ids": [1] * ctx, "answer_ids": [4]})
+    assert f"p.jsonl:2 (id 'long'): the prompt is {ctx} tokens, not shorter than the context of the model" in err(data)
+    data = _problems_file(tmp_path / "p.jsonl", ok, {"prompt_ids": [1] * (ctx - 8), "answer_ids": [4]})
+    msg = err(data, "--max-new-tokens", "20")
+    assert f"p.jsonl:2: the prompt's {ctx - 8} tokens and --max-new-tokens 20 pass the context" in msg
+    assert "give --max-new-tokens 8 or less" in msg
+    data = _problems_file(tmp_path / "p.jsonl", ok)
+    msg = err(data, "--max-new-tokens", "1000000000")
+    assert f"--max-new-tokens 1000000000 is not below the context of the model {E.SHIPPED_MODEL}, {ctx} " in msg
+    data = _problems_file(tmp_path / "p.jsonl", ok, {"id": 7, "prompt_ids": [1, 2], "answer_ids": [4, 5, 6]})
+    msg = err(data, "--max-new-tokens", "2")
+    assert "p.jsonl:2 (id 7): \"answer_ids\" has 3 tokens, more than --max-new-tokens 2 generates" in msg
+    assert "give --max-new-tokens 3 or more" in msg
+
+
+def test_the_context_counts_rope_scaling():
+    from transformers import Qwen3Config
+
+    from kvpop.problems import model_context
+
+    assert model_context(Qwen3Config(max_position_embeddings=4096)) == 4096
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    assert model_context(Qwen3Config(max_position_embeddings=4096, rope_scaling=yarn)) == 16384
+
+
+def test_a_record_without_an_id_after_one_whose_id_is_its_index(tmp_path, capsys):
+    data = _problems_file(tmp_path / "p.jsonl", {"id": "1", "prompt_ids": [1, 2], "answer_ids": [3]},
+                          {"prompt_ids": [1, 2], "answer_ids": [3]})
+    msg = _err(capsys, "--problems", str(data), "--policies", "dense", "--no-progress")
+    assert ('p.jsonl:2: the record has no "id", so its id is its index 1, which the record on line 1 gives as its '
+            '"id": give this record an "id"') in msg
