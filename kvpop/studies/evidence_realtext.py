@@ -1,0 +1,330 @@
+"""The real-text instrument's evidence (``python -m kvpop.studies.evidence realtext``): a fresh test split,
+DMS tuned on validation by the same rule as KVpop, the fixed-mask and dense fine-tune controls, every row
+trained with three seeds and scored once on the fresh split.
+
+Stages (each resumable; ``--stage all`` runs them in order):
+
+1. ``split``: the fresh test split (:func:`fresh_test_split`): files of the corpus's test bucket (seed 0's hash)
+   that no shipped split used, ordered by the hash with another seed, ``--test-records`` records; written
+   beside the shipped splits as ``test_fresh.jsonl`` with ``test_fresh.json`` (its file list and hash).
+2. ``select``: DMS's validation grid (:data:`DMS_GRID`, staged) chosen by :func:`kvpop.studies.evidence.choose`;
+   KVpop's recipe is the argmin of the shipped validation trials (``kvpop/data/demo_results/realtext/validation``)
+   by the same function; writes ``selection.json`` before anything touches the test split.
+3. ``seeds``: every recipe of :func:`recipes` with every seed.
+4. ``test``: each (row, seed) scored once on the fresh split (:class:`~kvpop.studies.evidence.TestLog`), then
+   ``evidence_rows.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .evidence import TestLog, choose, run_logged, summarize, write_json
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+MODEL = DATA / "tiny_qwen3_code"
+SHIPPED = DATA / "realtext"
+SHIPPED_VALID_TRIALS = DATA / "demo_results" / "realtext" / "validation"
+BUDGET, SEQ_LEN, SINKS, WINDOW = 128, 1024, 4, 32
+EVAL_BUDGETS = (64, 128, 256)
+VALID_SEQUENCES = 16
+JOINT_STEPS = 250
+"""Steps of the joint retrofits (chosen on validation by the earlier study: 40 / 120 / 250); the controls get
+the same."""
+
+DMS_GRID = {"lr_gate": (0.02, 0.05, 0.1), "lr_model": (1e-4, 3e-4), "steps": (150, 250, 400),
+            "target_keep": (0.125, 0.1)}
+"""DMS's candidates, staged: every lr_gate at the first lr_model, steps and keep, then the best with each other
+lr_model, step count and keep target, one setting at a time (7 trials; the best KVpop row's selection ran 6)."""
+
+
+def _common(corpus: Path) -> list[str]:
+    return ["--model", str(MODEL), "--data", str(corpus / "train.jsonl"), "--seq-len", str(SEQ_LEN),
+            "--sinks", str(SINKS), "--window", str(WINDOW), "--checkpoint-every", "25", "--no-progress"]
+
+
+def recipes(corpus: Path) -> dict[str, dict]:
+    """Every KVpop and control row's recipe: ``args`` of ``kvpop train`` (beside :func:`_common`), ``legend``,
+    ``steps``, ``kind`` (``kvpop``, ``control``, ``dense-control``)."""
+    kv = ["--budget", str(BUDGET), "--lr-scorer", "3e-3"]
+    chosen = [*kv, "--scorer", "mlp", "--label", "mean", "--decay-nats", "2.05", "--gamma-init", "0.999",
+              "--allocate", "ablation", "--valid-data", str(SHIPPED / "validation.jsonl")]
+    return {
+        "kvpop-mlp-joint[paper]": {"policy": "kvpop-mlp-joint",
+            "args": [*kv, "--scorer", "mlp", "--label", "mean", "--lr-model", "1e-4", "--steps", str(JOINT_STEPS)],
+            "kind": "kvpop", "steps": JOINT_STEPS,
+            "legend": "the paper's method: MLP scorer and model together, mean label, the paper's decay range "
+                      "[0.999, 0.999999] from 0.9999, uniform budgets, the student's sparse label"},
+        "kvpop-mlp-joint[mean,ctx-decay,adaptive]": {"policy": "kvpop-mlp-joint",
+            "args": [*chosen, "--lr-model", "1e-4", "--steps", str(JOINT_STEPS)], "kind": "kvpop",
+            "steps": JOINT_STEPS,
+            "legend": "validation's choice: mean label, decay tied to the context (2.05 nats over 1,024 tokens, "
+                      "from 0.999), head-adaptive budgets by ablation on validation, student label, model and "
+                      "scorers together"},
+        "kvpop-mlp[mean,ctx-decay,adaptive]": {"policy": "kvpop-mlp",
+            "args": [*chosen, "--no-train-model", "--steps", "200"], "kind": "kvpop", "steps": 200,
+            "legend": "the same scorers trained alone (model frozen), 200 steps"},
+        "fixed-finetune[streaming]": {"policy": "fixed-finetune",
+            "args": [*kv, "--mask-source", "streaming", "--lr-model", "1e-4", "--steps", str(JOINT_STEPS)],
+            "kind": "control", "steps": JOINT_STEPS,
+            "legend": "the control: the same model fine-tuned the same steps, data and learning rate under the fixed "
+                      "StreamingLLM mask (no learned eviction)"},
+        "fixed-finetune[dense]": {"policy": "dense",
+            "args": ["--budget", str(SEQ_LEN - 1), "--lr-scorer", "3e-3", "--mask-source", "streaming", "--lr-model",
+                     "1e-4", "--steps", str(JOINT_STEPS)],
+            "kind": "dense-control", "steps": JOINT_STEPS,  # one seed: its KL to an identical dense teacher is
+            # zero but for rounding, so a seed can only move noise; not a headline row
+            "legend": "a dense fine-tune of the same steps (budget 1,023 of 1,024 tokens: one token evicted at "
+                      "the last query only), served densely: what the same training does without eviction"},
+    }
+
+
+def _dms_args(corpus: Path, c: dict, seed: int) -> list[str]:
+    return ["kvpop", "train", "--method", "dms", *_common(corpus), "--target-keep", f"{c['target_keep']:g}",
+            "--lr-model", f"{c['lr_model']:g}", "--lr-scorer", f"{c['lr_gate']:g}", "--steps", str(c["steps"]),
+            "--seed", str(seed)]
+
+
+def _tag(c: dict) -> str:
+    return "_".join(f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}" for k, v in sorted(c.items()))
+
+
+def _eval(out: Path, log: Path, name: str, data: Path, budgets, n: int, extra: list[str]) -> dict:
+    res = out / "results.json"
+    if not res.exists():
+        run_logged(["kvpop", "eval", "--model", str(MODEL), "--data", str(data), "--seq-len", str(SEQ_LEN),
+                    "--budgets", ",".join(map(str, budgets)), "--sinks", str(SINKS), "--window", str(WINDOW),
+                    "--n-sequences", str(n), "--no-plot", "--no-progress", *extra, "--out", str(out)], log, name=name)
+    return json.loads(res.read_text())
+
+
+def _delta(results: dict, policy: str, budget: int) -> float:
+    return next(r["delta_nll"] for r in results["rows"] if r["policy"] == policy and r["budget"] == budget)
+
+
+def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: int = 2) -> Path:
+    """``out_dir/test_fresh.jsonl``: records of test-bucket files (``split_of(key, seed=0) == "test"``) that
+    neither shipped split used, ordered by the seeded hash with ``hash_seed``, 2 records per file (the
+    corpus's rule); ``test_fresh.json`` lists the files and the hash.  The model never saw these files
+    (its pre-training read the train bucket only) and no earlier evaluation scored them."""
+    import sysconfig
+
+    from kvpop.demo import realtext_corpus as C
+
+    shipped = json.loads((SHIPPED / "manifest.json").read_text())
+    st = shipped["settings"]
+    used = set(shipped["splits"]["test"]["files"]) | set(shipped["splits"]["validation"]["files"])
+    site = Path(sysconfig.get_paths()["purelib"])
+    files = C.list_files(site, st["packages"], stdlib=Path(sysconfig.get_paths()["stdlib"]))
+    bucket = [(k, p) for k, p in files if C.split_of(k, st["seed"], st["valid_frac"], st["test_frac"]) == "test"
+              and k not in used]
+    order = sorted(bucket, key=lambda kp: (C._unit(hash_seed, kp[0]), kp[0]))
+    records, chosen = [], []
+    for key, p in order:
+        if len(records) >= n_records:
+            break
+        data = C._text_bytes(p)
+        recs = C.file_records(data, st["seq_len"], min(st["max_records_per_file"], n_records - len(records))) \
+            if data is not None else []
+        if recs:
+            records += recs
+            chosen.append(key)
+    if len(records) < n_records:
+        raise ValueError(f"only {len(records)} fresh test records could be made (asked for {n_records})")
+    path = out_dir / "test_fresh.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": r}, separators=(",", ":")) + "\n" for r in records))
+    write_json(out_dir / "test_fresh.json", {
+        "rule": "files of the corpus's test bucket (split_of seed 0) used by no shipped split, ordered by the "
+                f"hash with seed {hash_seed}, at most {st['max_records_per_file']} records per file",
+        "records": len(records), "files": sorted(chosen), "excluded_shipped_files": len(used),
+        "package_versions": shipped["package_versions"], "jsonl_blake2b": C.file_hash(path),
+        "corpus_train_blake2b": C.file_hash(corpus / "train.jsonl") if (corpus / "train.jsonl").exists() else None})
+    return path
+
+
+def shipped_kvpop_trials() -> list[dict]:
+    """The validation trials of the joint MLP retrofit that chose its recipe (kvpop eval on 16 validation
+    sequences at B = 128, ``kvpop/data/demo_results/realtext/validation``): file, settings, score."""
+    named = {"pilot.json": "mean label, uniform, 40 steps", "j120m.json": "mean label, uniform, 120 steps",
+             "j250m.json": "mean label, uniform, 250 steps", "j250_maxlabel.json": "max label, uniform, 250 steps",
+             "head_adaptive_trained.json": "mean label, head-adaptive (ablation), 250 steps",
+             "lookahead_setting_joint.json": "max label, paper decay, head-adaptive, teacher label, 250 steps"}
+    out = []
+    for f, what in named.items():
+        r = json.loads((SHIPPED_VALID_TRIALS / f).read_text())
+        out.append({"file": f"kvpop/data/demo_results/realtext/validation/{f}", "settings": what,
+                    "score": _delta(r, "kvpop-mlp-joint", BUDGET)})
+    return out
+
+
+def _select(a, corpus: Path, out: Path, log: Path) -> dict:
+    sel_file = out / "selection.json"
+    record = json.loads(sel_file.read_text()) if sel_file.exists() else {}
+    if record.get("final"):
+        return record
+    kv = shipped_kvpop_trials()
+    record = {"instrument": "realtext", "criterion": f"NLL increase over dense at B={BUDGET}, "
+              f"{VALID_SEQUENCES} validation sequences (kvpop eval --data validation.jsonl), lower is better",
+              "kvpop": {"trials": kv, "chosen": choose(kv, higher_is_better=False)}, "dms": {"trials": []}}
+    trials = record["dms"]["trials"]
+
+    def trial(c: dict) -> dict:
+        d = out / "dms_select" / _tag(c)
+        if not (d / "gates.safetensors").exists():
+            run_logged([*_dms_args(corpus, c, 0), "--out", str(d), *(["--resume"] if d.exists() else [])], log,
+                       name=f"dms select {_tag(c)}")
+        res = _eval(d / "valid_eval", log, f"dms select eval {_tag(c)}", SHIPPED / "validation.jsonl", [BUDGET],
+                    VALID_SEQUENCES, ["--run", str(d), "--policies", "dense,dms"])
+        t = {"settings": c, "score": _delta(res, "dms", BUDGET), "dir": str(d)}
+        trials.append(t)
+        write_json(sel_file, record)
+        print(f"[evidence realtext] dms {c}: validation +{t['score']:.4f}", flush=True)
+        return t
+
+    g = DMS_GRID
+    best = choose([trial({"lr_gate": lg, "lr_model": g["lr_model"][0], "steps": g["steps"][0],
+                          "target_keep": g["target_keep"][0]}) for lg in g["lr_gate"]], higher_is_better=False)
+    for key in ("lr_model", "steps", "target_keep"):
+        best = choose([best] + [trial({**best["settings"], key: v}) for v in g[key][1:]], higher_is_better=False)
+    record["dms"]["chosen"] = best
+    record["trials_of"] = {"kvpop": len(kv), "dms": len(trials)}
+    record["final"] = True
+    write_json(sel_file, record)
+    return record
+
+
+def run(a: argparse.Namespace) -> int:
+    out, corpus = Path(a.out), Path(a.corpus)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "commands.log"
+    seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    if len(seeds) < 1:
+        raise ValueError(f"--seeds lists no seed: {a.seeds!r}")
+    if not (corpus / "train.jsonl").exists():
+        raise ValueError(f"{corpus}/train.jsonl is missing: python -m kvpop.demo.realtext_corpus --out {corpus} "
+                         f"--splits train,validation,test")
+    stages = ("split", "select", "seeds", "test") if a.stage == "all" else (a.stage,)
+    fresh = SHIPPED / "test_fresh.jsonl"
+    if "split" in stages and not fresh.exists():
+        fresh_test_split(corpus, SHIPPED, n_records=a.test_records)
+    if "select" in stages:
+        _select(a, corpus, out, log)
+    sel = json.loads((out / "selection.json").read_text()) if (out / "selection.json").exists() else {}
+    rs = recipes(corpus)
+    dms_c = sel.get("dms", {}).get("chosen", {}).get("settings")
+    if "seeds" in stages:  # the KVpop recipes and controls are fixed; DMS's waits for its selection
+        for s in seeds:
+            for name, r in rs.items():
+                if r["kind"] == "dense-control" and s != seeds[0]:
+                    continue  # one seed: see recipes()
+                d = out / name / f"seed{s}"
+                if not (d / "done").exists():
+                    run_logged(["kvpop", "train", *_common(corpus), *r["args"], "--seed", str(s), "--out", str(d),
+                                *(["--resume"] if (d / "last.pt").exists() else [])], log, name=f"{name} seed {s}")
+                    (d / "done").write_text("")
+            d = out / "dms[tuned]" / f"seed{s}"
+            if not sel.get("final"):
+                print(f"[evidence realtext] dms seed {s}: not trained yet (its selection is not final)", flush=True)
+            elif not (d / "done").exists():
+                run_logged([*_dms_args(corpus, dms_c, s), "--out", str(d),
+                            *(["--resume"] if (d / "last.pt").exists() else [])], log, name=f"dms seed {s}")
+                (d / "done").write_text("")
+    if "test" in stages:
+        _test(a, out, log, seeds, rs, sel, fresh)
+    return 0
+
+
+def _test(a, out: Path, log: Path, seeds, rs: dict, sel: dict, fresh: Path) -> None:
+    if not sel.get("final"):
+        raise ValueError("the test stage needs the final selection.json written before it (run --stage select)")
+    if not fresh.exists():
+        raise ValueError(f"{fresh} is missing (run --stage split)")
+    tl = TestLog(out)
+    n = a.test_records
+    fx = tl.once("fixed", lambda: _eval(out / "test" / "fixed", log, "test fixed", fresh, EVAL_BUDGETS, n,
+                                        ["--policies", "dense,streaming"]))
+    per: dict[str, dict[int, dict]] = {}
+    for name, r in {**rs, "dms[tuned]": {"kind": "dms", "policy": "dms"}}.items():
+        for s in (seeds[:1] if r["kind"] == "dense-control" else seeds):
+            d = out / name / f"seed{s}"
+            key = f"{name}|seed{s}"
+            if r["kind"] == "dense-control":
+                res = tl.once(key, lambda d=d, s=s, name=name: _dense_eval(d, out, log, name, s, fresh, n))
+            else:
+                extra = ["--run", str(d), "--policies", f"dense,{r['policy']}"]
+                if r["kind"] == "dms":
+                    extra += ["--dms-valid-data", str(SHIPPED / "validation.jsonl")]
+                res = tl.once(key, lambda d=d, s=s, name=name, extra=extra: _eval(
+                    out / "test" / f"{name}_seed{s}", log, f"test {name} seed {s}", fresh, EVAL_BUDGETS, n, extra))
+            per.setdefault(name, {})[s] = res
+    rows = []
+    dms_sel = sel["dms"]
+    for b in EVAL_BUDGETS:
+        for pol in ("streaming",):
+            v = _delta(fx, pol, b)
+            rows.append(_row(pol, b, [v], None, 0, {"rule": "StreamingLLM", "sinks": SINKS, "window": WINDOW},
+                             "fixed rule (no training, deterministic: one evaluation)", tl.count("fixed")))
+        for name, r in {**rs, "dms[tuned]": {"kind": "dms", "policy": "dms"}}.items():
+            vals = []
+            for s in per[name]:
+                res = per[name][s]
+                vals.append(res["delta"] if r["kind"] == "dense-control" else _delta(res, r["policy"], b))
+            if r["kind"] == "dms":
+                recipe = {**dms_sel["chosen"]["settings"], "threshold": "chosen on validation per budget"}
+                trials, steps, legend = len(dms_sel["trials"]), dms_sel["chosen"]["settings"]["steps"], (
+                    "DMS, gates and model together, its lr, model lr, steps and keep target chosen on validation "
+                    f"({len(dms_sel['trials'])} trials), gate threshold per budget chosen on validation traces")
+            else:
+                recipe = {"kvpop_train_args": r["args"]}
+                trials = len(sel["kvpop"]["trials"]) if "adaptive" in name else 0
+                steps, legend = r["steps"], r["legend"]
+            row = _row(name, b, vals, steps, trials, recipe, legend,
+                       max(tl.count(f"{name}|seed{s}") for s in per[name]))
+            row["headline"] = row["headline"] and r["kind"] != "dense-control"
+            rows.append(row)
+    write_json(out / "evidence_rows.json", {"rows": rows, "seeds": seeds, "test_split": str(fresh.name),
+                                            "test_records": n})
+    print(json.dumps([(r["policy"], r["budget"], round(r["mean"], 4)) for r in rows]), flush=True)
+
+
+def _dense_eval(d: Path, out: Path, log: Path, name: str, s: int, fresh: Path, n: int) -> dict:
+    """The dense fine-tune served densely: its dense NLL minus the base model's on the same positions."""
+    base = _eval(out / "test" / "base_dense", log, "test base dense", fresh, EVAL_BUDGETS, n, ["--policies", "dense"])
+    ft = json.loads((out / "test" / f"{name}_seed{s}" / "results.json").read_text()) \
+        if (out / "test" / f"{name}_seed{s}" / "results.json").exists() else None
+    if ft is None:
+        o = out / "test" / f"{name}_seed{s}"
+        run_logged(["kvpop", "eval", "--model", str(d / "model"), "--data", str(fresh), "--seq-len", str(SEQ_LEN),
+                    "--budgets", ",".join(map(str, EVAL_BUDGETS)), "--sinks", str(SINKS), "--window", str(WINDOW),
+                    "--n-sequences", str(n), "--no-plot", "--no-progress", "--policies", "dense", "--out", str(o)],
+                   log, name=f"test {name} seed {s}")
+        ft = json.loads((o / "results.json").read_text())
+    bd = next(r["dense_nll"] for r in base["rows"] if "dense_nll" in r)
+    fd = next(r["dense_nll"] for r in ft["rows"] if "dense_nll" in r)
+    return {"delta": fd - bd, "dense_nll": fd, "base_dense_nll": bd}
+
+
+def _row(policy: str, budget: int, vals: list[float], steps, trials: int, recipe: dict, legend: str,
+         test_evaluations: int) -> dict:
+    return {"instrument": "realtext", "policy": policy, "recipe": recipe, "steps": steps, "seeds": vals,
+            **summarize(vals), "value": summarize(vals)["mean"], "metric": "delta_nll", "trials": trials,
+            "test_evaluations": test_evaluations, "budget": budget, "budget_fraction": budget / SEQ_LEN,
+            "headline": budget == BUDGET, "legend": legend}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="run directory (every training run, evaluation and record)")
+    p.add_argument("--corpus", default="runs/realtext",
+                   help="the regenerated corpus with train.jsonl (python -m kvpop.demo.realtext_corpus --out DIR "
+                        "--splits train,validation,test)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--stage", default="all", choices=("all", "split", "select", "seeds", "test"))
+    p.add_argument("--test-records", type=int, default=48, help="records of the fresh test split (default 48)")
+
+
+if __name__ == "__main__":
+    from .evidence import main
+
+    sys.exit(main(["realtext", *sys.argv[1:]]))

@@ -1,0 +1,112 @@
+"""The evidence ledger's rules (kvpop.studies.evidence): one selection rule, test splits scored once, the
+ledger refuses rows scored more than once, the README's headline block is the ledger's rendering."""
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpop.studies import evidence as V
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_choose_takes_the_best_and_the_first_of_equals():
+    ts = [{"score": 0.5, "i": 0}, {"score": 0.9, "i": 1}, {"score": 0.9, "i": 2}, {"score": 0.1, "i": 3}]
+    assert V.choose(ts)["i"] == 1
+    assert V.choose(ts, higher_is_better=False)["i"] == 3
+    assert V.choose([{"score": 0.2, "i": 0}, {"score": 0.2, "i": 1}], higher_is_better=False)["i"] == 0
+    with pytest.raises(ValueError, match="at least one"):
+        V.choose([])
+
+
+def test_test_log_scores_a_key_once_across_processes(tmp_path):
+    calls = []
+
+    def evaluate():
+        calls.append(1)
+        return {"value": len(calls)}
+
+    log = V.TestLog(tmp_path)
+    assert log.once("row|seed0", evaluate) == {"value": 1}
+    assert log.once("row|seed0", evaluate) == {"value": 1}
+    again = V.TestLog(tmp_path)  # a new runner (a resumed or repeated run) reads the log back
+    assert again.once("row|seed0", evaluate) == {"value": 1}
+    assert len(calls) == 1
+    assert again.once("row|seed1", evaluate) == {"value": 2}
+    assert again.count("row|") == 2 and again.count("row|seed0") == 1
+
+
+def _row(**kw):
+    r = {"instrument": "realtext", "policy": "p", "recipe": {}, "steps": 10, "seeds": [0.1, 0.2, 0.3], "mean": 0.2,
+         "min": 0.1, "max": 0.3, "value": 0.2, "metric": "delta_nll", "trials": 3, "test_evaluations": 1,
+         "budget": 128, "budget_fraction": 0.125, "headline": True, "legend": "a row"}
+    return {**r, **kw}
+
+
+def test_ledger_collects_instruments_and_refuses_rows_scored_twice(tmp_path):
+    with pytest.raises(ValueError, match="no <instrument>/evidence_rows.json"):
+        V.build_ledger(tmp_path)
+    (tmp_path / "realtext").mkdir()
+    (tmp_path / "realtext" / "evidence_rows.json").write_text(json.dumps({"rows": [_row()]}))
+    assert V.build_ledger(tmp_path)["rows"] == [_row()]
+    (tmp_path / "realtext" / "evidence_rows.json").write_text(json.dumps({"rows": [_row(test_evaluations=2)]}))
+    with pytest.raises(ValueError, match="scored on its test split 2 times"):
+        V.build_ledger(tmp_path)
+
+
+def test_update_readme_replaces_only_the_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{V.README_START}\nold\n{V.README_END}\nafter\n")
+    ev = {"rows": [_row(), _row(policy="q", seeds=[0.5], mean=0.5, min=0.5, max=0.5, value=0.5, legend="")]}
+    assert V.update_readme(readme, ev)
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith(f"{V.README_END}\nafter\n")
+    assert "| p | +0.2000 (+0.1000 .. +0.3000) | 3 | 3 | 10 |" in text and "| q | +0.5000 | 1 | 3 | 10 |" in text
+    assert "`p`: a row" in text and "old" not in text
+    assert not V.update_readme(readme, ev)
+    readme.write_text("no block\n")
+    with pytest.raises(ValueError, match="no evidence block"):
+        V.update_readme(readme, ev)
+
+
+def test_shipped_ledger_holds_the_rules_and_the_readme_is_its_rendering():
+    ev = json.loads(V.EVIDENCE_FILE.read_text())
+    keys = {"instrument", "policy", "recipe", "steps", "seeds", "trials", "test_evaluations", "budget_fraction",
+            "value"}
+    assert ev["rows"] and all(keys <= set(r) for r in ev["rows"])
+    assert {r["instrument"] for r in ev["rows"]} <= set(V.INSTRUMENTS)
+    for r in ev["rows"]:
+        assert r["test_evaluations"] == 1, r["policy"]
+        if r["policy"].startswith(("kvpop", "dms", "fixed-finetune")):
+            assert len(r["seeds"]) >= 3, (r["instrument"], r["policy"])
+        assert r["value"] == pytest.approx(sum(r["seeds"]) / len(r["seeds"]))
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split(V.README_START, 1)[1].split(V.README_END, 1)[0]
+    assert block == "\n" + V.render_headline(ev), "regenerate: python -m kvpop.studies.evidence readme"
+    for inst in {r["instrument"] for r in ev["rows"]}:  # every instrument: the control and DMS beside KVpop
+        pols = {r["policy"] for r in ev["rows"] if r["instrument"] == inst}
+        assert any(p.startswith("fixed-finetune[streaming]") for p in pols), inst
+        assert any(p.startswith("dms") for p in pols), inst
+        dms = next(r for r in ev["rows"] if r["instrument"] == inst and r["policy"].startswith("dms"))
+        best_kv = max(r["trials"] for r in ev["rows"] if r["instrument"] == inst and r["policy"].startswith("kvpop"))
+        assert dms["trials"] >= best_kv, inst
+
+
+def test_fresh_realtext_test_split_is_reproducible_and_disjoint(tmp_path):
+    from kvpop.demo import realtext_corpus as C
+    from kvpop.studies import evidence_realtext as RT
+
+    shipped = json.loads((RT.SHIPPED / "test_fresh.json").read_text())
+    man = json.loads((RT.SHIPPED / "manifest.json").read_text())
+    used = set(man["splits"]["test"]["files"]) | set(man["splits"]["validation"]["files"])
+    assert not used & set(shipped["files"])
+    st = man["settings"]
+    assert all(C.split_of(k, st["seed"], st["valid_frac"], st["test_frac"]) == "test" for k in shipped["files"])
+    assert C.file_hash(RT.SHIPPED / "test_fresh.jsonl") == shipped["jsonl_blake2b"]
+    from importlib import metadata
+
+    if any(metadata.version(C.DISTRIBUTIONS.get(p, p)) != v for p, v in
+           ((p, man["package_versions"][C.DISTRIBUTIONS.get(p, p)]) for p in st["packages"])):
+        pytest.skip("other package versions are installed: the corpus's files differ")
+    RT.fresh_test_split(tmp_path, tmp_path, n_records=shipped["records"])
+    assert C.file_hash(tmp_path / "test_fresh.jsonl") == shipped["jsonl_blake2b"]
