@@ -159,12 +159,12 @@ def _fmt(r: dict) -> str:
     return f"{r['mean']:{sign}.{d}f}"
 
 
-def render_headline(evidence: dict) -> str:
-    """The README's headline table of ``evidence`` (markdown): per instrument and headline budget, each row's
-    per-seed mean (min .. max), seeds, trials and steps."""
+def render_headline(evidence: dict, *, every_budget: bool = False) -> str:
+    """The README's headline table of ``evidence`` (markdown): per instrument and headline budget (every
+    budget with ``every_budget``), each row's per-seed mean (min .. max), seeds, trials and steps."""
     lines = []
     for inst in INSTRUMENTS:
-        rows = [r for r in evidence["rows"] if r["instrument"] == inst and r.get("headline")]
+        rows = [r for r in evidence["rows"] if r["instrument"] == inst and (every_budget or r.get("headline"))]
         if not rows:
             continue
         metric = rows[0]["metric"]
@@ -190,7 +190,7 @@ def render_headline(evidence: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def update_readme(readme: str | os.PathLike, evidence: dict) -> bool:
+def update_readme(readme: str | os.PathLike, evidence: dict, *, every_budget: bool = False) -> bool:
     """Replace the block between :data:`README_START` and :data:`README_END` in ``readme`` with
     :func:`render_headline`; returns whether the file changed.  ValueError when the markers are missing."""
     path = Path(readme)
@@ -200,7 +200,7 @@ def update_readme(readme: str | os.PathLike, evidence: dict) -> bool:
                          f"headline table goes")
     pre, rest = text.split(README_START, 1)
     _, post = rest.split(README_END, 1)
-    new = pre + README_START + "\n" + render_headline(evidence) + README_END + post
+    new = pre + README_START + "\n" + render_headline(evidence, every_budget=every_budget) + README_END + post
     if new != text:
         _atomic_write(path, new)
     return new != text
@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     rd = sub.add_parser("readme", help="regenerate the README's headline table from evidence.json")
     rd.add_argument("--evidence", default=str(EVIDENCE_FILE))
     rd.add_argument("--readme", default="README.md")
+    rd.add_argument("--every-budget", action="store_true",
+                    help="every budget's rows, not the headline's (the results document's full table)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "realtext":
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json(a.out, led_rows)
             print(f"{a.out}: {len(led_rows['rows'])} rows")
             return 0
-        changed = update_readme(a.readme, json.loads(Path(a.evidence).read_text()))
+        changed = update_readme(a.readme, json.loads(Path(a.evidence).read_text()), every_budget=a.every_budget)
         print(f"{a.readme}: {'updated' if changed else 'unchanged'}")
         return 0
     except (ValueError, RuntimeError, FileNotFoundError) as e:

@@ -245,11 +245,13 @@ def _test(a, out: Path, seeds, E, D, mod, base, s: dict, pm: dict, all_rows: dic
             base_row = {"instrument": a.task, "budget": b, "length": L, "budget_fraction": b / s["train_len"],
                         "metric": "accuracy", "headline": b == hb, "dense": dense,
                         "test_sequences": f"test_seed({FRESH_FIRST}..{FRESH_FIRST + a.n_test - 1})"}
-            v = acc(fixed, "streaming")
-            out_rows.append({**base_row, "policy": "streaming", "recipe": {"rule": "StreamingLLM"}, "steps": None,
-                             "seeds": [v], **summarize([v]), "value": v, "trials": 0,
-                             "test_evaluations": tl.count("fixed"),
-                             "legend": "fixed rule (no training, deterministic: one evaluation)"})
+            for pol, recipe, legend in (("dense", {"rule": "full cache"}, "the unchanged model, full cache"),
+                                        ("streaming", {"rule": "StreamingLLM"},
+                                         "fixed rule (no training, deterministic: one evaluation)")):
+                v = dense if pol == "dense" else acc(fixed, pol)
+                out_rows.append({**base_row, "policy": pol, "recipe": recipe, "steps": None, "seeds": [v],
+                                 **summarize([v]), "value": v, "trials": 0, "test_evaluations": tl.count("fixed"),
+                                 "legend": legend})
             for name, r in {**all_rows, "dms[tuned]": {"policy": "dms"}}.items():
                 vals = [acc(per[name][seed], r["policy"]) for seed in seeds]
                 if r["policy"] == "dms":
