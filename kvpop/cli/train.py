@@ -24,7 +24,10 @@ What ``--out DIR`` receives: ``last.pt`` (the full training state, written atomi
 ``kvpop.load_scorers``), ``model/`` (the fine-tuned model, ``save_pretrained`` without the scorer
 tensors; not with ``--no-train-model``), with ``--method dms`` ``gates.safetensors`` instead of the scorers
 (``kvpop.baselines.dms.load_dms``), ``args.json`` (the arguments) and ``history.jsonl`` (one line
-of losses per step, appended as each step finishes).  Head-adaptive budgets (docs/DESIGN.md section 7):
+of losses per step, appended as each step finishes).  The scorers (or gates) and ``model/`` are stamped with
+the step of their weights (the file's ``step`` metadata, ``model/kvpop_step.json``;
+:func:`kvpop.training.runstate.output_step`); a ``--resume`` with no step left writes both anew from
+``last.pt`` (a crash between the writes leaves outputs of two steps).  Head-adaptive budgets (docs/DESIGN.md section 7):
 ``--head-budgets FILE.json`` trains with the given per-layer, per-KV-head budgets, ``--allocate ablation``
 chooses them before training from each head's importance on validation sequences (``--valid-data``,
 with ``--task`` the task's own), and both write ``head_budgets.json`` (the rows, and the importance that
@@ -629,9 +632,12 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
             return 128 + e.signum
         except (CheckpointError, TrainingDiverged) as e:
             _fail(str(e))
+        from kvpop.training.runstate import output_step
+
+        step = output_step(out / method.layer_file) if rank == 0 else None  # just written and stamped by train
         if not args.no_train_model:
             try:
-                save_model(model, out / "model")
+                save_model(model, out / "model", step=step)
             except (OSError, ValueError) as e:
                 _fail(f"{e} (the scorers and last.pt of the finished run are in {out})")
         if rank == 0:
@@ -653,7 +659,9 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                     print(f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, score {h['score']:.4f}, "
                           f"accuracy {h.get('accuracy', float('nan')):.3f}; wrote {out}")
             else:
-                print(f"kvpop train: nothing to do, {out / 'last.pt'} is at step >= --steps {args.steps}")
+                layer = "gates.safetensors" if args.method == "dms" else "scorers.safetensors"
+                print(f"kvpop train: no step left, {out / 'last.pt'} is at step {step} >= --steps {args.steps}; "
+                      f"rewrote {layer}{'' if args.no_train_model else ' and model/'} from it (step {step})")
         if started and dist.is_initialized():  # every rank done (rank 0 writes and prints last) before the
             dist.barrier()  # group is torn down: a rank tearing down gloo while its peer still ran once aborted
         return 0

@@ -3,7 +3,8 @@
 File layout: one tensor per scorer parameter, named ``layers.{layer_idx}.{name}`` with ``name`` as in
 the ``KVpopLayer``'s ``state_dict`` (``scorer.mlp.w1``, ``decay_logit`` ...), saved in float32.
 Metadata (strings): ``format = "kvpop-scorers/1"``, ``kvpop_config`` (``KVpopConfig.to_json()``),
-``num_layers``, ``num_kv_heads``, ``head_dim``.
+``num_layers``, ``num_kv_heads``, ``head_dim``; a file written by ``kvpop train`` also ``step`` (the
+optimiser step of the weights, decimal: :func:`read_step`).
 
 The model weights are not in this file: fine-tuned model weights go through transformers'
 ``save_pretrained`` of the *unpatched* model (or of a patched one: the scorer tensors then ride
@@ -28,7 +29,8 @@ from .files import atomic_write
 from .layer import kvpop_layers
 from .patching import get_config, is_patched, patch, unpatch
 
-__all__ = ["save_scorers", "load_scorers", "read_scorer_config", "FORMAT", "MAX_ABS_WEIGHT", "LayerFile"]
+__all__ = ["save_scorers", "load_scorers", "read_scorer_config", "read_step", "FORMAT", "MAX_ABS_WEIGHT",
+           "STEP_KEY", "LayerFile"]
 
 FORMAT = "kvpop-scorers/1"
 
@@ -54,11 +56,15 @@ class LayerFile:
     writer: str
     default_name: str
 
-    def save(self, layers: list[nn.Module], config: Any, path: str | os.PathLike, **meta: str) -> None:
+    def save(self, layers: list[nn.Module], config: Any, path: str | os.PathLike, *, step: int | None = None,
+             **meta: str) -> None:
         """Write ``layers``' state dicts and ``config`` (``.to_json()``) to ``path`` atomically (a failed write
-        leaves the previous file)."""
+        leaves the previous file); ``step``: the training step of the weights, stamped as metadata
+        :data:`STEP_KEY` (:func:`read_step`)."""
         from safetensors.torch import save
 
+        if step is not None:
+            meta[STEP_KEY] = str(_step(step))
         tensors = {f"layers.{la.layer_idx}.{n}": t.detach().to(device="cpu", dtype=torch.float32).contiguous()
                    for la in layers for n, t in la.state_dict().items()}
         meta = {"format": self.format, self.config_key: config.to_json(), "num_layers": str(len(layers)), **meta}
@@ -153,14 +159,48 @@ class LayerFile:
         return model
 
 
+STEP_KEY = "step"
+"""The metadata key of a layer file (scorers, DMS gates) that holds the training step of its weights, as
+a decimal string; ``kvpop train`` writes it (and ``model/kvpop_step.json`` beside the fine-tuned model,
+:data:`kvpop.training.runstate.MODEL_STEP_FILE`), so that outputs of different steps are not paired."""
+
+
+def _step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return step
+
+
+def read_step(path: str | os.PathLike) -> int | None:
+    """The training step stamped into a layer file (``scorers.safetensors``, ``gates.safetensors``) by
+    ``kvpop train``, or ``None`` for a file without one (written by ``save_scorers`` without ``step``, or
+    before the stamp existed); ``ValueError`` naming the file when it is not safetensors or the stamp is not
+    a decimal int."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for a file that is not one
+        raise ValueError(f"{path} is not a safetensors file ({e})") from None
+    if STEP_KEY not in meta:
+        return None
+    v = meta[STEP_KEY]
+    if not (isinstance(v, str) and v.isdigit() and len(v) < 20):
+        raise ValueError(f"{path}: its {STEP_KEY!r} metadata is {str(v)[:40]!r}, not a step (a decimal int >= 0)")
+    return int(v)
+
+
 SCORERS = LayerFile(format=FORMAT, config_key="kvpop_config", label="kvpop scorer file", noun="scorer file",
                     writer="kvpop.save_scorers", default_name="scorers.safetensors")
 
 
-def save_scorers(model: nn.Module, path: str | os.PathLike) -> None:
-    """Write the scorers and decays of a patched ``model`` to ``path`` (safetensors, written atomically)."""
+def save_scorers(model: nn.Module, path: str | os.PathLike, *, step: int | None = None) -> None:
+    """Write the scorers and decays of a patched ``model`` to ``path`` (safetensors, written atomically);
+    ``step``: the training step of the weights, stamped in the metadata (:func:`read_step`)."""
     layers = kvpop_layers(model)
-    SCORERS.save(layers, get_config(model), path, num_kv_heads=str(layers[0].num_kv_heads),
+    SCORERS.save(layers, get_config(model), path, step=step, num_kv_heads=str(layers[0].num_kv_heads),
                  head_dim=str(layers[0].head_dim))
 
 

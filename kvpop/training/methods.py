@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvpop.baselines import dms as _dms
-from kvpop.baselines.dms.checkpoint import GATES
+from kvpop.baselines.dms.checkpoint import GATE_FILE, GATES
 from kvpop.baselines.dms.patching import SPEC as DMS_SPEC
 from kvpop.core import lifecycle as L
 from kvpop.core.attention import set_teacher_targets, teacher_targets
@@ -158,13 +158,16 @@ class TrainingMethod:
     def config_json(self) -> str:
         return self.config.to_json()
 
-    def save(self, model: nn.Module, directory: str | os.PathLike) -> Path:
-        """Write the method's layer file ``directory/layer_file`` (with :meth:`write`); returns its path."""
+    def save(self, model: nn.Module, directory: str | os.PathLike, *, step: int | None = None) -> Path:
+        """Write the method's layer file ``directory/layer_file`` (with :meth:`write`), stamped with the
+        training ``step`` of its weights when given; returns its path."""
         path = Path(directory) / self.layer_file
-        self.write(model, path)
+        self.write(model, path, step=step)
         return path
 
-    def write(self, model: nn.Module, path: str | os.PathLike) -> None:
+    def write(self, model: nn.Module, path: str | os.PathLike, *, step: int | None = None) -> None:
+        """Write the layer file (``step``: stamped as the file's ``step`` metadata,
+        :data:`kvpop.core.checkpoint.STEP_KEY`)."""
         raise NotImplementedError
 
     def postfix(self, rec: dict[str, float]) -> dict[str, str]:
@@ -266,7 +269,10 @@ class DMSMethod(TrainingMethod):
             raise CheckpointError(f"checkpoint {path}: its 'noise_rng' entry cannot be restored "
                                   f"({type(e).__name__}: {str(e)[:200]})") from None
 
-    write = staticmethod(_dms.save_dms)
+    @staticmethod
+    def write(model: nn.Module, path: str | os.PathLike, *, step: int | None = None) -> None:
+        # _dms.save_dms with the step stamp
+        GATE_FILE.save(_dms.dms_layers(model), _dms.get_dms_config(model), path, step=step)
 
     def postfix(self, rec: dict[str, float]) -> dict[str, str]:
         return {"kl": f"{rec['kl']:.4f}", "aux": f"{rec['score']:.4f}", "keep": f"{rec['keep_frac']:.3f}",

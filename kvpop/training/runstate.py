@@ -34,7 +34,13 @@ from kvpop.core.files import atomic_write
 __all__ = ["CheckpointError", "RunDirectoryError", "RunLock", "load_checkpoint", "atomic_save", "rng_state",
            "set_rng_state", "restore_rng_state", "check_progress", "check_state_dict", "StopSignals",
            "TrainingDiverged", "non_finite", "non_finite_parameters",
-           "TrainingInterrupted", "append_jsonl", "write_jsonl"]
+           "TrainingInterrupted", "append_jsonl", "write_jsonl", "MODEL_STEP_FILE", "output_step",
+           "write_model_step", "clear_model_step"]
+
+MODEL_STEP_FILE = "kvpop_step.json"
+"""The file in a fine-tuned ``model/`` folder that holds the training step of its weights, ``{"step": N}``:
+written by ``kvpop train`` (:func:`kvpop.training.train.save_model` with ``step=``) after the weights and
+removed before they are rewritten, so a folder whose write did not finish has none."""
 
 
 class CheckpointError(ValueError):
@@ -347,3 +353,43 @@ def write_jsonl(path: Path, records: Iterable[dict]) -> None:
     """Write ``path`` anew with one JSON line per record (atomically: a temporary file, then a rename)."""
     text = "".join(json.dumps(r) + "\n" for r in records)
     atomic_write(path, lambda f: f.write(text), binary=False)
+
+
+def write_model_step(directory: str | os.PathLike, step: int) -> None:
+    """Stamp ``directory`` (a saved model) with ``{"step": step}`` in :data:`MODEL_STEP_FILE`, atomically."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    text = json.dumps({"step": step}) + "\n"
+    atomic_write(Path(directory) / MODEL_STEP_FILE, lambda f: f.write(text), binary=False)
+
+
+def clear_model_step(directory: str | os.PathLike) -> None:
+    """Remove the step stamp of ``directory`` (before its weights are rewritten)."""
+    try:
+        (Path(directory) / MODEL_STEP_FILE).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def output_step(path: str | os.PathLike) -> int | None:
+    """The training step an output of ``kvpop train`` holds: for a layer file (``scorers.safetensors``,
+    ``gates.safetensors``) its ``step`` metadata (:func:`kvpop.core.checkpoint.read_step`), for a model
+    folder its :data:`MODEL_STEP_FILE`.  ``None`` when there is no stamp (written before stamps existed, by
+    another tool, or a model folder whose write did not finish); ``ValueError`` naming the file for a
+    stamp that cannot be read."""
+    p = Path(path)
+    if not p.is_dir():
+        from kvpop.core.checkpoint import read_step
+
+        return read_step(p)
+    f = p / MODEL_STEP_FILE
+    if not f.is_file():
+        return None
+    try:
+        doc = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{f}: cannot read it as JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    v = doc.get("step") if isinstance(doc, dict) else None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{f}: expected {{\"step\": N}} with an int N >= 0, got {json.dumps(doc)[:100]}")
+    return v

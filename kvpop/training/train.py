@@ -31,12 +31,14 @@ from .runstate import (
     atomic_save,
     check_progress,
     check_state_dict,
+    clear_model_step,
     load_checkpoint,
     non_finite,
     non_finite_parameters,
     restore_rng_state,
     rng_state,
     write_jsonl,
+    write_model_step,
 )
 
 __all__ = ["TrainConfig", "train", "save_model", "DIST_MODES", "TrainingInterrupted", "TrainingDiverged",
@@ -316,12 +318,15 @@ def _full_state_dicts(model: nn.Module, opt: torch.optim.Optimizer | None = None
     return msd, osd
 
 
-def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bool = False) -> None:
+def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bool = False,
+               step: int | None = None) -> None:
     """Write a (possibly FSDP2-sharded, patched) model with ``save_pretrained`` to the folder ``path``.
 
     The scorer tensors are left out unless ``include_scorers`` (save them with ``kvpop.save_scorers``),
-    so ``from_pretrained(path)`` gives a plain transformers model.  Collective under FSDP2 (every rank
-    must call it); with several ranks only rank 0 writes.
+    so ``from_pretrained(path)`` gives a plain transformers model.  ``step``: the training step of the
+    weights, stamped in ``path/kvpop_step.json`` (:data:`kvpop.training.runstate.MODEL_STEP_FILE`; removed
+    before the weights are written and written after them, so a write that did not finish leaves none).
+    Collective under FSDP2 (every rank must call it); with several ranks only rank 0 writes.
     """
     rank, world = _dist()
     if Path(path).exists() and not Path(path).is_dir():  # save_pretrained would only log it and write nothing
@@ -329,6 +334,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
     fsdp = _is_fsdp(model)
     sd = _full_state_dicts(model)[0] if fsdp else None
     if rank == 0:
+        if step is not None and Path(path).is_dir():
+            clear_model_step(path)
         if sd is None:
             sd = model.state_dict()
         if not include_scorers:
@@ -352,6 +359,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
             tmp = cfg_path.with_name("config.json.tmp")
             tmp.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
             os.replace(tmp, cfg_path)
+        if step is not None:
+            write_model_step(path, step)
     _barrier(world)
 
 
@@ -366,7 +375,9 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             ``input_ids``; cycled over as long as needed.  Rows of one batch have one length.
         config: a :class:`TrainConfig`; ``**overrides`` replace its fields.
         teacher: the frozen dense teacher; default ``kvpop.make_teacher(model)`` (see the module docstring).
-        resume: continue from ``checkpoint_dir/last.pt`` when it exists.
+        resume: continue from ``checkpoint_dir/last.pt`` when it exists.  With no step left the checkpoint's
+            weights are loaded and its method layer file (the scorers) is written anew from it, stamped with
+            its step: a crash between ``last.pt`` and that file left the file of an earlier step.
         method: the :class:`~kvpop.training.methods.TrainingMethod` (default: the one the model is patched
             with, :func:`~kvpop.training.methods.method_for`); it attaches itself to an unpatched model.
 
@@ -475,7 +486,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
         state["optimizer_fqn" if fsdp else "optimizer"] = osd if fsdp else opt.state_dict()
         state.update(method.run_state())
         atomic_save(state, last)
-        method.save(model, ckpt_dir)
+        method.save(model, ckpt_dir, step=step)
         _barrier(world)
 
     def autocast():
@@ -487,6 +498,10 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         write_jsonl(hist_path, past)
     if step >= cfg.steps:
+        if good_step is not None:  # a resume with nothing to do: every output of the checkpoint, anew
+            if rank == 0:
+                method.save(model, ckpt_dir, step=step)
+            _barrier(world)
         return history
     model.train()
     batches = _micro_batches(data, consumed, rank, world)
