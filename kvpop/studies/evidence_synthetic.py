@@ -267,7 +267,7 @@ def _test(a, out: Path, seeds, E, D, mod, base, s: dict, pm: dict, all_rows: dic
                     trials, legend = sel["kvpop"][name]["trials"], r["legend"]
                 out_rows.append({**base_row, "policy": name, "recipe": recipe, "steps": steps, "seeds": vals,
                                  **summarize(vals), "value": summarize(vals)["mean"], "trials": trials,
-                                 "test_evaluations": max(tl.count(f"{name}|seed{x}") for x in seeds),
+                                 "test_evaluations": tl.count(*(f"{name}|seed{x}" for x in seeds)),
                                  "legend": legend})
     write_json(out / "evidence_rows.json", {"rows": out_rows, "seeds": seeds})
     print(json.dumps([(r["policy"], r["budget"], r["length"], round(r["mean"], 3)) for r in out_rows

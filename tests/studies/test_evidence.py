@@ -33,7 +33,7 @@ def test_test_log_scores_a_key_once_across_processes(tmp_path):
     assert again.once("row|seed0", evaluate) == {"value": 1}
     assert len(calls) == 1
     assert again.once("row|seed1", evaluate) == {"value": 2}
-    assert again.count("row|") == 2 and again.count("row|seed0") == 1
+    assert again.count("row|seed0", "row|seed1") == 1 and again.count("row|seed2") == 0
 
 
 def _row(**kw):
