@@ -176,7 +176,7 @@ def _trained(args: argparse.Namespace) -> dict:
     from kvpop.core.checkpoint import read_scorer_config
     from kvpop.demo import evaluate as E
 
-    from .trained import GATES_FILE, SCORERS_FILE, Trained, dms_run, read_run
+    from .trained import GATES_FILE, SCORERS_FILE, Trained, check_same_step, dms_run, read_run
 
     out: dict[str, Trained] = {}
 
@@ -226,6 +226,9 @@ def _trained(args: argparse.Namespace) -> dict:
             raise ValueError(f"{t.source}: the {t.policy} scorers were trained together with a model and serve only "
                              f"on it, but no model was given: add --finetuned {t.policy}=DIR (the run's model/), or "
                              f"give the whole run: --run RUN")
+        if (t.source.startswith("--scorers") and t.model is not None and t.scorers is not None
+                and t.scorers.parent.resolve() == t.model.parent.resolve()):  # the parts of one run, named one by one
+            check_same_step(t.model.parent, t.scorers, t.model, t.source)
     return out
 
 

@@ -191,3 +191,71 @@ def test_a_record_without_an_id_after_one_whose_id_is_its_index(tmp_path, capsys
     msg = _err(capsys, "--problems", str(data), "--policies", "dense", "--no-progress")
     assert ('p.jsonl:2: the record has no "id", so its id is its index 1, which the record on line 1 gives as its '
             '"id": give this record an "id"') in msg
+
+
+# ----------------------------------------------------------------------------- item 2: scorers and model/ of one step
+def _stamp(run, layer, *, layer_step=None, model_step=None, nudge_layer=False, nudge_model=False):
+    """Set (an int) or remove (None) the step stamps of a run's layer file and model/; ``nudge_*``: change one
+    weight a little (the weights of another step)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = run / layer
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta.pop("step", None)
+    if layer_step is not None:
+        meta["step"] = str(layer_step)
+    if nudge_layer:
+        k = sorted(tensors)[0]
+        tensors[k] = tensors[k] + 1e-3
+    save_file(tensors, str(path), metadata=meta)
+    stamp = run / "model" / "kvpop_step.json"
+    stamp.unlink(missing_ok=True)
+    if model_step is not None:
+        stamp.write_text(json.dumps({"step": model_step}))
+    if nudge_model:
+        mpath = run / "model" / "model.safetensors"
+        with safe_open(str(mpath), framework="pt") as f:
+            mmeta, weights = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        weights = {k: w + 1e-3 for k, w in weights.items()}
+        save_file(weights, str(mpath), metadata=mmeta)
+
+
+def test_a_runs_scorers_and_model_must_come_from_one_training_step(runs, tmp_path, capsys):
+    run = _copy(runs, "joint", tmp_path)
+    layer = "scorers.safetensors"
+    # stamped with two steps (a crash between the writes): refused, naming both
+    _stamp(run, layer, layer_step=1, model_step=2)
+    err = _err(capsys, "--run", str(run), *SYNTH)
+    assert f"{run / layer} holds the weights of step 1 but {run / 'model'} those of step 2" in err
+    assert "--resume" in err
+    err = _err(capsys, "--scorers", f"kvpop-mlp-joint={run / layer}", "--finetuned", f"kvpop-mlp-joint={run / 'model'}",
+               *SYNTH)  # the same parts named one by one
+    assert f"{run / layer} holds the weights of step 1 but {run / 'model'} those of step 2" in err
+    _stamp(run, layer, layer_step=2, model_step=2)
+    assert read_run(str(run)).policy == "kvpop-mlp-joint"
+    # no stamps (a run written before them): last.pt's step, when the weights are the checkpoint's
+    _stamp(run, layer)
+    assert read_run(str(run)).policy == "kvpop-mlp-joint"
+    _stamp(run, layer, nudge_layer=True)  # the scorers of an earlier step beside the last step's model
+    with pytest.raises(ValueError, match=r"model holds the weights of step 2, as last.pt does, but .*scorers"
+                                         r"\.safetensors holds other weights and has no step stamp"):
+        read_run(str(run))
+    _stamp(run, layer, layer_step=2, nudge_model=True)  # a model/ whose write did not finish (no stamp)
+    with pytest.raises(ValueError, match=r"scorers.safetensors holds the weights of step 2, as last.pt does, but "
+                                         r".*model holds other weights and has no step stamp \(kvpop_step.json\)"):
+        read_run(f"kvpop-mlp={run}")
+    (run / "last.pt").unlink()  # nothing to tell the step by: taken as it is
+    assert read_run(str(run)).policy == "kvpop-mlp-joint"
+
+
+def test_a_dms_runs_gates_and_model_must_come_from_one_training_step(runs, tmp_path, capsys):
+    run = _copy(runs, "dms", tmp_path)
+    _stamp(run, "gates.safetensors", layer_step=3, model_step=1)
+    err = _err(capsys, "--dms", str(run), *SYNTH)
+    assert f"{run / 'gates.safetensors'} holds the weights of step 3 but {run / 'model'} those of step 1" in err
+    _stamp(run, "gates.safetensors", nudge_layer=True)
+    with pytest.raises(ValueError, match="as last.pt does, but .*gates.safetensors holds other weights"):
+        read_run(str(run))
