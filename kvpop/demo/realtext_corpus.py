@@ -165,7 +165,8 @@ def build(out: str | os.PathLike, *, site: str | os.PathLike | None = None, stdl
           seq_len: int = 1024, max_records: int = 64, max_train_records: int = 8000,
           max_records_per_file: int = 2, valid_frac: float = 0.05, test_frac: float = 0.05,
           command: str | None = None) -> dict:
-    """Write ``OUT/<split>.jsonl`` for each of ``splits`` and ``OUT/manifest.json``; returns the manifest."""
+    """Write ``OUT/<split>.jsonl`` for each of ``splits`` and ``OUT/manifest.json``; returns the manifest.
+    ValueError (before anything is written) when a split would hold no record."""
     bad = [s for s in splits if s not in SPLITS]
     if bad or not splits:
         raise ValueError(f"splits must be among {list(SPLITS)}, got {list(splits)}")
@@ -183,22 +184,8 @@ def build(out: str | os.PathLike, *, site: str | os.PathLike | None = None, stdl
     by_split: dict[str, list[tuple[str, Path]]] = {s: [] for s in SPLITS}
     for key, p in files:
         by_split[split_of(key, seed, valid_frac, test_frac)].append((key, p))
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = {
-        "format": 'JSONL, one {"input_ids": [...]} of exactly seq_len byte-level ids per line',
-        "command": command,
-        "settings": {"packages": list(packages), "suffixes": list(SUFFIXES), "seed": seed, "seq_len": seq_len,
-                     "max_records": max_records, "max_train_records": max_train_records,
-                     "max_records_per_file": max_records_per_file, "valid_frac": valid_frac, "test_frac": test_frac,
-                     "min_file_bytes": MIN_FILE_BYTES},
-        "vocab": {"bytes": "0..255", "bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID, "vocab_size": VOCAB_SIZE},
-        "package_versions": _versions(packages),
-        "python": sys.version.split()[0],
-        "files_listed": {s: len(v) for s, v in by_split.items()},
-        "splits": {},
-    }
-    for split in splits:
+    chosen: dict[str, tuple[list[list[int]], list[str], int]] = {}
+    for split in splits:  # every split's records first: a split without one is refused before anything is written
         cap = max_train_records if split == "train" else max_records
         order = sorted(by_split[split], key=lambda kp: (_unit(seed + 1, kp[0]), kp[0]))
         records: list[list[int]] = []
@@ -215,6 +202,29 @@ def build(out: str | os.PathLike, *, site: str | os.PathLike | None = None, stdl
                 records.extend(recs)
                 used.append(key)
                 nbytes += len(data)
+        if not records:
+            raise ValueError(f"split {split!r} would hold no records: none of its {len(by_split[split])} file(s) (of "
+                             f"{len(files)} listed) is UTF-8 text of at least {MIN_FILE_BYTES} bytes giving a record "
+                             f"of --seq-len {seq_len} tokens; give more --packages, a smaller --seq-len, or a larger "
+                             f"--valid-frac / --test-frac")
+        chosen[split] = (records, used, nbytes)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "format": 'JSONL, one {"input_ids": [...]} of exactly seq_len byte-level ids per line',
+        "command": command,
+        "settings": {"packages": list(packages), "suffixes": list(SUFFIXES), "seed": seed, "seq_len": seq_len,
+                     "max_records": max_records, "max_train_records": max_train_records,
+                     "max_records_per_file": max_records_per_file, "valid_frac": valid_frac, "test_frac": test_frac,
+                     "min_file_bytes": MIN_FILE_BYTES},
+        "vocab": {"bytes": "0..255", "bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID, "vocab_size": VOCAB_SIZE},
+        "package_versions": _versions(packages),
+        "python": sys.version.split()[0],
+        "files_listed": {s: len(v) for s, v in by_split.items()},
+        "splits": {},
+    }
+    for split in splits:
+        records, used, nbytes = chosen.pop(split)
         path = out / f"{split}.jsonl"
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as f:
