@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvpop.demo.pretrain import TASKS, export_model, get_task, parse_curriculum, pretrain
+from kvpop.demo.pretrain import TASKS, check_args, curriculum, export_model, get_task, pretrain
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,6 +94,24 @@ def run(args: argparse.Namespace) -> int:
 
     # the settings only (no parser bookkeeping): they are written to args.json and the checkpoints
     args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("command", "_module")})
+    data_only = [n for n in ("valid_data", "vocab_size", "max_positions") if getattr(args, n) is not None]
+    if args.data is None and data_only:
+        print(f"kvpop pretrain: error: --{data_only[0].replace('_', '-')} is for --data", file=sys.stderr)
+        return 2
+    try:  # every option before any work (a training's data, manifest and resume are checked as it starts)
+        if not args.export:
+            if args.data is not None:
+                from kvpop.demo.pretrain_data import _check_args
+
+                _check_args(args)
+            else:
+                check_args(args)
+        elif args.data is None:
+            L_train = curriculum(args)[-1][0]
+            lengths = _export_lengths(args, L_train)
+    except ValueError as e:
+        print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+        return 2
     torch.set_num_threads(max(1, args.threads))
     if args.data is not None:
         from kvpop.demo.pretrain_data import export_data_model, pretrain_data
@@ -108,16 +126,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"exported {Path(args.out) / args.export_from} to {args.export}")
         return 0
-    data_only = [n for n in ("valid_data", "vocab_size", "max_positions") if getattr(args, n) is not None]
-    if data_only:
-        print(f"kvpop pretrain: error: --{data_only[0].replace('_', '-')} is for --data", file=sys.stderr)
-        return 2
     if not args.export:
         return _locked(args, pretrain)
     task = get_task(args.task)
-    L_train = parse_curriculum(args.curriculum or TASKS[args.task][1])[-1][0]
-    lengths = ([int(x) for x in args.export_lengths.split(",")] if args.export_lengths
-               else [L_train // 2, L_train, 2 * L_train])
     command = (f"kvpop pretrain --out {args.out} --task {args.task} --export {args.export} "
                f"--export-from {args.export_from} --export-lengths {','.join(map(str, lengths))} "
                f"--eval-n {args.eval_n}")
@@ -125,6 +136,21 @@ def run(args: argparse.Namespace) -> int:
                        n=args.eval_n, command=command, task=task)
     print(json.dumps(rec["test_accuracy"]))
     return 0
+
+
+def _export_lengths(args: argparse.Namespace, L_train: int) -> list[int]:
+    """``--export-lengths`` (default L_train / 2, L_train, 2 L_train), each at least the task's minimum length."""
+    low = get_task(args.task).DEFAULT.min_length()
+    if not args.export_lengths:
+        return sorted({max(low, L_train // 2), L_train, 2 * L_train})
+    try:
+        lengths = [int(x) for x in args.export_lengths.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--export-lengths must be comma-separated integers, got {args.export_lengths!r}") from None
+    if not lengths or min(lengths) < low:
+        raise ValueError(f"--export-lengths must list lengths >= {low} (the task's minimum), got "
+                         f"{args.export_lengths!r}")
+    return lengths
 
 
 def _locked(args: argparse.Namespace, fn) -> int:

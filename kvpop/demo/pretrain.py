@@ -14,11 +14,17 @@ at the final length (``L_train``); the best model at ``L_train`` is written with
 (written atomically) holds the model, optimiser, step, curriculum state and RNG states, so
 ``--resume`` continues exactly (SIGTERM/SIGINT checkpoint and stop cleanly). ``--cooldown N``
 decays the learning rate linearly to 0 over the last N steps; it and ``--steps`` may be changed when resuming.
+
+Every option is checked before any work (:func:`check_args`).  A step whose loss or gradient norm is not
+finite is not taken and the run stops with :class:`PretrainDiverged`; no checkpoint or model of non-finite
+weights is written, so ``OUT/ckpt.pt`` keeps the last finite step.  ``--resume`` refuses settings other than
+those of the run in ``OUT/ckpt.pt`` (:func:`changed_settings`; the options of :data:`RESUMABLE` may change).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -32,6 +38,8 @@ from kvpop.training.runstate import (
     StopSignals,
     atomic_save,
     load_checkpoint,
+    non_finite,
+    non_finite_parameters,
     rng_state,
     set_rng_state,
     write_jsonl,
@@ -39,7 +47,8 @@ from kvpop.training.runstate import (
 
 from . import task as T
 
-__all__ = ["TASKS", "get_task", "build_model", "pretrain", "evaluate", "export_model", "parse_curriculum"]
+__all__ = ["TASKS", "get_task", "build_model", "pretrain", "evaluate", "export_model", "parse_curriculum",
+           "check_args", "changed_settings", "PretrainDiverged", "RESUMABLE"]
 
 TASKS = {"kvtrace": ("kvpop.demo.task", "128:64,256:32,512:16,1024:8,2048:4"),
          "lookahead": ("kvpop.demo.lookahead_task", "128:64,256:32,512:16")}
@@ -88,6 +97,103 @@ def parse_curriculum(spec: str) -> list[tuple[int, int]]:
     if not stages:
         raise ValueError("empty curriculum")
     return stages
+
+
+RESUMABLE = frozenset({"steps", "resume", "out", "threads", "no_progress", "max_minutes", "cooldown", "ckpt_every",
+                       "eval_every", "stop_acc", "export", "export_from", "export_lengths", "command_line"})
+"""Options that may change between a run and its ``--resume``: how long, where and how visibly it runs (and
+when it evaluates); every other one changes what is trained and is refused (:func:`changed_settings`)."""
+
+
+class PretrainDiverged(ValueError):
+    """A pre-training step whose loss or gradient norm, or weights about to be written, are not finite (NaN or
+    inf): the step is not taken, nothing of it is written, and ``checkpoint`` keeps ``good_step`` (None: no
+    checkpoint of this run was written)."""
+
+    def __init__(self, step: int, what: str, checkpoint: Path, good_step: int | None, *, weights: bool = False):
+        self.step, self.what, self.checkpoint, self.good_step = step, what, checkpoint, good_step
+        kept = (f"{checkpoint} keeps step {good_step}, the last finite one" if good_step is not None
+                else "no checkpoint was written")
+        done = "the run stops without writing them" if weights else "the run stops without taking the step"
+        super().__init__(f"step {step}: {what} {'are' if weights else 'is'} not finite (NaN or inf); {done}, and "
+                         f"{kept}. Lower the learning rate (--lr) in a fresh run, keep gradient clipping on (--clip), "
+                         f"or check the data")
+
+
+def _number(args: argparse.Namespace, name: str, *, low: float, strict: bool = False, integer: bool = False) -> None:
+    v = getattr(args, name, None)
+    if v is None:
+        return
+    opt = f"--{name.replace('_', '-')}"
+    rel = ">" if strict else ">="
+    if integer:
+        if v < low:
+            raise ValueError(f"{opt} must be {rel} {low}, got {v}")
+    elif not (math.isfinite(v) and (v > low if strict else v >= low)):
+        raise ValueError(f"{opt} must be a finite number {rel} {low:g}, got {v}")
+
+
+def check_args(args: argparse.Namespace, *, data: bool = False) -> None:
+    """ValueError naming the first option of ``kvpop pretrain`` (the namespace of its parser) out of its range:
+    the model sizes, step counts and numbers, the curriculum (task) or ``--vocab-size`` / ``--max-positions``
+    (``data``: with ``--data``).  Called before any work."""
+    for name, low in (("steps", 1), ("threads", 1), ("hidden", 1), ("layers", 1), ("heads", 1), ("kv_heads", 1),
+                      ("head_dim", 1), ("intermediate", 1), ("eval_every", 1), ("eval_n", 1), ("ckpt_every", 1),
+                      ("warmup", 0), ("cooldown", 0), ("min_stage_steps", 0)):
+        _number(args, name, low=low, integer=True)
+    if args.kv_heads > args.heads or args.heads % args.kv_heads:
+        raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads} (and so be <= it): each KV "
+                         f"head serves --heads / --kv-heads query heads")
+    for name in ("lr", "clip", "rope_theta"):
+        _number(args, name, low=0, strict=True)
+    for name in ("weight_decay", "filler_weight", "max_minutes"):  # --max-minutes 0: stop after one step
+        _number(args, name, low=0)
+    for name in ("advance_acc", "stop_acc"):
+        _number(args, name, low=-math.inf)
+    if data:
+        for name, low in (("seq_len", 2), ("batch_size", 1), ("vocab_size", 1)):
+            _number(args, name, low=low, integer=True)
+        if args.max_positions is not None and args.max_positions < args.seq_len:
+            raise ValueError(f"--max-positions must be >= --seq-len ({args.seq_len}): the model is trained on "
+                             f"positions 0 .. {args.seq_len - 1}, got {args.max_positions}")
+        return
+    curriculum(args)
+
+
+def curriculum(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The stages of ``--curriculum`` (default: the task's), checked against the task: ValueError naming the
+    stage that is shorter than the task's minimum length or has a batch < 1."""
+    spec = args.curriculum or TASKS[args.task][1]
+    try:
+        stages = parse_curriculum(spec)
+    except ValueError as e:
+        raise ValueError(f"--curriculum: {e}") from None
+    low = get_task(args.task).DEFAULT.min_length()
+    for length, batch in stages:
+        if length < low:
+            raise ValueError(f"--curriculum: stage {length}:{batch} is shorter than the task's minimum length {low} "
+                             f"(--task {args.task})")
+        if batch < 1:
+            raise ValueError(f"--curriculum: stage {length}:{batch} has a batch of {batch}; it must be >= 1")
+    return stages
+
+
+def changed_settings(saved, now: dict, *, skip=()) -> list[str]:
+    """``"--name (was X, now Y)"`` for each setting in ``now`` that differs from ``saved`` (the settings a
+    checkpoint holds), in the order of ``now``; :data:`RESUMABLE` and ``skip`` are not compared, nor a setting
+    the checkpoint does not hold (an option added since)."""
+    if not isinstance(saved, dict):
+        return []
+    return [f"--{k.replace('_', '-')} (was {saved[k]!r}, now {v!r})" for k, v in now.items()
+            if k in saved and k not in RESUMABLE and k not in skip and saved[k] != v]
+
+
+def refuse_changed(diff: list[str], ckpt_path: Path) -> None:
+    """ValueError listing ``diff`` (of :func:`changed_settings`) when it is not empty."""
+    if diff:
+        raise ValueError(f"--resume needs the settings of the run in {ckpt_path}; these differ: {', '.join(diff)} "
+                         f"(--steps, --cooldown, --max-minutes, --ckpt-every, --eval-every, --threads and the like may "
+                         f"change; other settings are another run: give another --out)")
 
 
 def _loss_and_acc(model, batch: dict, task_cfg: T.TaskConfig, filler_weight: float):
@@ -194,8 +300,13 @@ def restore_checkpoint(ckpt_path: Path, model, opt, out: Path, check=None) -> di
         raise SystemExit(f"kvpop pretrain: {e}") from None
     if check is not None:
         check(ck)
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optim"])
+    try:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optim"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        what = "; ".join(x.strip() for x in str(e).splitlines() if x.strip())
+        raise ValueError(f"checkpoint {ckpt_path} does not fit this model and optimiser ({type(e).__name__}: "
+                         f"{what[:300]}); resume with the settings of its run") from None
     set_rng_state(ck["rng"])
     # the log keeps the lines of the steps the checkpoint finished, none of those it did not
     log_path = out / "log.jsonl"
@@ -217,10 +328,15 @@ def _lr_at(step: int, args) -> float:
 def pretrain(args: argparse.Namespace) -> int:
     """Pre-train (or resume) the tiny model in ``args.out`` with the settings of ``kvpop pretrain`` (the
     namespace its parser gives, :mod:`kvpop.cli.pretrain`); returns the command's exit status."""
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     task = get_task(args.task)
-    stages = parse_curriculum(args.curriculum or TASKS[args.task][1])
+    stages = curriculum(args)
     task_cfg = task.DEFAULT
     L_train = stages[-1][0]
     ckpt_path = out / "ckpt.pt"
@@ -238,20 +354,43 @@ def pretrain(args: argparse.Namespace) -> int:
                             lr=args.lr, betas=(0.9, 0.98))
     state = {"step": 0, "stage": 0, "stage_step": 0, "ema_acc": 0.0, "best_acc": -1.0,
              "elapsed_s": 0.0, "history": []}
+    good_step = None  # the step ckpt.pt holds (finite weights: no checkpoint of others is written)
     if args.resume:
         if not ckpt_path.exists():
             print(f"no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
         else:
-            state = restore_checkpoint(ckpt_path, model, opt, out)["state"]
+            def same_settings(ck: dict) -> None:
+                def norm(a: dict) -> dict:  # the default curriculum spelled out or left out: the same run
+                    return {**a, "curriculum": a.get("curriculum") or TASKS.get(a.get("task"), (None, None))[1]}
+
+                saved = ck.get("args")
+                refuse_changed(changed_settings(norm(saved) if isinstance(saved, dict) else saved, norm(vars(args))),
+                               ckpt_path)
+
+            try:
+                state = restore_checkpoint(ckpt_path, model, opt, out, check=same_settings)["state"]
+            except ValueError as e:
+                print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+                return 2
+            good_step = state["step"]
             print(f"resumed at step {state['step']} stage {state['stage']}", file=sys.stderr)
     if state["step"] == 0:
         write_jsonl(out / "log.jsonl", [])  # a fresh run starts a fresh log
     model.train()
     (out / "args.json").write_text(json.dumps({**vars(args), "task": task_cfg.to_dict()}, indent=2))
 
+    def finite_weights() -> None:  # before anything of the weights is written
+        bad = non_finite_parameters(model)
+        if bad:
+            raise PretrainDiverged(state["step"], f"the weights ({', '.join(bad)})", ckpt_path, good_step,
+                                   weights=True)
+
     def checkpoint():
+        nonlocal good_step
+        finite_weights()
         atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
                      "args": vars(args), "task": task_cfg.to_dict(), "rng": rng_state()}, ckpt_path)
+        good_step = state["step"]
 
     from kvpop.progress import progress
 
@@ -261,86 +400,96 @@ def pretrain(args: argparse.Namespace) -> int:
     t0 = time.time() - state["elapsed_s"]
     log = open(out / "log.jsonl", "a")
     max_batch = max(b for _, b in stages)
-    while state["step"] < args.steps:
-        step = state["step"]
-        length, bsz = stages[state["stage"]]
-        seeds = [task.train_seed(step * max_batch + i) for i in range(bsz)]
-        batch = task.make_batch(seeds, length, task_cfg)
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, args)
-        loss, acc = _loss_and_acc(model, batch, task_cfg, args.filler_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        a = float(acc)
-        loss = loss.detach()
-        state["ema_acc"] = a if state["stage_step"] == 0 else 0.95 * state["ema_acc"] + 0.05 * a
-        state["step"] += 1
-        state["stage_step"] += 1
-        state["elapsed_s"] = time.time() - t0
-        rec = {"step": state["step"], "L": length, "loss": round(float(loss), 4), "acc": round(a, 4),
-               "ema": round(state["ema_acc"], 4), "gn": round(float(gn), 3),
-               "t": round(state["elapsed_s"], 1)}
-        if bar is not None:
-            bar.set_postfix(L=length, loss=f"{float(loss):.3f}", acc=f"{state['ema_acc']:.3f}")
-            bar.update(1)
-        advanced = False
-        if (state["stage"] + 1 < len(stages) and state["stage_step"] >= args.min_stage_steps
-                and state["ema_acc"] >= args.advance_acc):
-            state["stage"] += 1
-            state["stage_step"] = 0
-            advanced = True
-            rec["advance_to"] = stages[state["stage"]][0]
-        done = state["step"] >= args.steps
-        if state["step"] % args.eval_every == 0 or done or advanced:
-            acc_cur = evaluate(model, length, n=args.eval_n, task_cfg=task_cfg, task=task)
-            rec["test_acc_cur"] = round(acc_cur, 4)
-            best_len = state.setdefault("best_by_length", {})
-            if acc_cur > best_len.get(str(length), -1.0):
-                best_len[str(length)] = acc_cur
-                _save_model(model, out / f"model_L{length}", {"step": state["step"], "length": length,
-                                                             "test_acc": acc_cur,
-                                                             "elapsed_s": state["elapsed_s"],
-                                                             "args": vars(args)})
-            if length == L_train:
-                acc_tr = acc_cur
-            elif state["step"] % (args.eval_every * 5) == 0 or done:
-                acc_tr = evaluate(model, L_train, n=args.eval_n, task_cfg=task_cfg, task=task)
-            else:
-                acc_tr = None
-            if acc_tr is not None:
-                rec["test_acc_Ltrain"] = round(acc_tr, 4)
-                if acc_tr > state["best_acc"]:
-                    state["best_acc"] = acc_tr
-                    _save_model(model, out / "model", {"step": state["step"], "L_train": L_train,
-                                                       "test_acc_Ltrain": acc_tr,
-                                                       "elapsed_s": state["elapsed_s"],
-                                                       "args": vars(args)})
-                    rec["saved"] = True
-            state["history"].append(rec)
-            msg = json.dumps(rec)
-            (bar.write(msg) if bar is not None else print(msg, flush=True))
-            sys.stdout.flush()
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-        stop = False
-        if args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes:
-            stop = True
-        if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc or signals.signum is not None:
-            stop = True
-        if state["step"] % args.ckpt_every == 0 or done or stop or advanced:
+    try:
+        while state["step"] < args.steps:
+            step = state["step"]
+            length, bsz = stages[state["stage"]]
+            seeds = [task.train_seed(step * max_batch + i) for i in range(bsz)]
+            batch = task.make_batch(seeds, length, task_cfg)
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, args)
+            loss, acc = _loss_and_acc(model, batch, task_cfg, args.filler_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            bad = non_finite({"loss": float(loss.detach()), "grad_norm": float(gn)})
+            if bad:  # the step is not taken; ckpt.pt keeps the last finite one
+                raise PretrainDiverged(step + 1, f"the loss or its gradient ({bad})", ckpt_path, good_step)
+            opt.step()
+            a = float(acc)
+            loss = loss.detach()
+            state["ema_acc"] = a if state["stage_step"] == 0 else 0.95 * state["ema_acc"] + 0.05 * a
+            state["step"] += 1
+            state["stage_step"] += 1
+            state["elapsed_s"] = time.time() - t0
+            rec = {"step": state["step"], "L": length, "loss": round(float(loss), 4), "acc": round(a, 4),
+                   "ema": round(state["ema_acc"], 4), "gn": round(float(gn), 3),
+                   "t": round(state["elapsed_s"], 1)}
+            if bar is not None:
+                bar.set_postfix(L=length, loss=f"{float(loss):.3f}", acc=f"{state['ema_acc']:.3f}")
+                bar.update(1)
+            advanced = False
+            if (state["stage"] + 1 < len(stages) and state["stage_step"] >= args.min_stage_steps
+                    and state["ema_acc"] >= args.advance_acc):
+                state["stage"] += 1
+                state["stage_step"] = 0
+                advanced = True
+                rec["advance_to"] = stages[state["stage"]][0]
+            done = state["step"] >= args.steps
+            if state["step"] % args.eval_every == 0 or done or advanced:
+                finite_weights()  # the models below are saved from these weights
+                acc_cur = evaluate(model, length, n=args.eval_n, task_cfg=task_cfg, task=task)
+                rec["test_acc_cur"] = round(acc_cur, 4)
+                best_len = state.setdefault("best_by_length", {})
+                if acc_cur > best_len.get(str(length), -1.0):
+                    best_len[str(length)] = acc_cur
+                    _save_model(model, out / f"model_L{length}", {"step": state["step"], "length": length,
+                                                                 "test_acc": acc_cur,
+                                                                 "elapsed_s": state["elapsed_s"],
+                                                                 "args": vars(args)})
+                if length == L_train:
+                    acc_tr = acc_cur
+                elif state["step"] % (args.eval_every * 5) == 0 or done:
+                    acc_tr = evaluate(model, L_train, n=args.eval_n, task_cfg=task_cfg, task=task)
+                else:
+                    acc_tr = None
+                if acc_tr is not None:
+                    rec["test_acc_Ltrain"] = round(acc_tr, 4)
+                    if acc_tr > state["best_acc"]:
+                        state["best_acc"] = acc_tr
+                        _save_model(model, out / "model", {"step": state["step"], "L_train": L_train,
+                                                           "test_acc_Ltrain": acc_tr,
+                                                           "elapsed_s": state["elapsed_s"],
+                                                           "args": vars(args)})
+                        rec["saved"] = True
+                state["history"].append(rec)
+                msg = json.dumps(rec)
+                (bar.write(msg) if bar is not None else print(msg, flush=True))
+                sys.stdout.flush()
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            stop = False
+            if args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes:
+                stop = True
+            if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc or signals.signum is not None:
+                stop = True
+            if state["step"] % args.ckpt_every == 0 or done or stop or advanced:
+                checkpoint()
+            if stop:
+                break
+        if good_step != state["step"]:
             checkpoint()
-        if stop:
-            break
-    if bar is not None:
-        bar.close()
-    checkpoint()
-    if state["step"] >= args.steps:
-        _save_model(model, out / "model_final", {"step": state["step"], "L_train": L_train,
-                                                 "elapsed_s": state["elapsed_s"], "args": vars(args)})
-    signals.restore()
-    log.close()
+        if state["step"] >= args.steps:
+            _save_model(model, out / "model_final", {"step": state["step"], "L_train": L_train,
+                                                     "elapsed_s": state["elapsed_s"], "args": vars(args)})
+    except PretrainDiverged as e:
+        print(f"kvpop pretrain: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+        signals.restore()
+        log.close()
     print(json.dumps({"done": True, "step": state["step"], "best_test_acc_Ltrain": state["best_acc"],
                       "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
     if signals.signum is not None:

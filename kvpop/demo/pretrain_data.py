@@ -28,6 +28,7 @@ next-token NLL and its curve over positions) and the export of the trained model
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -41,11 +42,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvpop.demo.pretrain import _lr_at, _save_model, restore_checkpoint
+from kvpop.demo.pretrain import (
+    PretrainDiverged,
+    _lr_at,
+    _save_model,
+    changed_settings,
+    check_args,
+    refuse_changed,
+    restore_checkpoint,
+)
 from kvpop.training import data as data_io
 from kvpop.training.runstate import (
     StopSignals,
     atomic_save,
+    non_finite,
+    non_finite_parameters,
     rng_state,
     write_jsonl,
 )
@@ -70,14 +81,45 @@ def sample_index(step: int, j: int, batch: int, n: int, seed: int) -> int:
 
 
 def data_manifest(path: str | os.PathLike) -> dict | None:
-    """The ``manifest.json`` beside a data file (:mod:`kvpop.demo.realtext_corpus`), or None."""
+    """The ``manifest.json`` beside a data file (:mod:`kvpop.demo.realtext_corpus`), or None when there is
+    none.  What is read of it is checked: ValueError naming the file and the field when it is not JSON, not an
+    object, or its ``vocab`` (``vocab_size`` an int >= 1; ``bos``, ``eos``, ``pad`` token ids in
+    ``[0, vocab_size)`` or null), ``package_versions`` or ``splits`` (an object of objects) is malformed."""
     m = Path(path).parent / "manifest.json"
     if not m.is_file():
         return None
     try:
-        return json.loads(m.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+        man = json.loads(m.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        what = e.msg if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:200]}"
+        raise ValueError(f"{m} (the corpus manifest beside {path}) is not valid JSON ({what}); fix or remove "
+                         f"it") from None
+    if not isinstance(man, dict):
+        raise ValueError(f"{m} holds a JSON {type(man).__name__}, not a corpus manifest (an object with 'vocab', "
+                         f"'splits', ...)")
+    voc = man.get("vocab", {})
+    if not isinstance(voc, dict):
+        raise ValueError(f"{m}: 'vocab' must be an object like {{\"vocab_size\": 260, \"bos\": 256, \"eos\": 257, "
+                         f"\"pad\": 258}}, got {type(voc).__name__} {str(voc)[:60]}")
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    size = voc.get("vocab_size")
+    if size is not None and not (is_int(size) and size >= 1):
+        raise ValueError(f"{m}: 'vocab_size' must be an int >= 1, got {size!r}")
+    for k in ("bos", "eos", "pad"):
+        v = voc.get(k)
+        if v is not None and not (is_int(v) and 0 <= v < (size if size is not None else 2**31)):
+            raise ValueError(f"{m}: {k!r} must be a token id in [0, {size if size is not None else 2**31}) or null, "
+                             f"got {v!r}")
+    if not isinstance(man.get("package_versions", {}), dict):
+        raise ValueError(f"{m}: 'package_versions' must be an object of package: version, got "
+                         f"{type(man['package_versions']).__name__}")
+    splits = man.get("splits", {})
+    if not isinstance(splits, dict) or not all(isinstance(e, dict) for e in splits.values()):
+        raise ValueError(f"{m}: 'splits' must be an object of split name: entry objects, got {str(splits)[:60]}")
+    return man
 
 
 def build_lm(vocab_size: int, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
@@ -174,8 +216,8 @@ def _training_md(info: dict) -> str:
                   + ", ".join(f"{k} {v}" for k, v in man.get("package_versions", {}).items())
                   + f"; Python {man.get('python')}"]
         for s, e in man.get("splits", {}).items():
-            lines.append(f"  - {s}: {e['records']} records from {e['files_used']} files, file list hash "
-                         f"{e['files_used_hash']}, JSONL blake2b {e['jsonl_blake2b']}")
+            lines.append(f"  - {s}: {e.get('records', '?')} records from {e.get('files_used', '?')} files, file list "
+                         f"hash {e.get('files_used_hash', '?')}, JSONL blake2b {e.get('jsonl_blake2b', '?')}")
     v = info["valid"]
     lines += ["", "## Figures", "",
               f"- final train loss (mean of the last 20 steps): {info['train_loss']:.4f} nats/token",
@@ -234,11 +276,45 @@ def _check_args(args: argparse.Namespace) -> None:
     for name, default in TASK_ONLY.items():
         if getattr(args, name, default) != default:
             raise ValueError(f"--{name.replace('_', '-')} is for the synthetic task; it has no meaning with --data")
-    for name, low in (("seq_len", 2), ("batch_size", 1), ("steps", 1), ("eval_n", 1), ("eval_every", 1),
-                      ("ckpt_every", 1)):
-        v = getattr(args, name)
-        if v < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
+    check_args(args, data=True)
+
+
+def _vocabulary(args: argparse.Namespace, man: dict | None) -> tuple[list[list[int]], int]:
+    """The records of ``--data`` and the vocabulary size: ``--vocab-size``, else the manifest's, else the largest
+    id + 1; every id is checked against it (ValueError naming the file and line), and so are the manifest's
+    special ids."""
+    voc = (man or {}).get("vocab", {})
+    vocab = args.vocab_size or voc.get("vocab_size")
+    records = data_io.read_jsonl(args.data, vocab_size=vocab)
+    source = f"--vocab-size {vocab}" if args.vocab_size else "the manifest's 'vocab_size'"
+    if vocab is None:
+        vocab = max((max(r) for r in records if r), default=0) + 1
+        source = "the largest token id + 1"
+        if any(r and min(r) < 0 for r in records):  # read again for the file and line of the first one
+            data_io.read_jsonl(args.data, vocab_size=vocab)
+    for k in ("bos", "eos", "pad"):
+        v = voc.get(k)
+        if v is not None and v >= vocab:
+            raise ValueError(f"the manifest's {k!r} id {v} ({Path(args.data).parent / 'manifest.json'}) is outside "
+                             f"the vocabulary [0, {vocab}) of {source}; give a --vocab-size above {v}")
+    return records, vocab
+
+
+def _key(seq: torch.Tensor) -> bytes:
+    return hashlib.blake2b(seq.numpy().tobytes(), digest_size=16).digest()
+
+
+def _held_out(args: argparse.Namespace, valid_path: Path, fingerprint: str, train: list, valid: list) -> None:
+    """ValueError when the validation data is the training data: the same bytes, or every validation sequence
+    used also a training sequence (the same records written otherwise)."""
+    name = f"--valid-data {valid_path}" if args.valid_data else f"the validation file {valid_path} (beside --data)"
+    if data_io.data_fingerprint(valid_path) == fingerprint:
+        raise ValueError(f"{name} holds the same bytes as the training data --data {args.data}; validation must be "
+                         f"held-out data")
+    seen = {_key(s) for s in train}
+    if all(_key(v) in seen for v in valid):
+        raise ValueError(f"{name}: each of its {len(valid)} validation sequence(s) of --seq-len {args.seq_len} is also "
+                         f"a training sequence of --data {args.data}; validation must be held-out data")
 
 
 def pretrain_data(args: argparse.Namespace) -> int:
@@ -249,19 +325,23 @@ def pretrain_data(args: argparse.Namespace) -> int:
         _check_args(args)
         out = Path(args.out)
         man = data_manifest(args.data)
-        vocab = args.vocab_size or (man or {}).get("vocab", {}).get("vocab_size")
-        train_records = data_io.read_jsonl(args.data, vocab_size=vocab)
-        vocab = vocab or max(max(r) for r in train_records) + 1
+        train_records, vocab = _vocabulary(args, man)
         train = data_io.chunk(train_records, args.seq_len, source=str(args.data))
         del train_records
-        valid_path = args.valid_data or (Path(args.data).parent / "validation.jsonl")
-        if not Path(valid_path).is_file():
+        fingerprint = data_io.data_fingerprint(args.data)
+        valid_path = Path(args.valid_data or (Path(args.data).parent / "validation.jsonl"))
+        if not valid_path.is_file():
             raise ValueError(f"no validation data: give --valid-data (there is no {valid_path})")
         valid = data_io.chunk(data_io.read_jsonl(valid_path, vocab_size=vocab), args.seq_len,
                               source=str(valid_path))[:args.eval_n]
+        _held_out(args, valid_path, fingerprint, train, valid)
+        valid_fingerprint = data_io.data_fingerprint(valid_path)
         if len(train) < args.batch_size:
             raise ValueError(f"{args.data} gives {len(train)} sequence(s) of {args.seq_len} tokens, fewer than "
                              f"--batch-size {args.batch_size}")
+    except OSError as e:
+        print(f"kvpop pretrain: error: cannot read {e.filename or args.data} ({e.strerror or e})", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"kvpop pretrain: error: {e}", file=sys.stderr)
         return 2
@@ -276,27 +356,45 @@ def pretrain_data(args: argparse.Namespace) -> int:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
-    fingerprint = data_io.data_fingerprint(args.data)
     state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0, "best_valid": math.inf, "losses": [],
-                             "data_fingerprint": fingerprint}
+                             "data_fingerprint": fingerprint, "valid_fingerprint": valid_fingerprint,
+                             "vocab_size": vocab, "max_positions": max_positions}
     ckpt_path = out / "ckpt.pt"
+    settings = {k: v for k, v in vars(args).items() if k not in TASK_ONLY and k not in ("command", "_module")}
+    good_step = None  # the step ckpt.pt holds (finite weights: no checkpoint of others is written)
     if args.resume and ckpt_path.exists():
-        def same_data(ck: dict) -> None:
-            if ck["state"].get("data_fingerprint") != fingerprint:
+        def same_run(ck: dict) -> None:
+            st = ck["state"] if isinstance(ck.get("state"), dict) else {}
+            if st.get("data_fingerprint") != fingerprint:
                 raise ValueError(f"{args.data} is not the data {ckpt_path} was trained on "
-                                 f"({ck['state'].get('data_fingerprint')} vs now {fingerprint})")
+                                 f"({st.get('data_fingerprint')} vs now {fingerprint})")
+            if st.get("valid_fingerprint", valid_fingerprint) != valid_fingerprint:
+                raise ValueError(f"{valid_path} is not the validation data of the run in {ckpt_path} "
+                                 f"({st.get('valid_fingerprint')} vs now {valid_fingerprint})")
+            saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
+            diff = changed_settings(saved, settings, skip=("data", "valid_data", "vocab_size", "max_positions"))
+            emb = ck.get("model", {}).get("model.embed_tokens.weight") if isinstance(ck.get("model"), dict) else None
+            was = {"vocab_size": st.get("vocab_size", emb.shape[0] if isinstance(emb, torch.Tensor) else None),
+                   "max_positions": st.get("max_positions", saved.get("max_positions")
+                                           or (2 * saved["seq_len"] if isinstance(saved.get("seq_len"), int)
+                                               else None))}
+            now = {"vocab_size": vocab, "max_positions": max_positions}
+            diff += [f"--{k.replace('_', '-')} (was {w!r}, now {now[k]!r})" for k, w in was.items()
+                     if w is not None and w != now[k]]
+            refuse_changed(diff, ckpt_path)
 
         try:
-            state = restore_checkpoint(ckpt_path, model, opt, out, check=same_data)["state"]
+            state = restore_checkpoint(ckpt_path, model, opt, out, check=same_run)["state"]
         except ValueError as e:
             print(f"kvpop pretrain: error: {e}", file=sys.stderr)
             return 2
+        state.setdefault("valid_fingerprint", valid_fingerprint)
+        good_step = state["step"]
         print(f"resumed at step {state['step']}", file=sys.stderr)
     elif args.resume:
         print(f"no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
     if state["step"] == 0:
         write_jsonl(out / "log.jsonl", [])
-    settings = {k: v for k, v in vars(args).items() if k not in TASK_ONLY and k not in ("command", "_module")}
     (out / "args.json").write_text(json.dumps(settings, indent=2))
     n_params = sum(p.numel() for p in model.parameters())
 
@@ -309,62 +407,81 @@ def pretrain_data(args: argparse.Namespace) -> int:
                 "valid_data": str(valid_path), "valid_fingerprint": data_io.data_fingerprint(valid_path),
                 "manifest": man, "train_loss": round(sum(tail) / max(1, len(tail)), 4), "valid": valid_rec}
 
+    def finite_weights() -> None:  # before anything of the weights is written
+        bad = non_finite_parameters(model)
+        if bad:
+            raise PretrainDiverged(state["step"], f"the weights ({', '.join(bad)})", ckpt_path, good_step,
+                                   weights=True)
+
     def checkpoint():
+        nonlocal good_step
+        finite_weights()
         atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
                      "args": settings, "rng": rng_state()}, ckpt_path)
+        good_step = state["step"]
 
     bar = progress(args.steps, desc="kvpop pretrain --data", initial=state["step"], enabled=not args.no_progress,
                    mininterval=5.0)
     signals = StopSignals(name="kvpop pretrain").install()
     t0 = time.time() - state["elapsed_s"]
     model.train()
-    with open(out / "log.jsonl", "a") as log:
-        while state["step"] < args.steps:
-            step = state["step"]
-            ids = torch.stack([train[sample_index(step, j, args.batch_size, len(train), args.seed)]
-                               for j in range(args.batch_size)])
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, args)
-            logits = model(ids, use_cache=False).logits[:, :-1]
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            opt.step()
-            lv = float(loss.detach())
-            state["step"] += 1
-            state["losses"] = (state["losses"] + [lv])[-20:]
-            state["elapsed_s"] = time.time() - t0
-            rec = {"step": state["step"], "loss": round(lv, 4), "gn": round(float(gn), 3),
-                   "lr": _lr_at(step, args), "t": round(state["elapsed_s"], 1)}
-            if bar is not None:
-                bar.set_postfix(loss=f"{lv:.3f}")
-                bar.update(1)
-            done = state["step"] >= args.steps
-            if state["step"] % args.eval_every == 0 or done:
-                v = validation_nll(model, valid)
-                rec["valid_nll"] = v["nll"]
-                rec["valid_buckets"] = [b["nll"] for b in v["buckets"]]
-                if v["nll"] < state["best_valid"]:
-                    state["best_valid"] = v["nll"]
-                    _save(model, out / "model", info(v, out.name + "/model"))
-                    rec["saved"] = True
-                if done:
-                    _save(model, out / "model_final", info(v, out.name + "/model_final"))
-                msg = json.dumps(rec)
-                (bar.write(msg) if bar is not None else print(msg, flush=True))
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            stop = (args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes) \
-                or signals.signum is not None
-            if stop or done or state["step"] % args.ckpt_every == 0:
-                checkpoint()
-                if stop:
-                    break
-    checkpoint()
-    if bar is not None:
-        bar.close()
-    signals.restore()
+    try:
+        with open(out / "log.jsonl", "a") as log:
+            while state["step"] < args.steps:
+                step = state["step"]
+                ids = torch.stack([train[sample_index(step, j, args.batch_size, len(train), args.seed)]
+                                   for j in range(args.batch_size)])
+                for g in opt.param_groups:
+                    g["lr"] = _lr_at(step, args)
+                logits = model(ids, use_cache=False).logits[:, :-1]
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                lv = float(loss.detach())
+                bad = non_finite({"loss": lv, "grad_norm": float(gn)})
+                if bad:  # the step is not taken; ckpt.pt keeps the last finite one
+                    raise PretrainDiverged(step + 1, f"the loss or its gradient ({bad})", ckpt_path, good_step)
+                opt.step()
+                state["step"] += 1
+                state["losses"] = (state["losses"] + [lv])[-20:]
+                state["elapsed_s"] = time.time() - t0
+                rec = {"step": state["step"], "loss": round(lv, 4), "gn": round(float(gn), 3),
+                       "lr": _lr_at(step, args), "t": round(state["elapsed_s"], 1)}
+                if bar is not None:
+                    bar.set_postfix(loss=f"{lv:.3f}")
+                    bar.update(1)
+                done = state["step"] >= args.steps
+                if state["step"] % args.eval_every == 0 or done:
+                    finite_weights()  # the models below are saved from these weights
+                    v = validation_nll(model, valid)
+                    rec["valid_nll"] = v["nll"]
+                    rec["valid_buckets"] = [b["nll"] for b in v["buckets"]]
+                    if v["nll"] < state["best_valid"]:
+                        state["best_valid"] = v["nll"]
+                        _save(model, out / "model", info(v, out.name + "/model"))
+                        rec["saved"] = True
+                    if done:
+                        _save(model, out / "model_final", info(v, out.name + "/model_final"))
+                    msg = json.dumps(rec)
+                    (bar.write(msg) if bar is not None else print(msg, flush=True))
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                stop = (args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes) \
+                    or signals.signum is not None
+                if stop or done or state["step"] % args.ckpt_every == 0:
+                    checkpoint()
+                    if stop:
+                        break
+        if good_step != state["step"]:
+            checkpoint()
+    except PretrainDiverged as e:
+        print(f"kvpop pretrain: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+        signals.restore()
     print(json.dumps({"done": state["step"] >= args.steps, "step": state["step"],
                       "best_valid_nll": state["best_valid"], "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
     if signals.signum is not None:

@@ -344,9 +344,9 @@ def test_a_second_pretrain_in_the_same_out_is_refused_while_the_first_holds_it(t
     argv = ["--out", str(out), "--steps", "1", *PRETRAIN_TINY]
     if with_data:
         data = tmp_path / "ids.jsonl"
-        for f in (data, tmp_path / "validation.jsonl"):  # the validation file found beside the data
-            f.write_text("".join(json.dumps({"input_ids": [(i * 7 + j) % 50 for j in range(80)]}) + "\n"
-                                 for i in range(8)))
+        for k, f in enumerate((data, tmp_path / "validation.jsonl")):  # the validation file found beside the data
+            f.write_text("".join(json.dumps({"input_ids": [(i * 7 + j + 3 * k) % 50 for j in range(80)]}) + "\n"
+                                 for i in range(8)))  # other records: validation must not be the training data
         argv = ["--data", str(data), "--vocab-size", "64", "--seq-len", "64", "--batch-size", "2", "--out", str(out),
                 "--steps", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
                 "--intermediate", "32", "--eval-every", "1000", "--eval-n", "2", "--no-progress"]
