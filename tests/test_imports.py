@@ -23,6 +23,7 @@ LAYERS = [
     ("kvpop.demo",),                    # the synthetic tasks, retrofits, the evaluation harness
     ("kvpop.problems",),                # kvpop eval --problems: generated answers per policy and budget
     ("kvpop.cli", "kvpop.vllm"),        # the commands; the vLLM plugin (a leaf beside them)
+    ("kvpop.studies",),                 # research instruments (the evidence ledger), over the demo's commands
     ("kvpop.__main__",),                # python -m kvpop
 ]
 # Arrows allowed against the layering, each a deprecated alias kept for one release.

@@ -22,7 +22,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .evidence import TestLog, choose, summarize, write_json
+from .ledger import TestLog, choose, summarize, write_json
 
 FRESH_FIRST = 10_000
 """First test seed index of the evidence's test sequences (the demo's tables used 0..5)."""

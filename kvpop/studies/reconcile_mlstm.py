@@ -12,6 +12,9 @@ Factors (``FACTORS``; ``DEMO`` and ``STUDY`` are the two recipes):
 * ``source``: whose attention makes the mean label (``KVpopConfig.target_source``): ``student`` (the demo: the
   model's own forward under its sparse mask, normalised by the sparse LSE, ``target_lse="sparse"``) or
   ``teacher`` (the study: the frozen dense model's queries, keys and dense LSE, the exact label);
+* ``lse``: the normaliser of the student's label (``KVpopConfig.target_lse``): ``sparse`` (both recipes; unused
+  with the teacher's label, which always takes the dense LSE) or ``dense`` (the student's queries and keys over
+  the dense LSE: the label source split in two);
 * ``decay``: the learned decay's range and start: ``demo`` (``KVpopConfig``'s [0.999, 0.999999] from 0.9999) or
   ``study`` (``decay_range_for_context(512, 8)`` widened around 0.999999, from 0.999999);
 * ``optim``: ``demo`` (``kvpop.training.train``'s AdamW, betas 0.9 / 0.95, gradient norm clipped at 1) or
@@ -56,9 +59,9 @@ from typing import Any
 import torch
 
 OUT = Path(__file__).resolve().parent.parent / "data" / "demo_results" / "reconcile"
-FACTORS = ("budget", "source", "decay", "optim", "seeds")
-DEMO = {"budget": 48, "source": "student", "decay": "demo", "optim": "demo", "seeds": "demo"}
-STUDY = {"budget": 64, "source": "teacher", "decay": "study", "optim": "study", "seeds": "study"}
+FACTORS = ("budget", "source", "lse", "decay", "optim", "seeds")
+DEMO = {"budget": 48, "source": "student", "lse": "sparse", "decay": "demo", "optim": "demo", "seeds": "demo"}
+STUDY = {"budget": 64, "source": "teacher", "lse": "sparse", "decay": "study", "optim": "study", "seeds": "study"}
 LADDER = {
     "L0-demo": dict(DEMO),
     "L1-budget64": {**DEMO, "budget": 64},
@@ -66,9 +69,11 @@ LADDER = {
     "L2b-budget48-teacher": {**DEMO, "source": "teacher"},
     "L3-budget64-teacher-studydecay": {**DEMO, "budget": 64, "source": "teacher", "decay": "study"},
     "L4-study": dict(STUDY),
+    "L2c-budget48-student-denselse": {**DEMO, "lse": "dense"},
 }
 """The one-factor-at-a-time ladder from the demo's recipe to the label study's (each step changes one factor;
-L2b changes the label source alone from L0, to see it without the budget)."""
+L2b changes the label source alone from L0, to see it without the budget; L2c keeps the student's queries and
+keys and changes only the label's normaliser to the dense LSE, splitting the label source in two)."""
 SINKS, WINDOW, LENGTH, LR, GAMMA0, SPAN_NATS = 4, 32, 512, 3e-3, 0.999999, 8.0
 SELECT = {"seeds": "valid_seed(0..15)", "n": 16, "first": 0, "budget": 64, "length": 512}
 REPORT = {"seeds": "valid_seed(16..79)", "n": 64, "first": 16, "budgets": (64, 48), "lengths": (512, 1024)}
@@ -101,7 +106,8 @@ def kv_config(f: dict[str, Any]):
         decay = {"gamma_min": min(rng["gamma_min"], 1.0 - 2.0 * (1.0 - GAMMA0)),
                  "gamma_max": max(rng["gamma_max"], 1.0 - 0.5 * (1.0 - GAMMA0)), "gamma_init": GAMMA0}
     return KVpopConfig(sinks=SINKS, window=WINDOW, budget=int(f["budget"]), scorer="mlstm", mask_source="scorer",
-                       tau=1.0, target_source=f["source"], label="mean", label_power=1.0, **decay)
+                       tau=1.0, target_source=f["source"], target_lse=f.get("lse", "sparse"), label="mean",
+                       label_power=1.0, **decay)
 
 
 def _data(f: dict[str, Any], steps: int) -> list[torch.Tensor]:
@@ -230,8 +236,8 @@ def run_one(name: str, f: dict[str, Any], max_steps: int, out: Path) -> dict[str
         print(json.dumps({"run": name, "length": L, **report[str(L)]}), flush=True)
     res = {
         "run": name, "factors": f,
-        "differs_from_demo": [k for k in FACTORS if f[k] != DEMO[k]],
-        "differs_from_study": [k for k in FACTORS if f[k] != STUDY[k]],
+        "differs_from_demo": [k for k in FACTORS if f.get(k, "sparse") != DEMO[k]],
+        "differs_from_study": [k for k in FACTORS if f.get(k, "sparse") != STUDY[k]],
         "command": "nice -n 10 python -m kvpop.studies.reconcile_mlstm " + " ".join(sys.argv[1:]),
         "kvpop_config": kv_config(f).to_dict(),
         "train": {"max_steps": max_steps, "eval_every": EVAL_EVERY, "patience": PATIENCE, "lr": LR,
@@ -310,7 +316,8 @@ def summary(out: Path) -> dict[str, Any]:
         if not f.exists():
             continue
         r = json.loads(f.read_text())
-        rows.append({"run": name, "factors": r["factors"], "differs_from_demo": r["differs_from_demo"],
+        rows.append({"run": name, "factors": {"lse": "sparse", **r["factors"]},
+                     "differs_from_demo": r["differs_from_demo"],
                      "best_step": r["train"]["best_step"], "steps_run": r["train"]["steps_run"],
                      "selection_best": r["selection"]["best"],
                      "selection_curve": [(v["step"], v["score"]) for v in r["selection"]["validations"]],

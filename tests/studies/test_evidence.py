@@ -1,11 +1,11 @@
-"""The evidence ledger's rules (kvpop.studies.evidence): one selection rule, test splits scored once, the
+"""The evidence ledger's rules (kvpop.studies.ledger): one selection rule, test splits scored once, the
 ledger refuses rows scored more than once, the README's headline block is the ledger's rendering."""
 import json
 from pathlib import Path
 
 import pytest
 
-from kvpop.studies import evidence as V
+from kvpop.studies import ledger as V
 
 ROOT = Path(__file__).resolve().parents[2]
 
