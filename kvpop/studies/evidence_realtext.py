@@ -306,8 +306,9 @@ def _test(a, out: Path, log: Path, seeds, rs: dict, sel: dict, fresh: Path) -> N
             if r["kind"] == "dms":
                 recipe = {**dms_sel["chosen"]["settings"], "threshold": "chosen on validation per budget"}
                 trials, steps, legend = len(dms_sel["trials"]), dms_sel["chosen"]["settings"]["steps"], (
-                    "DMS, gates and model together, its lr, model lr, steps and keep target chosen on validation "
-                    f"({len(dms_sel['trials'])} trials), gate threshold per budget chosen on validation traces")
+                    "DMS, gates and model together, its gate lr, model lr and steps chosen on validation "
+                    f"({len(dms_sel['trials'])} trials; keep target 0.125), gate threshold per budget chosen on "
+                    "validation traces")
             else:
                 recipe = {"kvpop_train_args": r["args"]}
                 trials = len(sel["kvpop"]["trials"]) if "adaptive" in name else 0

@@ -70,10 +70,12 @@ LADDER = {
     "L3-budget64-teacher-studydecay": {**DEMO, "budget": 64, "source": "teacher", "decay": "study"},
     "L4-study": dict(STUDY),
     "L2c-budget48-student-denselse": {**DEMO, "lse": "dense"},
+    "L5-demo-1500steps": dict(DEMO),
 }
 """The one-factor-at-a-time ladder from the demo's recipe to the label study's (each step changes one factor;
 L2b changes the label source alone from L0, to see it without the budget; L2c keeps the student's queries and
-keys and changes only the label's normaliser to the dense LSE, splitting the label source in two)."""
+keys and changes only the label's normaliser to the dense LSE, splitting the label source in two; L5 is L0 run
+with ``--max-steps 1500``, the steps the demo's own run kept)."""
 SINKS, WINDOW, LENGTH, LR, GAMMA0, SPAN_NATS = 4, 32, 512, 3e-3, 0.999999, 8.0
 SELECT = {"seeds": "valid_seed(0..15)", "n": 16, "first": 0, "budget": 64, "length": 512}
 REPORT = {"seeds": "valid_seed(16..79)", "n": 64, "first": 16, "budgets": (64, 48), "lengths": (512, 1024)}

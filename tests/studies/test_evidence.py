@@ -77,8 +77,8 @@ def test_shipped_ledger_holds_the_rules_and_the_readme_is_its_rendering():
     assert {r["instrument"] for r in ev["rows"]} <= set(V.INSTRUMENTS)
     for r in ev["rows"]:
         assert r["test_evaluations"] == 1, r["policy"]
-        if r["policy"].startswith(("kvpop", "dms", "fixed-finetune")):
-            assert len(r["seeds"]) >= 3, (r["instrument"], r["policy"])
+        if r["policy"].startswith(("kvpop", "dms", "fixed-finetune")) and r["headline"]:
+            assert len(r["seeds"]) >= 3, (r["instrument"], r["policy"])  # every headline learned row
         assert r["value"] == pytest.approx(sum(r["seeds"]) / len(r["seeds"]))
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     block = text.split(V.README_START, 1)[1].split(V.README_END, 1)[0]
