@@ -48,11 +48,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 from kvpop.demo.task import SHIPPED_MODEL
+
+# options of one method only (None: not given, then the method's default): given with the other method they
+# would do nothing, and are refused (--no-balance is a flag: given when True)
+_KVPOP_ONLY = ("budget", "scorer", "scorer_hidden", "mlstm_dim", "mask_source", "target_lse", "target_source", "tau",
+               "tie_margin", "eps", "label", "label_power", "decay_nats", "gamma_min", "gamma_max", "gamma_init",
+               "no_balance")
+_DMS_ONLY = ("target_keep", "schedule_steps", "gate_tau", "gate_offset", "aux_weight")
+_DMS_FIELDS = {"gate_tau": "tau"}  # option -> DMSConfig field where the names differ
 
 # arguments that may change between a run and its --resume (--out is where the run is; paths are
 # compared resolved)
@@ -111,42 +120,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--seed", type=int, default=0, help="seed of the scorers, --tiny weights and data order")
 
     kv = p.add_argument_group("KVpop (kvpop.KVpopConfig)")
-    kv.add_argument("--budget", type=int, default=d.budget, help=f"entries per KV head B (default {d.budget})")
+    kv.add_argument("--budget", type=int, default=None, help=f"entries per KV head B (default {d.budget})")
     kv.add_argument("--sinks", type=int, default=d.sinks, help=f"sink tokens (default {d.sinks})")
     kv.add_argument("--window", type=int, default=d.window, help=f"recent window (default {d.window})")
-    kv.add_argument("--scorer", choices=SCORERS, default=d.scorer, help=f"scorer (default {d.scorer})")
-    kv.add_argument("--scorer-hidden", type=int, default=d.scorer_hidden, help="scorer MLP width")
-    kv.add_argument("--mlstm-dim", type=int, default=d.mlstm_dim, help="mLSTM feature width")
-    kv.add_argument("--mask-source", choices=MASK_SOURCES, default=d.mask_source,
+    kv.add_argument("--scorer", choices=SCORERS, default=None, help=f"scorer (default {d.scorer})")
+    kv.add_argument("--scorer-hidden", type=int, default=None, help=f"scorer MLP width (default {d.scorer_hidden})")
+    kv.add_argument("--mlstm-dim", type=int, default=None,
+                    help=f"mLSTM feature width (with --scorer mlstm; default {d.mlstm_dim})")
+    kv.add_argument("--mask-source", choices=MASK_SOURCES, default=None,
                     help=f"priorities of the training mask (default {d.mask_source})")
-    kv.add_argument("--target-lse", choices=TARGET_LSES, default=d.target_lse,
+    kv.add_argument("--target-lse", choices=TARGET_LSES, default=None,
                     help=f"normaliser of the target (default {d.target_lse})")
-    kv.add_argument("--target-source", choices=TARGET_SOURCES, default=d.target_source,
+    kv.add_argument("--target-source", choices=TARGET_SOURCES, default=None,
                     help="whose attention makes the label: student, the model being trained (its own forward, "
                          "normalised by --target-lse: the cheap sparse normaliser by default), or teacher, the frozen "
                          "original (exact: its own dense forward with the full cache, layer by layer) (default "
                          f"{d.target_source}; kvpop demo's joint retrofits use student too: it beat teacher on the "
                          "validation sequences of both demo tasks, kvpop/data/demo_results/README.md)")
-    kv.add_argument("--tau", type=float, default=d.tau, help=f"temperature of L_score (default {d.tau})")
-    kv.add_argument("--tie-margin", type=float, default=d.tie_margin,
+    kv.add_argument("--tau", type=float, default=None, help=f"temperature of L_score (default {d.tau})")
+    kv.add_argument("--tie-margin", type=float, default=None,
                     help="near-tie discount of L_score, 1 - exp(-|margin| / tie_margin); 0 switches it off "
                          f"(default {d.tie_margin})")
-    kv.add_argument("--eps", type=float, default=d.eps, help=f"epsilon of the target log(eps + m) (default {d.eps})")
-    kv.add_argument("--label", choices=LABELS, default=d.label,
+    kv.add_argument("--eps", type=float, default=None,
+                    help=f"epsilon of the target log(eps + m), in [1e-30, 1] (default {d.eps})")
+    kv.add_argument("--label", choices=LABELS, default=None,
                     help="how the target pools the attention a token gets after leaving the window: mean (the "
                          "method's), max (its strongest later reader), power (power mean, --label-power) "
                          f"(default {d.label})")
-    kv.add_argument("--label-power", type=float, default=d.label_power,
-                    help=f"exponent a > 0 of --label power: (mean_u p^a)^(1/a) (default {d.label_power})")
+    kv.add_argument("--label-power", type=float, default=None,
+                    help=f"exponent a of --label power, in [0.01, 10000]: (mean_u p^a)^(1/a) (default {d.label_power}; "
+                         "refused with another --label)")
     kv.add_argument("--decay-nats", type=float, default=None,
                     help="tie the decay range to the context: gamma_min = exp(-N / --seq-len), an age penalty of "
                          "N nats over a training sequence at the range's lower end (kvpop.decay_range_for_context; "
                          "replaces --gamma-min, and --gamma-init when 0.9999 falls outside)")
-    kv.add_argument("--gamma-min", type=float, default=d.gamma_min,
+    kv.add_argument("--gamma-min", type=float, default=None,
                     help=f"lower end of the learned per-head decay (default {d.gamma_min})")
-    kv.add_argument("--gamma-max", type=float, default=d.gamma_max,
+    kv.add_argument("--gamma-max", type=float, default=None,
                     help=f"upper end of the learned per-head decay (default {d.gamma_max})")
-    kv.add_argument("--gamma-init", type=float, default=d.gamma_init,
+    kv.add_argument("--gamma-init", type=float, default=None,
                     help=f"initial decay, strictly inside the range (default {d.gamma_init})")
     hb = kv.add_mutually_exclusive_group()
     hb.add_argument("--head-budgets", type=str, default=None, metavar="FILE.json",
@@ -182,16 +194,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "options are not. At the end the run warns when its keep fraction (mean of the last 10 steps) missed the "
         f"target by more than {KEEP_MARGIN:.0%} of it: then train longer or raise --lr-scorer. Evaluate it with "
         "kvpop eval --run OUT.")
-    dm.add_argument("--target-keep", type=float, default=dd.target_keep,
+    dm.add_argument("--target-keep", type=float, default=None,
                     help=f"keep fraction the compression loss drives the gates to (default {dd.target_keep}: "
                          f"compression ratio {1 / dd.target_keep:g})")
     dm.add_argument("--schedule-steps", type=int, default=None,
                     help="steps over which the target compression ratio rises linearly from 1 (default: --steps)")
-    dm.add_argument("--gate-tau", type=float, default=dd.tau,
+    dm.add_argument("--gate-tau", type=float, default=None,
                     help=f"temperature of the Gumbel-sigmoid relaxation (default {dd.tau})")
-    dm.add_argument("--gate-offset", type=float, default=dd.gate_offset,
+    dm.add_argument("--gate-offset", type=float, default=None,
                     help=f"initial gate bias is minus this (default {dd.gate_offset}: every token kept at the start)")
-    dm.add_argument("--aux-weight", type=float, default=dd.aux_weight,
+    dm.add_argument("--aux-weight", type=float, default=None,
                     help=f"weight of the compression loss (default {dd.aux_weight})")
 
     run = p.add_argument_group("run")
@@ -237,7 +249,54 @@ def _fail(msg: str) -> None:
     raise _UserError(msg)
 
 
+def _fill_defaults(args: argparse.Namespace) -> set[str]:
+    """The method options the user gave (``None`` in ``args`` is not given); fills in the method's default
+    for the others, so that ``args`` (and ``args.json``) hold the values the run uses."""
+    from kvpop.baselines.dms import DMSConfig
+    from kvpop.core.config import KVpopConfig
+
+    given = {n for n in (*_KVPOP_ONLY, *_DMS_ONLY)
+             if (getattr(args, n, False) is True if n == "no_balance" else getattr(args, n, None) is not None)}
+    d, dd = KVpopConfig(), DMSConfig()
+    for n in _KVPOP_ONLY:
+        if getattr(args, n, None) is None and n not in ("decay_nats", "no_balance"):
+            setattr(args, n, getattr(d, n))
+    for n in _DMS_ONLY:
+        if getattr(args, n, None) is None and n != "schedule_steps":
+            setattr(args, n, getattr(dd, _DMS_FIELDS.get(n, n)))
+    return given
+
+
+def _flags(names) -> str:
+    return ", ".join(f"--{n.replace('_', '-')}" for n in names)
+
+
+def _check_combinations(args: argparse.Namespace, given: set[str]) -> None:
+    """Options that would do nothing in this run are refused, naming them (only those the user gave)."""
+    if args.method == "dms" and given & set(_KVPOP_ONLY):
+        names = [n for n in _KVPOP_ONLY if n in given]
+        _fail(f"{_flags(names)}: {'an option' if len(names) == 1 else 'options'} of --method kvpop (its scorers, "
+              f"label and budget); --method dms does not use {'it' if len(names) == 1 else 'them'}: leave "
+              f"{'it' if len(names) == 1 else 'them'} out")
+    if args.method == "kvpop" and given & set(_DMS_ONLY):
+        names = [n for n in _DMS_ONLY if n in given]
+        _fail(f"{_flags(names)}: {'an option' if len(names) == 1 else 'options'} of --method dms; the KVpop run "
+              f"(--method kvpop, the default) does not use {'it' if len(names) == 1 else 'them'}: give --method dms, "
+              f"or leave {'it' if len(names) == 1 else 'them'} out")
+    if "label_power" in given and args.label != "power":
+        _fail(f"--label-power {args.label_power:g} is the exponent of --label power; with --label {args.label} it does "
+              f"nothing: give --label power, or leave --label-power out")
+    if "mlstm_dim" in given and args.scorer != "mlstm":
+        _fail(f"--mlstm-dim {args.mlstm_dim} is the feature width of --scorer mlstm; --scorer {args.scorer} does not "
+              f"use it: give --scorer mlstm, or leave --mlstm-dim out")
+    if "target_lse" in given and args.target_source == "teacher":
+        _fail(f"--target-lse {args.target_lse} is the normaliser of the student's target; --target-source teacher "
+              f"uses the teacher's exact dense one: leave --target-lse out")
+
+
 def _check_args(args: argparse.Namespace) -> None:
+    given = _fill_defaults(args)
+    args._given = given  # not in args.json (a name with "_")
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "top_k"):
         if getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -247,14 +306,27 @@ def _check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("lr_model", "lr_scorer"):
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            _fail(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            _fail(f"--{name.replace('_', '-')} must be a finite number > 0, got {v}")
     if not args.data and not args.task:
         _fail("give the training data: --data FILE.jsonl or --task")
     adaptive = args.head_budgets is not None or args.allocate is not None
     if args.method == "dms" and adaptive:
         _fail(f"{'--head-budgets' if args.head_budgets else '--allocate'} is for --method kvpop (DMS's gates decide "
               f"per token, with no fixed budget per head)")
+    _check_combinations(args, given)
+    if args.method == "kvpop":
+        from kvpop.core.config import EPS_RANGE, LABEL_POWER_RANGE
+
+        if not (math.isfinite(args.eps) and EPS_RANGE[0] <= args.eps <= EPS_RANGE[1]):
+            _fail(f"--eps must lie in [{EPS_RANGE[0]:g}, {EPS_RANGE[1]:g}], got {args.eps:g}: the target is "
+                  f"log(eps + m) in float32, with m a mean attention probability (at most 1; default {1e-6:g})")
+        lo, hi = LABEL_POWER_RANGE
+        if not (math.isfinite(args.label_power) and lo <= args.label_power <= hi):
+            _fail(f"--label-power must lie in [{lo:g}, {hi:g}], got {args.label_power:g}: the power mean is "
+                  f"computed in float32, which cannot resolve a smaller exponent (below about 1e-10 it returns the "
+                  f"max, at 1e-300 log(eps) everywhere); for the max give --label max")
     for name in ("min_k", "valid_data", "valid_sequences"):
         if getattr(args, name) is not None and args.allocate is None:
             _fail(f"--{name.replace('_', '-')} is an option of --allocate (give --allocate ablation, or leave it out)")
@@ -269,6 +341,17 @@ def _check_args(args: argparse.Namespace) -> None:
             Path(args.valid_data).resolve() == Path(args.data).resolve():
         _fail(f"--valid-data {args.valid_data} is the training file --data: the allocation must be measured on "
               f"held-out records")
+    if args.valid_data is not None and args.data is not None and Path(args.valid_data).is_file() and \
+            Path(args.data).is_file():
+        from kvpop.training.data import data_fingerprint
+
+        try:
+            same = data_fingerprint(args.valid_data) == data_fingerprint(args.data)
+        except OSError:
+            same = False  # unreadable: said when the file is read
+        if same:
+            _fail(f"--valid-data {args.valid_data} has the same content as the training file --data {args.data} (a "
+                  f"copy): the allocation must be measured on held-out records")
     if args.method == "kvpop" and args.seq_len <= args.budget:
         _fail(f"--seq-len ({args.seq_len}) must be larger than --budget ({args.budget}): a sequence of at most "
               f"budget tokens evicts nothing, so the scorers get no training signal")
@@ -280,13 +363,19 @@ def _decay_range(args: argparse.Namespace) -> dict[str, float]:
     rng = {"gamma_min": args.gamma_min, "gamma_max": args.gamma_max, "gamma_init": args.gamma_init}
     if args.decay_nats is None:
         return rng
-    from kvpop.core.config import KVpopConfig, decay_range_for_context
+    from kvpop.core.config import decay_range_for_context
 
-    if args.gamma_min != KVpopConfig().gamma_min:
-        raise ValueError(f"--decay-nats {args.decay_nats} sets gamma_min itself (exp(-N / --seq-len)); "
-                         f"leave out --gamma-min {args.gamma_min}, or --decay-nats")
+    given = getattr(args, "_given", set())
+    if "gamma_min" in given:
+        raise ValueError(f"--decay-nats {args.decay_nats:g} sets gamma_min itself (exp(-N / --seq-len)); "
+                         f"leave out --gamma-min {args.gamma_min:g}, or --decay-nats")
     tied = decay_range_for_context(args.seq_len, args.decay_nats, gamma_max=args.gamma_max)
-    if args.gamma_init != KVpopConfig().gamma_init and tied["gamma_min"] < args.gamma_init < tied["gamma_max"]:
+    if "gamma_init" in given:
+        if not tied["gamma_min"] < args.gamma_init < tied["gamma_max"]:
+            raise ValueError(f"--gamma-init {args.gamma_init:g} lies outside the decay range that --decay-nats "
+                             f"{args.decay_nats:g} gives over --seq-len {args.seq_len}: ({tied['gamma_min']:.8g}, "
+                             f"{tied['gamma_max']:.8g}); give a --gamma-init inside it, or leave it out (then "
+                             f"{tied['gamma_init']:.8g})")
         tied["gamma_init"] = args.gamma_init
     return tied
 
@@ -353,7 +442,16 @@ def _data(args: argparse.Namespace, model, source: Path | None):
             _fail(f"--task needs a vocabulary of >= {T.VOCAB_SIZE} tokens; the model has {model.config.vocab_size}")
         return T.TaskBatches(args.seq_len, args.batch_size)
     seqs = _sequences(args, args.data, model, source)
+    if args.allocate is not None and args.valid_data is not None:  # its sequences are checked against these
+        args._train_digests = _digests(seqs)
     return data_io.make_batches(seqs, args.batch_size, seed=args.seed, source=args.data)
+
+
+def _digests(seqs) -> set[bytes]:
+    """A 16-byte BLAKE2 digest of each token sequence (what :func:`_valid_batches` compares, in little memory)."""
+    import hashlib
+
+    return {hashlib.blake2b(s.numpy().tobytes(), digest_size=16).digest() for s in seqs}
 
 
 def _sequences(args: argparse.Namespace, path: str, model, source: Path | None) -> list:
@@ -391,6 +489,15 @@ def _valid_batches(args: argparse.Namespace, model, source: Path | None) -> tupl
         except ValueError as e:
             _fail(f"--valid-data: {e}")
         what = f"{len(seqs)} sequence(s) of {args.seq_len} tokens from {args.valid_data}"
+        train = getattr(args, "_train_digests", None)
+        both = sum(d in train for d in _digests(seqs)) if train and seqs else 0
+        if seqs and both == len(seqs):
+            _fail(f"--valid-data {args.valid_data}: all {len(seqs)} of its sequences measured are training sequences "
+                  f"of --data {args.data} too (its records are training records): the allocation must be measured on "
+                  f"held-out records")
+        if both:
+            print(f"kvpop train: warning: --valid-data {args.valid_data}: {both} of its {len(seqs)} sequences measured "
+                  f"are training sequences of --data {args.data} too", file=sys.stderr)
     else:
         from kvpop.demo import task as T
 
@@ -432,6 +539,8 @@ def _head_budgets(args: argparse.Namespace, kv_cfg, model, source: Path | None, 
         except (TypeError, ValueError) as e:
             _fail(f"{flag}: {e}")
         doc = None
+        if args.head_budgets is not None and args.resume and (out / HEAD_BUDGETS_FILE).is_file():
+            _same_head_budgets(flag, hb, out / HEAD_BUDGETS_FILE)  # before the run's copy is rewritten
         if args.head_budgets is not None:
             doc = {k: v for k, v in hb.items() if k not in ("head_budgets", "budget")}
             doc.setdefault("rule", "given")
@@ -454,6 +563,26 @@ def _head_budgets(args: argparse.Namespace, kv_cfg, model, source: Path | None, 
     return kv_cfg.replace(head_budgets=rows), (rows, doc)
 
 
+def _same_head_budgets(flag: str, given: dict, copy: Path) -> None:
+    """A ``--head-budgets FILE --resume`` whose FILE differs from the first run's copy in ``OUT`` is refused,
+    naming the field: the checkpoint was trained with the copy's rows, and ``kvpop eval`` shares other budgets
+    by its importance."""
+    from kvpop.core.budgets import read_head_budgets
+
+    try:
+        saved = read_head_budgets(copy)
+    except ValueError as e:
+        _fail(f"{flag} --resume: the first run's copy is unreadable: {e}; restore it from {given.get('source', flag)}")
+    for key in ("head_budgets", "importance", "min_k", "granularity"):
+        then, now = saved.get(key), given.get(key)
+        if key == "head_budgets":
+            then, now = [list(r) for r in then], [list(r) for r in now]
+        if then != now:
+            _fail(f"{flag} --resume: its \"{key}\" differs from the first run's copy {copy}, which the checkpoint "
+                  f"was trained with (was {json.dumps(then)[:120]}, now {json.dumps(now)[:120]}); restore the "
+                  f"file, or start in another directory")
+
+
 def _fingerprint(args: argparse.Namespace) -> str | None:
     """The --data file's fingerprint, kept in the checkpoint: a resume after the file was edited is refused."""
     if not args.data:
@@ -464,6 +593,19 @@ def _fingerprint(args: argparse.Namespace) -> str | None:
         return data_fingerprint(args.data)
     except OSError as e:
         _fail(f"--data {args.data}: cannot read it ({e.strerror or e})")
+
+
+def _model_fingerprint(source: Path | None) -> dict[str, str] | None:
+    """The model directory's fingerprint (its config and weight files), kept in the checkpoint: a resume
+    after a weight file was replaced in place is refused, naming it (``--tiny``: none)."""
+    if source is None:
+        return None
+    from kvpop.training.data import model_fingerprint
+
+    try:
+        return model_fingerprint(source)
+    except OSError as e:
+        _fail(f"--model {source}: cannot read {e.filename or 'it'} ({e.strerror or e})")
 
 
 def _check_resume_args(args: argparse.Namespace, out: Path) -> None:
@@ -494,6 +636,19 @@ def _arg_dict(args: argparse.Namespace) -> dict:
 def _comparable(d: dict) -> dict:
     """The arguments with file paths resolved (``./data.jsonl``, ``data.jsonl`` and its absolute path agree)."""
     return {k: (str(Path(v).resolve()) if k in _PATHS and isinstance(v, str) else v) for k, v in d.items()}
+
+
+def _mismatch(e, args: argparse.Namespace, source: Path | None, out: Path) -> str:
+    """A resume's :class:`~kvpop.training.runstate.RunMismatch` with the option or file it comes from."""
+    if e.what == "model":
+        return f"--model {source}: {e}"
+    if e.what == "config" and "head_budgets" in e.fields:
+        from kvpop.core.budgets import HEAD_BUDGETS_FILE
+
+        where = args.head_budgets if args.head_budgets is not None else out / HEAD_BUDGETS_FILE
+        return (f"{e} (the per-head budgets are read from {where}: its \"head_budgets\" rows were edited since "
+                f"the first run; restore them)")
+    return str(e)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -555,7 +710,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
     from kvpop.baselines.dms import DMSConfig
     from kvpop.core.config import KVpopConfig
     from kvpop.training.methods import DMSMethod, KVpopMethod
-    from kvpop.training.runstate import CheckpointError
+    from kvpop.training.runstate import CheckpointError, RunMismatch
     from kvpop.training.train import (
         TrainConfig,
         TrainingDiverged,
@@ -587,6 +742,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
             _fail(f"--bf16 needs a CUDA device (this run is on {device}); leave it out on the CPU")
         torch.manual_seed(args.seed)
         model, source = _load_model(args, device)
+        model_print = _model_fingerprint(source)
         try:
             data = _data(args, model, source)
         except ValueError as e:
@@ -608,7 +764,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                            activation_checkpointing=args.activation_checkpointing, checkpoint_dir=str(out),
                            checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
                            seed=args.seed, dist=args.dist, bf16=args.bf16, loss_chunk=args.loss_chunk,
-                           data_fingerprint=_fingerprint(args))
+                           data_fingerprint=_fingerprint(args), model_fingerprint=model_print)
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             if not args.resume or not (out / "args.json").exists():
@@ -630,6 +786,8 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
             if rank == 0:
                 print(f"kvpop train: {e}: run the same command with --resume to continue", file=sys.stderr)
             return 128 + e.signum
+        except RunMismatch as e:
+            _fail(_mismatch(e, args, source, out))
         except (CheckpointError, TrainingDiverged) as e:
             _fail(str(e))
         from kvpop.training.runstate import output_step

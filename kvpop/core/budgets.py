@@ -360,13 +360,27 @@ def read_head_budgets(path: Any) -> dict[str, Any]:
                          f"the uniform total layers x heads x budget")
     out["head_budgets"] = tuple(tuple(r) for r in rows)
     out["budget"] = total // n
-    if out["importance"] is not None:
-        arr = _scores_array(out["importance"])
-        if arr.shape != (len(rows), len(rows[0])):
-            raise ValueError(f"{p}: importance has shape {tuple(arr.shape)}, head_budgets {len(rows)} x "
-                             f"{len(rows[0])}")
+    imp = out["importance"]
+    if imp is not None:
+        shape = f"{len(rows)} x {len(rows[0])}"
+        ok = (isinstance(imp, list) and imp and all(isinstance(r, list) and r for r in imp)
+              and len({len(r) for r in imp}) == 1
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) for r in imp for x in r))
+        if not ok:
+            raise ValueError(f"{p}: \"importance\" must be a list of {len(rows)} lists of {len(rows[0])} numbers (one "
+                             f"per layer and KV head, as \"head_budgets\" is {shape}), got "
+                             f"{json.dumps(imp)[:120]}")
+        if (len(imp), len(imp[0])) != (len(rows), len(rows[0])):
+            raise ValueError(f"{p}: importance has shape {(len(imp), len(imp[0]))}, head_budgets {shape}")
+        try:
+            _scores_array(imp)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{p}: \"importance\": {e}") from None
     for key in ("min_k", "granularity"):
-        _int(f"{p}: {key}", out[key], 0 if key == "min_k" else 1)
+        try:
+            _int(f"{p}: {key}", out[key], 0 if key == "min_k" else 1)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
     return out
 
 

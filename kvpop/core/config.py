@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 __all__ = ["KVpopConfig", "MAX_SLOTS", "MAX_WIDTH", "BUDGET_PER_POSITION", "check_budget_for", "SCORERS",
            "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS", "STRUCTURAL_FIELDS",
-           "decay_range_for_context"]
+           "decay_range_for_context", "EPS_RANGE", "LABEL_POWER_RANGE"]
 
 SCORERS = ("mlp", "mlstm")
 LABELS = ("mean", "max", "power")  # kvpop_kernels.future_target.LABELS (this module imports no kernels)
@@ -29,6 +29,20 @@ STRUCTURAL_FIELDS = ("scorer", "scorer_hidden", "mlstm_dim", "gamma_min", "gamma
 patched model and a scorer checkpoint (``window`` too for the ``mlstm`` scorer, whose
 readout position is ``t + window``)."""
 
+
+EPS_RANGE = (1e-30, 1.0)
+"""The ``eps`` a config may hold: the target ``log(eps + m)`` is computed in float32 and ``m`` is a mean
+attention probability (at most 1).  Past 1 the target flattens to ``m / eps`` and the near-tie discount
+silences the score loss; 1e300 is inf in float32 (``inf - inf``: a NaN loss); below 1e-30 (1e-300 is 0 in
+float32) a token no later query reads gets ``log(0) = -inf``."""
+
+LABEL_POWER_RANGE = (0.01, 1e4)
+"""The power-mean exponent ``a`` of ``label="power"`` a config may hold.  The target computes
+``(mean_u p^a)^(1/a)`` in the log domain in float32 (``kvpop_kernels.future_attention_target``): its error is
+about ``1e-7 / a`` nats, 4e-5 at 0.01, 0.4 at 1e-6, and below about 1e-10 the result is the max (1e-300 is 0
+in float32: every entry ``log(eps)``).  As ``a -> 0`` the power mean tends to the geometric mean, as ``a ->
+inf`` to the max (``label="max"``; it lies within ``log(N) / a`` nats of the max of ``N`` readers: 1.4e-3 for
+a million at 1e4)."""
 
 MAX_WIDTH = 2**16
 """The widest scorer MLP (``scorer_hidden``) or mLSTM feature (``mlstm_dim``) a config may ask for."""
@@ -134,12 +148,12 @@ class KVpopConfig(ConfigFields):
             [0.999, 0.999999]); ``gamma_init`` its initial value (default 0.9999), strictly inside.
 
     Training (see ``kvpop.loss`` and ``kvpop.patch``)
-        eps: ``epsilon`` of the target ``log(eps + m)`` (default 1e-6).
+        eps: ``epsilon`` of the target ``log(eps + m)`` (default 1e-6), in :data:`EPS_RANGE` ``[1e-30, 1]``.
         label: how the target pools the attention a token receives from the queries after it left
             the window (docs/DESIGN.md section 3): ``"mean"`` (default, the method's), ``"max"`` (its
             strongest later reader) or ``"power"`` (the power mean ``(mean_u p^a)^(1/a)``).
-        label_power: the exponent ``a > 0`` of ``label="power"`` (default 4.0; ``a = 1`` is the mean,
-            large ``a`` approaches the max); validated whatever the label.
+        label_power: the exponent ``a`` of ``label="power"``, in :data:`LABEL_POWER_RANGE` ``[0.01, 1e4]``
+            (default 4.0; ``a = 1`` is the mean, large ``a`` approaches the max); validated whatever the label.
         tau: temperature of the logistic score loss ``softplus(-y * delta / tau)`` (default 1.0).
         tie_margin: scale of the near-tie discount ``1 - exp(-|p_tgt[t] - p_tgt[bnd]| / tie_margin)``
             (default 0.5, in natural-log units of mean attention; ``0`` switches the discount off).
@@ -215,6 +229,9 @@ class KVpopConfig(ConfigFields):
         _int("scorer_hidden", self.scorer_hidden, 1, MAX_WIDTH)
         _int("mlstm_dim", self.mlstm_dim, 1, MAX_WIDTH)
         _pos_float("eps", self.eps)
+        if not EPS_RANGE[0] <= self.eps <= EPS_RANGE[1]:
+            raise ValueError(f"eps must lie in [{EPS_RANGE[0]:g}, {EPS_RANGE[1]:g}] (the target log(eps + m), m a mean "
+                             f"attention probability <= 1, in float32), got {self.eps!r}")
         if not isinstance(self.label, str) or self.label not in LABELS:
             raise ValueError(f"label must be one of {list(LABELS)}, got {self.label!r}")
         if isinstance(self.label_power, bool) or not isinstance(self.label_power, (int, float)):
@@ -223,6 +240,11 @@ class KVpopConfig(ConfigFields):
         if not (math.isfinite(self.label_power) and self.label_power > 0):
             raise ValueError(f"label_power must be a finite number > 0 (1 is the mean; for the max use "
                              f"label='max'), got {self.label_power!r}")
+        lo, hi = LABEL_POWER_RANGE
+        if not lo <= self.label_power <= hi:
+            raise ValueError(f"label_power must lie in [{lo:g}, {hi:g}], got {self.label_power!r}: the power mean is "
+                             f"computed in float32, which cannot resolve a smaller exponent (below about 1e-10 it "
+                             f"returns the max); for a -> inf use label='max'")
         _pos_float("tau", self.tau)
         if isinstance(self.tie_margin, bool) or not isinstance(self.tie_margin, (int, float)) \
                 or not math.isfinite(self.tie_margin) or self.tie_margin < 0:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["read_jsonl", "load_tokenizer", "chunk", "make_batches", "data_fingerprint"]
+__all__ = ["read_jsonl", "load_tokenizer", "chunk", "make_batches", "data_fingerprint", "model_fingerprint"]
 
 
 FULL_HASH_BYTES = 256 * 2**20
@@ -50,6 +50,26 @@ def data_fingerprint(path: str | os.PathLike) -> str:
                 f.seek(start)
                 h.update(f.read(edge if start in (0, size - edge) else blk))
     return f"size={size} blake2b={h.hexdigest()}" + ("" if size <= FULL_HASH_BYTES else " sampled")
+
+
+def model_fingerprint(directory: str | os.PathLike) -> dict[str, str]:
+    """What identifies a model directory's content: ``{file name: data_fingerprint(file)}`` of its
+    ``config.json`` and every weight file ``from_pretrained`` reads (``model.safetensors``, the
+    ``*.index.json`` files and every shard they name, ``pytorch_model.bin``), stored in a run's checkpoint so
+    that ``--resume`` after the weights were replaced in place (the teacher is the model as loaded) is
+    refused, naming the file that changed.  Files of the other names (the tokenizer, a README) are left
+    out; a shard named by an index but missing is left to the loader."""
+    from kvpop.models.directory import WEIGHT_FILES
+
+    d = Path(directory)
+    names = ["config.json", *(f for f in WEIGHT_FILES if (d / f).is_file())]
+    for index in [f for f in names if f.endswith(".index.json")]:
+        try:
+            wmap = json.loads((d / index).read_text(encoding="utf-8")).get("weight_map", {})
+            names += sorted({str(v) for v in wmap.values()} if isinstance(wmap, dict) else ())
+        except (OSError, ValueError, AttributeError, RecursionError):
+            pass  # not an index: the loader says so
+    return {n: data_fingerprint(d / n) for n in dict.fromkeys(names) if (d / n).is_file()}
 
 
 def load_tokenizer(model_dir: str | os.PathLike) -> Any:

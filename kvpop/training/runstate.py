@@ -31,8 +31,8 @@ import torch
 
 from kvpop.core.files import atomic_write
 
-__all__ = ["CheckpointError", "RunDirectoryError", "RunLock", "load_checkpoint", "atomic_save", "rng_state",
-           "set_rng_state", "restore_rng_state", "check_progress", "check_state_dict", "StopSignals",
+__all__ = ["CheckpointError", "RunMismatch", "RunDirectoryError", "RunLock", "load_checkpoint", "atomic_save",
+           "rng_state", "set_rng_state", "restore_rng_state", "check_progress", "check_state_dict", "StopSignals",
            "TrainingDiverged", "non_finite", "non_finite_parameters",
            "TrainingInterrupted", "append_jsonl", "write_jsonl", "MODEL_STEP_FILE", "output_step",
            "write_model_step", "clear_model_step"]
@@ -45,6 +45,15 @@ removed before they are rewritten, so a folder whose write did not finish has no
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed: refused, unreadable, or of another run."""
+
+
+class RunMismatch(CheckpointError):
+    """A checkpoint of another run than the one asked for: ``what`` is ``"model"`` (the model files changed),
+    ``"data"`` or ``"config"`` (the method's config; ``fields`` names the fields that differ)."""
+
+    def __init__(self, message: str, what: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.what, self.fields = what, tuple(fields)
 
 
 _GLOBAL = re.compile(r"(?:unsupported global:?\s*GLOBAL|unsupported GLOBAL)\s+([\w.]+)", re.I)

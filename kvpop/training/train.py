@@ -24,6 +24,7 @@ from kvpop.core.loss import TeacherTopK, fused_distill_loss, fused_output_head, 
 from .methods import METHODS, TrainingMethod, method_for
 from .runstate import (
     CheckpointError,
+    RunMismatch,
     StopSignals,
     TrainingDiverged,
     TrainingInterrupted,
@@ -74,6 +75,9 @@ class TrainConfig:
     (:data:`LEARNING_RATES`: 1e-5 / 1e-3 for KVpop, 1e-5 / 5e-2 for DMS).  ``data_fingerprint``: what
     identifies the training data (``kvpop train`` stores :func:`kvpop.training.data.data_fingerprint` of
     ``--data``); it is saved in the checkpoint, and a resume with another one is refused.
+    ``model_fingerprint``: the same for the model the run starts from (and the teacher is made of),
+    ``{file name: fingerprint}`` (``kvpop train`` stores :func:`kvpop.training.data.model_fingerprint` of
+    ``--model``); a resume where a file's differs is refused, naming the file.
     """
 
     steps: int = 100
@@ -96,6 +100,7 @@ class TrainConfig:
     bf16: bool = False
     loss_chunk: int | None = None
     data_fingerprint: str | None = None
+    model_fingerprint: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "grad_accum", "top_k"):
@@ -128,6 +133,11 @@ class TrainConfig:
             raise ValueError(f"max_grad_norm must be a finite number > 0 or None (no clipping), got {g!r}")
         if not (len(self.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        mf = self.model_fingerprint
+        if mf is not None and not (isinstance(mf, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                               for k, v in mf.items())):
+            raise ValueError(f"model_fingerprint must be None or a dict of file name -> fingerprint (str), got "
+                             f"{str(mf)[:100]}")
 
 
 def _input_ids(batch: Any) -> torch.Tensor:
@@ -325,7 +335,8 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
     The scorer tensors are left out unless ``include_scorers`` (save them with ``kvpop.save_scorers``),
     so ``from_pretrained(path)`` gives a plain transformers model.  ``step``: the training step of the
     weights, stamped in ``path/kvpop_step.json`` (:data:`kvpop.training.runstate.MODEL_STEP_FILE`; removed
-    before the weights are written and written after them, so a write that did not finish leaves none).
+    before the weights are written, also without ``step``, and written after them, so a write that did not
+    finish leaves none).
     Collective under FSDP2 (every rank must call it); with several ranks only rank 0 writes.
     """
     rank, world = _dist()
@@ -334,7 +345,7 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
     fsdp = _is_fsdp(model)
     sd = _full_state_dicts(model)[0] if fsdp else None
     if rank == 0:
-        if step is not None and Path(path).is_dir():
+        if Path(path).is_dir():  # a stamp of earlier weights never outlives them
             clear_model_step(path)
         if sd is None:
             sd = model.state_dict()
@@ -588,15 +599,41 @@ def _check_checkpoint(ck: dict, path: Path, method: TrainingMethod, cfg: TrainCo
     """``(step, consumed)`` of a checkpoint this run can resume: same method config, same data (when both
     carry a fingerprint), progress that fits (:func:`kvpop.training.runstate.check_progress`)."""
     if ck.get("kvpop_config") != method.config_json():
-        raise CheckpointError(f"checkpoint {path} was written with another method config "
-                              f"({type(method.config).__name__}): {ck.get('kvpop_config')}")
+        raise _config_mismatch(ck.get("kvpop_config"), method, path)
     saved = ck.get("train_config") if isinstance(ck.get("train_config"), dict) else {}
     then, now = saved.get("data_fingerprint"), cfg.data_fingerprint
     if then is not None and now is not None and then != now:
-        raise CheckpointError(f"checkpoint {path} was trained on other data: the data file changed since (was "
-                              f"{then}, now {now}); resume with the data it was trained on, or start in another "
-                              f"directory")
+        raise RunMismatch(f"checkpoint {path} was trained on other data: the data file changed since (was "
+                          f"{then}, now {now}); resume with the data it was trained on, or start in another "
+                          f"directory", "data")
+    then, now = saved.get("model_fingerprint"), cfg.model_fingerprint
+    if isinstance(then, dict) and now is not None and then != now:
+        changed = sorted(n for n in set(then) | set(now) if then.get(n) != now.get(n))
+        said = ", ".join(n + (" (missing now)" if n not in now else " (new)" if n not in then else "")
+                         for n in changed[:4]) + (" ..." if len(changed) > 4 else "")
+        raise RunMismatch(f"checkpoint {path} was trained from other model files: {said} changed since the first "
+                          f"run (the teacher is the model as loaded, so a resume must load the same one); restore the "
+                          f"model it was trained from, or start in another directory", "model", tuple(changed))
     return check_progress(ck, path, grad_accum=cfg.grad_accum)
+
+
+def _config_mismatch(saved: Any, method: TrainingMethod, path: Path) -> RunMismatch:
+    """The error for a checkpoint of another method config, naming the fields that differ."""
+    import json
+
+    now = json.loads(method.config_json())
+    try:
+        then = json.loads(saved) if isinstance(saved, str) else None
+    except (ValueError, RecursionError):
+        then = None
+    name = type(method.config).__name__
+    if not isinstance(then, dict):
+        return RunMismatch(f"checkpoint {path} was written with another method config ({name}): "
+                           f"{str(saved)[:300]}", "config")
+    fields = tuple(sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k)))
+    said = "; ".join(f"{k} was {json.dumps(then.get(k))[:120]}, now {json.dumps(now.get(k))[:120]}"
+                     for k in fields[:4]) + (" ..." if len(fields) > 4 else "")
+    return RunMismatch(f"checkpoint {path} was written with another {name}: {said}", "config", fields)
 
 
 def _load_fsdp_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: Path,

@@ -156,8 +156,8 @@ def test_label_and_context_decay_reach_the_config(tmp_path, capsys):
     assert math.isclose(cfg.gamma_min, math.exp(-4 / int(seq_len))) and cfg.gamma_init == 0.9999
     assert _err(tmp_path, "--tiny", "--data", str(data), "--label", "median") == "2"  # argparse's choices
     assert "invalid choice: 'median'" in capsys.readouterr().err
-    assert "label_power must be a finite number > 0" in _err(tmp_path, "--tiny", "--data", str(data),
-                                                             "--label-power", "0")
+    assert "--label-power must lie in [0.01, 10000], got 0" in _err(tmp_path, "--tiny", "--data", str(data),
+                                                                    "--label", "power", "--label-power", "0")
     assert "leave out --gamma-min" in _err(tmp_path, "--tiny", "--data", str(data), "--decay-nats", "4",
                                            "--gamma-min", "0.99")
     assert "gamma_min" in _err(tmp_path, "--tiny", "--data", str(data), "--decay-nats", "1e-9")

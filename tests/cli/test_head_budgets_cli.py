@@ -118,8 +118,8 @@ def test_eval_serves_the_rows_and_rebudgets_by_the_saved_importance(allocated, t
                  str(BUDGET), "--n-sequences", "1", "--no-plot", "--no-progress"]) == 2
 
 
-def _ids(path, n=4, length=100):
-    g = torch.Generator().manual_seed(0)
+def _ids(path, n=4, length=100, seed=0):
+    g = torch.Generator().manual_seed(seed)
     path.write_text("".join(json.dumps({"input_ids": torch.randint(0, 640, (length,), generator=g).tolist()}) + "\n"
                             for _ in range(n)))
     return path
@@ -179,7 +179,7 @@ def test_user_errors(tmp_path):
     assert "--valid-data is an option of --allocate" in _err(tmp_path, "--data", str(data), "--valid-data", str(data))
     assert "--min-k must be >= 0" in _err(tmp_path, "--data", str(data), "--allocate", "ablation", "--valid-data",
                                           str(data), "--min-k", "-1")
-    valid = _ids(tmp_path / "v.jsonl", n=2)
+    valid = _ids(tmp_path / "v.jsonl", n=2, seed=1)  # held out: other records than d.jsonl's
     msg = _err(tmp_path, "--data", str(data), "--allocate", "ablation", "--valid-data", str(valid), "--min-k", "15")
     assert "--allocate ablation" in msg and "min_k=15" in msg
     assert "is for --method kvpop" in _err(tmp_path, "--data", str(data), "--method", "dms", "--allocate", "ablation",
@@ -193,7 +193,7 @@ def test_user_errors(tmp_path):
 
 def test_allocate_on_valid_data_file(tmp_path):
     data = _ids(tmp_path / "d.jsonl")
-    valid = _ids(tmp_path / "v.jsonl", n=3)
+    valid = _ids(tmp_path / "v.jsonl", n=3, seed=1)
     out = tmp_path / "run"
     assert main(["train", "--tiny", "--data", str(data), *FAST, "--allocate", "ablation", "--valid-data", str(valid),
                  "--min-k", "2", "--out", str(out)]) == 0
