@@ -214,3 +214,30 @@ def test_a_resume_after_the_head_budgets_were_edited_names_the_field_and_the_fil
     msg = _usage_error(*argv, "--steps", "2", "--head-budgets", str(hb), "--resume")
     assert "head_budgets was [[20, 28], [24, 24]], now [[28, 20], [24, 24]]" in msg, msg
     assert f"the per-head budgets are read from {hb}" in msg and "{" not in msg.split("KVpopConfig")[1], msg
+
+
+def test_train_refuses_a_code_carrying_bin_model_and_an_out_that_is_a_file_before_any_work(tmp_path):
+    """Already one line before this round; held here for kvpop train (nothing runs, nothing is written)."""
+    from kvpop.demo.task import SHIPPED_MODEL
+
+    data = _write_ids(tmp_path / "d.jsonl")
+    model = tmp_path / "m"
+    shutil.copytree(SHIPPED_MODEL, model)
+    (model / "model.safetensors").unlink()
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').write('ran')",)
+
+    torch.save({"model.embed_tokens.weight": Payload()}, model / "pytorch_model.bin")
+    msg = _usage_error("train", "--model", str(model), "--data", str(data), "--steps", "1", "--out",
+                       str(tmp_path / "run"), *FAST)
+    assert f"--model {model}: the weights in {model} (pytorch_model.bin) were refused because loading them could " \
+           f"run code" in msg and "weights_only" not in msg, msg
+    assert not marker.exists() and not (tmp_path / "run" / "last.pt").exists()
+    (tmp_path / "file").write_text("x")
+    for out, said in ((tmp_path / "file", "exists and is not a directory"),
+                      (tmp_path / "file" / "run", "cannot create or write in it")):
+        msg = _usage_error("train", "--tiny", "--data", str(data), "--steps", "1", "--out", str(out), *FAST)
+        assert msg.startswith(f"kvpop train: --out {out}") and said in msg, msg
