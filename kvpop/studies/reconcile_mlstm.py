@@ -71,11 +71,15 @@ LADDER = {
     "L4-study": dict(STUDY),
     "L2c-budget48-student-denselse": {**DEMO, "lse": "dense"},
     "L5-demo-1500steps": dict(DEMO),
+    "L0-demo-seed1": {**DEMO, "seed": 1},
+    "L2c-budget48-student-denselse-seed1": {**DEMO, "lse": "dense", "seed": 1},
+    "L1-budget64-1500steps": {**DEMO, "budget": 64},
 }
 """The one-factor-at-a-time ladder from the demo's recipe to the label study's (each step changes one factor;
 L2b changes the label source alone from L0, to see it without the budget; L2c keeps the student's queries and
 keys and changes only the label's normaliser to the dense LSE, splitting the label source in two; L5 is L0 run
-with ``--max-steps 1500``, the steps the demo's own run kept)."""
+with ``--max-steps 1500``, the steps the demo's own run kept, and L1-1500steps L1 so; the ``-seed1`` runs repeat
+L0 and L2c with ``RetrofitConfig.seed`` 1: another initialisation and other training sequences)."""
 SINKS, WINDOW, LENGTH, LR, GAMMA0, SPAN_NATS = 4, 32, 512, 3e-3, 0.999999, 8.0
 SELECT = {"seeds": "valid_seed(0..15)", "n": 16, "first": 0, "budget": 64, "length": 512}
 REPORT = {"seeds": "valid_seed(16..79)", "n": 64, "first": 16, "budgets": (64, 48), "lengths": (512, 1024)}
@@ -115,10 +119,11 @@ def kv_config(f: dict[str, Any]):
 def _data(f: dict[str, Any], steps: int) -> list[torch.Tensor]:
     from kvpop.demo import lookahead_task as T
 
-    if f["seeds"] == "demo":  # kvpop.demo.retrofit._train_data, seed 0, batch 1
-        seeds = [T.train_seed(i) for i in range(min(steps, 1000))]
-    else:  # label_study.train_scorer, seed 0, batch 1: step s reads train_seed(s)
-        seeds = [T.train_seed(s) for s in range(1, steps + 1)]
+    k = int(f.get("seed", 0)) * 1_000_003  # RetrofitConfig.seed / train_scorer's seed (0 in both recipes)
+    if f["seeds"] == "demo":  # kvpop.demo.retrofit._train_data, batch 1
+        seeds = [T.train_seed(k + i) for i in range(min(steps, 1000))]
+    else:  # label_study.train_scorer, batch 1: step s reads train_seed(k + s)
+        seeds = [T.train_seed(k + s) for s in range(1, steps + 1)]
     return [T.make_batch([s], LENGTH)["input_ids"] for s in seeds]
 
 
@@ -133,7 +138,8 @@ def _train_config(f: dict[str, Any], steps: int, ckpt: Path, rseed: int):
 def _seed_of(f: dict[str, Any]) -> int:
     from kvpop.demo.retrofit import retrofit_seed
 
-    return retrofit_seed("kvpop-mlstm", 0) if f["seeds"] == "demo" else 0
+    seed = int(f.get("seed", 0))
+    return retrofit_seed("kvpop-mlstm", seed) if f["seeds"] == "demo" else seed
 
 
 def build(base, f: dict[str, Any]):
@@ -203,6 +209,7 @@ def run_one(name: str, f: dict[str, Any], max_steps: int, out: Path) -> dict[str
 
     env = _env()
     t0 = time.time()
+    k = int(f.get("seed", 0)) * 1_000_003
     base = load_base_model(SHIPPED_MODEL)
     for p in base.parameters():
         p.requires_grad_(False)
@@ -244,8 +251,8 @@ def run_one(name: str, f: dict[str, Any], max_steps: int, out: Path) -> dict[str
         "kvpop_config": kv_config(f).to_dict(),
         "train": {"max_steps": max_steps, "eval_every": EVAL_EVERY, "patience": PATIENCE, "lr": LR,
                   "steps_run": record["validation"][-1]["step"], "best_step": record["best_step"],
-                  "seed": _seed_of(f), "data": ("train_seed(0..999) cycled" if f["seeds"] == "demo"
-                                                else f"train_seed(1..{max_steps})"),
+                  "seed": _seed_of(f), "data": (f"train_seed({k}..{k + min(max_steps, 1000) - 1}) cycled"
+                                                if f["seeds"] == "demo" else f"train_seed({k + 1}..{k + max_steps})"),
                   "optimizer": ("AdamW betas (0.9, 0.95), clip 1.0" if f["optim"] == "demo"
                                 else "AdamW (= Adam, weight decay 0) betas (0.9, 0.999), no clipping"),
                   "last_loss": hist[-1]["score"] if hist else None},
@@ -312,12 +319,14 @@ def check(steps: int = 8) -> dict[str, Any]:
 
 def summary(out: Path) -> dict[str, Any]:
     """``out/summary.json`` from the run files of :data:`LADDER` found in ``out``."""
-    rows = []
+    rows, not_run, commits = [], [], set()
     for name in LADDER:
         f = out / f"{name}.json"
         if not f.exists():
+            not_run.append(name)
             continue
         r = json.loads(f.read_text())
+        commits.add(r["env"]["commit"])
         rows.append({"run": name, "factors": {"lse": "sparse", **r["factors"]},
                      "differs_from_demo": r["differs_from_demo"],
                      "best_step": r["train"]["best_step"], "steps_run": r["train"]["steps_run"],
@@ -332,7 +341,8 @@ def summary(out: Path) -> dict[str, Any]:
     s = {"what": "issue 29 item 5: one-factor-at-a-time ladder between the demo's and the label study's mean-label "
                  "kvpop-mlstm on the lookahead task",
          "demo_recipe": DEMO, "study_recipe": STUDY, "selection": SELECT,
-         "report_sequences": {k: v for k, v in REPORT.items()}, "rows": rows,
+         "report_sequences": {k: v for k, v in REPORT.items()}, "rows": rows, "not_run": not_run,
+         "commits": sorted(c for c in commits if c),
          "total_wall_s": round(sum(r["total_wall_s"] for r in rows), 1),
          "total_cpu_s": round(sum(r["cpu_s"] or 0.0 for r in rows), 1), "references": REFERENCES, **extra}
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
