@@ -48,7 +48,7 @@ from kvpop.training.runstate import (
 from . import task as T
 
 __all__ = ["TASKS", "get_task", "build_model", "pretrain", "evaluate", "export_model", "parse_curriculum",
-           "check_args", "changed_settings", "PretrainDiverged", "RESUMABLE"]
+           "check_args", "changed_settings", "PretrainDiverged", "check_step", "check_weights", "RESUMABLE"]
 
 TASKS = {"kvtrace": ("kvpop.demo.task", "128:64,256:32,512:16,1024:8,2048:4"),
          "lookahead": ("kvpop.demo.lookahead_task", "128:64,256:32,512:16")}
@@ -118,6 +118,24 @@ class PretrainDiverged(ValueError):
         super().__init__(f"step {step}: {what} {'are' if weights else 'is'} not finite (NaN or inf); {done}, and "
                          f"{kept}. Lower the learning rate (--lr) in a fresh run, keep gradient clipping on (--clip), "
                          f"or check the data")
+
+
+def check_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, checkpoint: Path,
+               good_step: int | None) -> float:
+    """The loss of pre-training step ``step`` as a float, after checking it and the gradient norm are finite
+    (:class:`PretrainDiverged` before the optimiser takes the step otherwise)."""
+    lv = float(loss.detach())
+    bad = non_finite({"loss": lv, "grad_norm": float(grad_norm)})
+    if bad:  # the step is not taken; the checkpoint keeps the last finite one
+        raise PretrainDiverged(step + 1, f"the loss or its gradient ({bad})", checkpoint, good_step)
+    return lv
+
+
+def check_weights(model: torch.nn.Module, step: int, checkpoint: Path, good_step: int | None) -> None:
+    """:class:`PretrainDiverged` when any weight of ``model`` is not finite (before anything of it is written)."""
+    bad = non_finite_parameters(model)
+    if bad:
+        raise PretrainDiverged(step, f"the weights ({', '.join(bad)})", checkpoint, good_step, weights=True)
 
 
 def _number(args: argparse.Namespace, name: str, *, low: float, strict: bool = False, integer: bool = False) -> None:
@@ -380,10 +398,7 @@ def pretrain(args: argparse.Namespace) -> int:
     (out / "args.json").write_text(json.dumps({**vars(args), "task": task_cfg.to_dict()}, indent=2))
 
     def finite_weights() -> None:  # before anything of the weights is written
-        bad = non_finite_parameters(model)
-        if bad:
-            raise PretrainDiverged(state["step"], f"the weights ({', '.join(bad)})", ckpt_path, good_step,
-                                   weights=True)
+        check_weights(model, state["step"], ckpt_path, good_step)
 
     def checkpoint():
         nonlocal good_step
@@ -412,9 +427,7 @@ def pretrain(args: argparse.Namespace) -> int:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            bad = non_finite({"loss": float(loss.detach()), "grad_norm": float(gn)})
-            if bad:  # the step is not taken; ckpt.pt keeps the last finite one
-                raise PretrainDiverged(step + 1, f"the loss or its gradient ({bad})", ckpt_path, good_step)
+            check_step(step, loss, gn, ckpt_path, good_step)
             opt.step()
             a = float(acc)
             loss = loss.detach()

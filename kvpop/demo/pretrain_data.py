@@ -48,6 +48,8 @@ from kvpop.demo.pretrain import (
     _save_model,
     changed_settings,
     check_args,
+    check_step,
+    check_weights,
     refuse_changed,
     restore_checkpoint,
 )
@@ -55,8 +57,6 @@ from kvpop.training import data as data_io
 from kvpop.training.runstate import (
     StopSignals,
     atomic_save,
-    non_finite,
-    non_finite_parameters,
     rng_state,
     write_jsonl,
 )
@@ -408,10 +408,7 @@ def pretrain_data(args: argparse.Namespace) -> int:
                 "manifest": man, "train_loss": round(sum(tail) / max(1, len(tail)), 4), "valid": valid_rec}
 
     def finite_weights() -> None:  # before anything of the weights is written
-        bad = non_finite_parameters(model)
-        if bad:
-            raise PretrainDiverged(state["step"], f"the weights ({', '.join(bad)})", ckpt_path, good_step,
-                                   weights=True)
+        check_weights(model, state["step"], ckpt_path, good_step)
 
     def checkpoint():
         nonlocal good_step
@@ -438,10 +435,7 @@ def pretrain_data(args: argparse.Namespace) -> int:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                lv = float(loss.detach())
-                bad = non_finite({"loss": lv, "grad_norm": float(gn)})
-                if bad:  # the step is not taken; ckpt.pt keeps the last finite one
-                    raise PretrainDiverged(step + 1, f"the loss or its gradient ({bad})", ckpt_path, good_step)
+                lv = check_step(step, loss, gn, ckpt_path, good_step)
                 opt.step()
                 state["step"] += 1
                 state["losses"] = (state["losses"] + [lv])[-20:]
