@@ -1,99 +1,172 @@
 """The fixed-budget cache of many requests inside a paged KV cache (no vLLM import here).
 
 :func:`decode_step` writes one new token for each of ``N`` requests at once; :func:`extend` runs a prompt
-or a later chunk of one request.  The slot layout, why the occupied slots stay ``[0, min(n, B))``, the
+or a later chunk of one request; :func:`decode_attention` attends one token per request over a packed
+block.  Where a request's slot lives is a layout's business: :class:`UniformSlots` (head ``h``'s slot ``j``
+in block ``j // bs``, head row ``h``: what vLLM's own paged kernels read) or :class:`PackedSlots`
+(head-adaptive budgets: every head's slots one after another, the layers of a model one after another,
+over the rows of shared pages).  The slot layout, why the occupied slots stay ``[0, min(n, B_h))``, the
 side tables and what each operation guarantees: docs/DESIGN.md section 5, "How the vLLM plugin holds
 the cache".
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvpop_kernels import eviction_schedule, sparse_attention
 
-__all__ = ["slot_index", "decode_step", "extend", "gather_slots"]
+__all__ = ["UniformSlots", "PackedSlots", "slot_index", "decode_step", "extend", "gather_slots",
+           "decode_attention"]
 
 _I32MAX = 2**31 - 1
 
 
+def _rows_of(table: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
+    """``table [N, nb]`` gathered at ``page [N, ...]``."""
+    n = table.shape[0]
+    return table.long().gather(1, page.reshape(n, -1)).reshape(page.shape)
+
+
+class UniformSlots:
+    """Every KV head holds ``budget`` slots; head ``h``'s slot ``j`` is at ``(table[j // bs], h, j % bs)``."""
+
+    def __init__(self, budget: int, num_kv_heads: int) -> None:
+        self.budgets = (int(budget),) * num_kv_heads
+
+    def addr(self, table: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor, bs: int):
+        """Physical ``(block, row, offset)`` of head ``heads``' slot ``slots`` (long, both ``[N, ...]``) of
+        the requests of ``table [N, nb]``."""
+        return _rows_of(table, slots // bs), heads, slots % bs
+
+
+class PackedSlots:
+    """Head-adaptive budgets: head ``h`` of this layer holds ``budgets[h]`` slots, at packed index
+    ``u = base + offset_h + j`` (``offset_h`` the prefix sum of the budgets, ``base`` that of the layers
+    before this one), page ``u // (rows * bs)``, row ``(u // bs) % rows``, offset ``u % bs`` of pages of
+    ``rows`` rows of ``bs`` slots."""
+
+    def __init__(self, budgets, rows: int, base: int = 0) -> None:
+        self.budgets = tuple(int(b) for b in budgets)
+        self.rows, self.base = int(rows), int(base)
+        self.offsets = tuple(itertools.accumulate((0,) + self.budgets[:-1]))
+        self._offs: dict = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.budgets)
+
+    def addr(self, table: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor, bs: int):
+        dev = slots.device
+        offs = self._offs.get(dev)
+        if offs is None:
+            offs = self._offs[dev] = torch.tensor(self.offsets, dtype=torch.long, device=dev)
+        u = self.base + offs[heads] + slots
+        per_page = self.rows * bs
+        r = u % per_page
+        return _rows_of(table, u // per_page), r // bs, r % bs
+
+
 def slot_index(block_table: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Physical ``(block, offset)`` of logical ``slots`` (``[N, ...]`` long) of the rows of ``block_table [N, nb]``."""
-    n = slots.shape[0]
-    blk = block_table.long().gather(1, (slots // block_size).reshape(n, -1)).reshape(slots.shape)
-    return blk, slots % block_size
+    """Physical ``(block, offset)`` of logical ``slots`` (``[N, ...]`` long) of the rows of ``block_table [N, nb]``
+    (the uniform layout)."""
+    return _rows_of(block_table, slots // block_size), slots % block_size
+
+
+def _layout(layout, budget, hkv):
+    if layout is not None:
+        return layout
+    if budget is None:
+        raise TypeError("give budget= (uniform budgets) or layout=")
+    return UniformSlots(budget, hkv)
+
+
+def _head_slots(layout, n_max: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slots ``[0, n_max)`` of every head: ``(j [n_max], slots [Hkv, n_max] clamped to each head's budget,
+    budgets [Hkv])``; a padded slot (``j >= B_h``) addresses the head's last slot, to be masked."""
+    b = torch.tensor(layout.budgets, dtype=torch.long, device=device)
+    j = torch.arange(n_max, device=device)
+    return j, torch.minimum(j[None, :], b[:, None] - 1), b
 
 
 def gather_slots(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_prio: torch.Tensor,
-                 block_row: torch.Tensor, n_slots: int, block_size: int):
-    """Contents of slots ``[0, n_slots)`` of one request: ``K, V [Hkv, n, D]``, ``pos [Hkv, n]``, ``prio [Hkv, n]``."""
-    hkv = K.shape[1]
+                 block_row: torch.Tensor, n_slots: int, block_size: int, *, layout=None, heads=None):
+    """Contents of slots ``[0, n_slots)`` of one request's ``heads`` (all by default):
+    ``K, V [H, n, D]``, ``pos [H, n]``, ``prio [H, n]``."""
+    if heads is None:
+        heads = torch.arange(len(layout.budgets) if layout is not None else K.shape[1], device=K.device)
+    layout = _layout(layout, n_slots, K.shape[1])
     slots = torch.arange(n_slots, device=K.device)
-    blk = block_row.long()[slots // block_size]
-    off = slots % block_size
-    h = torch.arange(hkv, device=K.device)[:, None]
-    return K[blk[None], h, off[None]], V[blk[None], h, off[None]], slot_pos[blk[None], h, off[None]], \
-        slot_prio[blk[None], h, off[None]]
+    h = heads[:, None].expand(-1, n_slots)
+    blk, row, off = layout.addr(block_row[None], h[None], slots[None, None].expand(1, *h.shape), block_size)
+    at = (blk[0], row[0], off[0])
+    return K[at], V[at], slot_pos[at], slot_prio[at]
 
 
 @torch.no_grad()
 def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_prio: torch.Tensor,
                 block_table: torch.Tensor, pos: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                p_new: torch.Tensor, *, sinks: int, window: int, budget: int,
-                valid: torch.Tensor | None = None) -> None:
+                p_new: torch.Tensor, *, sinks: int, window: int, budget: int | None = None, layout=None,
+                valid: torch.Tensor | None = None, p_leave: torch.Tensor | None = None) -> None:
     """The eviction step and cache write of one new token for each of ``N`` requests (in place).
 
     Args:
-        K, V: logical views ``[num_blocks, Hkv, bs, D]`` of the paged cache.
-        slot_pos, slot_prio: side tables ``[num_blocks, Hkv, bs]`` int32 / float32.
-        block_table: ``[N, >= ceil(B / bs)]`` the requests' block-table rows.
+        K, V: logical views ``[num_blocks, rows, bs, D]`` of the paged cache.
+        slot_pos, slot_prio: side tables ``[num_blocks, rows, bs]`` int32 / float32.
+        block_table: ``[N, >= blocks per request]`` the requests' block-table rows.
         pos: ``[N]`` integer, the new token's position (= tokens the request has seen before it).
         k_new, v_new: ``[N, Hkv, D]`` the new token's key (rotated) and value.
-        p_new: ``[N, Hkv]`` float32, the new token's static priority.
+        p_new: ``[N, Hkv]`` float32, the new token's static priority (stored with it).
+        budget / layout: the uniform budget ``B``, or a layout (:class:`UniformSlots`, :class:`PackedSlots`).
         valid: optional ``[N]`` bool; rows marked False (padding of a CUDA-graph batch, whose block-table
             rows may be stale) write into block 0, vLLM's null block, which no request ever owns.
+        p_leave: optional ``[N, Hkv]`` float32, the priority of the token ``pos - w`` leaving the window,
+            computed now (a recurrent scorer); by default the one stored with it.
 
-    Per request and head (``kvpop_kernels.reference.fixed_budget_decode``, steps 1-2): when the
-    token ``t = pos - w`` leaves the window (``t >= s``) it replaces the long-range slot of lowest
-    priority (ties to the oldest position, then the lowest slot index; an empty slot ranks below every
-    token) if it ranks above it, else it is dropped; then the new token takes its sink or ring slot.
-    Attention is the caller's (a paged kernel over ``min(pos + 1, B)`` slots).  Every write is a
+    Per request and head (``kvpop_kernels.reference.fixed_budget_decode``, steps 1-2, with the head's own
+    ``k_h = B_h - s - w``): when the token ``t = pos - w`` leaves the window (``t >= s``) it replaces the
+    long-range slot of lowest priority (ties to the oldest position, then the lowest slot index; an empty
+    slot ranks below every token) if it ranks above it, else it is dropped; then the new token takes its
+    sink or ring slot.  Attention is the caller's (over ``min(pos + 1, B_h)`` slots).  Every write is a
     fixed-shape scatter: a head that keeps nothing rewrites the slot with its own content.
     """
-    s, w, B = sinks, window, budget
-    k_lr = B - s - w
+    s, w = sinks, window
     bs = K.shape[2]
     N, hkv = p_new.shape
+    layout = _layout(layout, budget, hkv)
     dev = K.device
     pos = pos.long().clamp(min=0)
     if valid is not None:
         block_table = torch.where(valid[:, None], block_table, torch.zeros_like(block_table))
-    heads = torch.arange(hkv, device=dev)[None, :]  # [1, Hkv]
+    heads = torch.arange(hkv, device=dev)[None, :].expand(N, hkv)
     new_slot = torch.where(pos < s, pos, s + (pos - s).clamp(min=0) % w)  # also the leaving token's slot
-    nblk, noff = slot_index(block_table, new_slot, bs)  # [N]
-    if k_lr > 0:
+    at = layout.addr(block_table, heads, new_slot[:, None].expand(N, hkv), bs)  # [N, Hkv] each
+    k_max = max(layout.budgets) - s - w
+    if k_max > 0:
         t_leave = pos - w
-        lr = s + w + torch.arange(k_lr, device=dev)  # [k]
-        lr_blk, lr_off = slot_index(block_table, lr.expand(N, k_lr), bs)  # [N, k]
-        lp = slot_prio[lr_blk[:, None, :], heads[..., None], lr_off[:, None, :]]  # [N, Hkv, k]
-        lt = slot_pos[lr_blk[:, None, :], heads[..., None], lr_off[:, None, :]].long()
-        filled = (lr[None, :] < pos[:, None]).unsqueeze(1)  # slot j holds a token iff j < min(pos, B)
+        j, lr, b = _head_slots(layout, s + w + k_max, dev)
+        j, lr = j[s + w:], lr[:, s + w:]  # [k_max], [Hkv, k_max]
+        has = j[None, :] < b[:, None]  # slot j exists in head h
+        lr_at = layout.addr(block_table, heads[..., None].expand(N, hkv, k_max), lr[None].expand(N, -1, -1), bs)
+        lp, lt = slot_prio[lr_at], slot_pos[lr_at].long()  # [N, Hkv, k_max]
+        filled = (j[None, None, :] < pos[:, None, None])  # slot j holds a token iff j < min(pos, B_h)
         lp = torch.where(filled, lp, torch.full_like(lp, float("-inf")))
         lt = torch.where(filled, lt, torch.full_like(lt, -1))
+        lp = torch.where(has[None], lp, torch.full_like(lp, float("inf")))  # padding: never the lowest
+        lt = torch.where(has[None], lt, torch.full_like(lt, _I32MAX))
         low_p = lp.amin(dim=-1)  # [N, Hkv]
         older = torch.where(lp == low_p[..., None], lt, torch.full_like(lt, _I32MAX))
-        low_t, j = older.min(dim=-1)  # first index among equal values: the lowest slot
-        ring_p = slot_prio[nblk[:, None], heads, noff[:, None]].nan_to_num(nan=float("-inf"))  # [N, Hkv]
-        keep = (t_leave >= s)[:, None] & ((ring_p > low_p) | ((ring_p == low_p) & (low_t < t_leave[:, None])))
-        dst_blk = lr_blk.gather(1, j)  # [N, Hkv]
-        dst_off = lr_off.gather(1, j)
-        src = (nblk[:, None].expand(N, hkv), heads.expand(N, hkv), noff[:, None].expand(N, hkv))
-        dst = (dst_blk, heads.expand(N, hkv), dst_off)
+        low_t, jj = older.min(dim=-1)  # first index among equal values: the lowest slot
+        ring_p = slot_prio[at].nan_to_num(nan=float("-inf")) if p_leave is None else p_leave.float()
+        keep = ((t_leave >= s)[:, None] & (b > s + w)[None]
+                & ((ring_p > low_p) | ((ring_p == low_p) & (low_t < t_leave[:, None]))))
+        dst = tuple(x.gather(2, jj[..., None]).squeeze(2) for x in lr_at)  # [N, Hkv]
         k4 = keep[..., None]
-        K[dst] = torch.where(k4, K[src], K[dst])
-        V[dst] = torch.where(k4, V[src], V[dst])
+        K[dst] = torch.where(k4, K[at], K[dst])
+        V[dst] = torch.where(k4, V[at], V[dst])
         slot_pos[dst] = torch.where(keep, t_leave[:, None].to(slot_pos.dtype), slot_pos[dst])
         slot_prio[dst] = torch.where(keep, ring_p, slot_prio[dst])
-    at = (nblk[:, None].expand(N, hkv), heads.expand(N, hkv), noff[:, None].expand(N, hkv))
     K[at] = k_new.to(K.dtype)
     V[at] = v_new.to(V.dtype)
     slot_pos[at] = pos[:, None].expand(N, hkv).to(slot_pos.dtype)
@@ -101,35 +174,80 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
 
 
 @torch.no_grad()
+def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor,
+                     q: torch.Tensor, *, layout, scale: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention ``[N, Hq, D]`` of one query per request ``q [N, Hq, D]`` over the ``min(pos + 1, B_h)``
+    occupied slots of each KV head (after :func:`decode_step`), in float32; fixed shapes, no host read
+    (the packed layout's decode, where vLLM's kernels, one length for every head, do not apply)."""
+    N, hq, d = q.shape
+    hkv = len(layout.budgets)
+    bs = K.shape[2]
+    if valid is not None:
+        block_table = torch.where(valid[:, None], block_table, torch.zeros_like(block_table))
+    j, slots, b = _head_slots(layout, max(layout.budgets), K.device)
+    heads = torch.arange(hkv, device=K.device)[None, :, None].expand(N, hkv, j.numel())
+    at = layout.addr(block_table, heads, slots[None].expand(N, -1, -1), bs)
+    kk, vv = K[at].float(), V[at].float()  # [N, Hkv, Bmax, D]
+    n = torch.minimum(pos.long().clamp(min=0)[:, None] + 1, b[None])  # [N, Hkv]
+    seen = j[None, None, :] < n[..., None]
+    logits = torch.einsum("nhgd,nhjd->nhgj", q.float().view(N, hkv, hq // hkv, d), kk) * scale
+    logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
+    out = torch.einsum("nhgj,nhjd->nhgd", torch.softmax(logits, dim=-1), vv)
+    return out.reshape(N, hq, d).to(q.dtype)
+
+
+@torch.no_grad()
 def extend(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_prio: torch.Tensor,
            block_row: torch.Tensor, ctx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           p: torch.Tensor, *, sinks: int, window: int, budget: int, scale: float) -> torch.Tensor:
+           p: torch.Tensor, *, sinks: int, window: int, budget: int | None = None, scale: float,
+           layout=None) -> torch.Tensor:
     """Attention of ``L`` new tokens of one request after ``ctx`` cached ones, then their cache write.
 
     Args:
-        K, V, slot_pos, slot_prio: as in :func:`decode_step`.
-        block_row: ``[>= ceil(B / bs)]`` the request's block-table row.
+        K, V, slot_pos, slot_prio, budget / layout: as in :func:`decode_step`.
+        block_row: ``[>= blocks per request]`` the request's block-table row.
         ctx: tokens the request has seen before this chunk (``0`` for a prompt).
         q: ``[L, Hq, D]``; k, v: ``[L, Hkv, D]`` (rotated keys); p: ``[L, Hkv]`` float32 priorities.
 
     Returns the attention output ``[L, Hq, D]``: the same as ``L`` successive decode steps (and, from
-    ``ctx = 0``, as one ``sparse_attention`` forward over the whole sequence with the same priorities).
+    ``ctx = 0``, as one ``sparse_attention`` forward over the whole sequence with the same priorities and
+    each head's own ``k_h``).  Heads of one budget run together (all of them under uniform budgets).
 
-    The virtual sequence: the ``n = min(ctx, B)`` cached tokens of each head ordered by position
-    (sinks, long-range, window), then the chunk.  A token evicted before ``ctx`` never comes back (the
-    ``k`` tokens that outranked it are still eligible), so the kept set at every chunk query is the
-    top-``k`` of the cached long-range tokens and the tokens that left the window since; and a token's
-    virtual index differs from its position by one constant for every window and chunk token, so
-    windows and eligibility are the same.  Ties go to the newer token in both orders.
+    The virtual sequence of a head: its ``n = min(ctx, B_h)`` cached tokens ordered by position (sinks,
+    long-range, window), then the chunk.  A token evicted before ``ctx`` never comes back (the ``k_h``
+    tokens that outranked it are still eligible), so the kept set at every chunk query is the top-``k_h``
+    of the cached long-range tokens and the tokens that left the window since; and a token's virtual index
+    differs from its position by one constant for every window and chunk token, so windows and
+    eligibility are the same.  Ties go to the newer token in both orders.
     """
-    s, w, B = sinks, window, budget
+    L, hkv, _ = k.shape
+    layout = _layout(layout, budget, hkv)
+    g = q.shape[1] // hkv
+    by_budget: dict[int, list[int]] = {}
+    for h, b in enumerate(layout.budgets):
+        by_budget.setdefault(b, []).append(h)
+    if len(by_budget) == 1:
+        return _extend_heads(K, V, slot_pos, slot_prio, block_row, ctx, q, k, v, p, torch.arange(hkv, device=K.device),
+                             layout.budgets[0], sinks=sinks, window=window, scale=scale, layout=layout)
+    out = q.new_empty(q.shape)
+    for b, hs in by_budget.items():
+        h = torch.tensor(hs, device=K.device)
+        qh = (h[:, None] * g + torch.arange(g, device=K.device)).flatten()
+        out[:, qh] = _extend_heads(K, V, slot_pos, slot_prio, block_row, ctx, q[:, qh], k[:, h], v[:, h], p[:, h], h,
+                                   b, sinks=sinks, window=window, scale=scale, layout=layout)
+    return out
+
+
+def _extend_heads(K, V, slot_pos, slot_prio, block_row, ctx, q, k, v, p, heads, B, *, sinks, window, scale, layout):
+    """:func:`extend` for the KV heads ``heads`` (all of budget ``B``) and their query heads ``q``."""
+    s, w = sinks, window
     k_lr = B - s - w
     bs = K.shape[2]
     L, hkv, d = k.shape
     dev = K.device
     n = min(ctx, B)
     if n:
-        ck, cv, cpos, cprio = gather_slots(K, V, slot_pos, slot_prio, block_row, n, bs)
+        ck, cv, cpos, cprio = gather_slots(K, V, slot_pos, slot_prio, block_row, n, bs, layout=layout, heads=heads)
         order = cpos.long().argsort(dim=1)  # per head: sinks, long-range, window
         ck, cv = ck.gather(1, order[..., None].expand(-1, -1, d)), cv.gather(1, order[..., None].expand(-1, -1, d))
         cpos, cprio = cpos.long().gather(1, order), cprio.gather(1, order)
@@ -154,9 +272,8 @@ def extend(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_prio: 
     sink_v = idx[: min(s, Sv)]
     win_v = idx[max(s, Sv - w):]
     kept_lr = (idx[None] >= s) & (idx[None] <= last - w) & (ev > last)  # [Hkv, Sv]
-    n_lr = int(kept_lr[0].sum())  # min(k, |E|), the same for every head
+    n_lr = int(kept_lr[0].sum())  # min(k, |E|), the same for every head of this budget
     lr_v = kept_lr.long().argsort(dim=1, descending=True, stable=True)[:, :n_lr]  # in virtual (position) order
-    heads = torch.arange(hkv, device=dev)[:, None]
     for vi, slots in ((sink_v[None].expand(hkv, -1), sink_v[None].expand(hkv, -1)),
                       (win_v[None].expand(hkv, -1), None),
                       (lr_v, s + w + torch.arange(n_lr, device=dev)[None].expand(hkv, -1))):
@@ -165,10 +282,11 @@ def extend(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_prio: 
         tpos = vpos.gather(1, vi)  # real positions [Hkv, m]
         if slots is None:  # ring slots by real position
             slots = s + (tpos - s) % w
-        blk = block_row.long()[slots // bs]
-        off = slots % bs
-        K[blk, heads, off] = vk.gather(1, vi[..., None].expand(-1, -1, d)).to(K.dtype)
-        V[blk, heads, off] = vv.gather(1, vi[..., None].expand(-1, -1, d)).to(V.dtype)
-        slot_pos[blk, heads, off] = tpos.to(slot_pos.dtype)
-        slot_prio[blk, heads, off] = vprio.gather(1, vi)
+        blk, row, off = layout.addr(block_row[None], heads[None, :, None].expand(1, hkv, slots.shape[1]),
+                                    slots[None], bs)
+        at = (blk[0], row[0], off[0])
+        K[at] = vk.gather(1, vi[..., None].expand(-1, -1, d)).to(K.dtype)
+        V[at] = vv.gather(1, vi[..., None].expand(-1, -1, d)).to(V.dtype)
+        slot_pos[at] = tpos.to(slot_pos.dtype)
+        slot_prio[at] = vprio.gather(1, vi)
     return out[0, :, n:].transpose(0, 1)

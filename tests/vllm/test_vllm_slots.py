@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kvpop.vllm.slots import decode_step, extend, gather_slots
+from kvpop.vllm.slots import PackedSlots, UniformSlots, decode_attention, decode_step, extend, gather_slots
 from kvpop_kernels import eviction_schedule, reference, sparse_attention
 
 D, HQ, HKV = 8, 4, 2
@@ -21,57 +21,110 @@ def _pytorch_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels are tested on their own; this is the slot logic
 
 
-def _paged(num_blocks, bs, transposed):
-    """Logical [nb, Hkv, bs, D] views of a physical cache (keys stored [D, bs] per block when transposed)."""
+def _paged(num_blocks, bs, transposed, rows=HKV):
+    """Logical [nb, rows, bs, D] views of a physical cache (keys stored [D, bs] per block when transposed)."""
     if transposed:
-        K = torch.zeros(num_blocks, HKV, D, bs).transpose(2, 3)
+        K = torch.zeros(num_blocks, rows, D, bs).transpose(2, 3)
     else:
-        K = torch.zeros(num_blocks, HKV, bs, D)
-    V = torch.zeros(num_blocks, HKV, bs, D)
+        K = torch.zeros(num_blocks, rows, bs, D)
+    V = torch.zeros(num_blocks, rows, bs, D)
     # stale garbage everywhere: a correct implementation never reads a slot it did not write
     K.normal_(), V.normal_()
-    pos = torch.randint(-5, 1000, (num_blocks, HKV, bs), dtype=torch.int32)
-    prio = torch.randn(num_blocks, HKV, bs) * 100
+    pos = torch.randint(-5, 1000, (num_blocks, rows, bs), dtype=torch.int32)
+    prio = torch.randn(num_blocks, rows, bs) * 100
     return K, V, pos, prio
 
 
-def _run(seqs, s, w, B, bs, transposed, seed):
+def _run(seqs, s, w, B, bs, transposed, seed, layouts=None):
+    """Feed ``seqs`` (one dict of q, k, v, p per layer, in ``x["layers"]``) through the slots of ``layouts`` (one per
+    layer, all in one paged cache; uniform budget ``B`` when None) in a random interleaving."""
     rng = random.Random(seed)
-    nblk = -(-B // bs)
+    if layouts is None:
+        layouts, rows, nblk = [None], HKV, -(-B // bs)
+    else:
+        rows = layouts[0].rows
+        nblk = -(-sum(lay.total for lay in layouts) // (rows * bs))
     num_blocks = nblk * len(seqs) + 3
-    K, V, spos, sprio = _paged(num_blocks, bs, transposed)
+    K, V, spos, sprio = _paged(num_blocks, bs, transposed, rows)
     perm = list(range(num_blocks))
     rng.shuffle(perm)
     tables = [torch.tensor(perm[i * nblk:(i + 1) * nblk] + [perm[-1]], dtype=torch.int32) for i in range(len(seqs))]
     done = [0] * len(seqs)
-    outs = [torch.zeros(x["q"].shape[0], HQ, D) for x in seqs]
+    length = [x["layers"][0]["q"].shape[0] for x in seqs]
+    outs = [[torch.zeros(n, HQ, D) for _ in layouts] for n in length]
     scale = D ** -0.5
-    while any(d < x["q"].shape[0] for d, x in zip(done, seqs)):
-        live = [i for i, x in enumerate(seqs) if done[i] < x["q"].shape[0]]
+    kw = [dict(budget=B) if lay is None else dict(layout=lay) for lay in layouts]
+    while any(d < n for d, n in zip(done, length)):
+        live = [i for i in range(len(seqs)) if done[i] < length[i]]
         dec = [i for i in live if done[i] > 0 and rng.random() < 0.6]
-        if dec:  # one batched decode step for these requests
+        if dec:  # one batched decode step for these requests, every layer
             idx = torch.tensor([done[i] for i in dec])
             bt = torch.stack([tables[i] for i in dec])
-            kn = torch.stack([seqs[i]["k"][done[i]] for i in dec])
-            vn = torch.stack([seqs[i]["v"][done[i]] for i in dec])
-            pn = torch.stack([seqs[i]["p"][done[i]] for i in dec])
-            decode_step(K, V, spos, sprio, bt, idx, kn, vn, pn, sinks=s, window=w, budget=B)
-            for i in dec:  # attention over the first min(n, B) slots, as a paged kernel would
-                n = min(done[i] + 1, B)
-                ck, cv, _, _ = gather_slots(K, V, spos, sprio, tables[i], n, bs)
-                q = seqs[i]["q"][done[i]]
-                att = torch.softmax(torch.einsum("hd,hnd->hn", q, ck.repeat_interleave(HQ // HKV, 0)) * scale, -1)
-                outs[i][done[i]] = torch.einsum("hn,hnd->hd", att, cv.repeat_interleave(HQ // HKV, 0))
+            for li, lay in enumerate(layouts):
+                x = [seqs[i]["layers"][li] for i in dec]
+                kn, vn, pn, qn = (torch.stack([xi[f][done[i]] for xi, i in zip(x, dec)]) for f in "kvpq")
+                decode_step(K, V, spos, sprio, bt, idx, kn, vn, pn, sinks=s, window=w, **kw[li])
+                if lay is not None:
+                    att = decode_attention(K, V, bt, idx, qn, layout=lay, scale=scale)
+                for r, i in enumerate(dec):
+                    if lay is not None:
+                        outs[i][li][done[i]] = att[r]
+                        continue
+                    n = min(done[i] + 1, B)  # attention over the first min(n, B) slots, as a paged kernel would
+                    ck, cv, _, _ = gather_slots(K, V, spos, sprio, tables[i], n, bs)
+                    rep = HQ // HKV
+                    a = torch.softmax(torch.einsum("hd,hnd->hn", qn[r], ck.repeat_interleave(rep, 0)) * scale, -1)
+                    outs[i][li][done[i]] = torch.einsum("hn,hnd->hd", a, cv.repeat_interleave(rep, 0))
+            for i in dec:
                 done[i] += 1
         rest = [i for i in live if i not in dec]
         for i in rest:  # a prompt or a later chunk
-            L = min(rng.choice([1, 2, 5, w - 1, w + 3, 3 * B]), seqs[i]["q"].shape[0] - done[i])
+            L = min(rng.choice([1, 2, 5, w - 1, w + 3, 3 * max(B or 0, 8)]), length[i] - done[i])
             a = done[i]
-            x = seqs[i]
-            outs[i][a:a + L] = extend(K, V, spos, sprio, tables[i], a, x["q"][a:a + L], x["k"][a:a + L],
-                                      x["v"][a:a + L], x["p"][a:a + L], sinks=s, window=w, budget=B, scale=scale)
+            for li in range(len(layouts)):
+                x = seqs[i]["layers"][li]
+                outs[i][li][a:a + L] = extend(K, V, spos, sprio, tables[i], a, x["q"][a:a + L], x["k"][a:a + L],
+                                              x["v"][a:a + L], x["p"][a:a + L], sinks=s, window=w, scale=scale,
+                                              **kw[li])
             done[i] += L
     return outs, (K, V, spos, sprio, tables, bs)
+
+
+def _seqs(lengths, n_layers, ties):
+    out = []
+    for S in lengths:
+        layers = []
+        for _ in range(n_layers):
+            prio = torch.randint(0, 3, (S, HKV)).float() if ties else torch.randn(S, HKV)
+            layers.append({"q": torch.randn(S, HQ, D), "k": torch.randn(S, HKV, D), "v": torch.randn(S, HKV, D),
+                           "p": prio})
+        out.append({"layers": layers})
+    return out
+
+
+def _check(seqs, outs, state, s, w, layouts):
+    """Each layer's outputs == one sparse forward with its heads' own k; the slots hold the kept set."""
+    K, V, spos, sprio, tables, bs = state
+    for x, out, table in zip(seqs, outs, tables):
+        for li, lay in enumerate(layouts):
+            xl = x["layers"][li]
+            S = xl["q"].shape[0]
+            ks = [b - s - w for b in lay.budgets]
+            ev = eviction_schedule(xl["p"].T[None].contiguous(), sinks=s, window=w, k=ks)
+            ref, _ = sparse_attention(xl["q"].transpose(0, 1)[None], xl["k"].transpose(0, 1)[None],
+                                      xl["v"].transpose(0, 1)[None], ev, sinks=s, window=w)
+            torch.testing.assert_close(out[li], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+            vis = reference.visible_mask(ev, sinks=s, window=w)[0, :, S - 1]  # [Hkv, S]
+            for h, b in enumerate(lay.budgets):
+                n = min(S, b)
+                ck, cv, cpos, cprio = (t[0] for t in gather_slots(K, V, spos, sprio, table, n, bs, layout=lay,
+                                                                   heads=torch.tensor([h])))
+                assert sorted(cpos.tolist()) == vis[h].nonzero().flatten().tolist()
+                t = cpos.long()
+                torch.testing.assert_close(ck, xl["k"][t, h])
+                torch.testing.assert_close(cv, xl["v"][t, h])
+                lr = t >= s
+                torch.testing.assert_close(cprio[lr], xl["p"][t[lr], h])
 
 
 @pytest.mark.parametrize("s,w,B,bs,transposed,ties", [
@@ -83,30 +136,30 @@ def _run(seqs, s, w, B, bs, transposed, seed):
 ])
 def test_matches_one_sparse_forward(s, w, B, bs, transposed, ties):
     torch.manual_seed(hash((s, w, B, bs, transposed, ties)) % 1000)
-    seqs = []
-    for S in (1, 7, 29, 61):
-        prio = torch.randint(0, 3, (S, HKV)).float() if ties else torch.randn(S, HKV)
-        seqs.append({"q": torch.randn(S, HQ, D), "k": torch.randn(S, HKV, D), "v": torch.randn(S, HKV, D), "p": prio})
-    outs, (K, V, spos, sprio, tables, bs) = _run(seqs, s, w, B, bs, transposed, seed=B + bs)
-    k = B - s - w
-    for x, out, table in zip(seqs, outs, tables):
-        S = x["q"].shape[0]
-        pr = x["p"].T[None].contiguous()
-        ev = eviction_schedule(pr, sinks=s, window=w, k=k)
-        ref, _ = sparse_attention(x["q"].transpose(0, 1)[None], x["k"].transpose(0, 1)[None],
-                                  x["v"].transpose(0, 1)[None], ev, sinks=s, window=w)
-        torch.testing.assert_close(out, ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-        # the slots hold exactly the kept set of the last query, each token's own key, value and priority
-        n = min(S, B)
-        ck, cv, cpos, cprio = gather_slots(K, V, spos, sprio, table, n, bs)
-        vis = reference.visible_mask(ev, sinks=s, window=w)[0, :, S - 1]  # [Hkv, S]
-        for h in range(HKV):
-            assert sorted(cpos[h].tolist()) == vis[h].nonzero().flatten().tolist()
-            t = cpos[h].long()
-            torch.testing.assert_close(ck[h], x["k"][t, h])
-            torch.testing.assert_close(cv[h], x["v"][t, h])
-            lr = t >= s  # sinks carry no priority that is ever read
-            torch.testing.assert_close(cprio[h][lr], x["p"][t[lr], h])
+    seqs = _seqs((1, 7, 29, 61), 1, ties)
+    outs, state = _run(seqs, s, w, B, bs, transposed, seed=B + bs)
+    _check(seqs, outs, state, s, w, [UniformSlots(B, HKV)])
+
+
+@pytest.mark.parametrize("s,w,budgets,bs,transposed,ties", [
+    # two layers of two KV heads in pages of 4 rows: layer totals 24 and 16 (mean 10), heads straddle pages
+    (2, 5, ((9, 15), (7, 9)), 4, True, False),
+    (4, 8, ((12, 28), (20, 20)), 8, False, True),  # a head with no long-range slot; two equal heads
+    (0, 3, ((4, 11), (9, 6)), 2, False, True),     # no sinks, small blocks
+])
+def test_packed_matches_one_sparse_forward(s, w, budgets, bs, transposed, ties):
+    """Head-adaptive budgets, the layers of a model packed one after another into shared pages (the
+    plugin's layout): every layer equals one sparse forward with each head's own k, its slots hold the
+    kept set, and no layer or head writes into another's slots."""
+    torch.manual_seed(hash((s, w, budgets, bs)) % 1000)
+    rows = 2 * HKV
+    layouts, base = [], 0
+    for b in budgets:
+        layouts.append(PackedSlots(b, rows, base))
+        base += sum(b)
+    seqs = _seqs((1, 7, 29, 61), len(budgets), ties)
+    outs, state = _run(seqs, s, w, None, bs, transposed, seed=bs, layouts=layouts)
+    _check(seqs, outs, state, s, w, layouts)
 
 
 def test_decode_step_matches_reference_step():
