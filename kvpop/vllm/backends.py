@@ -25,9 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
 from . import slots
@@ -48,23 +53,45 @@ class _FixedBudgetImpl:
         if not no_window or getattr(self, "alibi_slopes", None) is not None:
             raise NotImplementedError("kvpop layers have no sliding window or ALiBi of their own")
 
-    def _tables(self, K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(self, K: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
         nb, hkv, bs, _ = K.shape
-        t = self._kvpop_tables
+        shared = layer.kvpop_layout is not None  # the layers of a packed block share one cache: and its tables
+        t = _SHARED_TABLES.get((K.data_ptr(), K.device)) if shared else self._kvpop_tables
         if t is None or t[0].shape != (nb, hkv, bs) or t[0].device != K.device:
             t = (torch.full((nb, hkv, bs), -1, dtype=torch.int32, device=K.device),
                  torch.full((nb, hkv, bs), float("-inf"), dtype=torch.float32, device=K.device))
-            self._kvpop_tables = t
+            if shared:
+                _SHARED_TABLES[(K.data_ptr(), K.device)] = t
+            else:
+                self._kvpop_tables = t
         return t
+
+    @staticmethod
+    def _where(layer) -> dict:
+        """The slot layout keywords of :mod:`slots` for ``layer``."""
+        if layer.kvpop_layout is not None:
+            return {"layout": layer.kvpop_layout}
+        return {"budget": layer.kvpop_budget}
 
     def _extend_rows(self, layer, rows, qsl, ctx, bt, query, key, value, prio, K, V, output) -> None:
         """The prompt/chunk path, one request at a time (host-side bookkeeping; runs eagerly)."""
-        sp, pr = self._tables(K)
+        sp, pr = self._tables(K, layer)
         for r in rows:
             a, b = qsl[r], qsl[r + 1]
             output[a:b] = slots.extend(K, V, sp, pr, bt[r], ctx[r], query[a:b], key[a:b], value[a:b], prio[a:b],
-                                       sinks=layer.kvpop_sinks, window=layer.kvpop_window,
-                                       budget=layer.kvpop_budget, scale=self.scale).to(output.dtype)
+                                       sinks=layer.kvpop_sinks, window=layer.kvpop_window, scale=self.scale,
+                                       **self._where(layer)).to(output.dtype)
+
+    def _packed_decode(self, layer, K, V, bt, pos, query, key, value, prio, valid=None) -> torch.Tensor:
+        """Eviction, write and attention of one token per request in the packed layout (fixed shapes)."""
+        sp, pr = self._tables(K, layer)
+        slots.decode_step(K, V, sp, pr, bt, pos, key, value, prio, sinks=layer.kvpop_sinks,
+                          window=layer.kvpop_window, layout=layer.kvpop_layout, valid=valid)
+        return slots.decode_attention(K, V, bt, pos, query, layout=layer.kvpop_layout, scale=self.scale, valid=valid)
+
+
+_SHARED_TABLES: dict = {}
+"""Side tables of a KV cache shared by the layers of a packed block, by the cache's address and device."""
 
 
 # ------------------------------------------------------------------------------------- CPU
@@ -117,7 +144,6 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
         region_k, region_v = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
         tk, tv = _cpu_block_layout(layer.isa, kv_cache.dtype, bs, self.head_size)
         K, V = _logical(region_k, tk), _logical(region_v, tv)
-        sp, pr = self._tables(K)
         B = layer.kvpop_budget
         qsl_t = meta.query_start_loc.long()
         R = qsl_t.shape[0] - 1
@@ -125,7 +151,12 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
         ctx = meta.seq_lens[:R].long() - qlen
         bt = meta.block_table[:R]
         dec = ((qlen == 1) & (ctx > 0)).nonzero().flatten()
-        if dec.numel():
+        if dec.numel() and layer.kvpop_layout is not None:
+            tok = qsl_t[dec]
+            output[tok] = self._packed_decode(layer, K, V, bt[dec], ctx[dec], query[tok], key[tok], value[tok],
+                                              prio[tok]).to(output.dtype)
+        elif dec.numel():
+            sp, pr = self._tables(K, layer)
             tok = qsl_t[dec]
             slots.decode_step(K, V, sp, pr, bt[dec], ctx[dec], key[tok], value[tok], prio[tok],
                               sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B)
@@ -150,12 +181,26 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
             self._extend_rows(layer, ext, qsl_t.tolist(), ctx.tolist(), bt, query, key, value, prio, K, V, output)
 
 
+class KVpopCPUBuilder(CPUAttentionMetadataBuilder):
+    """CPU_ATTN's metadata builder; for a packed block (pages of ``L * Hkv`` rows, read by kvpop alone) the
+    stock kernel's scheduler metadata, built but never used, is sized for a head count it accepts."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if getattr(kv_cache_spec, "whole", False):
+            self.num_kv_heads = math.gcd(self.num_kv_heads, self.num_heads)
+
+
 class KVpopCPUBackend(CPUAttentionBackend):
     forward_includes_kv_cache_update = True  # the write needs the eviction state: done inside forward
 
     @staticmethod
     def get_impl_cls():
         return KVpopCPUImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KVpopCPUBuilder
 
 
 # ------------------------------------------------------------------------------------- GPU
@@ -169,11 +214,16 @@ class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
         self._check_supported()
         D = self.head_size
         K, V = kv_cache[..., :D], kv_cache[..., D:]  # [nb, Hkv, bs, D] views of [nb, Hkv, bs, 2D]
-        sp, pr = self._tables(K)
         B = layer.kvpop_budget
         qsl = meta.query_start_loc
         R = qsl.shape[0] - 1
+        if meta.max_query_len == 1 and layer.kvpop_layout is not None:
+            pos = meta.seq_lens[:R].long() - 1
+            output[:R] = self._packed_decode(layer, K, V, meta.block_table[:R], pos, query[:R], key[:R], value[:R],
+                                             prio[:R], valid=pos >= 0).to(output.dtype)
+            return
         if meta.max_query_len == 1:  # pure decode: fixed shapes, no host sync (graph capturable)
+            sp, pr = self._tables(K, layer)
             pos = meta.seq_lens[:R].long() - 1
             valid = pos >= 0  # padded rows of a graph batch have seq_len 0 (and stale block-table rows)
             slots.decode_step(K, V, sp, pr, meta.block_table[:R], pos, key[:R], value[:R], prio[:R],

@@ -33,6 +33,7 @@ from kvpop import KVpopLayer
 from kvpop.core.priority import priority
 
 from .settings import Settings, resolve
+from .slots import PackedSlots
 from .spec import FixedBudgetSpec
 
 __all__ = ["KVpopQwen3ForCausalLM", "KVpopAttention", "OP_NAME", "load_scorer_file"]
@@ -67,13 +68,32 @@ def _backend() -> type:
     raise NotImplementedError(f"the kvpop vLLM plugin runs on CPU and CUDA platforms, not {current_platform}")
 
 
-class KVpopAttention(Attention):
-    """vLLM's ``Attention`` with the kvpop backend, a fixed-budget KV-cache spec and a priority input."""
+def packed_layout(settings: Settings, layer_idx: int, num_layers: int, num_kv_heads: int) -> PackedSlots:
+    """Layer ``layer_idx``'s place in the packed block of a head-adaptive model: pages of ``num_layers *
+    num_kv_heads`` rows (so the block of ``sum_{l,h} B[l][h] = L * Hkv * B`` slots is ``ceil(B / bs)`` pages,
+    those of a uniform layer), the layers one after another (docs/DESIGN.md section 5)."""
+    c = settings.config
+    base = sum(sum(c.layer_budgets(i, num_kv_heads)) for i in range(layer_idx))
+    return PackedSlots(c.layer_budgets(layer_idx, num_kv_heads), num_layers * num_kv_heads, base)
 
-    def __init__(self, *args, settings: Settings, **kwargs) -> None:
-        super().__init__(*args, attn_backend=_backend(), **kwargs)
+
+class KVpopAttention(Attention):
+    """vLLM's ``Attention`` with the kvpop backend, a fixed-budget KV-cache spec and a priority input.
+
+    With head-adaptive budgets every layer's heads live in one packed block of layer 0's KV cache (the
+    other layers share it through vLLM's cross-layer KV sharing) and ``kvpop_layout`` says where."""
+
+    def __init__(self, *args, settings: Settings, layer_idx: int = 0, num_layers: int = 1, **kwargs) -> None:
         c = settings.config
+        self.kvpop_layout = None
+        if c.head_budgets is not None:
+            prefix = kwargs["prefix"]
+            if layer_idx > 0:
+                kwargs["kv_sharing_target_layer_name"] = prefix.replace(f".{layer_idx}.", ".0.", 1)
+        super().__init__(*args, attn_backend=_backend(), **kwargs)
         self.kvpop_sinks, self.kvpop_window, self.kvpop_budget = c.sinks, c.window, c.budget
+        if c.head_budgets is not None:
+            self.kvpop_layout = packed_layout(settings, layer_idx, num_layers, self.num_kv_heads)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # type: ignore[override]
                 prio: torch.Tensor) -> torch.Tensor:
@@ -88,7 +108,11 @@ class KVpopAttention(Attention):
     def get_kv_cache_spec(self, vllm_config):
         base = super().get_kv_cache_spec(vllm_config)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-        return FixedBudgetSpec(**fields, budget=self.kvpop_budget)
+        if self.kvpop_layout is None:
+            return FixedBudgetSpec(**fields, budget=self.kvpop_budget)
+        # layer 0 owns the packed block of every layer: pages of L * Hkv rows, ceil(B / bs) of them
+        fields["num_kv_heads"] = self.kvpop_layout.rows
+        return FixedBudgetSpec(**fields, budget=self.kvpop_budget, whole=True)
 
 
 class KVpopQwen3Attention(Qwen3Attention):
@@ -107,7 +131,8 @@ class KVpopQwen3Attention(Qwen3Attention):
         sa.__class__ = cls
         sa.attn = KVpopAttention(stock.num_heads, stock.head_size, stock.impl.scale, num_kv_heads=stock.num_kv_heads,
                                  cache_config=cache_config, quant_config=quant_config, prefix=name,
-                                 attn_type=stock.attn_type, settings=settings)
+                                 attn_type=stock.attn_type, settings=settings, layer_idx=layer_idx,
+                                 num_layers=get_current_vllm_config().model_config.hf_config.num_hidden_layers)
         sa.kvpop_settings = settings
         # scorers stay float32 whatever the model's dtype (as kvpop.patch creates them)
         sa.kvpop = KVpopLayer(settings.config, sa.num_kv_heads, sa.head_dim, layer_idx).float()
@@ -152,6 +177,8 @@ class KVpopQwen3ForCausalLM(Qwen3ForCausalLM):
         if vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("kvpop's fixed-budget cache cannot share prefix blocks (their content depends on what "
                              "was evicted): start vLLM with enable_prefix_caching=False / --no-enable-prefix-caching")
+        if self.kvpop_settings.config.head_budgets is not None:
+            _check_packed(vllm_config, self.kvpop_settings)
         if vllm_config.speculative_config is not None:
             raise ValueError("kvpop's fixed-budget cache does not support speculative decoding: eviction is "
                              "destructive, so rejected draft tokens could not be rolled back")
@@ -177,6 +204,22 @@ class KVpopQwen3ForCausalLM(Qwen3ForCausalLM):
         else:  # streaming: the scorers are never run, their parameters need no values
             loaded |= {f"{name}.{p}" for name, m in layers.items() for p, _ in m.named_parameters()}
         return loaded
+
+
+def _check_packed(vllm_config, settings: Settings) -> None:
+    """What the packed layout of head-adaptive budgets needs of the engine (ValueError naming the setting)."""
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+        raise ValueError(f"kvpop serves head-adaptive budgets on one device (tensor_parallel_size=1, "
+                         f"pipeline_parallel_size=1): the packed block holds every layer's and KV head's slots; got "
+                         f"tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
+                         f"{par.pipeline_parallel_size}")
+    bs = vllm_config.cache_config.block_size
+    B, n = settings.config.budget, vllm_config.model_config.max_model_len
+    if bs is not None and -(-B // bs) > -(-n // bs):
+        raise ValueError(f"with head-adaptive budgets a request holds ceil(B / block_size) = {-(-B // bs)} blocks "
+                         f"from its first token, more than a request of max_model_len={n} may hold: pass "
+                         f"max_model_len >= {B} (the mean budget)")
 
 
 def load_scorer_file(path: str, layers: dict[str, KVpopLayer]) -> set[str]:

@@ -38,6 +38,7 @@ def resolve(cfg: Any) -> Settings:
 
     Raises ``ValueError`` naming the key for: an unknown policy, a ``kvpop`` policy without a scorer
     file, a missing or foreign file, unknown ``kvpop_config`` fields, an mLSTM scorer (not served yet).
+    Head-adaptive budgets (``head_budgets``, from the file or ``kvpop_config``) are served in the packed layout.
     """
     policy = _get(cfg, "kvpop_policy") or "kvpop"
     if policy not in POLICIES:
@@ -59,12 +60,6 @@ def resolve(cfg: Any) -> Settings:
     if scorers is not None and config.structural_mismatch(base):
         raise ValueError(f"kvpop_config changes the scorer's structure ({config.structural_mismatch(base)}); only "
                          f"the cache shape (budget, sinks, window of an MLP scorer) may differ from the file")
-    if getattr(config, "head_budgets", None) is not None:
-        raise ValueError(
-            "the vLLM plugin keeps uniform budgets: its paged cache gives every KV head the same pages, so per-head "
-            "budgets (head_budgets, from the scorer file or kvpop_config) would pay the largest head's budget in "
-            "every head (docs/DESIGN.md section 5); serve this model with kvpop.KVpopCache in transformers, or "
-            "pass kvpop_config={'head_budgets': None} to serve it with the uniform budget")
     if policy == "kvpop" and config.scorer != "mlp":
         raise ValueError(
             f"the vLLM plugin serves the MLP scorer only; {scorers} holds an {config.scorer!r} scorer. The mLSTM "

@@ -23,13 +23,18 @@ __all__ = ["FixedBudgetSpec", "FixedBudgetManager"]
 @dataclass(frozen=True, kw_only=True)
 class FixedBudgetSpec(FullAttentionSpec):
     budget: int = 0
-    """``B = s + w + k``: slots per KV head and layer."""
+    """``B = s + w + k``: slots per KV head and layer (head-adaptive budgets: their mean)."""
+    whole: bool = False
+    """The packed layout (head-adaptive budgets): a request holds its ``budget_blocks`` from its first token
+    (every layer's and head's slots sit at fixed offsets of the block), not ``min(n, B)`` slots' worth."""
 
     @property
     def budget_blocks(self) -> int:
         return cdiv(self.budget, self.block_size)
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
+        if self.whole:
+            return self.budget_blocks * self.page_size_bytes
         return min(self.budget_blocks, cdiv(vllm_config.model_config.max_model_len, self.block_size)) \
             * self.page_size_bytes
 
@@ -43,14 +48,15 @@ class FixedBudgetSpec(FullAttentionSpec):
         budgets = {s.budget for s in specs}
         if len(budgets) != 1:
             raise ValueError(f"all kvpop layers of one KV-cache group need one budget, got {sorted(budgets)}")
-        return dataclasses.replace(super().merge(specs), budget=specs[0].budget)
+        return dataclasses.replace(super().merge(specs), budget=specs[0].budget, whole=specs[0].whole)
 
 
 class FixedBudgetManager(FullAttentionManager):
     """Full-attention manager whose per-request allocation stops at ``ceil(B / bs)`` blocks."""
 
     def _cap(self, num_tokens: int) -> int:
-        return min(num_tokens, self.kv_cache_spec.budget_blocks * self.block_size)
+        full = self.kv_cache_spec.budget_blocks * self.block_size
+        return full if self.kv_cache_spec.whole else min(num_tokens, full)
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, *args, **kwargs):
         return super().get_num_blocks_to_allocate(request_id, self._cap(num_tokens), *args, **kwargs)
