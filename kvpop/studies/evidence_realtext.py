@@ -116,7 +116,7 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
     (its pre-training read the train bucket only) and no earlier evaluation scored them."""
     import sysconfig
 
-    from kvpop.demo import realtext_corpus as C
+    from kvpop.studies import realtext_corpus as C
 
     shipped = json.loads((SHIPPED / "manifest.json").read_text())
     st = shipped["settings"]
@@ -230,7 +230,7 @@ def run(a: argparse.Namespace) -> int:
     if len(seeds) < 1:
         raise ValueError(f"--seeds lists no seed: {a.seeds!r}")
     if not (corpus / "train.jsonl").exists():
-        raise ValueError(f"{corpus}/train.jsonl is missing: python -m kvpop.demo.realtext_corpus --out {corpus} "
+        raise ValueError(f"{corpus}/train.jsonl is missing: python -m kvpop.studies.realtext_corpus --out {corpus} "
                          f"--splits train,validation,test")
     stages = ("split", "select", "seeds", "test") if a.stage == "all" else (a.stage,)
     fresh = SHIPPED / "test_fresh.jsonl"
@@ -348,7 +348,7 @@ def _row(policy: str, budget: int, vals: list[float], steps, trials: int, recipe
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run directory (every training run, evaluation and record)")
     p.add_argument("--corpus", default="runs/realtext",
-                   help="the regenerated corpus with train.jsonl (python -m kvpop.demo.realtext_corpus --out DIR "
+                   help="the regenerated corpus with train.jsonl (python -m kvpop.studies.realtext_corpus --out DIR "
                         "--splits train,validation,test)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--stage", default="all", choices=("all", "split", "select", "seeds", "test"))

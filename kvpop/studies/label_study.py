@@ -27,7 +27,7 @@ Stages (settings chosen on validation sequences, the test sequences used once):
 
 ::
 
-    python -m kvpop.demo.label_study --out label_study.json      # the full study (see docs/RESULTS.md)
+    python -m kvpop.studies.label_study --out label_study.json      # the full study (see docs/RESULTS.md)
 """
 from __future__ import annotations
 
@@ -49,8 +49,7 @@ from kvpop.core.config import KVpopConfig, decay_range_for_context
 from kvpop.core.layer import kvpop_layers
 from kvpop.core.loss import score_loss
 from kvpop.core.patching import patch
-
-from . import lookahead_task, task
+from kvpop.demo import lookahead_task, task
 
 TASKS = {"lookahead": lookahead_task, "kvtrace": task}
 T = lookahead_task  # the task of the functions below; main() rebinds it from --task
@@ -203,7 +202,7 @@ def head_adaptive(base: nn.Module, model: nn.Module, valid: dict, test: dict, *,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvpop.demo.label_study", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvpop.studies.label_study", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=sorted(TASKS), default="lookahead")
     p.add_argument("--model", default=None, help="the dense model (default: the task's shipped one)")
     p.add_argument("--budget", type=int, default=64, help="the budget of the oracle grid and of the scorers' training")
@@ -256,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = set(args.stages.split(","))
     out_path = Path(args.out)
     res: dict[str, Any] = json.loads(out_path.read_text()) if out_path.exists() else {}
-    res["command"] = "python -m kvpop.demo.label_study " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["command"] = "python -m kvpop.studies.label_study " + " ".join(argv if argv is not None else sys.argv[1:])
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     res["task"] = args.task
     valid = T.make_batch([T.valid_seed(i) for i in range(args.n_valid)], train_len)

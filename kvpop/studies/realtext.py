@@ -1,6 +1,6 @@
-"""The real-text instrument: the oracle's NLL on byte-level code (``python -m kvpop.demo.realtext``).
+"""The real-text instrument: the oracle's NLL on byte-level code (``python -m kvpop.studies.realtext``).
 
-The corpus is :mod:`kvpop.demo.realtext_corpus` (installed packages' source and documentation, split by
+The corpus is :mod:`kvpop.studies.realtext_corpus` (installed packages' source and documentation, split by
 file, shipped validation and test splits in ``kvpop/data/realtext``); the model is
 ``kvpop/data/tiny_qwen3_code`` (``kvpop pretrain --data``, its ``TRAINING.md``).  The learned policies and
 the fixed rules are measured by ``kvpop eval --data`` (:mod:`kvpop.demo.trace_eval`); this module adds the
@@ -12,7 +12,7 @@ dense model's on the same positions (:func:`oracle_rows`).
 
 ::
 
-    python -m kvpop.demo.realtext oracle --data kvpop/data/realtext/validation.jsonl --budgets 64,128,256 \\
+    python -m kvpop.studies.realtext oracle --data kvpop/data/realtext/validation.jsonl --budgets 64,128,256 \\
         --labels mean,max,power:4 --gammas 0.9999,0.999,0.995,0.99 --out oracle_valid.json
 
 ``--labels`` takes ``mean``, ``max`` and ``power:A`` (the power mean with exponent ``A``).
@@ -103,7 +103,7 @@ def oracle_rows(base: nn.Module, traces: Sequence[torch.Tensor], *, budgets: Seq
                 window: int = 32, progress: bool = True) -> list[dict[str, Any]]:
     """One row per (label, gamma, budget): NLL, dense NLL, their difference and top-1 agreement with dense at
     every position ``>= max(budgets)`` of ``traces`` (as :func:`kvpop.demo.trace_eval.evaluate_traces`)."""
-    from .trace_eval import sequence_scores
+    from kvpop.demo.trace_eval import sequence_scores
 
     budgets = sorted({int(b) for b in budgets})
     least = sinks + window + 1
@@ -153,8 +153,7 @@ def head_adaptive_rows(base: nn.Module, scorers: str, traces: Sequence[torch.Ten
     from kvpop.core.budgets import ablation_importance, allocate
     from kvpop.core.checkpoint import load_scorers, read_scorer_config
     from kvpop.core.layer import kvpop_layers
-
-    from .trace_eval import sequence_scores
+    from kvpop.demo.trace_eval import sequence_scores
 
     budgets = sorted({int(b) for b in budgets})
     start = budgets[-1]
@@ -254,7 +253,7 @@ def table(evals: Sequence[dict], oracle: dict | None = None, *, goal_budget: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvpop.demo.realtext", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvpop.studies.realtext", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("oracle", help="the oracle's NLL increase over dense for each label, decay and budget")
     o.add_argument("--model", default=str(SHIPPED_MODEL))
@@ -283,13 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--out", required=True)
     t = sub.add_parser("table", help="one table of kvpop eval --data results and the oracle's rows, with the goals")
     t.add_argument("--eval", action="append", required=True, help="a kvpop eval --data results.json (repeatable)")
-    t.add_argument("--oracle", default=None, help="the oracle's JSON (python -m kvpop.demo.realtext oracle)")
+    t.add_argument("--oracle", default=None, help="the oracle's JSON (python -m kvpop.studies.realtext oracle)")
     t.add_argument("--goal-budget", type=int, default=128)
     a = p.parse_args(argv)
     if a.cmd == "head-adaptive":
+        from kvpop.demo.trace_eval import load_model
         from kvpop.training import data as data_io
-
-        from .trace_eval import load_model
 
         t0 = time.time()
         torch.set_num_threads(1)
@@ -302,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             rows = head_adaptive_rows(base, a.scorers, test, valid, budgets=[int(x) for x in a.budgets.split(",")],
                                       label=label, power=power, gamma=a.gamma, sinks=a.sinks, window=a.window)
-        res = {"command": "python -m kvpop.demo.realtext " + " ".join(sys.argv[1:] if argv is None else argv),
+        res = {"command": "python -m kvpop.studies.realtext " + " ".join(sys.argv[1:] if argv is None else argv),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": round(time.time() - t0, 1),
                "rows": rows}
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
@@ -316,9 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(md + "\n\n" + json.dumps(goals, indent=1))
         return 0
+    from kvpop.demo.trace_eval import load_model
     from kvpop.training import data as data_io
-
-    from .trace_eval import load_model
 
     t0 = time.time()
     try:
@@ -334,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"realtext oracle: error: {e}", file=sys.stderr)
         return 2
-    res = {"command": "python -m kvpop.demo.realtext " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m kvpop.studies.realtext " + " ".join(sys.argv[1:] if argv is None else argv),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": a.model, "data": a.data,
            "sinks": a.sinks, "window": a.window, "wall_s": round(time.time() - t0, 1), "rows": rows}
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

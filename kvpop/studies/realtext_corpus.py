@@ -3,8 +3,8 @@ of a fixed list of installed third-party packages, as byte-level token ids.
 
 ::
 
-    python -m kvpop.demo.realtext_corpus --out kvpop/data/realtext            # validation + test + manifest
-    python -m kvpop.demo.realtext_corpus --out runs/realtext --splits train,validation,test
+    python -m kvpop.studies.realtext_corpus --out kvpop/data/realtext            # validation + test + manifest
+    python -m kvpop.studies.realtext_corpus --out runs/realtext --splits train,validation,test
 
 What it does, deterministically for a given ``--seed``, package list and installed package versions:
 
@@ -254,7 +254,7 @@ def check_split(directory: str | os.PathLike, split: str) -> Path:
     entry = man["splits"][split]
     path = d / entry["file"]
     if not path.is_file():
-        raise ValueError(f"{path} is missing; regenerate it with python -m kvpop.demo.realtext_corpus "
+        raise ValueError(f"{path} is missing; regenerate it with python -m kvpop.studies.realtext_corpus "
                          f"(settings in {d}/manifest.json)")
     got = file_hash(path)
     if got != entry["jsonl_blake2b"]:
@@ -263,7 +263,7 @@ def check_split(directory: str | os.PathLike, split: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvpop.demo.realtext_corpus",
+    p = argparse.ArgumentParser(prog="python -m kvpop.studies.realtext_corpus",
                                 description="byte-level corpus of installed packages' source and documentation")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--splits", default="validation,test", help="comma-separated among train,validation,test")
@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                     seed=a.seed, seq_len=a.seq_len, max_records=a.max_records,
                     max_train_records=a.max_train_records, max_records_per_file=a.max_records_per_file,
                     valid_frac=a.valid_frac, test_frac=a.test_frac,
-                    command="python -m kvpop.demo.realtext_corpus " + " ".join(sys.argv[1:] if argv is None else argv))
+                    command="python -m kvpop.studies.realtext_corpus "
+                    + " ".join(sys.argv[1:] if argv is None else argv))
     except ValueError as e:
         print(f"realtext_corpus: error: {e}", file=sys.stderr)
         return 2

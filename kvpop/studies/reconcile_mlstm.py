@@ -1,6 +1,6 @@
 """Reconcile the two mean-label kvpop-mlstm figures on the lookahead task (issue 29, item 5).
 
-The label study (``kvpop.demo.label_study``, README: "kvpop-mlstm on the seed's mean label 0.421 / 0.295")
+The label study (``kvpop.studies.label_study``, README: "kvpop-mlstm on the seed's mean label 0.421 / 0.295")
 and the demo (``kvpop demo --task lookahead``, its mean-label kvpop-mlstm 0.995 / 0.941) train the same scorer
 on the same label name and disagree.  This driver trains the scorer-only mLSTM under either recipe and under
 recipes that differ from one of them by one factor, and scores every run the same way on the same validation
@@ -33,7 +33,7 @@ teacher-forced full-sequence forward of the patched model (``label_study.accurac
 ``KVpopCache`` prefill).  Every run goes through ``kvpop.training.train`` (the demo's loop) and the demo's
 segmented validation (``kvpop.demo.retrofit._train_validated``); ``--check`` shows that this loop with the
 ``DEMO`` recipe gives the same scorers as ``kvpop.demo.retrofit.retrofit`` and with the ``STUDY`` recipe those
-of ``kvpop.demo.label_study.train_scorer`` (a few steps each).
+of ``kvpop.studies.label_study.train_scorer`` (a few steps each).
 
 ::
 
@@ -276,10 +276,10 @@ def check(steps: int = 8) -> dict[str, Any]:
     from kvpop.core.checkpoint import load_scorers
     from kvpop.core.layer import kvpop_layers
     from kvpop.core.patching import patch
-    from kvpop.demo import label_study as LS
     from kvpop.demo import lookahead_task as T
     from kvpop.demo.evaluate import load_base_model
     from kvpop.demo.retrofit import RetrofitConfig, retrofit
+    from kvpop.studies import label_study as LS
     from kvpop.training.train import train
 
     base = load_base_model(T.SHIPPED_MODEL)

@@ -14,7 +14,7 @@ tokens of the record region hold (the fraction a cache with ``k`` long-range slo
 
 ::
 
-    python -m kvpop.demo.scorer_probe            # both scorers, layer 0, 300 steps (a few minutes)
+    python -m kvpop.studies.scorer_probe            # both scorers, layer 0, 300 steps (a few minutes)
 """
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpop.core.scorers import MLPScorer, MLSTMScorer
-
-from . import lookahead_task as T
+from kvpop.demo import lookahead_task as T
 
 __all__ = ["layer_inputs", "target_breakdown", "probe", "main"]
 
@@ -146,7 +145,7 @@ def probe(model: nn.Module, scorer: str, *, layer: int = 0, steps: int = 300, lr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvpop.demo.scorer_probe", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvpop.studies.scorer_probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(T.SHIPPED_MODEL), help="dense model of the lookahead task")
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--steps", type=int, default=300)
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res[s]), flush=True)
     print(json.dumps(res, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": "python -m kvpop.demo.scorer_probe " + " ".join(
+        Path(args.out).write_text(json.dumps({"command": "python -m kvpop.studies.scorer_probe " + " ".join(
             argv if argv is not None else sys.argv[1:]), **res}, indent=1) + "\n")
     return 0
 

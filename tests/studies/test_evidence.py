@@ -93,8 +93,8 @@ def test_shipped_ledger_holds_the_rules_and_the_readme_is_its_rendering():
 
 
 def test_fresh_realtext_test_split_is_reproducible_and_disjoint(tmp_path):
-    from kvpop.demo import realtext_corpus as C
     from kvpop.studies import evidence_realtext as RT
+    from kvpop.studies import realtext_corpus as C
 
     shipped = json.loads((RT.SHIPPED / "test_fresh.json").read_text())
     man = json.loads((RT.SHIPPED / "manifest.json").read_text())

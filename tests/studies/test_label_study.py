@@ -1,13 +1,13 @@
-"""kvpop.demo.label_study: the oracle's fixed decay, the oracle without eviction equals dense, a scorer run."""
+"""kvpop.studies.label_study: the oracle's fixed decay, the oracle without eviction equals dense, a scorer run."""
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
 import kvpop
-from kvpop.demo import label_study as L
 from kvpop.demo import lookahead_task as T
 from kvpop.demo.evaluate import load_base_model
+from kvpop.studies import label_study as L
 
 
 @pytest.fixture(scope="module")
