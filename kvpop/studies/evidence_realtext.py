@@ -45,6 +45,15 @@ the machine's CPU time before it ran.
 0.01, then 0.005, were added when the lowest gate rate so far was the best (the grid's edge), before any test."""
 
 
+DMS_EXTENSION = {"steps": (600, 800), "target_keep": (0.1, 0.15), "schedule_steps": (0.5,)}
+"""The extension of DMS's search (``--stage dms-extend``), run after the test split scored the first choice:
+the factors the first grid left out.  From the first choice, one factor at a time: longer runs (the step stage
+ended at its grid's last value, 400, while it still helped; 800 only if 600 helped), the keep target around the
+budget's fraction, and the compression schedule (``schedule_steps`` as a fraction of the steps: the keep target
+is reached halfway, then held).  Its trials are validation only; a different winner is recorded as
+``dms.rechosen`` beside the first ``dms.chosen`` (whose test figures stand as scored)."""
+
+
 def _common(corpus: Path) -> list[str]:
     return ["--model", str(MODEL), "--data", str(corpus / "train.jsonl"), "--seq-len", str(SEQ_LEN),
             "--sinks", str(SINKS), "--window", str(WINDOW), "--checkpoint-every", "25", "--no-progress"]
@@ -89,7 +98,7 @@ def recipes(corpus: Path) -> dict[str, dict]:
 def _dms_args(corpus: Path, c: dict, seed: int) -> list[str]:
     return ["kvpop", "train", "--method", "dms", *_common(corpus), "--target-keep", f"{c['target_keep']:g}",
             "--lr-model", f"{c['lr_model']:g}", "--lr-scorer", f"{c['lr_gate']:g}", "--steps", str(c["steps"]),
-            "--seed", str(seed)]
+            *(["--schedule-steps", str(c["schedule_steps"])] if "schedule_steps" in c else []), "--seed", str(seed)]
 
 
 def _tag(c: dict) -> str:
@@ -171,6 +180,66 @@ def shipped_kvpop_trials() -> list[dict]:
     return out
 
 
+def _dms_trial(corpus: Path, out: Path, log: Path, c: dict) -> dict:
+    """One DMS validation trial of settings ``c`` (seed 0): trained (resumed when interrupted) and scored on
+    the validation sequences; ``{"settings", "score", "dir"}``."""
+    d = out / "dms_select" / _tag(c)
+    if _last_step(d) != c["steps"]:  # unfinished (an interrupted run writes its outputs too)
+        run_logged([*_dms_args(corpus, c, 0), "--out", str(d), *(["--resume"] if (d / "last.pt").exists() else [])],
+                   log, name=f"dms select {_tag(c)}")
+    res = _eval(d / "valid_eval", log, f"dms select eval {_tag(c)}", SHIPPED / "validation.jsonl", [BUDGET],
+                VALID_SEQUENCES, ["--run", str(d), "--policies", "dense,dms"])
+    t = {"settings": c, "score": _delta(res, "dms", BUDGET), "dir": str(d)}
+    print(f"[evidence realtext] dms {c}: validation +{t['score']:.4f}", flush=True)
+    return t
+
+
+def _extend_dms(a, corpus: Path, out: Path, log: Path) -> dict:
+    """``--stage dms-extend``: :data:`DMS_EXTENSION`'s trials from the first choice, in parallel (``--jobs``),
+    recorded in ``selection.json`` under ``dms.extension``; the best of every DMS trial by :func:`choose` is
+    ``dms.rechosen`` when it differs from ``dms.chosen``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sel_file = out / "selection.json"
+    if not sel_file.exists() or not json.loads(sel_file.read_text()).get("final"):
+        raise ValueError(f"--stage dms-extend needs the final {sel_file} (run --stage select, or copy the "
+                         f"archived one from kvpop/data/demo_results/evidence/realtext)")
+    record = json.loads(sel_file.read_text())
+    first = record["dms"]["chosen"]
+    c0, g = first["settings"], DMS_EXTENSION
+    ext = record["dms"].setdefault("extension", {"from": c0, "trials": []})
+    done = {json.dumps(t["settings"], sort_keys=True): t for t in ext["trials"]}
+
+    def trials(cs: list[dict]) -> list[dict]:
+        todo = [c for c in cs if json.dumps(c, sort_keys=True) not in done]
+        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            for t in pool.map(lambda c: _dms_trial(corpus, out, log, c), todo):
+                done[json.dumps(t["settings"], sort_keys=True)] = t
+                ext["trials"].append(t)
+                write_json(sel_file, record)
+        return [done[json.dumps(c, sort_keys=True)] for c in cs]
+
+    first_wave = [{**c0, "steps": g["steps"][0]}, *({**c0, "target_keep": k} for k in g["target_keep"]),
+                  *({**c0, "schedule_steps": int(f * c0["steps"])} for f in g["schedule_steps"])]
+    longer = trials(first_wave)[0]
+    for n in g["steps"][1:]:  # a longer run only while the last one helped
+        if longer["score"] >= first["score"]:
+            break
+        prev, longer = longer, trials([{**c0, "steps": n}])[0]
+        if longer["score"] >= prev["score"]:
+            break
+    every = [first, *[t for t in record["dms"]["trials"] if t is not first], *ext["trials"]]
+    best = choose(every, higher_is_better=False)
+    ext["complete"] = True
+    record["dms"]["rechosen"] = best if best["settings"] != c0 else None
+    record["trials_of"]["dms_with_extension"] = len(record["dms"]["trials"]) + len(ext["trials"])
+    write_json(sel_file, record)
+    print(f"[evidence realtext] dms extension: {len(ext['trials'])} trials; best of all "
+          f"{record['trials_of']['dms_with_extension']}: {best['settings']} +{best['score']:.4f} "
+          f"({'a new choice' if record['dms']['rechosen'] else 'the first choice stands'})", flush=True)
+    return record
+
+
 def _select(a, corpus: Path, out: Path, log: Path) -> dict:
     sel_file = out / "selection.json"
     record = json.loads(sel_file.read_text()) if sel_file.exists() else {}
@@ -183,17 +252,9 @@ def _select(a, corpus: Path, out: Path, log: Path) -> dict:
     trials = record["dms"]["trials"]
 
     def trial(c: dict) -> dict:
-        d = out / "dms_select" / _tag(c)
-        if _last_step(d) != c["steps"]:  # unfinished (an interrupted run writes its outputs too)
-            run_logged([*_dms_args(corpus, c, 0), "--out", str(d), *(["--resume"] if (d / "last.pt").exists() else [])],
-                       log,
-                       name=f"dms select {_tag(c)}")
-        res = _eval(d / "valid_eval", log, f"dms select eval {_tag(c)}", SHIPPED / "validation.jsonl", [BUDGET],
-                    VALID_SEQUENCES, ["--run", str(d), "--policies", "dense,dms"])
-        t = {"settings": c, "score": _delta(res, "dms", BUDGET), "dir": str(d)}
+        t = _dms_trial(corpus, out, log, c)
         trials.append(t)
         write_json(sel_file, record)
-        print(f"[evidence realtext] dms {c}: validation +{t['score']:.4f}", flush=True)
         return t
 
     g = DMS_GRID
@@ -238,6 +299,9 @@ def run(a: argparse.Namespace) -> int:
         fresh_test_split(corpus, SHIPPED, n_records=a.test_records)
     if "select" in stages:
         _select(a, corpus, out, log)
+    if a.stage == "dms-extend":
+        _extend_dms(a, corpus, out, log)
+        return 0
     sel = json.loads((out / "selection.json").read_text()) if (out / "selection.json").exists() else {}
     rs = recipes(corpus)
     dms_c = sel.get("dms", {}).get("chosen", {}).get("settings")
@@ -351,7 +415,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the regenerated corpus with train.jsonl (python -m kvpop.studies.realtext_corpus --out DIR "
                         "--splits train,validation,test)")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--stage", default="all", choices=("all", "split", "select", "seeds", "test"))
+    p.add_argument("--stage", default="all", choices=("all", "split", "select", "seeds", "test", "dms-extend"),
+                   help="dms-extend (not part of all): DMS_EXTENSION's validation trials after the first choice")
+    p.add_argument("--jobs", type=int, default=2, help="--stage dms-extend: trials trained at once (default 2)")
     p.add_argument("--test-records", type=int, default=48, help="records of the fresh test split (default 48)")
     p.add_argument("--skip-dms", action="store_true",
                    help="--stage test: score every row but DMS's (their recipes are fixed; DMS's selection may still "
