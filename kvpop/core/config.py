@@ -13,12 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvpop_kernels.future_target import LABELS
+
 __all__ = ["KVpopConfig", "MAX_SLOTS", "MAX_WIDTH", "BUDGET_PER_POSITION", "check_budget_for", "SCORERS",
            "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS", "STRUCTURAL_FIELDS",
            "decay_range_for_context", "EPS_RANGE", "LABEL_POWER_RANGE"]
 
 SCORERS = ("mlp", "mlstm")
-LABELS = ("mean", "max", "power")  # kvpop_kernels.future_target.LABELS (this module imports no kernels)
 MASK_SOURCES = ("scorer", "teacher", "streaming")
 TARGET_LSES = ("sparse", "dense")
 TARGET_SOURCES = ("student", "teacher")

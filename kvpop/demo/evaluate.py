@@ -61,6 +61,7 @@ from kvpop.baselines.dms.budget import row_stats as dms_row_stats
 from kvpop.core.budgets import rebudget, set_importance
 from kvpop.core.cache import KVpopCache
 from kvpop.core.checkpoint import load_scorers, read_scorer_config
+from kvpop.core.files import atomic_write
 from kvpop.core.patching import get_config, is_patched, patch, unpatch
 from kvpop.models import cache_kwarg_name
 
@@ -100,6 +101,7 @@ __all__ = [
     "write_results",
     "trained_label",
     "plot_results",
+    "save_figure",
     "retrofit",
     "RetrofitConfig",
 ]
@@ -540,8 +542,16 @@ def plot_results(results: dict, path: str | os.PathLike) -> None:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | os.PathLike, *, dpi: int = 110) -> None:
+    """Save the matplotlib figure ``fig`` to ``path`` whole or not at all (:func:`kvpop.core.files.atomic_write`;
+    the format from the suffix, PNG without one) and close it."""
+    import matplotlib.pyplot as plt
+
+    fmt = Path(path).suffix[1:] or "png"
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt))
+    finally:
+        plt.close(fig)

@@ -47,7 +47,7 @@ generator is seeded by ``(seed, length)``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -201,16 +201,9 @@ class LookaheadConfig(TokenIds):
         curriculum start with a few facts, as the first task's do."""
         return int(max(2, min(self.block_records, self.block_records * length // self.full_length)))
 
-    def n_reads_for(self, length: int) -> int:
-        """Number of reads (graded positions) in a sequence of ``length`` tokens."""
-        region = length - int(round(self.record_frac * length))
-        return int(max(1, min(self.max_reads, region // self.read_spacing)))
-
-    def min_length(self) -> int:
-        return 64
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @property
+    def read_start_frac(self) -> float:
+        return self.record_frac
 
 
 TaskConfig = LookaheadConfig

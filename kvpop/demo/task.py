@@ -93,11 +93,15 @@ VALID_SEED_BASE = 1_500_000_000
 
 class TokenIds:
     """Token ids shared by the synthetic tasks: specials, then ``n_keys`` KEY ids, ``n_values`` VALUE ids,
-    ``n_keys * n_values`` FACT ids; a task puts its other ids from :attr:`extra_base` on, the filler last."""
+    ``n_keys * n_values`` FACT ids; a task puts its other ids from :attr:`extra_base` on, the filler last.
+    Also the parts of a task config both tasks share: the reads after :attr:`read_start_frac` of a sequence
+    (:meth:`n_reads_for`), :meth:`min_length` and :meth:`to_dict` (a task config is a dataclass)."""
 
     n_keys: int
     n_values: int
     n_filler: int
+    read_spacing: int
+    max_reads: int
 
     # ---- token ids -------------------------------------------------------------------------
     @property
@@ -134,6 +138,23 @@ class TokenIds:
 
     def fact_id(self, k: int, v: int) -> int:
         return self.fact_base + k * self.n_values + v
+
+    # ---- the read region ---------------------------------------------------------------------
+    @property
+    def read_start_frac(self) -> float:
+        """The reads happen in ``[round(read_start_frac * L), L)``."""
+        raise NotImplementedError
+
+    def n_reads_for(self, length: int) -> int:
+        """Number of reads (graded positions) in a sequence of ``length`` tokens."""
+        region = length - int(round(self.read_start_frac * length))
+        return int(max(1, min(self.max_reads, region // self.read_spacing)))
+
+    def min_length(self) -> int:
+        return 64
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -174,16 +195,9 @@ class TaskConfig(TokenIds):
         region = int(round(self.fact_frac * length)) - 8
         return int(max(1, min(self.max_facts, self.n_keys, region // self.fact_spacing)))
 
-    def n_reads_for(self, length: int) -> int:
-        """Number of reads (graded positions) in a sequence of ``length`` tokens."""
-        region = length - int(round(self.read_frac * length))
-        return int(max(1, min(self.max_reads, region // self.read_spacing)))
-
-    def min_length(self) -> int:
-        return 64
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @property
+    def read_start_frac(self) -> float:
+        return self.read_frac
 
 
 DEFAULT = TaskConfig()

@@ -25,7 +25,6 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from .evaluate import (
     POLICIES,
     _check_policies,
     policy_logits,
+    save_figure,
     trained_label,
 )
 
@@ -280,8 +280,4 @@ def plot_trace_results(results: dict, path: str | os.PathLike) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=9, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)

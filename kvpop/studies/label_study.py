@@ -69,9 +69,11 @@ def fixed_decay(gamma: float) -> dict[str, float]:
     return {"gamma_min": 1.0 - 2.0 * (1.0 - gamma), "gamma_max": 1.0 - 0.5 * (1.0 - gamma), "gamma_init": gamma}
 
 
-def oracle_config(label: str, power: float, gamma: float, budget: int) -> KVpopConfig:
-    """The oracle's config: the teacher's exact label of ``label``/``power`` as the priority at decay ``gamma``."""
-    return KVpopConfig(sinks=SINKS, window=WINDOW, budget=budget, mask_source="teacher", target_source="teacher",
+def oracle_config(label: str, power: float, gamma: float, budget: int, *, sinks: int = SINKS,
+                  window: int = WINDOW) -> KVpopConfig:
+    """The oracle's config: the teacher's exact label of ``label``/``power`` as the priority at the fixed decay
+    ``gamma`` (:func:`fixed_decay`), no scorer; ``sinks`` and ``window`` default to this study's."""
+    return KVpopConfig(sinks=sinks, window=window, budget=budget, mask_source="teacher", target_source="teacher",
                        label=label, label_power=power, compute_loss=False, **fixed_decay(gamma))
 
 

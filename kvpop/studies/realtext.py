@@ -33,12 +33,12 @@ import torch
 from torch import nn
 
 from kvpop.core.attention import set_teacher_targets, teacher_targets
-from kvpop.core.config import KVpopConfig
 from kvpop.core.patching import patch
 
+from .label_study import oracle_config
 from .realtext_corpus import SHIPPED_DIR
 
-__all__ = ["SHIPPED_MODEL", "SHIPPED_DIR", "parse_labels", "oracle_config", "oracle_logits", "oracle_rows", "table",
+__all__ = ["SHIPPED_MODEL", "SHIPPED_DIR", "parse_labels", "oracle_logits", "oracle_rows", "table",
            "head_adaptive_rows", "main"]
 
 SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "data" / "tiny_qwen3_code"
@@ -69,15 +69,6 @@ def parse_labels(spec: str) -> list[tuple[str, float]]:
     if not out:
         raise ValueError(f"--labels lists no label (got {spec!r})")
     return out
-
-
-def oracle_config(label: str, power: float, gamma: float, *, budget: int, sinks: int, window: int) -> KVpopConfig:
-    """The oracle: the teacher's exact ``label`` as the priority at the fixed decay ``gamma``."""
-    if not 0.0 < gamma < 1.0:
-        raise ValueError(f"gamma must lie in (0, 1), got {gamma!r}")
-    return KVpopConfig(sinks=sinks, window=window, budget=budget, mask_source="teacher", target_source="teacher",
-                       label=label, label_power=power, compute_loss=False,
-                       gamma_min=1.0 - 2.0 * (1.0 - gamma), gamma_max=1.0 - 0.5 * (1.0 - gamma), gamma_init=gamma)
 
 
 @torch.no_grad()
