@@ -1,4 +1,4 @@
-"""Batched decoding with a fixed budget: throughput at batch 1 / 8 / 32 and the memory it buys (issue 12).
+"""Batched decoding with a fixed budget: throughput at batch 1 / 8 / 32 and the memory it buys.
 
 Group ``batched-decode-ctx*``: decode tokens/s (all rows together) after a prompt of ``CTX`` tokens
 per row, at batch 1, 8 and 32, ``kvpop.patch`` + ``KVpopCache`` against the unpatched model with a

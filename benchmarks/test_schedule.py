@@ -1,6 +1,6 @@
 """eviction_schedule + eviction_decisions: CPU path scaling, GPU cost beside one attention layer.
 
-Targets (issue 2): CPU time(S=64K) / time(S=8K) <= 12 (near-linear); GPU schedule + decisions of
+Targets: CPU time(S=64K) / time(S=8K) <= 12 (near-linear); GPU schedule + decisions of
 one Qwen3-8B layer's priorities [1, 8, 16384] <= 0.2x that layer's dense causal SDPA forward
 (32 query heads, 8 KV heads, head_dim 128, bf16).  Ratios land in ``extra_info``.
 """

@@ -6,7 +6,7 @@ FlexAttention is compiled with the same mask (its block mask is built once, outs
 its build time lands in ``extra_info``); the dense reference runs at S=4096 only.
 CPU: one small shape through the PyTorch path (the Triton interpreter is not timed).
 
-Targets (issue 4, S=16384, B=2048): fwd+bwd <= 0.5x dense causal SDPA and >= 2x faster than
+Targets (S=16384, B=2048): fwd+bwd <= 0.5x dense causal SDPA and >= 2x faster than
 FlexAttention, timed side by side by ``test_sparse_attention_target`` (its ratios in ``extra_info``).
 ``extra_info``: TFLOP/s on the visible pairs of the mask (4*D flops per pair forward, 14*D
 forward+backward: the backward counted as 2.5 forwards), the provider's own pair count and TFLOP/s on

@@ -180,7 +180,7 @@ def test_future_target(benchmark, provider, shape):
 
 @pytest.mark.benchmark(group="future_attention_target-vs-sdpa")
 def test_future_target_vs_sdpa(benchmark):
-    """The target's FLOP rate over dense causal SDPA's, both timed here on the largest shape (issue 3's
+    """The target's FLOP rate over dense causal SDPA's, both timed here on the largest shape (the
     target on an H100/H200 at S=16384: ``ratio_tflops_over_sdpa >= 0.7``)."""
     B, Hq, Hkv, S, D, dtype = SHAPES[-1]
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ path) and reports what the step adds to the process's resident set; modes:
 * ``dense``: the step before the fused head: both models' full ``[S, V]`` logits;
 * ``fused``: ``kvpop.training.train``'s step: chunked LM head + top-k + KL, recomputed in backward.
 
-The loss's cost is ``extra = peak(mode) - peak(base)`` at the same ``S`` and ``V``.  Goals (issue 13):
+The loss's cost is ``extra = peak(mode) - peak(base)`` at the same ``S`` and ``V``.  Goals:
 at ``S = 8192`` the fused loss adds <= 0.5 GB over the model's own activations, and the fused peak
 grows linearly in ``S`` with a slope that does not depend on ``V`` (compared at ``V = 151,936`` and
 ``V = 32,768``).  The dense path at ``S = 8192`` needs ~3 x 5 GB of float32 ``[S, V]`` tensors; it runs

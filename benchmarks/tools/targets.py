@@ -6,9 +6,9 @@ issues ask for without a goal).  The table is printed at the end of every benchm
 (``benchmarks/conftest.py``) and written by ``benchmarks/tools/gpu_check.py``.
 
 To add a figure to the table, write it into ``benchmark.extra_info`` under the key of its row below.
-A target with ``file=None`` is matched by its key in any benchmark: the benchmarks of issues 12 and 13
-are being written while this registry is, so their rows list only the key they will record (once a
-benchmark writes that key, pin its ``file`` and ``test`` here so that a later rename is caught).
+A target with ``file=None`` is matched by its key in any benchmark (the rows of the batched-decoding and
+training-at-scale figures, whose CI runs do not record them): once a benchmark writes that key in every run,
+pin its ``file`` and ``test`` here so that a later rename is caught.
 ``check_registry`` fails CI when a pinned benchmark or its key disappears.
 
 This module is plain Python (no torch, no pytest) so the driver and the tests can use it anywhere.
@@ -95,7 +95,7 @@ TARGETS: tuple[Target, ...] = (
            "dense's growth", key="kvpop_growth_over_dense_growth", op="<=", goal=0.05, device="cuda",
            file="benchmarks/test_decode.py", test="test_decode_generate_memory",
            also=("kvpop_decode_peak_gb_longest", "dense_decode_peak_gb_longest")),
-    # issue 22 item 4 (head-adaptive budgets): the packed layout's decode step against uniform budgets of the
+    # head-adaptive budgets: the packed layout's decode step against uniform budgets of the
     # same total, side by side in one run (one KV head ~4x the others)
     Target("decode-head-adaptive-cpu", 22, "decode step CPU path, head-adaptive budgets (one head ~4x) / uniform, "
            "same total (mean 512), 32K context", key="ratio_adaptive_over_uniform", op="<=", goal=1.3, device="cpu",
@@ -108,7 +108,7 @@ TARGETS: tuple[Target, ...] = (
     Target("decode-head-adaptive-bytes", 22, "decode cache bytes, head-adaptive budgets / uniform of the same total",
            key="bytes_adaptive_over_uniform", op="<=", goal=1.0, device="any", file="benchmarks/test_decode.py",
            test="test_decode_step_head_adaptive", also=("adaptive_bytes", "uniform_bytes")),
-    # issue 12 (batched decoding).  Under --benchmark-disable (CI) its benchmark runs smoke sizes without the
+    # batched decoding.  Under --benchmark-disable (CI) its benchmark runs smoke sizes without the
     # CPU figures, so the CPU rows are matched by key, not pinned: a pinned row on the dry run's device must
     # record its number there, and these cannot (the dry check then fails; it did once)
     Target("batched-decode-gpu", 12, "decode tokens/s, kvpop / dense, context 32K, batch 32",
@@ -124,7 +124,7 @@ TARGETS: tuple[Target, ...] = (
     Target("batched-fit-131k-dense", 12, "Qwen3-8B, 131K tokens: sequences whose dense cache fits beside the "
            "weights on this GPU", key="dense_max_batch_ctx131k", op=None, goal=None, device="cuda",
            file="benchmarks/test_batched_decode.py", test="test_batch_that_fits_131k", unit=" seqs"),
-    # issue 13 (training at scale).  The loss-memory figure comes from a CPU run of ~20 GB outside CI (under
+    # training at scale.  The loss-memory figure comes from a CPU run of ~20 GB outside CI (under
     # --benchmark-disable its benchmark runs a small case without the figure): matched by key
     Target("train-loss-memory", 13, "training step, V=151936, S=8192: memory the fused chunked loss adds over "
            "the model's activations", key="loss_extra_gb_s8192", op="<=", goal=0.5, device="any", unit=" GB"),

@@ -161,9 +161,12 @@ class KVpopConfig(ConfigFields):
         balance: weight keep and drop decisions so that each class carries half the loss of a
             layer (default True).
         mask_source: which priorities build the training mask: ``"scorer"`` (default, the
-            learned policy), ``"teacher"`` (oracle: the exact dense target of the same layer in the
-            same pass; costs one extra no-grad dense attention per layer) or ``"streaming"`` (a
-            constant priority: sinks + a window of ``w + k`` tokens, the fine-tune-only ablation).
+            learned policy), ``"teacher"`` (the oracle: the exact label itself, no scorer; the name
+            means the label the scorer is taught, not the teacher model: whose queries and keys make it
+            is ``target_source``, with the default ``"student"`` this model's own in the same pass over
+            the dense LSE, one extra no-grad dense attention per layer, whatever ``target_lse``, and the
+            loss then uses that label too) or ``"streaming"`` (a constant priority: sinks + a window of
+            ``w + k`` tokens, the fine-tune-only ablation).
         target_lse: normaliser used by the target: ``"sparse"`` (the LSE of the sparse attention
             already computed, the paper's cheap choice, default) or ``"dense"`` (exact; one extra
             no-grad dense attention per layer).
@@ -171,13 +174,14 @@ class KVpopConfig(ConfigFields):
             being trained, in its own forward, with ``target_lse``) or ``"teacher"`` (exact: the frozen
             teacher's queries, keys and dense LSE, computed inside the teacher's forward layer by layer,
             ``kvpop.teacher_targets``; only ``[B, Hkv, S]`` per layer is kept; ``target_lse`` is then
-            unused).  With ``mask_source="teacher"`` the oracle mask uses the same target.
+            unused).  With ``mask_source="teacher"`` the oracle mask uses the same target (the frozen
+            teacher's only with ``target_source="teacher"``).
         compute_loss: compute ``L_score`` in training forwards (default True).  Off, a training
             forward only runs sparse attention (fine-tune the model with a fixed scorer).
 
     Decoding
         policy: ``"kvpop"`` (default); ``"streaming"``, ``"tova"``, ``"h2o"`` are baselines served by
-            ``kvpop.KVpopCache`` (issue 6).  In a full-sequence forward ``"streaming"`` uses the
+            ``kvpop.KVpopCache``.  In a full-sequence forward ``"streaming"`` uses the
             constant-priority mask; ``"tova"`` and ``"h2o"`` are defined only while decoding and a
             full-sequence forward under them raises ``NotImplementedError``.
 
@@ -331,7 +335,7 @@ def decay_range_for_context(train_len: int, span_nats: float, *, gamma_max: floa
 
     ``gamma_min = exp(-span_nats / train_len)``: at the lower end of the range the age penalty
     ``-(q - t) log(gamma)`` grows by ``span_nats`` nats over a token's whole life in a training
-    sequence (``q - t = train_len``), whatever the length.  The seed's fixed lower end 0.999 spans
+    sequence (``q - t = train_len``), whatever the length.  The paper's fixed lower end 0.999 spans
     ``-16384 log(0.999) = 16.4`` nats at its training length 16,384, but only 0.51 nats at 512.
     ``gamma_max`` defaults to ``KVpopConfig``'s (0.999999); ``gamma_init`` to ``KVpopConfig``'s 0.9999
     when that lies strictly inside the range, else to the geometric middle of ``1 - gamma``

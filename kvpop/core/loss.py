@@ -1,4 +1,6 @@
-"""The scorer's loss ``L_score`` from the teacher's decisions (:func:`score_loss_terms` per layer, :func:`score_loss`).
+"""The scorer's loss ``L_score`` from the label's keep/drop decisions (:func:`score_loss_terms` per layer,
+:func:`score_loss`).  The label is the target ``r_tgt`` of ``KVpopConfig.target_source``: by default the
+student's own (the model being trained), the frozen teacher's with ``target_source="teacher"``.
 
 The loss and its weights (near-tie discount, keep/drop balance): docs/DESIGN.md section 3.  The
 distillation KL lives in ``kvpop.core.distill`` and is re-exported here.
@@ -115,8 +117,8 @@ def score_loss(model: torch.nn.Module, *, reset: bool = True) -> torch.Tensor:
 def score_stats(model: torch.nn.Module) -> dict[str, Any]:
     """Diagnostics of the last training forward (call before ``score_loss(reset=True)``).
 
-    ``decisions``, ``keep_frac`` (share of teacher keeps), ``accuracy`` (the scorer's ranking agrees
-    with the teacher's decision), ``gamma_min``/``gamma_max`` over all KV heads of all layers.
+    ``decisions``, ``keep_frac`` (share of the label's keeps), ``accuracy`` (the scorer's ranking agrees
+    with the label's decision), ``gamma_min``/``gamma_max`` over all KV heads of all layers.
     """
     n = keep = corr = 0
     gam = []

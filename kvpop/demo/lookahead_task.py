@@ -108,11 +108,11 @@ DEMO_GRID = {"k": (12, 28, 64), "lr_scorer": (1e-2, 3e-2), "steps": (100, 200), 
 """``kvpop demo --select``'s candidates on this task (``kvpop.cli.demo.GRID``'s keys): the training budget's
 long-range slots ``k`` at the smallest and the middle budget's (12, 28) and beyond the largest kept set (64);
 two scorer learning rates, two step counts, two model learning rates for the joint and fixed-pattern
-fine-tunes.  The label family (``--select-stage label``): the seed's mean label and the max, up to 3,000 steps
+fine-tunes.  The label family (``--select-stage label``): the paper's mean label and the max, up to 3,000 steps
 validated every 250 with patience 3 (the mLSTM passes 0.95 on the max label only after ~750 steps), at the
 scorer learning rate and with the decay range the label study chose on validation sequences
-(``kvpop/data/demo_results/README.md``: lr 1e-2 diverged, 1e-3 was slow; every decay of the seed's range gave
-the max label's oracle 1.000 and a stronger age penalty only lost, so the seed's range is the one candidate)."""
+(``kvpop/data/demo_results/README.md``: lr 1e-2 diverged, 1e-3 was slow; every decay of the paper's range gave
+the max label's oracle 1.000 and a stronger age penalty only lost, so the paper's range is the one candidate)."""
 DEMO_TRAIN_LENGTH = 512
 """The demo's retrofits train on sequences of ``L_train`` tokens (half of it would hold only 4 blocks, one of
 them kept)."""

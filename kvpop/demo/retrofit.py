@@ -64,7 +64,7 @@ class RetrofitConfig:
             original with the full cache).
         train_model: also fine-tune the model (KL to the frozen original) with ``lr_model``.
         checkpoint_every: steps between checkpoints (resume after an interruption).
-        label, label_power: the label the scorers learn (``KVpopConfig.label``: ``"mean"``, the seed's,
+        label, label_power: the label the scorers learn (``KVpopConfig.label``: ``"mean"``, the paper's,
             ``"max"`` or ``"power"`` with exponent ``label_power``).
         decay_span: ``None`` keeps ``KVpopConfig``'s range of the learned decay; a number of nats ties the
             range to the training length (:func:`kvpop.core.config.decay_range_for_context`).

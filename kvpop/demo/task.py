@@ -82,7 +82,7 @@ DEMO_GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2, 3e-2), "steps": (100, 200), "
              "patience": (0,)}
 """``kvpop demo --select``'s candidates on this task (``kvpop.cli.demo.GRID``'s keys): every training setting
 searched, two or three values each (the evaluation's batched TOVA/H2O decoding left the CPU time for it).  The
-label family (``--select-stage label``): mean and max label, the seed's decay range and one tied to the
+label family (``--select-stage label``): mean and max label, the paper's decay range and one tied to the
 training length (8 nats over a token's life), 200 steps validated every 50, the best state kept."""
 
 TEST_SEED_BASE = 1_000_000_000

@@ -17,7 +17,7 @@ Stages (settings chosen on validation sequences, the test sequences used once):
    the best oracle cell (ties: the earlier cell of the grid), the decay learned from there within
    ``decay_range_for_context`` (``--span-nats`` over the training length); validation accuracy every
    ``--eval-every`` steps, the best state kept (early stopping with ``--patience`` evaluations).
-3. ``test``: the chosen oracle cell, the seed's label at the same decay, and each scorer's best state
+3. ``test``: the chosen oracle cell, the paper's label at the same decay, and each scorer's best state
    on the test sequences, once.  With ``--head-adaptive ablation`` also head-adaptive budgets
    (docs/DESIGN.md section 7): for the oracle of the mean and of the max label at the chosen decay and
    for each scorer, the importance of every (layer, KV head) by ``kvpop.core.budgets.ablation_importance``

@@ -1,6 +1,6 @@
-"""Reconcile the two mean-label kvpop-mlstm figures on the lookahead task (issue 29, item 5).
+"""Reconcile the two mean-label kvpop-mlstm figures on the lookahead task.
 
-The label study (``kvpop.studies.label_study``, README: "kvpop-mlstm on the seed's mean label 0.421 / 0.295")
+The label study (``kvpop.studies.label_study``: kvpop-mlstm on the paper's mean label 0.421 / 0.295)
 and the demo (``kvpop demo --task lookahead``, its mean-label kvpop-mlstm 0.995 / 0.941) train the same scorer
 on the same label name and disagree.  This driver trains the scorer-only mLSTM under either recipe and under
 recipes that differ from one of them by one factor, and scores every run the same way on the same validation
@@ -338,7 +338,7 @@ def summary(out: Path) -> dict[str, Any]:
     chk = out / "check.json"
     if chk.exists():
         extra["check"] = json.loads(chk.read_text())
-    s = {"what": "issue 29 item 5: one-factor-at-a-time ladder between the demo's and the label study's mean-label "
+    s = {"what": "one-factor-at-a-time ladder between the demo's and the label study's mean-label "
                  "kvpop-mlstm on the lookahead task",
          "demo_recipe": DEMO, "study_recipe": STUDY, "selection": SELECT,
          "report_sequences": {k: v for k, v in REPORT.items()}, "rows": rows, "not_run": not_run,

@@ -1,4 +1,4 @@
-"""The ``kvpop`` command on bad and edge input (issue 10): usage errors before any work, resume that
+"""The ``kvpop`` command on bad and edge input: usage errors before any work, resume that
 compares what matters, interrupts that keep what finished.  The table is docs/HARDENING.md."""
 import json
 import os
@@ -202,7 +202,7 @@ def test_demo_interrupted_says_how_to_resume(tmp_path, monkeypatch, capsys):
     assert "--resume to continue" in capsys.readouterr().err
 
 
-# ============================================================================ issue 24 (round two)
+# ============================================================================ round two (docs/HARDENING.md)
 TRAIN = ["--tiny", "--steps", "1", *FAST]
 
 

@@ -1,6 +1,6 @@
-"""``kvpop eval`` on bad and edge input, round three (issue 30): runs whose parts do not belong together,
+"""``kvpop eval`` on bad and edge input, round three: runs whose parts do not belong together,
 fine-tuned models named under the wrong row, generation bounds, and the obscure errors.  The table is
-docs/HARDENING.md, "Round three (issue 30)", "kvpop eval"."""
+docs/HARDENING.md, "Round three", "kvpop eval"."""
 import json
 import os
 import shutil

@@ -1,4 +1,4 @@
-"""``kvpop pretrain`` on bad and edge input, round three (issue 30): a diverging run stops at its last finite
+"""``kvpop pretrain`` on bad and edge input, round three: a diverging run stops at its last finite
 checkpoint, a resume refuses changed settings, validation must differ from training data, and every option,
 data file and manifest is checked before any work.  The table is docs/HARDENING.md ("### kvpop pretrain")."""
 import json

@@ -1,6 +1,6 @@
-"""``kvpop train`` on bad and edge input, round three (issue 30): outputs of one step after a crash, resumes
+"""``kvpop train`` on bad and edge input, round three: outputs of one step after a crash, resumes
 that refuse changed model weights or head budgets, labels and options that would do nothing, and one-line
-errors.  The table is docs/HARDENING.md, "Round three (issue 30)", "kvpop train"."""
+errors.  The table is docs/HARDENING.md, "Round three", "kvpop train"."""
 import json
 import shutil
 

@@ -1,5 +1,5 @@
 """Batched generation through ``KVpopCache``: left padding, every policy and scorer, beam search,
-``num_return_sequences`` (issue 12)."""
+``num_return_sequences``."""
 import pytest
 import torch
 from tiny import randomize_scorers, tiny_model

@@ -1,4 +1,4 @@
-"""Ordinary and bad inputs to the cache and the patched model (issue 10): each case here once crashed
+"""Ordinary and bad inputs to the cache and the patched model: each case here once crashed
 or gave a silent wrong result.  The table of handled inputs is docs/HARDENING.md."""
 import pytest
 import torch
@@ -158,7 +158,7 @@ def test_output_attentions_is_refused_not_answered_with_nothing():
     assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 20, 20)
 
 
-# ============================================================================ issue 24 (round two)
+# ============================================================================ round two (docs/HARDENING.md)
 # ----------------------------------------------------------------------------- item 1: kvpop.disabled + generate
 @pytest.mark.parametrize("policy", ["kvpop", "tova"])
 def test_disabled_generate_equals_the_unpatched_model(policy):

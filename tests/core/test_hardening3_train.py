@@ -1,4 +1,4 @@
-"""Library side of ``kvpop train``'s round three (issue 30): the label's exponent and epsilon bounded where
+"""Library side of ``kvpop train``'s round three: the label's exponent and epsilon bounded where
 float32 computes them faithfully, head-budgets files with a bad importance table, the step stamped into a
 run's outputs, and a resume refused when the model files changed.  The table is docs/HARDENING.md."""
 import json

@@ -122,7 +122,7 @@ def test_decay_range_init_and_errors():
         decay_range_for_context(512, 0.0)
     with pytest.raises(TypeError, match="train_len"):
         decay_range_for_context(512.0, 8.0)
-    # the seed's fixed range spans 16.4 nats at its training length, 0.51 at the lookahead task's
+    # the paper's fixed range spans 16.4 nats at its training length, 0.51 at the lookahead task's
     assert math.isclose(-16384 * math.log(0.999), 16.39, abs_tol=0.01)
 
 

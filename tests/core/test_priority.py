@@ -1,5 +1,5 @@
 """One priority computation for every path (docs/DESIGN.md 2.4, 7): decoding keeps exactly what the
-schedule of the teacher-forced forward keeps, bit for bit, also on near-ties (issue 21 item 4)."""
+schedule of the teacher-forced forward keeps, bit for bit, also on near-ties."""
 import pytest
 import torch
 from tiny import tiny_model

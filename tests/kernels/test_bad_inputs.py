@@ -1,4 +1,4 @@
-"""Inputs to the ops that once gave silent wrong output (issue 10, point 7): a clear error instead."""
+"""Inputs to the ops that once gave silent wrong output: a clear error instead."""
 import pytest
 import torch
 

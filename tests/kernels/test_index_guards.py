@@ -1,4 +1,4 @@
-"""Index tensors of the decode ops and zero-size inputs of every public op (issue 24, item 13).
+"""Index tensors of the decode ops and zero-size inputs of every public op.
 
 ``fixed_budget_decode``'s ``pos`` and ``ragged_paged_decode``'s ``table`` / ``lengths`` live on the device.
 Checked (the default for CPU tensors, ``check=True`` anywhere) a bad value raises a ValueError before

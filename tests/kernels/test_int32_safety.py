@@ -1,4 +1,4 @@
-"""int32 safety of the Triton path (issue 10, point 6): huge ``window``/``sinks``/``k`` are clamped to
+"""int32 safety of the Triton path: huge ``window``/``sinks``/``k`` are clamped to
 equivalent values, and every row offset (sequence index x stride) is computed in int64.
 
 With transformers' transposed query views the stride over the sequence is ``Hq * D`` (4096 for

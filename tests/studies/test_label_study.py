@@ -32,7 +32,7 @@ def test_oracle_without_eviction_is_dense_and_with_eviction_differs(base):
     m = kvpop.patch(kvpop.make_teacher(base), L.oracle_config("power", 4.0, 0.999, T.TRAIN_LEN))
     assert L.accuracy(base, m, batch) == dense == 1.0
     m = kvpop.patch(kvpop.make_teacher(base), L.oracle_config("mean", 1.0, 0.99, 64))
-    assert L.accuracy(base, m, batch) < 0.9  # the seed's label at a strong decay loses facts (issue 22's table)
+    assert L.accuracy(base, m, batch) < 0.9  # the paper's label at a strong decay loses facts
 
 
 def test_train_scorer_keeps_the_best_validation_state(base):

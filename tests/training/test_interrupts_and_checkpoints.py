@@ -1,4 +1,4 @@
-"""Run directories and interrupted runs (issue 10): a checkpoint cannot run code, SIGINT/SIGTERM lose
+"""Run directories and interrupted runs: a checkpoint cannot run code, SIGINT/SIGTERM lose
 nothing a run finished, bad arguments are refused up front.  The table is docs/HARDENING.md."""
 import json
 import os
@@ -200,7 +200,7 @@ def test_train_config_rejects_non_finite_and_out_of_range_numbers(field, value):
         TrainConfig(**{field: value})
 
 
-# ============================================================================ issue 24 (round two)
+# ============================================================================ round two (docs/HARDENING.md)
 # ----------------------------------------------------------------------------- item 9: atomic checkpoints
 def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     from kvpop.training import runstate
