@@ -33,12 +33,36 @@ def _get(cfg: Any, key: str) -> Any:
     return getattr(cfg, key, None)
 
 
+def _with_overrides(base: KVpopConfig, overrides: dict, scorers: Any) -> KVpopConfig:
+    """``base`` with the ``kvpop_config`` fields; a new ``budget`` for head-adaptive rows (and no rows given)
+    re-allocates them by their importance (``kvpop.core.budgets.rescale``), never scales them by hand."""
+    if not overrides:
+        return base
+    new_budget = overrides.get("budget", base.budget)
+    if base.head_budgets is None or "head_budgets" in overrides or new_budget == base.budget:
+        return base.replace(**overrides)
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets, rescale
+
+    plan_file = os.path.join(os.path.dirname(os.path.abspath(str(scorers))), HEAD_BUDGETS_FILE)
+    plan = read_head_budgets(plan_file) if os.path.isfile(plan_file) else None
+    if plan is None or plan.get("importance") is None or plan["head_budgets"] != base.head_budgets:
+        raise ValueError(f"kvpop_config budget={new_budget}: {scorers} holds head_budgets of mean {base.budget}, and "
+                         f"no {HEAD_BUDGETS_FILE} with their importance lies beside it to share another total; serve "
+                         f"budget={base.budget}, or pass head_budgets= rows of mean {new_budget}")
+    rest = {k: v for k, v in overrides.items() if k != "budget"}
+    home = base.replace(**rest) if rest else base
+    return rescale(home, int(new_budget), importance=plan["importance"], min_k=plan.get("min_k", 0),
+                   granularity=plan.get("granularity", 1))
+
+
 def resolve(cfg: Any) -> Settings:
     """``Settings`` from a mapping or a config object carrying the ``kvpop_*`` keys.
 
     Raises ``ValueError`` naming the key for: an unknown policy, a ``kvpop`` policy without a scorer
     file, a missing or foreign file, unknown ``kvpop_config`` fields, an mLSTM scorer (not served yet).
-    Head-adaptive budgets (``head_budgets``, from the file or ``kvpop_config``) are served in the packed layout.
+    Head-adaptive budgets (``head_budgets``, from the file or ``kvpop_config``) are served in the packed layout;
+    another ``budget`` for a file with them shares the new total by the importance they were allocated from
+    (``head_budgets.json`` beside the file, as ``kvpop train --allocate`` writes it), else ``ValueError``.
     """
     policy = _get(cfg, "kvpop_policy") or "kvpop"
     if policy not in POLICIES:
@@ -56,13 +80,13 @@ def resolve(cfg: Any) -> Settings:
     elif policy == "kvpop":
         raise ValueError("kvpop_policy='kvpop' needs kvpop_scorers= (a scorer file written by kvpop.save_scorers or "
                          "kvpop train); use kvpop_policy='streaming' to serve without a scorer")
-    config = base.replace(**dict(overrides)) if overrides else base
+    config = _with_overrides(base, dict(overrides), scorers)
     if scorers is not None and config.structural_mismatch(base):
         raise ValueError(f"kvpop_config changes the scorer's structure ({config.structural_mismatch(base)}); only "
                          f"the cache shape (budget, sinks, window of an MLP scorer) may differ from the file")
     if policy == "kvpop" and config.scorer != "mlp":
         raise ValueError(
             f"the vLLM plugin serves the MLP scorer only; {scorers} holds an {config.scorer!r} scorer. The mLSTM "
-            f"scorer keeps a recurrent state per request (see the README's vLLM section); serve it with "
+            f"scorer keeps a recurrent state per request (see docs/vllm.md); serve it with "
             f"kvpop.KVpopCache in transformers, or use kvpop_policy='streaming'")
     return Settings(config=config, policy=policy, scorers=None if scorers is None else str(scorers))

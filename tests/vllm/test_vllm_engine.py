@@ -9,7 +9,7 @@ Engines (each costs about a minute to start on 2 cores, so few of them, shared b
 * ``kvpop`` policy, compiled (``torch.compile``), chunked prefill of 96 tokens per step (prompts longer
   than a chunk continue through the chunk path while other requests decode), a pool of exactly
   ``4 requests x 2 blocks``;
-* ``streaming`` policy, eager, whole prompts in one step: the README's example;
+* ``streaming`` policy, eager, whole prompts in one step: the example of docs/vllm.md;
 * ``vllm serve`` with the plugin on 127.0.0.1, asked over plain HTTP.
 """
 from __future__ import annotations
@@ -77,16 +77,16 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 _REF_MODELS: dict = {}
 
 
-def reference(scorers: str, policy: str, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+def reference(scorers: str, policy: str, ids: list[int], n: int, model: str = MODEL) -> tuple[list[int], list[float]]:
     """Greedy tokens and their log-probabilities from transformers + KVpopCache."""
     from transformers import Qwen3ForCausalLM
 
-    if scorers not in _REF_MODELS:
-        m = Qwen3ForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    if (model, scorers) not in _REF_MODELS:
+        m = Qwen3ForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         m.generation_config.eos_token_id = None
         kvpop.load_scorers(m, scorers)
-        _REF_MODELS[scorers] = m
-    m = _REF_MODELS[scorers]
+        _REF_MODELS[model, scorers] = m
+    m = _REF_MODELS[model, scorers]
     with torch.no_grad():
         cache = kvpop.KVpopCache(m, policy=policy)
         out = m.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=n, do_sample=False,
@@ -94,6 +94,24 @@ def reference(scorers: str, policy: str, ids: list[int], n: int) -> tuple[list[i
     gen = out.sequences[0, len(ids):].tolist()
     lps = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, gen)]
     return gen, lps
+
+
+def reference_batch(scorers: str, policy: str, prompts: list[list[int]], n: int, model: str = MODEL):
+    """:func:`reference` of several prompts in one left-padded ``generate`` (a KVpopCache's rows equal the rows
+    alone, tests/test_cache*.py): one decode pass for all of them."""
+    reference(scorers, policy, prompts[0][:1], 1, model=model)  # loads the model
+    m = _REF_MODELS[model, scorers]
+    S = max(map(len, prompts))
+    ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = m.generate(ids, attention_mask=mask, past_key_values=kvpop.KVpopCache(m, policy=policy), max_new_tokens=n,
+                         do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    res = []
+    for r in range(len(prompts)):
+        gen = out.sequences[r, S:].tolist()
+        res.append((gen, [float(torch.log_softmax(s[r].double(), -1)[t]) for s, t in zip(out.scores, gen)]))
+    return res
 
 
 def engine(scorers: str, policy: str, **kw):
@@ -195,20 +213,79 @@ def test_kvpop_long_generation_holds_its_blocks(kvpop_llm, scorer_file):
         assert_same(g, want, f"kvpop, {n} generated tokens")
 
 
-# ------------------------------------------------------------------------------- README / streaming
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+# ------------------------------------------------------------------------------- head-adaptive budgets
+@pytest.fixture(scope="module")
+def head_budget_run(tmp_path_factory):
+    """A kvpop-mlp-joint run of ``kvpop train`` (max label, per-head budgets from ``--allocate ablation``, two
+    steps): its model/ and scorer file, whose config carries the head budgets."""
+    out = tmp_path_factory.mktemp("hb") / "run"
+    cmd = [sys.executable, "-c", "import sys; from kvpop.cli import main; sys.exit(main())", "train", "--model", MODEL,
+           "--task", "--seq-len", "128", "--steps", "2", "--batch-size", "2", "--budget", str(BUDGET), "--sinks",
+           str(SINKS), "--window", str(WINDOW), "--label", "max", "--allocate", "ablation", "--out", str(out),
+           "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert res.returncode == 0, f"kvpop train failed ({res.returncode}): {res.stderr[-3000:]}"
+    hb = kvpop.read_scorer_config(str(out / "scorers.safetensors")).head_budgets
+    assert hb is not None and len(set(hb[0] + hb[1])) > 1, f"the run's budgets are not head-adaptive: {hb}"
+    return str(out / "model"), str(out / "scorers.safetensors")
+
+
+def _force_one_preemption(llm, after: int) -> dict:
+    """Preempt the last running request once, ``after`` scheduler steps (vLLM frees its blocks and recomputes it
+    from its prompt and the tokens so far, as when the pool runs out); the engine core runs in this process."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule = sched.schedule
+    seen = {"steps": 0, "preempted": None}
+
+    def forced(*args, **kwargs):
+        seen["steps"] += 1
+        if seen["preempted"] is None and seen["steps"] > after and len(sched.running) > 1:
+            req = sched.running.pop()
+            sched._preempt_request(req, time.monotonic())
+            seen["preempted"] = req.request_id
+        return schedule(*args, **kwargs)
+
+    sched.schedule = forced
+    return seen
+
+
+def test_head_budgets_compiled_chunked_preempted(head_budget_run, monkeypatch):
+    """Head-adaptive budgets (a ``kvpop train`` run) served compiled, prompts of 7 to 1,200 tokens prefilled in
+    chunks of 96 while others decode, 200 new tokens each, one request preempted mid-decode and recomputed: every
+    request's greedy tokens equal transformers + KVpopCache's, log-probabilities within 1e-4; the pool of exactly
+    4 x ceil(B / bs) blocks holds all four at once (the packed block is a uniform layer's pages)."""
+    model, scorers = head_budget_run
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process: preempt by hand
+    llm = engine(scorers, "kvpop", model=model, enforce_eager=False, max_num_batched_tokens=96, async_scheduling=False,
+                 num_gpu_blocks_override=4 * (-(-BUDGET // BLOCK)) + 1)
+    try:
+        lengths = [7, 60, 300, 1200]
+        prompts = [prompt(n, seed=10 + i) for i, n in enumerate(lengths)]
+        seen = _force_one_preemption(llm, after=40)
+        with SchedulerSpy(llm) as spy:
+            got = generate(llm, prompts, 200)
+        assert seen["preempted"] is not None and spy.preempted >= 1
+        assert max(spy.running) == 4, "the pool of 4 x ceil(B / bs) blocks did not hold four requests at once"
+    finally:
+        _close(llm)
+    for n, g, want in zip(lengths, got, reference_batch(scorers, "kvpop", prompts, 200, model=model)):
+        assert_same(g, want, f"head budgets, prompt of {n}")
+
+
+# ------------------------------------------------------------------------- docs/vllm.md / streaming
+VLLM_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "vllm.md")
 
 
 def test_readme_example_streaming(scorer_file):
-    """The README's vLLM example (``python vllm`` block) runs as written: streaming policy, eager engine,
+    """The vLLM example of docs/vllm.md (its ``python vllm`` block) runs as written: streaming policy, eager engine,
     whole prompts, a short and a long request at once; its tokens equal transformers + KVpopCache's."""
     import re
 
-    blocks = re.findall(r"```python vllm\n(.*?)```", open(README, encoding="utf-8").read(), flags=re.S)
+    blocks = re.findall(r"```python vllm\n(.*?)```", open(VLLM_DOC, encoding="utf-8").read(), flags=re.S)
     assert len(blocks) == 1
     ns = {"__name__": "__main__"}
     try:
-        exec(compile(blocks[0], "README.md[python vllm block]", "exec"), ns)
+        exec(compile(blocks[0], "docs/vllm.md[python vllm block]", "exec"), ns)
     finally:
         if "llm" in ns:
             _close(ns.pop("llm"))
