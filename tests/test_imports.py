@@ -15,21 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 # A room is a module and everything below it; "=kvpop" is the module kvpop itself (its __init__, the
 # public names, all re-exported from kvpop.core).
 LAYERS = [
-    ("kvpop_kernels", "kvpop.progress"),  # Triton kernels and their references; the progress report
+    ("kvpop_kernels", "kvpop.progress", "kvpop.policies"),  # Triton kernels and their references; the progress
+                                                            # report; the evaluation's policy names
     ("kvpop.models",),                  # one adapter per model family
     ("kvpop.core", "=kvpop"),           # KVpop itself, the patch lifecycle, the layer files; the public names
     ("kvpop.baselines",),               # methods KVpop is measured against (DMS), built on the core
-    ("kvpop.training",),                # the loop and its method interface (KVpop, DMS)
+    ("kvpop.training",),                # the loop and its method interface (KVpop, DMS); reading training data
+    ("kvpop.answers",),                 # kvpop eval --problems: generated answers per policy and budget
     ("kvpop.demo",),                    # the synthetic tasks, retrofits, the evaluation harness
-    ("kvpop.problems",),                # kvpop eval --problems: generated answers per policy and budget
     ("kvpop.cli", "kvpop.vllm"),        # the commands; the vLLM plugin (a leaf beside them)
     ("kvpop.studies",),                 # research instruments (the evidence ledger), over the demo's commands
     ("kvpop.__main__",),                # python -m kvpop
 ]
-# Arrows allowed against the layering, each a deprecated alias kept for one release.
-ALLOWED_UP = {
-    ("kvpop.core.dms", "kvpop.baselines.dms"),  # DMS moved out of the core
-}
+# Arrows allowed against the layering (each would be a deprecated alias kept for one release): none.
+ALLOWED_UP: set[tuple[str, str]] = set()
 # Third-party packages a room must not import.
 FORBIDDEN = {"kvpop_kernels": ("transformers", "kvpop")}
 

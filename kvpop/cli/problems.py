@@ -1,5 +1,5 @@
 """``kvpop eval --problems FILE.jsonl``: accuracy of generated answers per policy and budget
-(:mod:`kvpop.problems`).
+(:mod:`kvpop.answers`).
 
 The policies come from the same ``--run`` / ``--scorers`` / ``--finetuned`` / ``--dms`` options as the rest of
 ``kvpop eval`` (:func:`kvpop.cli.eval._trained`, :func:`kvpop.cli.trained.policy_models`).
@@ -12,6 +12,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from kvpop.policies import JOINT, POLICIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,8 +59,8 @@ class _ConfigOnly:
         self.config = config
 
 
-def _vllm_models(P, E, model_dir: Path, policies, wanted, trained: dict) -> dict:
-    """policy -> :class:`kvpop.problems.VLLMModel` for every policy the plugin serves that has what it
+def _vllm_models(P, model_dir: Path, policies, wanted, trained: dict) -> dict:
+    """policy -> :class:`kvpop.answers.VLLMModel` for every policy the plugin serves that has what it
     needs (a policy named in ``wanted`` without it raises ValueError)."""
     out = {"dense": P.VLLMModel(str(model_dir))}
     for p in policies:
@@ -78,7 +80,7 @@ def _vllm_models(P, E, model_dir: Path, policies, wanted, trained: dict) -> dict
                 if wanted is not None:
                     raise ValueError(f"policy {p!r} needs its scorers: --run {p}=DIR or --scorers {p}=FILE")
                 continue
-            if p in E.JOINT and t.model is None:
+            if p in JOINT and t.model is None:
                 raise ValueError(f"policy {p!r} needs the model trained with its scorers: --run {p}=DIR")
             if getattr(t.config, "head_budgets", None) is not None:
                 raise ValueError(f"policy {p!r} ({t.source}) was trained with head-adaptive budgets, which the vLLM "
@@ -91,7 +93,7 @@ def _vllm_models(P, E, model_dir: Path, policies, wanted, trained: dict) -> dict
 def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> int:
     import torch
 
-    from kvpop import problems as P
+    from kvpop import answers as P
     from kvpop.demo import evaluate as E
     from kvpop.demo import trace_eval as TE
     from kvpop.training import data as data_io
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
         elif max_new < 1:
             raise ValueError(f"--max-new-tokens must be an int >= 1, got {max_new}")
         P.check_lengths(problems, max_new, context, model=f"the model {model_dir}")
-        cfg = P.ProblemsConfig(budgets=budgets, policies=wanted or list(E.POLICIES), samples=args.samples,
+        cfg = P.ProblemsConfig(budgets=budgets, policies=wanted or list(POLICIES), samples=args.samples,
                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=max_new,
                                extract=args.extract, batch_size=args.batch_size, sinks=sinks, window=window,
                                progress=not args.no_progress, problems_file=str(path),
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
                                extra={"model": str(model_dir), "chat_template": bool(args.chat_template),
                                       "trained": summary, "engine": args.engine})
         if engine is not None:
-            models = _vllm_models(P, E, model_dir, cfg.policies, wanted, trained)
+            models = _vllm_models(P, model_dir, cfg.policies, wanted, trained)
         else:
             models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=sinks, window=window,
                                     budget=cfg.budgets[0] if cfg.budgets else sinks + window + 1,

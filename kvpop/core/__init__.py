@@ -6,8 +6,8 @@
 patched), ``checkpoint`` (save / load scorers; the layer file), ``loss`` (L_score), ``distill`` (the
 distillation KL, the fused chunked LM head), ``budgets`` (head-adaptive budgets: ``allocate``,
 ``ablation_importance``; import it from ``kvpop.core.budgets``).  The core imports ``kvpop.models``
-(the family seam) and ``kvpop_kernels``, never ``kvpop.baselines``, ``kvpop.training``, ``kvpop.demo`` or ``kvpop.cli``
-(but for the deprecated alias ``kvpop.core.dms``).
+(the family seam) and ``kvpop_kernels``, never ``kvpop.baselines``, ``kvpop.training``, ``kvpop.demo`` or
+``kvpop.cli``.
 """
 from .attention import set_teacher_targets, teacher_targets
 from .cache import KVpopCache

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "write_json"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, binary: bool = True) -> None:
@@ -37,3 +38,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, b
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` to ``path`` as JSON (indent 1, a final newline) through :func:`atomic_write`."""
+    text = json.dumps(obj, indent=1) + "\n"
+    atomic_write(path, lambda f: f.write(text), binary=False)

@@ -12,7 +12,7 @@ graded positions (greedy argmax, :func:`kvpop.demo.task.accuracy`).
   (``fixed_budget_decode`` per token and layer), as it would during generation.
 * ``dense``: the unpatched model's plain forward.
 
-Policies (names of issue 7):
+Policies (named in :mod:`kvpop.policies`):
 
 ===================  ===============================================  ==================
 policy               model                                            cache policy
@@ -44,7 +44,6 @@ The retrofits that make the learned rows are :mod:`kvpop.demo.retrofit`'s (re-ex
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,21 +60,23 @@ from kvpop.baselines.dms.budget import row_stats as dms_row_stats
 from kvpop.core.budgets import rebudget, set_importance
 from kvpop.core.cache import KVpopCache
 from kvpop.core.checkpoint import load_scorers, read_scorer_config
-from kvpop.core.files import atomic_write
+from kvpop.core.files import atomic_write, write_json
 from kvpop.core.patching import get_config, is_patched, patch, unpatch
 from kvpop.models import cache_kwarg_name
-
-from . import task as T
-from .retrofit import (
+from kvpop.policies import (
+    CACHE_POLICY,
     DEFAULT_SINKS,
     DEFAULT_WINDOW,
+    DMS_POLICIES,
     JOINT,
     LABEL_SOURCES,
     LABEL_VARIANTS,
+    POLICIES,
     SCORER_OF,
-    RetrofitConfig,
-    retrofit,
 )
+
+from . import task as T
+from .retrofit import RetrofitConfig, retrofit
 
 __all__ = [
     "POLICIES",
@@ -106,18 +107,9 @@ __all__ = [
     "RetrofitConfig",
 ]
 
-POLICIES = ("dense", "streaming", "tova", "h2o", "fixed-finetune", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
-            "kvpop-mlstm-joint", *LABEL_VARIANTS, "dms", "dms-test-calibrated")
-"""Policy names, in table order.  ``dms``: DMS at the gate threshold chosen on validation sequences (fixed for
-the test sequences); ``dms-test-calibrated``: the same model with the threshold calibrated on each test
-sequence itself (a look at the test data no other policy gets; shown only as a labelled second row)."""
-DMS_POLICIES = ("dms", "dms-test-calibrated")
 BATCHED = ("tova", "h2o")
 """Policies :func:`evaluate` runs on all sequences of a length at once (token-by-token decoding, whose cost
 per token hardly grows with the batch on a CPU); the others run one sequence at a time."""
-CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
-                **{p: "kvpop" for p in SCORER_OF}}
-"""The ``KVpopCache`` policy that serves each non-dense policy."""
 BUDGET_FRACTIONS = (0.0625, 0.125, 0.25)
 SHIPPED_MODEL = T.SHIPPED_MODEL
 
@@ -500,11 +492,8 @@ def trained_label(results: dict, policy: str) -> str:
 
 
 def write_results(results: dict, path: str | os.PathLike) -> None:
-    """Write ``results`` as JSON (atomically: temporary file, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    os.replace(tmp, path)
+    """Write ``results`` as JSON (atomically: :func:`kvpop.core.files.write_json`)."""
+    write_json(path, results)
 
 
 def plot_results(results: dict, path: str | os.PathLike) -> None:

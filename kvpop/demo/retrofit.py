@@ -28,6 +28,7 @@ from kvpop.core.checkpoint import load_scorers, save_scorers
 from kvpop.core.config import LABELS, KVpopConfig, decay_range_for_context
 from kvpop.core.lifecycle import carried, remove
 from kvpop.core.patching import make_teacher, patch
+from kvpop.policies import DEFAULT_SINKS, DEFAULT_WINDOW, JOINT, LABEL_SOURCES, LABEL_VARIANTS, SCORER_OF
 from kvpop.training.runstate import append_jsonl, atomic_save, write_jsonl
 from kvpop.training.train import TrainConfig, train
 
@@ -36,18 +37,6 @@ from . import task as T
 __all__ = ["RetrofitConfig", "retrofit", "retrofit_dms", "retrofit_seed", "SCORER_OF", "JOINT", "LABEL_SOURCES",
            "LABEL_VARIANTS", "DEFAULT_SINKS", "DEFAULT_WINDOW"]
 
-LABEL_SOURCES = ("student", "teacher")
-"""Whose attention makes a joint retrofit's label (``KVpopConfig.target_source``)."""
-LABEL_VARIANTS = {f"{j}-{src}-label": j for j in ("kvpop-mlp-joint", "kvpop-mlstm-joint") for src in LABEL_SOURCES}
-"""A joint retrofit trained on an explicitly named label source -> the joint policy it is a variant of
-(``kvpop demo`` reports the source it did not choose under this name, beside the chosen one)."""
-SCORER_OF = {"kvpop-mlp": "mlp", "kvpop-mlstm": "mlstm", "kvpop-mlp-joint": "mlp", "kvpop-mlstm-joint": "mlstm"}
-SCORER_OF.update({v: SCORER_OF[j] for v, j in LABEL_VARIANTS.items()})
-"""The scorer each KVpop policy of the harness trains."""
-JOINT = ("kvpop-mlp-joint", "kvpop-mlstm-joint", *LABEL_VARIANTS)
-"""Policies whose scorers were trained together with the model (``train_model=True``, KL to the frozen original)."""
-DEFAULT_SINKS = 4
-DEFAULT_WINDOW = 32
 
 
 @dataclass

@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["read_jsonl", "load_tokenizer", "chunk", "make_batches", "data_fingerprint", "model_fingerprint"]
+__all__ = ["jsonl_values", "read_jsonl", "load_tokenizer", "chunk", "make_batches", "cut_file", "digests",
+           "data_fingerprint", "model_fingerprint"]
 
 
 FULL_HASH_BYTES = 256 * 2**20
@@ -88,6 +90,37 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Any:
         raise ValueError(f"cannot load the tokenizer of {d}: {type(e).__name__}: {e}") from e
 
 
+def jsonl_values(path: Path, *, utf8_error: Callable[[int, bytes, UnicodeDecodeError], str] | None = None
+                 ) -> Iterator[tuple[int, Any]]:
+    """``(line number, JSON value)`` of every non-blank line of the JSONL file ``path``, read line by line as
+    bytes: the reader of :func:`read_jsonl` and of ``kvpop eval --problems``
+    (:func:`kvpop.answers.records.read_problems`), which check the values.
+
+    A line that is not UTF-8, not JSON or nested too deep raises ``ValueError`` naming ``path:line``;
+    ``utf8_error(lineno, raw, error)`` words the first (default: the byte and its offset in the line)."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                msg = (utf8_error(lineno, raw, e) if utf8_error is not None else
+                       f"{where}: not UTF-8 text (byte {e.start} of the line is {raw[e.start]:#04x}); JSONL files "
+                       f"are UTF-8")
+                raise ValueError(msg) from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: not a record (JSON nested too deep to read)") from None
+            except ValueError as e:  # e.g. an integer of more digits than Python converts
+                raise ValueError(f"{where}: not valid JSON ({str(e)[:200]})") from None
+            yield lineno, obj
+
+
 def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None, tokenizer: Any = None,
                tokenizer_source: str | None = None) -> list[list[int]]:
     """Token-id lists of the records of a JSONL file (see the module docstring).
@@ -104,49 +137,33 @@ def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None, tokeni
         raise ValueError(f"data file {p} does not exist" if not p.exists() else f"data path {p} is not a file")
     records: list[list[int]] = []
     tok = tokenizer
-    with p.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{p}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 text (byte {e.start} of the line is {raw[e.start]:#04x}); "
-                                 f"JSONL files are UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            except RecursionError:
-                raise ValueError(f"{where}: not a record (JSON nested too deep to read)") from None
-            except ValueError as e:  # e.g. an integer of more digits than Python converts
-                raise ValueError(f"{where}: not valid JSON ({str(e)[:200]})") from None
-            if not isinstance(obj, dict) or ("input_ids" in obj) == ("text" in obj):
-                got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise ValueError(f'{where}: expected an object with exactly one of "input_ids" (a list of ints) '
-                                 f'or "text" (a string), got {got}')
-            if "input_ids" in obj:
-                ids = obj["input_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise ValueError(f'{where}: "input_ids" must be a list of ints, got '
-                                     f"{type(ids).__name__} {str(ids)[:60]}")
-            else:
-                text = obj["text"]
-                if not isinstance(text, str):
-                    raise ValueError(f'{where}: "text" must be a string, got {type(text).__name__}')
-                if tok is None:
-                    raise ValueError(f"{where}: a text record needs a tokenizer, and "
-                                     f"{tokenizer_source or 'the model'} has none; give token ids instead")
-                if callable(tok) and not hasattr(tok, "encode"):
-                    tok = tok()
-                ids = list(tok(text)["input_ids"])
-            if vocab_size is not None and ids:
-                lo, hi = min(ids), max(ids)
-                if lo < 0 or hi >= vocab_size:
-                    bad = lo if lo < 0 else hi
-                    raise ValueError(f"{where}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
-            records.append(ids)
+    for lineno, obj in jsonl_values(p):
+        where = f"{p}:{lineno}"
+        if not isinstance(obj, dict) or ("input_ids" in obj) == ("text" in obj):
+            got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise ValueError(f'{where}: expected an object with exactly one of "input_ids" (a list of ints) '
+                             f'or "text" (a string), got {got}')
+        if "input_ids" in obj:
+            ids = obj["input_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f'{where}: "input_ids" must be a list of ints, got '
+                                 f"{type(ids).__name__} {str(ids)[:60]}")
+        else:
+            text = obj["text"]
+            if not isinstance(text, str):
+                raise ValueError(f'{where}: "text" must be a string, got {type(text).__name__}')
+            if tok is None:
+                raise ValueError(f"{where}: a text record needs a tokenizer, and "
+                                 f"{tokenizer_source or 'the model'} has none; give token ids instead")
+            if callable(tok) and not hasattr(tok, "encode"):
+                tok = tok()
+            ids = list(tok(text)["input_ids"])
+        if vocab_size is not None and ids:
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{where}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+        records.append(ids)
     if not records:
         raise ValueError(f"data file {p} holds no records")
     return records
@@ -185,3 +202,33 @@ def make_batches(seqs: list[torch.Tensor], batch_size: int, *, shuffle: bool = T
         random.Random(seed).shuffle(order)
     n = len(order) // batch_size * batch_size
     return [torch.stack([seqs[j] for j in order[i:i + batch_size]]) for i in range(0, n, batch_size)]
+
+
+def cut_file(path: str, seq_len: int, *, vocab_size: int, model_dir: Path | None, pack: bool = False,
+             eos_token_id: int | list[int] | None = None) -> list[torch.Tensor]:
+    """The records of the JSONL file ``path`` (:func:`read_jsonl`; texts tokenised with ``model_dir``'s tokenizer,
+    ``None``: the ``--tiny`` model, which has none) cut into ``seq_len`` sequences (:func:`chunk`); with ``pack``
+    the records are separated by the tokenizer's EOS, else ``eos_token_id`` (the model config's)."""
+    tok_holder: dict = {}
+
+    def tokenizer():
+        if model_dir is None:
+            raise ValueError(f"{path} has text records but --tiny has no tokenizer; give token ids or --model DIR")
+        tok_holder["tok"] = load_tokenizer(model_dir)
+        return tok_holder["tok"]
+
+    records = read_jsonl(path, vocab_size=vocab_size, tokenizer=tokenizer, tokenizer_source=str(model_dir))
+    sep = None
+    if pack:
+        tok = tok_holder.get("tok")
+        sep = getattr(tok, "eos_token_id", None) if tok is not None else eos_token_id
+        if isinstance(sep, list):
+            sep = sep[0] if sep else None
+    return chunk(records, seq_len, pack=pack, sep_id=sep, source=path)
+
+
+def digests(seqs: list[torch.Tensor]) -> set[bytes]:
+    """A 16-byte BLAKE2 digest of each token sequence: which sequences two sets share, in little memory."""
+    import hashlib
+
+    return {hashlib.blake2b(s.numpy().tobytes(), digest_size=16).digest() for s in seqs}

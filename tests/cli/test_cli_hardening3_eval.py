@@ -146,12 +146,12 @@ def _problems_file(path, *records):
 
 
 def test_problems_that_cannot_fit_the_context_are_refused_before_generating(tmp_path, capsys, monkeypatch):
-    from kvpop import problems as P
+    from kvpop.answers import generation as G
 
     def generate(*a, **k):
         raise AssertionError("generation started before the refusal")
 
-    monkeypatch.setattr(P, "generate_rows", generate)
+    monkeypatch.setattr(G, "generate_rows", generate)
     ctx = json.loads((E.SHIPPED_MODEL / "config.json").read_text())["max_position_embeddings"]
     ok = {"prompt_ids": [1, 2, 3], "answer_ids": [4]}
     run = ["--problems", None, "--policies", "dense,streaming", "--budgets", "48", "--no-progress", "--no-plot"]
@@ -178,7 +178,7 @@ def test_problems_that_cannot_fit_the_context_are_refused_before_generating(tmp_
 def test_the_context_counts_rope_scaling():
     from transformers import Qwen3Config
 
-    from kvpop.problems import model_context
+    from kvpop.answers import model_context
 
     assert model_context(Qwen3Config(max_position_embeddings=4096)) == 4096
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}

@@ -1,11 +1,12 @@
-"""``kvpop eval --problems``: accuracy of generated answers per policy and budget (kvpop.problems)."""
+"""``kvpop eval --problems``: accuracy of generated answers per policy and budget (kvpop.answers)."""
 import json
 
 import pytest
 import torch
 from test_cli_train import _tokenizer_model_dir
 
-from kvpop import problems as P
+from kvpop import answers as P
+from kvpop.answers import generation as G
 from kvpop.cli import main
 from kvpop.demo import evaluate as E
 from kvpop.demo import lookahead_task as LT
@@ -65,10 +66,10 @@ def test_pass_and_majority_arithmetic():
     m = P.sample_metrics(["1", "2"], [False, False])
     assert m == {"pass@1": 0.0, "pass@2": False, "maj@2": False}
     # a table's figures are the means over problems
-    rows = {P._key("dense", None, i): {"pass@1": a, "pass@N": b, "maj@N": c, "mean_length": n, "peak_cache_bytes": 8}
+    rows = {P.row_key("dense", None, i): {"pass@1": a, "pass@N": b, "maj@N": c, "mean_length": n, "peak_cache_bytes": 8}
             for i, (a, b, c, n) in enumerate([(0.5, True, True, 2.0), (0.0, False, False, 4.0)])}
     cfg = P.ProblemsConfig(budgets=[64], policies=["dense"], samples=4, progress=False)
-    res = P._results(rows, [P.Problem(i, str(i), [1], None, [2]) for i in range(2)], [("dense", None)], cfg)
+    res = P.results_dict(rows, [P.Problem(i, str(i), [1], None, [2]) for i in range(2)], [("dense", None)], cfg)
     r = res["rows"][0]
     assert (r["pass@1"], r["maj@4"], r["pass@4"], r["mean_length"]) == (0.25, 0.5, 0.5, 3.0)
 
@@ -118,7 +119,7 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, monkeyp
     full = (tmp_path / "full" / "results.json").read_text()
     gens_full = (tmp_path / "full" / "generations.jsonl").read_text()
 
-    real = P.generate_rows
+    real = G.generate_rows
     calls = []
 
     def interrupted(*a, **k):
@@ -127,14 +128,14 @@ def test_resume_after_an_interrupt_equals_an_uninterrupted_run(tmp_path, monkeyp
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(P, "generate_rows", interrupted)
+    monkeypatch.setattr(G, "generate_rows", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _cli(tmp_path, data, tmp_path / "part", "--no-plot")
     log = (tmp_path / "part" / "problems.jsonl").read_text().splitlines()
     assert 0 < len(log) < 10  # some problems were logged before the interrupt
     with open(tmp_path / "part" / "problems.jsonl", "a") as f:
         f.write('{"policy": "streaming", "bud')  # a line torn by the interrupt
-    monkeypatch.setattr(P, "generate_rows", real)
+    monkeypatch.setattr(G, "generate_rows", real)
     assert _cli(tmp_path, data, tmp_path / "part") != 0  # without --resume the earlier run is not overwritten
     assert (tmp_path / "part" / "problems.jsonl").read_text().splitlines()[:len(log)] == log
     assert _cli(tmp_path, data, tmp_path / "part", "--resume", "--no-plot") == 0

@@ -207,10 +207,10 @@ def test_allocate_on_valid_data_file(tmp_path):
 
 def test_vllm_engine_refuses_a_head_budgets_run(allocated):
     """The vLLM plugin keeps one budget per head: a run with head_budgets is refused there, not served uniform."""
-    from kvpop import problems as P
+    from kvpop import answers as P
     from kvpop.cli.problems import _vllm_models
     from kvpop.cli.trained import read_run
 
     t = read_run(str(allocated))
     with pytest.raises(ValueError, match="head-adaptive budgets, which the vLLM plugin does not serve"):
-        _vllm_models(P, E, allocated, ["dense", t.policy], None, {t.policy: t})
+        _vllm_models(P, allocated, ["dense", t.policy], None, {t.policy: t})

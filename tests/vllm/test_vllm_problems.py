@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from test_vllm_engine import _cpu_engine_env  # noqa: E402, F401  (vLLM's CPU settings, autouse)
 
 import kvpop  # noqa: E402
-from kvpop import problems as P  # noqa: E402
+from kvpop import answers as P  # noqa: E402
 from kvpop.demo import evaluate as E  # noqa: E402
 from kvpop.demo.problems import task_problems  # noqa: E402
 
@@ -44,7 +44,7 @@ def test_vllm_and_hf_engines_give_the_same_greedy_answers(tmp_path):
         engine.close()
     toks = {}
     for name in ("hf", "vllm"):
-        rows = P._load_log(tmp_path / name / P.RESULTS_LOG)
+        rows = P.load_log(tmp_path / name / P.RESULTS_LOG)
         toks[name] = {k: [s["tokens"] for s in r["samples"]] for k, r in rows.items()}
     assert toks["hf"] == toks["vllm"]
     assert [r["pass@1"] for r in hf["rows"]] == [r["pass@1"] for r in vl["rows"]]
