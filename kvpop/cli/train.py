@@ -219,6 +219,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="device (default: cuda[:LOCAL_RANK] when available, else cpu)")
     run.add_argument("--no-progress", action="store_true",
                      help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
+    from .auto import add_arguments as add_auto
+
+    add_auto(p)
 
 
 VALID_SEQUENCES = 8
@@ -652,6 +655,11 @@ def _mismatch(e, args: argparse.Namespace, source: Path | None, out: Path) -> st
 
 
 def run(args: argparse.Namespace) -> int:
+    from .auto import auto_run
+
+    rc = auto_run(args, run)  # --auto's search (None: the options say one run)
+    if rc is not None:
+        return rc
     try:
         return _run(args)
     except _UserError as e:

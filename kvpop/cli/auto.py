@@ -1,0 +1,155 @@
+"""``kvpop train --auto``'s collaborators: the validation sequences, one trial's training (``kvpop train``
+itself) and its score as ``kvpop eval --run`` serves it; the search is :func:`kvpop.training.auto.search`."""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+from kvpop.demo.task import SHIPPED_MODEL
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``--auto``, ``--auto-budget`` and ``--preset`` of ``kvpop train``."""
+    auto = p.add_argument_group("settings chosen for you (kvpop.training.auto)")
+    auto.add_argument("--auto", action="store_true",
+                      help="choose the label, decay range, scorer lr, head budgets and label source on validation "
+                           "data (--valid-data, or the task's validation sequences with --task), a --steps run per "
+                           "trial; writes OUT/selection.json and OUT as the chosen run (--resume continues a search)")
+    auto.add_argument("--auto-budget", default=None, metavar="STEPS|MINUTES",
+                      help="--auto's budget: trained steps over all trials (e.g. 400) or minutes (e.g. 30m) "
+                           "(default: 5 trials of --steps)")
+    auto.add_argument("--preset", choices=("paper",), default=None,
+                      help="paper: the paper's method (MLP scorer, mean label, decay [0.999, 0.999999] from 0.9999, "
+                           "the student's sparse label, uniform budgets)")
+
+
+def check_auto_options(args: argparse.Namespace) -> None:
+    """``--auto-budget`` and ``--preset`` where they mean something, and what ``--auto`` needs, before any work."""
+    from kvpop.training.auto import apply_preset, parse_budget
+
+    if not args.auto:
+        if args.auto_budget is not None:
+            raise ValueError(f"--auto-budget {args.auto_budget} is the budget of --auto's search: give --auto, or "
+                             f"leave it out")
+        apply_preset(args, args.preset)
+        return
+    if args.preset is not None:
+        raise ValueError(f"--preset {args.preset} fixes the settings --auto chooses: give one of them")
+    if args.method != "kvpop":
+        raise ValueError("--auto searches the settings of --method kvpop; --method dms has its own "
+                         "(kvpop.studies.evidence tunes it on validation)")
+    if args.tiny:
+        raise ValueError("--auto scores every trial as kvpop eval serves it, from a model directory: give --model DIR "
+                         "(or leave it out for the shipped model) instead of --tiny")
+    if args.head_budgets is not None:
+        raise ValueError("--auto chooses between uniform and head-adaptive budgets itself: leave out --head-budgets "
+                         "(or give --allocate ablation to fix that choice)")
+    if args.data is not None and args.valid_data is None:
+        raise ValueError("--auto chooses on validation data, never on the training data: give --valid-data "
+                         "FILE.jsonl (records held out from --data)")
+    if args.resume and not (Path(args.out) / "selection.json").exists() and Path(args.out, "last.pt").exists():
+        raise ValueError(f"--out {args.out} holds a run of kvpop train without --auto; choose another --out")
+    parse_budget(args.auto_budget, args.steps)
+
+
+def _valid_sequences(args: argparse.Namespace, model, source: Path) -> list:
+    from kvpop.training import allocation as A
+
+    n = args.valid_sequences or A.VALID_SEQUENCES
+    if args.task:
+        from kvpop.demo import task as T
+
+        return list(T.make_batch([T.valid_seed(i) for i in range(n)], args.seq_len)["input_ids"])
+    seqs, _, _ = A.validation_file(args.valid_data, args.seq_len, n, vocab_size=model.config.vocab_size,
+                                   model_dir=source, pack=args.pack,
+                                   eos_token_id=getattr(model.config, "eos_token_id", None), train_digests=None,
+                                   train_path=args.data)
+    if not seqs:
+        raise ValueError(f"--valid-data {args.valid_data} gives no sequence of --seq-len {args.seq_len} tokens")
+    return seqs
+
+
+def _scorer(source: Path, seqs: list, budget: int):
+    """``score(dir)``: the run in ``dir`` served by ``kvpop eval --run`` at ``budget`` on ``seqs``: its mean
+    next-token NLL over dense past the budget."""
+    from kvpop.demo import evaluate as E
+    from kvpop.demo import trace_eval as TE
+
+    from .trained import policy_models, read_run
+
+    base = TE.load_model(source)
+
+    def score(d: Path) -> float:
+        t = read_run(str(d))
+        sinks, window = t.config.sinks, t.config.window
+        models = policy_models(E, base, ["dense", t.policy], [t.policy], {t.policy: t}, sinks=sinks, window=window,
+                               budget=budget, load=TE.load_model)
+        cfg = TE.TraceEvalConfig(budgets=[budget], sinks=sinks, window=window, policies=["dense", t.policy],
+                                 progress=False)
+        rows = TE.evaluate_traces(models, seqs, cfg)
+        return float(next(r["delta_nll"] for r in rows if r["policy"] == t.policy))
+
+    return score
+
+
+def auto_run(args: argparse.Namespace, train) -> int | None:
+    """``kvpop train``'s entry: ``--auto``'s search (:func:`run_auto`) and its exit status, or ``None`` for one run
+    (then ``--preset`` has been applied to ``args``); an option error exits naming it."""
+    try:
+        check_auto_options(args)
+    except ValueError as e:
+        raise SystemExit(f"kvpop train: {e}") from None
+    return run_auto(args, train) if args.auto else None
+
+
+def run_auto(args: argparse.Namespace, train) -> int:
+    """``kvpop train --auto``: :func:`kvpop.training.auto.search` with ``train`` (``kvpop.cli.train.run``) as the
+    trial's training."""
+    import torch
+
+    from kvpop.models import load_model_dir
+    from kvpop.training.auto import SEARCHED, _Stopped, oracle_excess, search
+    from kvpop.training.options import check_options, method_config
+    from kvpop.training.runstate import RunDirectoryError, RunLock
+    from kvpop.training.train import LEARNING_RATES
+
+    given = {k: getattr(args, k) for k in SEARCHED if getattr(args, k, None) is not None}
+    first = copy.copy(args)
+    first.allocate = first.allocate or "ablation"  # the trials that allocate take --valid-data / --valid-sequences
+    try:
+        check_options(first)  # every option of the trials, before any work
+    except ValueError as e:
+        raise SystemExit(f"kvpop train: {e}") from None
+    source = Path(args.model) if args.model else SHIPPED_MODEL
+    lock = RunLock(Path(args.out), "kvpop train --auto")
+    try:
+        lock.acquire()
+    except RunDirectoryError as e:
+        raise SystemExit(f"kvpop train: {e}") from None
+    try:
+        torch.manual_seed(args.seed)
+        model = load_model_dir(source, dtype=torch.float32)
+        seqs = _valid_sequences(args, model, source)
+
+        def oracle(settings: dict) -> float:
+            ns = copy.copy(args)
+            for k, v in settings.items():
+                setattr(ns, k, v)
+            ns.valid_data = ns.valid_sequences = ns.min_k = None
+            check_options(ns)
+            return oracle_excess(model, seqs, method_config(ns))
+
+        search(args, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
+               train_model=not args.no_train_model, train=train, score=_scorer(source, seqs, first.budget),
+               oracle=oracle, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except _Stopped as e:
+        print(f"kvpop train --auto: stopped; the finished trials are kept in {args.out}: run the same command with "
+              f"--resume to continue", file=sys.stderr)
+        return e.rc
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"kvpop train: {e}") from None
+    finally:
+        lock.release()
+    return 0

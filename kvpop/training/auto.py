@@ -1,0 +1,278 @@
+"""``kvpop train --auto``: the training settings chosen on the user's own validation split, within a budget.
+
+A staged search, each stage starting from the best settings of the stages before it:
+
+1. ``label``: the label family (:data:`LABEL_CANDIDATES`), scored by each label's oracle (:func:`oracle_excess`:
+   the model as loaded, evicting by the exact label of its own dense attention), which needs no training;
+2. ``lr_scorer``: the scorers' learning rate (:data:`LR_FACTORS` of the method's default), a trained run each;
+3. ``decay``: the paper's decay range against the range tied to ``--seq-len`` (:data:`DECAY_NATS`); trained,
+   since the range bounds the decay the scorers learn while the oracle's label sees only its initial value;
+4. ``head_budgets``: uniform budgets against head-adaptive ones (``--allocate ablation``);
+5. ``target_source``: the label from the model being trained (student) against the frozen original's
+   (teacher), when the model is trained.
+
+Every trained trial is an ordinary ``kvpop train`` run of ``--steps`` steps in ``OUT/auto/<tag>``, scored on
+the validation sequences as ``kvpop eval --run`` serves it (the mean next-token NLL over dense past the
+budget, through ``kvpop.KVpopCache``; lower is better).  A stage's candidates after its first are skipped once
+the budget (:func:`parse_budget`: trained steps, or minutes of the trials' wall time) would be overrun.  The
+record is ``OUT/selection.json`` (``trials``: settings, validation score, steps, seconds; ``chosen``), written
+after every trial; the chosen trial's files are then copied into ``OUT``, so ``OUT`` is a run that
+``kvpop eval --run OUT`` and the vLLM plugin take as it is.  A finished trial (``OUT/auto/<tag>/trial.json``)
+is never trained again: ``--resume`` continues an interrupted search where it stopped.
+
+The library's side takes its collaborators as functions (train one run, score one run), so that it imports
+nothing above :mod:`kvpop.training`; ``kvpop.cli.auto`` gives them.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PAPER", "LABEL_CANDIDATES", "SEARCHED", "parse_budget", "default_budget", "apply_preset",
+           "oracle_excess", "search"]
+
+PAPER = {"scorer": "mlp", "label": "mean", "decay_nats": None, "gamma_min": 0.999, "gamma_max": 0.999999,
+         "gamma_init": 0.9999, "mask_source": "scorer", "target_source": "student", "target_lse": "sparse"}
+"""``--preset paper``: the paper's method (MLP scorer, the mean label, the decay range [0.999, 0.999999] from
+0.9999, the scorers' own priorities as the training mask, the student's sparse label, uniform budgets)."""
+LABEL_CANDIDATES = ("mean", "max")
+"""The first stage's label families (``KVpopConfig.label``)."""
+DECAY_NATS = 8.0
+"""The third stage's alternative to the paper's decay range: ``--decay-nats 8`` (``gamma_min = exp(-8 / --seq-len)``,
+``kvpop.decay_range_for_context``; the value the demo's selection grid tried)."""
+SEARCHED = ("label", "decay_nats", "lr_scorer", "allocate", "target_source")
+"""The settings the search chooses; one the user gave is kept as given (its stage has that one candidate)."""
+LR_FACTORS = (1.0, 3.0)
+"""The second stage's scorer learning rates, as factors of the method's default (the demo's selection chose
+3e-3 and 1e-2 on its two tasks, above the default 1e-3)."""
+RUN_FILES = ("scorers.safetensors", "gates.safetensors", "model", "head_budgets.json", "last.pt", "args.json",
+             "history.jsonl")
+"""What of the chosen trial is copied into ``OUT``."""
+DEFAULT_TRIALS = 5
+"""The default budget: this many trained trials of ``--steps`` steps each."""
+
+
+def parse_budget(text: str | None, steps: int) -> tuple[str, float]:
+    """``--auto-budget``: ``"N"`` trained steps over every trial, or ``"Nm"`` / ``"Nmin"`` minutes of the trials'
+    wall time; ``None``: :func:`default_budget`.  ValueError naming what was given and what is allowed."""
+    if text is None:
+        return default_budget(steps)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(m|min|minutes?)?\s*", str(text))
+    if m is None:
+        raise ValueError(f"--auto-budget {text!r}: give trained steps (an integer, e.g. 400) or minutes (e.g. 30m, "
+                         f"30min)")
+    value, unit = float(m.group(1)), "minutes" if m.group(2) else "steps"
+    if unit == "steps":
+        if value != int(value):
+            raise ValueError(f"--auto-budget {text!r}: a number of steps must be an integer (or say minutes: 30m)")
+        if value < steps:
+            raise ValueError(f"--auto-budget {text}: fewer steps than one trial's --steps {steps}; give at least "
+                             f"{2 * steps} (two trials) or lower --steps")
+    elif not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--auto-budget {text!r}: the minutes must be > 0")
+    return unit, value
+
+
+def default_budget(steps: int) -> tuple[str, float]:
+    """:data:`DEFAULT_TRIALS` trials of ``steps`` trained steps each: it follows the run length the user chose
+    for the model (a tiny model's 20-100 CPU steps, a large one's thousands on a GPU)."""
+    return "steps", float(DEFAULT_TRIALS * steps)
+
+
+def apply_preset(args: argparse.Namespace, preset: str | None) -> None:
+    """``--preset paper``: the :data:`PAPER` settings into ``args`` (an option not given is ``None``); an option
+    the user gave with another value is refused naming both."""
+    if preset is None:
+        return
+    if preset != "paper":
+        raise ValueError(f"--preset {preset!r}: allowed: paper")
+    for k, v in PAPER.items():
+        given = getattr(args, k, None)
+        if given is not None and given != v:
+            raise ValueError(f"--preset paper sets --{k.replace('_', '-')} {v}; --{k.replace('_', '-')} {given} "
+                             f"contradicts it: leave one out")
+    if getattr(args, "allocate", None) is not None or getattr(args, "head_budgets", None) is not None:
+        raise ValueError("--preset paper trains with uniform budgets: leave out --allocate / --head-budgets")
+    for k, v in PAPER.items():
+        if v is not None:
+            setattr(args, k, v)
+
+
+def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: Any) -> float:
+    """The mean next-token NLL over dense (nats) of ``model`` evicting by the exact label of ``config`` (its
+    label, eps and decay) computed from its own dense attention: ``mask_source`` and ``target_source``
+    ``"teacher"``, the model as loaded its own teacher.  ``seqs``: int64 ``[S]`` validation sequences, ``S``
+    above ``config.budget``; no training, two forwards per sequence."""
+    from kvpop.core import patched, set_teacher_targets, teacher_targets
+
+    cfg = config.replace(mask_source="teacher", target_source="teacher", head_budgets=None)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = dense = 0.0
+    n = 0
+    try:
+        with torch.no_grad():
+            for s in seqs:
+                ids = s.reshape(1, -1).to(device=device, dtype=torch.long)
+                with teacher_targets(model, cfg) as store:
+                    logits = model(ids, use_cache=False).logits[:, :-1].float()
+                targets = dict(store)
+                dense += float(F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").double())
+                with patched(model, cfg):
+                    set_teacher_targets(model, targets)
+                    logits = model(ids).logits[:, :-1].float()
+                total += float(F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").double())
+                n += ids.shape[1] - 1
+    finally:
+        model.train(was_training)
+    return (total - dense) / n
+
+
+def _tag(settings: dict) -> str:
+    def fmt(v):
+        return "none" if v is None else v if isinstance(v, str) else f"{v:g}"
+
+    return "_".join(f"{k.replace('_', '')}-{fmt(v)}" for k, v in sorted(settings.items()))
+
+
+def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_model: bool,
+           train: Callable[[argparse.Namespace], int], score: Callable[[Path], float],
+           oracle: Callable[[dict], float], log: Callable[[str], None] = print) -> dict:
+    """Run the staged search of this module for the ``kvpop train`` arguments ``args`` (``args.out``: OUT) and
+    return the record written to ``OUT/selection.json``.
+
+    ``given``: the searched options (:data:`SEARCHED`) the user gave, fixed at their values; ``lr_scorer``: the
+    method's default scorer learning rate; ``train_model``: whether the model is trained (the label-source
+    stage); ``train(ns)``: one ``kvpop train`` run of the namespace ``ns`` (exit status); ``score(dir)``: the
+    validation score of the run in ``dir`` (lower is better); ``oracle(settings)``: the first stage's score of
+    a label candidate."""
+    out = Path(args.out)
+    auto_dir = out / "auto"
+    record_file = out / "selection.json"
+    unit, budget = parse_budget(args.auto_budget, args.steps)
+    if record_file.exists() and not args.resume:
+        raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
+                         f"choose another --out")
+    auto_dir.mkdir(parents=True, exist_ok=True)
+    record: dict = {"criterion": "validation NLL over dense past the budget (nats; lower is better), served as "
+                                 "kvpop eval --run serves the run; the label stage: each label's oracle",
+                    "budget": {"unit": unit, "value": budget}, "steps_per_trial": args.steps, "trials": [],
+                    "skipped": [], "chosen": None}
+    spent = {"steps": 0, "minutes": 0.0, "trained": 0}
+
+    def save() -> None:
+        tmp = record_file.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(record_file)
+
+    def run_trial(stage: str, settings: dict, trained: bool) -> dict | None:
+        d = auto_dir / _tag(settings)
+        f = d / "trial.json"
+        if f.exists():
+            r = json.loads(f.read_text())
+            if r["settings"] == settings:
+                log(f"[kvpop train --auto] {stage} {settings}: finished before, score {r['score']:.5f} (reused)")
+                record["trials"].append(r)
+                spent["steps"] += r["steps"]
+                spent["minutes"] += r["seconds"] / 60
+                spent["trained"] += r["steps"] > 0
+                save()
+                return r
+        if trained and spent["trained"] and (spent["steps"] + args.steps > budget if unit == "steps"
+                                             else spent["minutes"] >= budget):
+            record["skipped"].append({"stage": stage, "settings": settings,
+                                      "why": f"the budget of {budget:g} {unit} is spent"})
+            save()
+            return None
+        t0 = time.time()
+        if trained:
+            ns = copy.copy(args)
+            ns.auto, ns.auto_budget, ns.preset = False, None, None
+            ns.out = str(d)
+            ns.resume = (d / "last.pt").exists()
+            for k, v in settings.items():
+                setattr(ns, k, v)
+            if ns.allocate is None:
+                ns.valid_data = ns.valid_sequences = None
+            rc = train(ns)
+            if rc != 0:
+                raise _Stopped(rc)
+            value = score(d)
+        else:
+            d.mkdir(parents=True, exist_ok=True)
+            value = oracle(settings)
+        r = {"stage": stage, "settings": settings, "score": value, "steps": args.steps if trained else 0,
+             "seconds": round(time.time() - t0, 1), "dir": str(d.relative_to(out))}
+        f.write_text(json.dumps(r, indent=1))
+        record["trials"].append(r)
+        spent["steps"] += r["steps"]
+        spent["minutes"] += r["seconds"] / 60
+        spent["trained"] += trained
+        save()
+        log(f"[kvpop train --auto] {stage} {settings}: validation score {value:.5f} ({r['seconds']:.0f} s)")
+        return r
+
+    def stage(name: str, start: dict, key_values: list[dict], trained: bool, best: dict | None) -> dict | None:
+        for kv in key_values:
+            r = run_trial(name, {**start, **kv}, trained)
+            if r is not None and (best is None or r["score"] < best["score"]):
+                best = r
+        return best
+
+    def options(key: str, values: list) -> list:
+        return [given[key]] if key in given else values
+
+    labels = options("label", list(LABEL_CANDIDATES))
+    lab = (stage("label", {}, [{"label": x} for x in labels], False, None) if len(labels) > 1
+           else {"settings": {"label": labels[0]}})
+    start = {**lab["settings"], "decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
+             "target_source": given.get("target_source", "student")}
+    best = stage("lr_scorer", start, [{"lr_scorer": lr}
+                                      for lr in options("lr_scorer", [lr_scorer * f for f in LR_FACTORS])], True, None)
+    if "decay_nats" not in given:
+        best = stage("decay", best["settings"], [{"decay_nats": DECAY_NATS}], True, best)
+    if "allocate" not in given:
+        best = stage("head_budgets", best["settings"], [{"allocate": "ablation"}], True, best)
+    if train_model and "target_source" not in given:
+        best = stage("target_source", best["settings"], [{"target_source": "teacher"}], True, best)
+    record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
+    save()
+    _adopt(out, out / best["dir"])
+    log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
+        f"{len(record['trials'])} trials, {spent['steps']} trained steps; the run is {out}")
+    return record
+
+
+class _Stopped(Exception):
+    """A trial's ``kvpop train`` stopped with a non-zero exit status (interrupted)."""
+
+    def __init__(self, rc: int):
+        super().__init__(f"a trial stopped with exit status {rc}")
+        self.rc = rc
+
+
+def _adopt(out: Path, trial: Path) -> None:
+    """The chosen trial's run files (:data:`RUN_FILES`) into ``out``, replacing those of an earlier choice."""
+    for name in RUN_FILES:
+        dst = out / name
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        elif dst.exists():
+            dst.unlink()
+        src = trial / name
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        elif src.exists():
+            shutil.copy2(src, dst)

@@ -1,0 +1,146 @@
+"""``kvpop train --auto``: the staged search on validation sequences, its record, the run it leaves, resuming
+without repeating a finished trial, and its refusals; ``--preset paper``."""
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+from tiny import tiny_model  # noqa: E402
+
+from kvpop.cli import main  # noqa: E402
+from kvpop.training.auto import PAPER, apply_preset, oracle_excess, parse_budget  # noqa: E402
+
+# the shipped tiny model on the task at S = 96 > budget 32; two validation sequences
+QUICK = ["--auto", "--task", "--seq-len", "96", "--budget", "32", "--sinks", "2", "--window", "8",
+         "--valid-sequences", "2", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _trials(out):
+    return json.loads((Path(out) / "selection.json").read_text())["trials"]
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto") / "run"
+    assert main(["train", *QUICK, "--steps", "2", "--auto-budget", "4", "--out", str(out)]) == 0
+    return out
+
+
+def test_auto_writes_a_selection_and_a_run_kvpop_eval_serves(searched, tmp_path):
+    rec = json.loads((searched / "selection.json").read_text())
+    trained = [t for t in rec["trials"] if t["steps"]]
+    assert [t["stage"] for t in rec["trials"] if not t["steps"]] == ["label", "label"]  # the oracle: no training
+    assert len(trained) == 2 and all(t["steps"] == 2 for t in trained)  # the budget: 4 steps of 2-step trials
+    assert {t["settings"]["lr_scorer"] for t in trained} == {1e-3, 3e-3}
+    for t in rec["trials"]:
+        assert set(t) >= {"stage", "settings", "score", "steps", "seconds"} and t["score"] == t["score"]
+    best = min(trained, key=lambda t: t["score"])
+    assert rec["chosen"]["settings"] == best["settings"] and rec["chosen"]["score"] == best["score"]
+    assert [s["stage"] for s in rec["skipped"]][:1] == ["decay"]  # the budget was spent before the third trial
+    # OUT is the chosen trial's run: its scorers, and kvpop eval --run takes it with no other flag
+    assert (searched / "scorers.safetensors").read_bytes() == \
+        (searched / best["dir"] / "scorers.safetensors").read_bytes()
+    ev = tmp_path / "eval"
+    assert main(["eval", "--run", str(searched), "--train-len", "96", "--lengths", "96", "--budgets", "32",
+                 "--n-sequences", "1", "--policies", "kvpop-mlp-joint", "--no-plot", "--no-progress",
+                 "--out", str(ev)]) == 0
+    rows = json.loads((ev / "results.json").read_text())["rows"]
+    assert any(r["policy"] == "kvpop-mlp-joint" for r in rows)
+
+
+def test_resume_continues_without_repeating_a_finished_trial(searched, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(searched, out)
+    before = {t["dir"]: (out / t["dir"] / "trial.json").stat().st_mtime_ns for t in _trials(out)}
+    with pytest.raises(SystemExit, match="already holds a search"):
+        main(["train", *QUICK, "--steps", "2", "--auto-budget", "6", "--out", str(out)])
+    assert main(["train", *QUICK, "--steps", "2", "--auto-budget", "6", "--out", str(out), "--resume"]) == 0
+    assert "(reused)" in capsys.readouterr().err
+    trials = _trials(out)
+    assert {t["dir"]: (out / t["dir"] / "trial.json").stat().st_mtime_ns for t in trials
+            if t["dir"] in before} == before  # none trained or scored again
+    assert [t["stage"] for t in trials if t["steps"]] == ["lr_scorer", "lr_scorer", "decay"]
+    assert trials[-1]["settings"]["decay_nats"] == 8.0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--auto-budget", "many"], "give trained steps"),
+    (["--auto-budget", "1"], "fewer steps than one trial's --steps 2"),
+    (["--auto-budget", "0m"], "minutes must be > 0"),
+    (["--auto-budget", "2.5"], "must be an integer"),
+    (["--preset", "paper"], "--preset paper fixes the settings --auto chooses"),
+    (["--head-budgets", "x.json"], "leave out --head-budgets"),
+    (["--method", "dms"], "--method kvpop"),
+])
+def test_auto_refuses_bad_options(tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["train", *QUICK, "--steps", "2", *extra, "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o" / "selection.json").exists()
+
+
+def test_auto_refusals_outside_the_task(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(100))}) + "\n")
+    with pytest.raises(SystemExit, match="give --valid-data"):
+        main(["train", "--auto", "--data", str(data), "--seq-len", "64", "--budget", "32",
+              "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="instead of --tiny"):
+        main(["train", "--auto", "--tiny", "--task", "--seq-len", "64", "--budget", "32",
+              "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="--auto-budget 40 is the budget of --auto"):
+        main(["train", "--task", "--auto-budget", "40", "--out", str(tmp_path / "o")])
+
+
+def test_parse_budget():
+    assert parse_budget("400", 20) == ("steps", 400.0)
+    assert parse_budget("30m", 20) == ("minutes", 30.0) == parse_budget("30min", 20)
+    assert parse_budget(None, 20) == ("steps", 100.0)  # five trials of --steps
+    with pytest.raises(ValueError, match="give at least 40"):
+        parse_budget("10", 20)
+
+
+def test_preset_paper_sets_the_paper_method_and_refuses_a_contradiction():
+    ns = argparse.Namespace(**{k: None for k in PAPER}, allocate=None, head_budgets=None)
+    apply_preset(ns, "paper")
+    assert (ns.label, ns.gamma_min, ns.gamma_init, ns.target_source, ns.target_lse) == \
+        ("mean", 0.999, 0.9999, "student", "sparse")
+    ns = argparse.Namespace(**{k: None for k in PAPER}, allocate=None, head_budgets=None)
+    ns.label = "max"
+    with pytest.raises(ValueError, match="--label max contradicts it"):
+        apply_preset(ns, "paper")
+    ns.label, ns.allocate = None, "ablation"
+    with pytest.raises(ValueError, match="uniform budgets"):
+        apply_preset(ns, "paper")
+
+
+def test_preset_paper_trains_the_paper_config(tmp_path):
+    out = tmp_path / "p"
+    assert main(["train", "--tiny", "--task", "--preset", "paper", "--seq-len", "64", "--budget", "24", "--sinks", "2",
+                 "--window", "8", "--steps", "1", "--no-progress", "--no-train-model", "--out", str(out)]) == 0
+    from kvpop.core.checkpoint import read_scorer_config
+
+    cfg = read_scorer_config(out / "scorers.safetensors")
+    assert (cfg.label, cfg.gamma_min, cfg.gamma_max, cfg.target_source) == ("mean", 0.999, 0.999999, "student")
+
+
+def test_oracle_excess_is_zero_when_nothing_is_evicted_and_positive_when_much_is():
+    import torch
+
+    from kvpop.core.config import KVpopConfig
+
+    model = tiny_model().train()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, model.config.vocab_size, (40,), generator=g) for _ in range(2)]
+    assert oracle_excess(model, seqs, KVpopConfig(budget=64, sinks=2, window=8)) == pytest.approx(0.0, abs=1e-6)
+    tight = oracle_excess(model, seqs, KVpopConfig(budget=11, sinks=2, window=8))
+    assert tight > 1e-4
+    assert model.training  # its mode restored
