@@ -82,10 +82,8 @@ def _vllm_models(P, model_dir: Path, policies, wanted, trained: dict) -> dict:
                 continue
             if p in JOINT and t.model is None:
                 raise ValueError(f"policy {p!r} needs the model trained with its scorers: --run {p}=DIR")
-            if getattr(t.config, "head_budgets", None) is not None:
-                raise ValueError(f"policy {p!r} ({t.source}) was trained with head-adaptive budgets, which the vLLM "
-                                 f"plugin does not serve (its cache keeps one budget per head, docs/DESIGN.md section "
-                                 f"7): evaluate it with --engine hf")
+            # head-adaptive budgets: the plugin serves the scorer file's rows in its packed layout (another budget
+            # shares their total by the run's head_budgets.json, kvpop.vllm.settings; checked before any work)
             out[p] = P.VLLMModel(str(t.model if t.model is not None else model_dir), "kvpop", str(t.scorers))
     return out
 

@@ -205,12 +205,21 @@ def test_allocate_on_valid_data_file(tmp_path):
         tuple(map(tuple, doc["head_budgets"]))
 
 
-def test_vllm_engine_refuses_a_head_budgets_run(allocated):
-    """The vLLM plugin keeps one budget per head: a run with head_budgets is refused there, not served uniform."""
+def test_vllm_engine_serves_a_head_budgets_run(allocated):
+    """A run with head_budgets goes to the vLLM plugin with its scorer file, whose rows the plugin serves (its packed
+    layout); another budget shares their total by the run's head_budgets.json, as the hf engine does."""
     from kvpop import answers as P
     from kvpop.cli.problems import _vllm_models
     from kvpop.cli.trained import read_run
+    from kvpop.core.budgets import rescale
+    from kvpop.vllm.settings import resolve
 
     t = read_run(str(allocated))
-    with pytest.raises(ValueError, match="head-adaptive budgets, which the vLLM plugin does not serve"):
-        _vllm_models(P, allocated, ["dense", t.policy], None, {t.policy: t})
+    spec = _vllm_models(P, allocated, ["dense", t.policy], None, {t.policy: t})[t.policy]
+    assert spec.cache_policy == "kvpop" and spec.scorers == str(t.scorers)
+    c = t.config
+    at = lambda b: resolve(P.vllm_overrides(spec, sinks=c.sinks, window=c.window, budget=b)).config  # noqa: E731
+    assert at(c.budget).head_budgets == c.head_budgets
+    plan = t.head_plan
+    assert at(c.budget + 4).head_budgets == rescale(c, c.budget + 4, importance=plan["importance"],
+                                                    min_k=plan["min_k"], granularity=plan["granularity"]).head_budgets
