@@ -17,7 +17,7 @@ pool to make room and recomputed later), ``steps`` and ``tokens_per_s``.  The ti
 batch on a shared 2-core CPU: it shows the scheduling, not kernel speed.
 
 Runs only where vLLM is installed: ``pytest benchmarks/test_vllm_capacity.py --benchmark-only``
-in the vLLM venv (see the README's vLLM section).
+in the vLLM venv (see docs/vllm.md).
 """
 from __future__ import annotations
 

@@ -1,32 +1,57 @@
-"""Every Python example of README.md runs as written (on the PyTorch CPU path)."""
+"""Every Python example of README.md and of the pages in docs/ runs as written (on the PyTorch CPU path);
+the examples cover every public entry point; the README's test command is the one CI runs."""
 import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+# (page, index on the page, code) of every ```python block (```python vllm blocks run in tests/vllm/)
+BLOCKS = [(page.relative_to(ROOT).as_posix(), i, code) for page in PAGES
+          for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S))]
+# every public entry point has an example that runs as written
+ENTRY_POINTS = ("kvpop.patch(", "kvpop.patched(", "kvpop.KVpopCache(", "kvpop.distill_loss(", "kvpop.score_loss(",
+                "kvpop.save_scorers(", "kvpop.load_scorers(", "dms.DMSCache(", "eviction_schedule(",
+                "eviction_decisions(", "visible_at(", "sparse_attention(", "future_attention_target(",
+                "fixed_budget_decode(", "ragged_paged_decode(")
 
 
-def test_readme_has_examples():
+def test_examples_cover_every_entry_point():
     assert len(BLOCKS) >= 4
+    missing = [name for name in ENTRY_POINTS if not any(name in code for _, _, code in BLOCKS)]
+    assert not missing, f"no ```python example in README.md or docs/*.md calls {missing}"
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index, monkeypatch, tmp_path):
+@pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{page}[{i}]" for page, i, _ in BLOCKS])
+def test_example_runs(page, index, code, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels are tested on their own
     monkeypatch.chdir(tmp_path)  # examples may write files
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, f"{page}[python block {index}]", "exec"), {"__name__": "__readme__"})
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    """The quickstart's test command and the line of .ci/run under its "# --- the README's test command" run
+    the same pytest arguments."""
+    quick = README.read_text(encoding="utf-8").split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    readme_cmd = re.findall(r"python3? (-m pytest [^&|;\n]*)", quick)
+    assert len(readme_cmd) == 1, "the README's Quickstart needs exactly one `python -m pytest ...` command"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    at = next(i for i, line in enumerate(ci) if line.startswith("# --- the README's test command"))
+    assert ci[at + 1].strip() == f"python3 {readme_cmd[0].strip()}", (
+        f"README.md runs `python {readme_cmd[0].strip()}`, .ci/run runs `{ci[at + 1].strip()}`: keep them in sync")
 
 
 def test_readme_capacity_table_is_the_functions_output():
     from kvpop.core.capacity import capacity_table
 
     table = capacity_table()
-    assert table in README.read_text(encoding="utf-8"), "paste the table of python -m kvpop.core.capacity"
+    assert table in (ROOT / "docs" / "library.md").read_text(encoding="utf-8"), (
+        "paste the table of python -m kvpop.core.capacity into docs/library.md")
 
 
-RESULTS = README.parent / "kvpop" / "data" / "demo_results"
+RESULTS = ROOT / "kvpop" / "data" / "demo_results"
 
 
 def test_results_document_holds_each_runs_table():

@@ -351,7 +351,7 @@ class KVpopCache(ServedCache, Cache):
         num_layers: number of decoder layers (taken from the model when given).
         policy: override ``config.policy`` ("kvpop", "streaming", "tova", "h2o").
         compileable: mark the cache compileable, so that ``generate`` compiles its decode steps
-            (with ``compile_config=``, or by default on CUDA).  Off by default: see the README
+            (with ``compile_config=``, or by default on CUDA).  Off by default: see docs/library.md
             ("Batched generation") for what was checked.
 
     Any batch size; left-padded prompts, sampling, ``num_return_sequences`` and beam search work

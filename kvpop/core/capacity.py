@@ -4,7 +4,7 @@ A dense cache grows by ``2 * L * Hkv * D * bytes`` per token; a ``KVpopCache`` h
 entries per layer and KV head forever, plus a few bytes of slot bookkeeping per entry (computed
 here from the layout ``KVpopCache`` allocates, see :func:`kvpop_bytes_per_sequence`).  The model
 shapes below are the published ``config.json`` numbers of Qwen3-4B and Qwen3-8B (no download).
-``python -m kvpop.core.capacity`` prints the README's table.
+``python -m kvpop.core.capacity`` prints the table of docs/library.md.
 """
 from __future__ import annotations
 
