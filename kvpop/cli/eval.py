@@ -47,7 +47,7 @@ from .trained import run_settings as _settings
 
 
 def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
-    from kvpop.demo.evaluate import POLICIES
+    from kvpop.policies import POLICIES
 
     out = {}
     for v in values or []:
@@ -175,8 +175,9 @@ def _trained(args: argparse.Namespace) -> dict:
     (files checked and configs read here, before any model is loaded)."""
     from kvpop.core.checkpoint import read_scorer_config
     from kvpop.demo import evaluate as E
+    from kvpop.training.outputs import check_same_step
 
-    from .trained import GATES_FILE, SCORERS_FILE, Trained, check_same_step, dms_run, read_run
+    from .trained import GATES_FILE, SCORERS_FILE, Trained, dms_run, read_run
 
     out: dict[str, Trained] = {}
 

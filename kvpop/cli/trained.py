@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvpop.policies import DEFAULT_SINKS, DEFAULT_WINDOW, JOINT, POLICIES, SCORER_OF
 
 SCORERS_FILE = "scorers.safetensors"
 GATES_FILE = "gates.safetensors"
@@ -92,8 +92,6 @@ def model_was_trained(d: Path) -> bool | None:
     """Whether the run in ``d`` trained the model together with its scorers or gates (so that they serve only on
     that model, ``d/model/``): ``kvpop train``'s ``args.json`` (without ``--no-train-model``), or the policy of a
     ``kvpop demo`` retrofit's ``done.json``; None when ``d`` says neither."""
-    from kvpop.demo.evaluate import JOINT
-
     args = _json_object(d / "args.json")
     if args is not None and isinstance(args.get("no_train_model"), bool):
         return not args["no_train_model"]
@@ -111,131 +109,11 @@ def _missing_model(d: Path, source: str, what: str) -> ValueError:
                       f"evaluate the whole run again after kvpop train --resume")
 
 
-_METHOD_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.(.+)$")
-
-
-def _checkpoint_model(path: Path) -> tuple[int, dict] | None:
-    """``(step, model state dict)`` of a ``last.pt``, its tensors memory-mapped (nothing but the pickle is read
-    now; ``weights_only``, so nothing in it runs); None when it is absent or cannot be read that way."""
-    import torch
-
-    if not path.is_file():
-        return None
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # refused, damaged, or not a zip-format torch.save: no step to compare with
-        return None
-    step, sd = (ck.get("step"), ck.get("model")) if isinstance(ck, dict) else (None, None)
-    if isinstance(step, bool) or not isinstance(step, int) or not isinstance(sd, dict):
-        return None
-    return step, sd
-
-
-def _same_tensors(pairs) -> bool | None:
-    """Whether every ``(a, b)`` pair is equal (compared in float32); None when there is no pair."""
-    import torch
-
-    seen = False
-    for a, b in pairs:
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
-            return None
-        seen = True
-        if not torch.equal(a.float(), b.float()):
-            return False
-    return seen or None
-
-
-def _layer_file_is(layer: Path, sd: dict) -> bool | None:
-    """Whether the scorer / gate file ``layer`` holds the method tensors of the checkpoint state dict ``sd``."""
-    from safetensors import safe_open
-
-    by_attr: dict[str, dict[str, Any]] = {}
-    for k, v in sd.items():
-        m = _METHOD_KEY.search(k)
-        if m:
-            by_attr.setdefault(m.group(2), {})[f"layers.{m.group(1)}.{m.group(3)}"] = v
-    try:
-        with safe_open(str(layer), framework="pt") as f:
-            keys = list(f.keys())
-            match = [t for t in by_attr.values() if set(keys) <= set(t)]
-            if len(match) != 1:
-                return None
-            return _same_tensors((f.get_tensor(k), match[0][k]) for k in keys)
-    except Exception:
-        return None
-
-
-def _model_is(model: Path, sd: dict, n: int = 4) -> bool | None:
-    """Whether the saved model in ``model`` holds the weights of the checkpoint state dict ``sd``: its ``n``
-    smallest tensors that the checkpoint holds too are compared (a trained model changes every one)."""
-    from safetensors import safe_open
-
-    files = [model / "model.safetensors"]
-    if not files[0].is_file():
-        try:
-            wmap = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
-            files = [model / f for f in sorted(set(wmap.values()))]
-        except Exception:
-            return None  # .bin weights (or none): not compared
-    try:
-        found = []
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for k in f.keys():
-                    if k in sd:
-                        shape = f.get_slice(k).get_shape()
-                        found.append((math.prod(shape), k, path))
-        pairs = []
-        for _, k, path in sorted(found)[:n]:
-            with safe_open(str(path), framework="pt") as f:
-                pairs.append((f.get_tensor(k), sd[k]))
-        return _same_tensors(pairs)
-    except Exception:
-        return None
-
-
-def check_same_step(d: Path, layer: Path, model: Path | None, source: str) -> None:
-    """``ValueError`` when a run's scorers (or gates) ``layer`` and its fine-tuned ``model`` hold the weights of
-    different training steps (a ``kvpop train`` stopped between its writes): by the step stamps ``kvpop train``
-    writes (:func:`kvpop.training.runstate.output_step`); an output without one (written before the stamps
-    existed) is of ``last.pt``'s step when its weights are the checkpoint's.  An output whose step cannot be
-    told (no stamp, and no ``last.pt`` or other weights than its) is taken as it is."""
-    if model is None:
-        return
-    from kvpop.training.runstate import MODEL_STEP_FILE, output_step
-
-    steps = {layer: output_step(layer), model: output_step(model)}
-    ck, other_weights = None, set()
-    if None in steps.values():
-        ck = _checkpoint_model(d / "last.pt")
-        if ck is not None:
-            for part, is_ck in ((layer, _layer_file_is), (model, _model_is)):
-                if steps[part] is None:
-                    same = is_ck(part, ck[1])
-                    if same:
-                        steps[part] = ck[0]
-                    elif same is False:
-                        other_weights.add(part)
-    ls, ms = steps[layer], steps[model]
-    fix = (f"run the kvpop train command of {d} again with --resume: it finishes the run, or, with no step left, "
-           f"writes every output anew from last.pt")
-    if ls is not None and ms is not None:
-        if ls != ms:
-            raise ValueError(f"{source}: {layer} holds the weights of step {ls} but {model} those of step {ms}: they "
-                             f"do not belong together (the run stopped between its writes); {fix}")
-        return
-    known, other = (layer, model) if ls is not None else (model, layer)
-    if ck is not None and steps[known] == ck[0] and other in other_weights:  # one is of last.pt's step, one not
-        stamp = f" and has no step stamp ({MODEL_STEP_FILE})" if other == model else " and has no step stamp"
-        raise ValueError(f"{source}: {known} holds the weights of step {ck[0]}, as last.pt does, but {other} holds "
-                         f"other weights{stamp}: they do not belong together (the run stopped between its writes, "
-                         f"or while writing {other.name}); {fix}")
-
-
 def dms_run(d: Path, source: str) -> Trained:
     """The ``dms`` policy of a run directory with ``gates.safetensors``; its ``model/`` is required unless the run
     says it trained the gates on the frozen base model (``--no-train-model``)."""
     from kvpop.baselines.dms import read_dms_config
+    from kvpop.training.outputs import check_same_step
 
     config = read_dms_config(d / GATES_FILE)
     model = model_dir(d)
@@ -247,7 +125,7 @@ def dms_run(d: Path, source: str) -> Trained:
 
 def _infer(d: Path, source: str) -> Trained:
     from kvpop.core.checkpoint import read_scorer_config
-    from kvpop.demo.evaluate import SCORER_OF
+    from kvpop.training.outputs import check_same_step
 
     model = model_dir(d)
     if (d / GATES_FILE).is_file():
@@ -309,8 +187,6 @@ def check_head_budgets_at(trained: dict, budgets: list[int] | None) -> None:
 def read_run(spec: str) -> Trained:
     """``[POLICY=]DIR`` -> the :class:`Trained` policy in ``DIR`` (module docstring); with ``POLICY`` the
     directory must be able to serve that policy (e.g. ``kvpop-mlp`` from a joint run uses its model)."""
-    from kvpop.demo.evaluate import POLICIES, SCORER_OF
-
     name, path = (spec.split("=", 1) if "=" in spec else (None, spec))
     if name is not None and name not in POLICIES and Path(spec).is_dir():
         name, path = None, spec  # a directory whose name holds '='
@@ -391,12 +267,12 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
                                                             finetuned=load(t.model) if t.model is not None else base)
             continue
         ft = load(t.model) if t is not None and t.model is not None else None
-        if p in E.SCORER_OF and (t is None or t.scorers is None):
+        if p in SCORER_OF and (t is None or t.scorers is None):
             if wanted is not None:
-                if p not in E.JOINT:
+                if p not in JOINT:
                     raise ValueError(f"policy {p!r} needs its scorers: --run {p}=DIR or --scorers {p}=FILE")
                 alone = [f"{o.source} gives {o.policy} (scorers without a model/)" for o in trained.values()
-                         if o.policy not in E.JOINT and E.SCORER_OF.get(o.policy) == E.SCORER_OF[p]]
+                         if o.policy not in JOINT and SCORER_OF.get(o.policy) == SCORER_OF[p]]
                 raise ValueError(f"policy {p!r} needs scorers and the model trained with them: --run DIR of a kvpop "
                                  f"train run that holds {SCORERS_FILE} and {MODEL_DIR}/, or --scorers {p}=FILE "
                                  f"--finetuned {p}=DIR" + (f"; {'; '.join(alone)}" if alone else ""))
@@ -417,9 +293,7 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
 
 def run_settings(args: argparse.Namespace, trained: dict, wanted) -> tuple[int, int, dict]:
     """Sinks and window (the runs' own; a contradicting --sinks / --window raises) and ``results['trained']``."""
-    from kvpop.demo import evaluate as E
-
     runs = [t for p, t in trained.items() if wanted is None or p in wanted]
-    sinks, window = trained_window(runs, args.sinks, args.window, default_sinks=E.DEFAULT_SINKS,
-                                   default_window=E.DEFAULT_WINDOW)
+    sinks, window = trained_window(runs, args.sinks, args.window, default_sinks=DEFAULT_SINKS,
+                                   default_window=DEFAULT_WINDOW)
     return sinks, window, {t.policy: t.summary() for t in runs}

@@ -108,22 +108,20 @@ def test_train_sigterm_writes_the_last_step_and_resume_finishes_the_run(tmp_path
 
 def test_train_device_cuda_gets_an_index(monkeypatch):
     """``--device cuda`` names this process's GPU (torch.cuda.set_device refuses a device without index)."""
-    import argparse
-
-    from kvpop.cli import train as cli_train
+    from kvpop.training.distributed import setup_process
 
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(torch.cuda._utils._get_device_index(d)))
     monkeypatch.setenv("WORLD_SIZE", "1")
-    rank, world, device, started = cli_train._setup_dist(argparse.Namespace(device="cuda"))
+    rank, world, device, started = setup_process("cuda")
     assert device == torch.device("cuda", 0) and seen == [0] and not started
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(cli_train._UserError, match="CUDA is not available"):
-        cli_train._setup_dist(argparse.Namespace(device="cuda"))
-    with pytest.raises(cli_train._UserError, match="--device 'gpu0'"):
-        cli_train._setup_dist(argparse.Namespace(device="gpu0"))
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        setup_process("cuda")
+    with pytest.raises(ValueError, match="--device 'gpu0'"):
+        setup_process("gpu0")
 
 
 @pytest.mark.gpu

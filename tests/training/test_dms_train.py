@@ -64,7 +64,7 @@ def test_dms_defaults_reach_the_target_keep_on_the_shipped_model(tmp_path, capsy
     """kvpop train --method dms with its default learning rates on the shipped model: the keep fraction of
     the last 10 steps is within KEEP_MARGIN (25%) of the target (measured: 0.115-0.123 over seeds 0-2 at
     this size; with 1e-3, the former shared default, the gates barely move: keep 0.98 at length 256)."""
-    from kvpop.cli.train import KEEP_MARGIN, keep_miss
+    from kvpop.training.rundir import KEEP_MARGIN, keep_miss
 
     out = tmp_path / "run"
     assert main(["train", "--method", "dms", "--task", "--seq-len", "128", "--window", "16", "--steps", "60",
