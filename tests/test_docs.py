@@ -51,3 +51,43 @@ def test_relative_links_resolve(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target} (no heading with the anchor #{anchor} in {dest.relative_to(ROOT)})")
     assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"
+
+
+def _kvpop_commands(page: Path) -> list[list[str]]:
+    """The arguments of every ``kvpop ...`` (or ``torchrun/python -m kvpop ...``) command in the page's bash
+    blocks."""
+    import shlex
+
+    from test_readme import _commands
+
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S):
+        for cmd in _commands(block):
+            for part in cmd.split("&&"):
+                if not re.match(r"\s*(kvpop |torchrun |python3? -m kvpop )", part):
+                    continue
+                argv = shlex.split(part, comments=True)
+                if argv[:1] == ["kvpop"]:
+                    out.append(argv[1:])
+                elif argv[:1] in (["torchrun"], ["python"], ["python3"]) and "-m" in argv:
+                    at = argv.index("-m")
+                    if argv[at + 1:at + 2] == ["kvpop"]:
+                        out.append(argv[at + 2:])
+    return out
+
+
+def test_commands_of_the_pages_parse():
+    """Every kvpop command the pages show is accepted by today's parsers (an option renamed or removed
+    breaks this test, not the reader)."""
+    from kvpop.cli import build_parser
+
+    parser = build_parser()
+    commands = [(page, argv) for page in PAGES for argv in _kvpop_commands(page)]
+    assert {argv[0] for _, argv in commands} >= {"demo", "train", "eval", "schedule"}
+    bad = []
+    for page, argv in commands:
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            bad.append(f"{page.relative_to(ROOT)}: kvpop {' '.join(argv)}")
+    assert not bad, "commands the parsers refuse (see the error above each): " + "; ".join(bad)
