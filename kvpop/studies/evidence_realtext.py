@@ -54,6 +54,10 @@ is reached halfway, then held).  Its trials are validation only; a different win
 ``dms.rechosen`` beside the first ``dms.chosen`` (whose test figures stand as scored)."""
 
 
+EXTENDED = "dms[tuned,extended]"
+"""The row of the extension's new choice (``dms.rechosen``), when the extension found one."""
+
+
 def _common(corpus: Path) -> list[str]:
     return ["--model", str(MODEL), "--data", str(corpus / "train.jsonl"), "--seq-len", str(SEQ_LEN),
             "--sinks", str(SINKS), "--window", str(WINDOW), "--checkpoint-every", "25", "--no-progress"]
@@ -305,10 +309,13 @@ def run(a: argparse.Namespace) -> int:
     sel = json.loads((out / "selection.json").read_text()) if (out / "selection.json").exists() else {}
     rs = recipes(corpus)
     dms_c = sel.get("dms", {}).get("chosen", {}).get("settings")
+    dms_x = (sel.get("dms", {}).get("rechosen") or {}).get("settings")
+    scored = TestLog(out).entries  # a (row, seed) already scored on the test split needs no training again
     if "seeds" in stages:  # the KVpop recipes and controls are fixed; DMS's waits for its selection
         for s in seeds:
             for name, r in rs.items():
-                if a.only_dms or (r["kind"] == "dense-control" and s != DENSE_CONTROL_SEED):
+                if a.only_dms or (r["kind"] == "dense-control" and s != DENSE_CONTROL_SEED) or \
+                        f"{name}|seed{s}" in scored:
                     continue  # one seed: see recipes()
                 d = out / name / f"seed{s}"
                 if not (d / "done").exists():
@@ -318,10 +325,22 @@ def run(a: argparse.Namespace) -> int:
             d = out / "dms[tuned]" / f"seed{s}"
             if not sel.get("final"):
                 print(f"[evidence realtext] dms seed {s}: not trained yet (its selection is not final)", flush=True)
-            elif not (d / "done").exists():
+            elif not (d / "done").exists() and f"dms[tuned]|seed{s}" not in scored:
                 run_logged([*_dms_args(corpus, dms_c, s), "--out", str(d),
                             *(["--resume"] if (d / "last.pt").exists() else [])], log, name=f"dms seed {s}")
                 (d / "done").write_text("")
+        if dms_x:  # the extension's new choice: every seed at once (--jobs), beside the first choice's
+            from concurrent.futures import ThreadPoolExecutor
+
+            def train_x(s: int) -> None:
+                d = out / EXTENDED / f"seed{s}"
+                if not (d / "done").exists():
+                    run_logged([*_dms_args(corpus, dms_x, s), "--out", str(d),
+                                *(["--resume"] if (d / "last.pt").exists() else [])], log, name=f"{EXTENDED} seed {s}")
+                    (d / "done").write_text("")
+
+            with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+                list(pool.map(train_x, seeds))
     if "test" in stages:
         _test(a, out, log, seeds, rs, sel, fresh)
     return 0
@@ -338,7 +357,9 @@ def _test(a, out: Path, log: Path, seeds, rs: dict, sel: dict, fresh: Path) -> N
     fx = tl.once("fixed", lambda: _eval(out / "test" / "fixed", log, "test fixed", fresh, EVAL_BUDGETS, n,
                                         ["--policies", "dense,streaming"]))
     per: dict[str, dict[int, dict]] = {}
-    for name, r in {**rs, **({} if early else {"dms[tuned]": {"kind": "dms", "policy": "dms"}})}.items():
+    dms_rows = {"dms[tuned]": {"kind": "dms", "policy": "dms"},
+                **({EXTENDED: {"kind": "dms", "policy": "dms"}} if (sel.get("dms") or {}).get("rechosen") else {})}
+    for name, r in {**rs, **({} if early else dms_rows)}.items():
         for s in ([x for x in seeds if x == DENSE_CONTROL_SEED] if r["kind"] == "dense-control" else seeds):
             d = out / name / f"seed{s}"
             key = f"{name}|seed{s}"
@@ -362,12 +383,21 @@ def _test(a, out: Path, log: Path, seeds, rs: dict, sel: dict, fresh: Path) -> N
             v = _delta(fx, pol, b)
             rows.append(_row(pol, b, [v], None, 0, {"rule": "StreamingLLM", "sinks": SINKS, "window": WINDOW},
                              "fixed rule (no training, deterministic: one evaluation)", tl.count("fixed")))
-        for name, r in {**rs, "dms[tuned]": {"kind": "dms", "policy": "dms"}}.items():
+        for name, r in {**rs, **dms_rows}.items():
             vals = []
             for s in per[name]:
                 res = per[name][s]
                 vals.append(res["delta"] if r["kind"] == "dense-control" else _delta(res, r["policy"], b))
-            if r["kind"] == "dms":
+            if name == EXTENDED:
+                x, n_all = dms_sel["rechosen"]["settings"], sel["trials_of"]["dms_with_extension"]
+                recipe = {**x, "threshold": "chosen on validation per budget"}
+                trials, steps, legend = n_all, x["steps"], (
+                    f"DMS re-chosen on validation after the search's extension ({n_all} trials: the first grid's "
+                    f"and {len(dms_sel['extension']['trials'])} more from its choice, one factor at a time: longer "
+                    f"runs, keep targets {'/'.join(map(str, DMS_EXTENSION['target_keep']))}, the schedule reached "
+                    f"halfway), {_tag(x)}; the first choice, dms[tuned], was scored on the test split before the "
+                    f"extension ran")
+            elif r["kind"] == "dms":
                 recipe = {**dms_sel["chosen"]["settings"], "threshold": "chosen on validation per budget"}
                 trials, steps, legend = len(dms_sel["trials"]), dms_sel["chosen"]["settings"]["steps"], (
                     "DMS, gates and model together, its gate lr, model lr and steps chosen on validation "

@@ -110,3 +110,43 @@ def test_fresh_realtext_test_split_is_reproducible_and_disjoint(tmp_path):
         pytest.skip("other package versions are installed: the corpus's files differ")
     RT.fresh_test_split(tmp_path, tmp_path, n_records=shipped["records"])
     assert C.file_hash(tmp_path / "test_fresh.jsonl") == shipped["jsonl_blake2b"]
+
+
+def test_dms_extension_one_factor_at_a_time_longer_only_while_it_helps_and_resumes(tmp_path, monkeypatch):
+    """--stage dms-extend: the extension's trials start from the first choice, one factor at a time; 800 steps
+    runs only because 600 helped; a rerun repeats no trial; the best of every trial becomes ``rechosen``."""
+    import argparse
+
+    from kvpop.studies import evidence_realtext as R
+
+    c0 = {"lr_gate": 0.01, "lr_model": 3e-4, "steps": 400, "target_keep": 0.125}
+    first = {"settings": c0, "score": 0.030, "dir": "d0"}
+    V.write_json(tmp_path / "selection.json", {"final": True, "trials_of": {"kvpop": 1, "dms": 1},
+                                               "dms": {"trials": [first], "chosen": first}})
+    made = []
+    scores = {600: 0.028, 800: 0.029, 0.1: 0.025, 0.15: 0.040, "sched": 0.031}
+
+    def fake_trial(corpus, out, log, c):
+        made.append(c)
+        key = "sched" if "schedule_steps" in c else (c["steps"] if c["steps"] != 400 else c["target_keep"])
+        return {"settings": c, "score": scores[key], "dir": str(len(made))}
+
+    monkeypatch.setattr(R, "_dms_trial", fake_trial)
+    a = argparse.Namespace(jobs=1)
+    rec = R._extend_dms(a, tmp_path, tmp_path, tmp_path / "log")
+    assert all(sum(c[k] != c0[k] for k in c0) + ("schedule_steps" in c) == 1 for c in made)  # one factor each
+    assert [c["steps"] for c in made if c["steps"] != 400] == [600, 800]
+    assert {"schedule_steps": 200} == {k: v for c in made for k, v in c.items() if k == "schedule_steps"}
+    assert rec["dms"]["rechosen"]["settings"] == {**c0, "target_keep": 0.1}
+    assert rec["trials_of"]["dms_with_extension"] == 1 + 5 and rec["dms"]["chosen"] == first
+    n = len(made)
+    R._extend_dms(a, tmp_path, tmp_path, tmp_path / "log")  # resumed: nothing runs twice
+    assert len(made) == n
+    scores[600] = 0.031  # 600 steps no better than the first choice: no 800-step trial
+    made.clear()
+    (tmp_path / "selection.json").write_text(json.dumps({"final": True, "trials_of": {"dms": 1},
+                                                         "dms": {"trials": [first], "chosen": first}}))
+    R._extend_dms(a, tmp_path, tmp_path, tmp_path / "log")
+    assert 800 not in [c["steps"] for c in made]
+    with pytest.raises(ValueError, match="final"):
+        R._extend_dms(a, tmp_path, tmp_path / "elsewhere", tmp_path / "log")
