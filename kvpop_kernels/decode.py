@@ -8,21 +8,11 @@ section 9.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from ._utils import (
-    check_gqa,
-    check_int,
-    check_split_options,
-    check_tensor,
-    default_scale,
-    empty,
-    host_check,
-    use_triton,
-)
-from .splitk import CACHE_DTYPES, LOG2E, plan_splits, upcast_operands
+from ._utils import check_split_options, default_scale, empty, host_check, use_triton
+from .layout import SlotLayout, as_layout, check_positions, check_state, slot_of
+from .splitk import LOG2E, plan_splits, upcast_operands
 
 try:
     import triton
@@ -33,15 +23,6 @@ except Exception:  # pragma: no cover - depends on the install
     triton = None
 
 __all__ = ["fixed_budget_decode", "slot_of"]
-
-
-def slot_of(pos, *, sinks: int, window: int):
-    """Slot of the token at ``pos`` while it is a sink or in the window: ``pos`` for a sink,
-    ``s + (pos - s) % w`` in the ring otherwise (the layout of ``reference.fixed_budget_decode``).
-    ``pos`` is a Python int or an integer tensor (elementwise, no host synchronisation)."""
-    if isinstance(pos, torch.Tensor):
-        return torch.where(pos < sinks, pos, sinks + (pos.clamp_min(sinks) - sinks) % window)
-    return pos if pos < sinks else sinks + (pos - sinks) % window
 
 _INT32_MAX = 2**31 - 1
 
@@ -78,7 +59,9 @@ if triton is not None:
                   PACKED: tl.constexpr):
         """Row ``n``'s position (guarded), KV head ``h``'s budget ``B``, long-range slots ``K_LR`` and the
         bases of its keys, values, slot positions and priorities, in either layout: ``(pos, bad, B, K_LR,
-        kc, vc, spp, prp)``; ``bad`` for a refused position or (packed) a head outside the tensors."""
+        kc, vc, spp, prp, sp_off)`` (``sp_off``: the offset of the slot positions' base, which the
+        per-slot scales of a quantised layout share); ``bad`` for a refused position or (packed) a head
+        outside the tensors."""
         pos, bad = _guarded_pos(POS, n64)
         if PACKED:  # head h's slots start at slot off (its long-range priorities at koff); B, k per head
             off, koff, B, K_LR, head_bad = _packed_head(META, h64, HKV, SINKS, WINDOW, T_ALL, K_ALL)
@@ -86,27 +69,30 @@ if triton is not None:
         else:
             off = 0
             koff = 0
+        sp_off = n64 * s_sp_n + h64 * s_sp_h + off * s_sp_b
         return (pos, bad, B, K_LR, KC + n64 * s_kc_n + h64 * s_kc_h + off * s_kc_b,
-                VC + n64 * s_vc_n + h64 * s_vc_h + off * s_vc_b, SP + n64 * s_sp_n + h64 * s_sp_h + off * s_sp_b,
-                PR + n64 * s_pr_n + h64 * s_pr_h + koff * s_pr_j)
+                VC + n64 * s_vc_n + h64 * s_vc_h + off * s_vc_b, SP + sp_off,
+                PR + n64 * s_pr_n + h64 * s_pr_h + koff * s_pr_j, sp_off)
 
     @triton.jit
-    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, LP, POS, MID_O, MID_L, DST, META,
+    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, LP, POS, MID_O, MID_L, DST, META, KS, VS, KNS, VNS,
                        s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
                        HKV, B, D, K_LR, SINKS, WINDOW, CHUNK, NS, qk_scale, T_ALL, K_ALL,
                        G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                       PACKED: tl.constexpr):
+                       PACKED: tl.constexpr, QUANT: tl.constexpr):
         row = tl.program_id(0)  # (batch row, KV head) flattened: row = n * HKV + h
         split = tl.program_id(1)
         n64 = (row // HKV).to(tl.int64)
         h64 = (row % HKV).to(tl.int64)
         # this row's position, read on the device (no host value): the new token's slot and the
         # token leaving the window follow from it
-        pos, pos_bad, B, K_LR, kc, vc, spp, prp = _row_head(
+        pos, pos_bad, B, K_LR, kc, vc, spp, prp, sp_off = _row_head(
             POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b, s_sp_n, s_sp_h,
             s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, K_LR, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
+        ksp = KS + sp_off  # a quantised layout's per-slot scales (QUANT only; never read otherwise)
+        vsp = VS + sp_off
         t_new = pos - WINDOW
         slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
         LR0 = SINKS + WINDOW
@@ -155,6 +141,11 @@ if triton is not None:
         lv_ok = d < tl.where(keep & first, D, 0)
         kl = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
         vl = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
+        if QUANT:  # dequantised on load: codes times the slot's (or the new token's) scale
+            kn = kn * tl.load(KNS + row)
+            vn = vn * tl.load(VNS + row)
+            kl = kl * tl.load(ksp + slot_new * s_sp_b)
+            vl = vl * tl.load(vsp + slot_new * s_sp_b)
         s_new = tl.sum(qf * kn[None, :], axis=1) * qk_scale
         s_lv = tl.sum(qf * kl[None, :], axis=1) * qk_scale
         s_new = tl.where(first, s_new, float("-inf"))
@@ -176,6 +167,11 @@ if triton is not None:
             kv_mask = valid[:, None] & d_ok[None, :]
             k = tl.load(kc + nn[:, None].to(tl.int64) * s_kc_b + d[None, :] * s_kc_d, mask=kv_mask, other=0.0)
             v = tl.load(vc + nn[:, None].to(tl.int64) * s_vc_b + d[None, :] * s_vc_d, mask=kv_mask, other=0.0)
+            if QUANT:  # dequantised on load, in the queries' dtype (float32 when UPCAST)
+                k_sc = tl.load(ksp + nn * s_sp_b, mask=valid, other=0.0)
+                v_sc = tl.load(vsp + nn * s_sp_b, mask=valid, other=0.0)
+                k = (k.to(tl.float32) * k_sc[:, None]).to(q.dtype)
+                v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
             m_i, l_i, acc = online_softmax_tile(q, k, v, valid, qk_scale, m_i, l_i, acc, UPCAST)
 
         # -- 4. partial output and natural-log LSE of this split (-inf / 0 for an empty chunk; NaN for a
@@ -183,11 +179,12 @@ if triton is not None:
         store_split(MID_O, MID_L, qh * NS + split, m_i, l_i, acc, pos_bad, g_ok, d, d_ok, D)
 
     @triton.jit
-    def _decode_stage2(MID_O, MID_L, OUT, LSE, DST, LP, KN, VN, KC, VC, SP, PR, POS, META,
+    def _decode_stage2(MID_O, MID_L, OUT, LSE, DST, LP, KN, VN, KC, VC, SP, PR, POS, META, KS, VS, KNS, VNS,
                        s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
                        HKV, D, NS, SINKS, WINDOW, T_ALL, K_ALL,
-                       G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr):
+                       G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr,
+                       QUANT: tl.constexpr):
         qh = tl.program_id(0)  # one program per query head of every batch row (batch-flat)
         row = qh // G  # its (batch row, KV head), flattened
         n64 = (row // HKV).to(tl.int64)
@@ -203,7 +200,7 @@ if triton is not None:
         # -- the cache update of KV head h, by its first query head's program only: no other
         #    program of this launch touches these slots, and stage 1 (which read them) is done
         if qh % G == 0:
-            pos, pos_bad, _b, _k, kc, vc, spp, prp = _row_head(
+            pos, pos_bad, _b, _k, kc, vc, spp, prp, sp_off = _row_head(
                 POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b, s_sp_n,
                 s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, 0, 0, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
             t_new = pos - WINDOW
@@ -218,6 +215,14 @@ if triton is not None:
             tl.debug_barrier()  # every thread has read ring slot r before anyone overwrites it
             tl.store(kc + dst_c * s_kc_b + d * s_kc_d, ring_k, mask=kd_ok)
             tl.store(vc + dst_c * s_vc_b + d * s_vc_d, ring_v, mask=kd_ok)
+            if QUANT:  # the scales move with the codes (no requantisation)
+                ksp = KS + sp_off
+                vsp = VS + sp_off
+                ring_ks = tl.load(ksp + slot_new * s_sp_b, mask=kept)
+                ring_vs = tl.load(vsp + slot_new * s_sp_b, mask=kept)
+                tl.debug_barrier()
+                tl.store(ksp + dst_c * s_sp_b, ring_ks, mask=kept)
+                tl.store(vsp + dst_c * s_sp_b, ring_vs, mask=kept)
             lp = tl.load(LP + row)
             lp = tl.where(lp != lp, float("-inf"), lp)
             tl.store(spp + dst_c * s_sp_b, t_new, mask=kept)
@@ -228,11 +233,18 @@ if triton is not None:
             tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kn, mask=nd_ok)
             tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vn, mask=nd_ok)
             tl.store(spp + slot_new * s_sp_b, pos, mask=pos_bad == 0)
+            if QUANT:  # the new token's codes (stored above) and their scales
+                tl.store(KS + sp_off + slot_new * s_sp_b, tl.load(KNS + row), mask=pos_bad == 0)
+                tl.store(VS + sp_off + slot_new * s_sp_b, tl.load(VNS + row), mask=pos_bad == 0)
 
 
 def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, *, sinks,
-                   window, scale, num_splits, block_n, packed=None):
+                   window, scale, num_splits, block_n, packed=None, quant=None):
     """Batched form: ``q [N, Hq, D]``, caches ``[N, Hkv, B, D]``, ``pos [N]`` int on q's device.
+
+    ``quant = (k_scale, v_scale, k_new_scale, v_new_scale)``: a quantised layout (caches and ``k_new, v_new``
+    hold codes; ``k_scale, v_scale`` float32 with ``slot_pos``'s shape and strides, the new token's scales
+    ``[N, Hkv]`` float32).
 
     ``packed = (meta, max_budget)``: the packed layout (caches ``[N, T, D]``, ``slot_pos [N, T]``,
     ``slot_prio [N, K]``), ``meta [3, Hkv]`` int64 on the device (budgets, slot offsets, long-range
@@ -254,7 +266,7 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
         B, K = n_keys, k_all  # (unused by the kernels' packed path but for the dummy below)
         st_k, st_v, st_p = k_cache.stride(), v_cache.stride(), slot_pos.stride()
         strides = (st_k[0], 0, st_k[1], st_k[2], st_v[0], 0, st_v[1], st_v[2], st_p[0], 0, st_p[1])
-    upcast = upcast_operands(k_cache.dtype)
+    upcast = upcast_operands(q.dtype)  # (q's dtype is the caches' but for a quantised layout's codes)
     if block_n is None:  # 32 on the GPU (no register spills at D <= 128, as SGLang's grouped decode)
         block_n = 32 if dev.type == "cuda" else 64
     # fp32 operands (ieee dot) and wide heads need 8 warps to stay clear of register spills (sm_90)
@@ -281,6 +293,8 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
     else:
         pr = torch.full((N, Hkv, 1) if packed is None else (N, 1), float("-inf"), dtype=torch.float32, device=dev)
     pr_strides = pr.stride() if packed is None else (pr.stride(0), 0, pr.stride(1))
+    # a quantised layout's scales (dummy pointers, never read, otherwise)
+    ks, vs, kns, vns = (pr,) * 4 if quant is None else (quant[0], quant[1], *(x.contiguous() for x in quant[2:]))
 
     mid_o = empty((N * Hq, ns, D), dtype=torch.float32, device=dev)
     mid_l = empty((N * Hq, ns), dtype=torch.float32, device=dev)
@@ -290,390 +304,29 @@ def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
     strides = (*strides, *pr_strides)
 
     _decode_stage1[(rows, ns)](
-        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, lp, pos_c, mid_o, mid_l, dst, meta, *strides,
+        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, lp, pos_c, mid_o, mid_l, dst, meta, ks, vs, kns, vns, *strides,
         Hkv, B, D, K, s, w, chunk, ns, scale * LOG2E, t_all, k_all,
         G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
-        PACKED=packed is not None, num_warps=num_warps, num_stages=2,
+        PACKED=packed is not None, QUANT=quant is not None, num_warps=num_warps, num_stages=2,
     )
     _decode_stage2[(N * Hq,)](
-        mid_o, mid_l, out, lse, dst, lp, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, meta, *strides,
+        mid_o, mid_l, out, lse, dst, lp, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, meta, ks, vs, kns, vns,
+        *strides,
         Hkv, D, ns, s, w, t_all, k_all,
         G=G, BLOCK_S=min(32, triton.next_power_of_2(ns)), BLOCK_D=block_d, PACKED=packed is not None,
-        num_warps=4,
+        QUANT=quant is not None, num_warps=4,
     )
     return out, lse
 
 
 # ------------------------------------------------------------------------- PyTorch CPU
 @torch.no_grad()
-def _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, *, sinks,
-                  window, scale):
-    """The same step in plain PyTorch, vectorised over batch rows and heads (used for CPU tensors).
-
-    No data-dependent Python branch: every row and head runs the same ops (kept or not is a
-    ``torch.where``), so the step traces into one graph (``torch.compile(fullgraph=True)``)."""
-    N, Hq, D = q.shape
-    _, Hkv, B, _ = k_cache.shape
-    G = Hq // Hkv
-    s, w = sinks, window
-    K = B - s - w
-    dev = q.device
-    pos = pos.to(torch.int64)
-    # the device-side guard (no host read): a row whose position lies outside [0, 2**31 - 2] computes
-    # with position 0, writes nothing and returns NaN, as the Triton kernels do
-    bad = (pos < 0) | (pos > _INT32_MAX - 1)  # [N]
-    pos = pos.masked_fill(bad, 0)
-    t_new = pos - w  # [N]
-    slot_new = slot_of(pos, sinks=s, window=w)  # [N]
-    ni = torch.arange(N, device=dev)[:, None]
-    hi = torch.arange(Hkv, device=dev)[None, :]
-    sn = slot_new[:, None].expand(N, Hkv)
-    ok = ~bad[:, None]  # [N, 1]
-    if K > 0:
-        low_p = slot_prio.amin(dim=-1)  # lowest priority ...
-        # ... then the oldest position; ``min`` returns the first index among equal values, which
-        # matters only for empty slots (all at -1): the lowest slot index, as in the reference
-        older = slot_pos[..., s + w:].masked_fill(slot_prio != low_p[..., None], _INT32_MAX)
-        low_t, j = older.min(dim=-1)  # [N, Hkv]
-        lp = leaving_prio.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        tn = t_new[:, None]
-        keep = (tn >= s) & ((lp > low_p) | ((lp == low_p) & (low_t < tn))) & ok
-        dst = s + w + j
-        k_cache[ni, hi, dst] = torch.where(keep[..., None], k_cache[ni, hi, sn], k_cache[ni, hi, dst])
-        v_cache[ni, hi, dst] = torch.where(keep[..., None], v_cache[ni, hi, sn], v_cache[ni, hi, dst])
-        slot_pos[ni, hi, dst] = torch.where(keep, tn.to(torch.int32), slot_pos[ni, hi, dst])
-        slot_prio[ni, hi, j] = torch.where(keep, lp, slot_prio[ni, hi, j])
-    k_cache[ni, hi, sn] = torch.where(ok[..., None], k_new, k_cache[ni, hi, sn])
-    v_cache[ni, hi, sn] = torch.where(ok[..., None], v_new, v_cache[ni, hi, sn])
-    slot_pos[ni, hi, sn] = torch.where(ok, pos[:, None].to(torch.int32), slot_pos[ni, hi, sn])
-
-    kc = k_cache.float()  # no copy for float32 caches
-    vc = v_cache.float()
-    valid = slot_pos >= 0  # empty slots: whatever they hold is ignored
-    scores = torch.matmul(q.float().view(N, Hkv, G, D), kc.transpose(-1, -2))  # [N, Hkv, G, B], unscaled
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    vc = vc.masked_fill(~valid[..., None], 0.0)
-    m = scores.amax(dim=-1, keepdim=True)  # finite: the new token is always visible
-    probs = scores.sub_(m).mul_(scale).exp_()  # scale > 0, so max(scale * x) = scale * max(x)
-    l = probs.sum(dim=-1, keepdim=True)
-    out = torch.matmul(probs, vc).div_(l)
-    lse = m.mul_(scale).add_(l.log_()).squeeze(-1)  # [N, Hkv, G]
-    out = out.masked_fill_(bad[:, None, None, None], float("nan"))
-    lse = lse.masked_fill_(bad[:, None, None], float("nan"))
-    return out.reshape(N, Hq, D).to(q.dtype), lse.reshape(N, Hq)
-
-
-def _cat(xs: list[torch.Tensor], dim: int) -> torch.Tensor:
-    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=dim)
-
-
-@torch.no_grad()
-def _torch_decode_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, *,
-                         lay: _Layout, sinks, window, scale):
-    """The packed layout's step in PyTorch (CPU tensors): ``k_cache [N, T, D]``, ``slot_pos [N, T]``,
-    ``slot_prio [N, K]``.  Vectorised over rows, heads and slots: the decision on a padded gather of the
-    long-range slots ``[N, Hl, kmax]`` (every head at once), the cache writes once for all heads; the
-    attention runs the uniform step's ops on each run of consecutive heads of equal budget (a uniform
-    block, a view): one run for equal budgets, a static loop over the runs otherwise.  No
-    data-dependent branch."""
-    N, Hq, D = q.shape
-    Hkv = k_new.shape[1]
-    G = Hq // Hkv
-    s, w = sinks, window
-    dev = q.device
-    pos = pos.to(torch.int64)
-    bad = (pos < 0) | (pos > _INT32_MAX - 1)  # [N]: the device-side guard, as in the uniform step
-    pos = pos.masked_fill(bad, 0)
-    t_new = pos - w
-    sn = lay.off[None, :] + slot_of(pos, sinks=s, window=w)[:, None]  # [N, Hkv] the new token's slot
-    ni = torch.arange(N, device=dev)[:, None]
-    ok = ~bad[:, None]
-    if lay.n_lr_heads:  # the heads with long-range slots (a k_h = 0 head drops every leaving token)
-        hl = lay.lr_heads
-        pr = slot_prio[:, lay.pad_lr].masked_fill_(lay.pad, float("inf"))  # [N, Hl, kmax]
-        low_p = pr.amin(dim=-1)
-        # ties to the oldest position, then the lowest index (padding never wins: real positions < INT32_MAX)
-        older = slot_pos[:, lay.pad_slot].masked_fill_((pr != low_p[..., None]) | lay.pad, _INT32_MAX)
-        low_t, jl = older.min(dim=-1)  # [N, Hl]
-        lp = leaving_prio if hl is None else leaving_prio[:, hl]
-        lp = lp.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        tn = t_new[:, None]
-        keep = (tn >= s) & ((lp > low_p) | ((lp == low_p) & (low_t < tn))) & ok
-        j, dst = lay.koff_lr + jl, lay.lr0 + jl
-        snl = sn if hl is None else sn[:, hl]
-        k_cache[ni, dst] = torch.where(keep[..., None], k_cache[ni, snl], k_cache[ni, dst])
-        v_cache[ni, dst] = torch.where(keep[..., None], v_cache[ni, snl], v_cache[ni, dst])
-        slot_pos[ni, dst] = torch.where(keep, tn.to(torch.int32), slot_pos[ni, dst])
-        slot_prio[ni, j] = torch.where(keep, lp, slot_prio[ni, j])
-    k_cache[ni, sn] = torch.where(ok[..., None], k_new, k_cache[ni, sn])
-    v_cache[ni, sn] = torch.where(ok[..., None], v_new, v_cache[ni, sn])
-    slot_pos[ni, sn] = torch.where(ok, pos[:, None].to(torch.int32), slot_pos[ni, sn])
-
-    qg = q.float().view(N, Hkv, G, D)
-    outs, lses = [], []
-    for run in lay.runs:  # the uniform step's attention on each run's block
-        r, span = run.h1 - run.h0, slice(run.off, run.off + (run.h1 - run.h0) * run.b)
-        kc = k_cache[:, span].unflatten(1, (r, run.b)).float()  # [N, r, b, D] (no copy for float32)
-        vc = v_cache[:, span].unflatten(1, (r, run.b)).float()
-        valid = slot_pos[:, span].unflatten(1, (r, run.b)) >= 0  # empty slots: whatever they hold is ignored
-        scores = torch.matmul(qg[:, run.h0:run.h1], kc.transpose(-1, -2))  # [N, r, G, b], unscaled
-        scores = scores.masked_fill_(~valid[:, :, None, :], float("-inf"))
-        vc = vc.masked_fill(~valid[..., None], 0.0)
-        m = scores.amax(dim=-1, keepdim=True)  # finite: the new token is always visible
-        probs = scores.sub_(m).mul_(scale).exp_()
-        l = probs.sum(dim=-1, keepdim=True)
-        outs.append(torch.matmul(probs, vc).div_(l))
-        lses.append(m.mul_(scale).add_(l.log_()).squeeze(-1))  # [N, r, G]
-    out, lse = _cat(outs, 1), _cat(lses, 1)
-    out = out.masked_fill_(bad[:, None, None, None], float("nan"))
-    lse = lse.masked_fill_(bad[:, None, None], float("nan"))
-    return out.reshape(N, Hq, D).to(q.dtype), lse.reshape(N, Hq)
+def _torch_step(lay: SlotLayout, *args, **kwargs):
+    """The layout's vectorised PyTorch step (CPU tensors); see ``SlotLayout.torch_step``."""
+    return lay.torch_step(*args, **kwargs)
 
 
 # ------------------------------------------------------------------------------ public
-def _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window):
-    """Validate either form (batch-1 ``q [Hq, D]`` or batched ``q [N, Hq, D]``); no value is read
-    from a device tensor (``pos`` as a tensor is checked for shape and dtype only)."""
-    batched = isinstance(q, torch.Tensor) and q.dim() == 3
-    lead = "N, " if batched else ""
-    e = 1 if batched else 0
-    check_tensor("q", q, 2 + e)
-    check_tensor("k_new", k_new, 2 + e)
-    check_tensor("v_new", v_new, 2 + e)
-    check_tensor("k_cache", k_cache, 3 + e)
-    check_tensor("v_cache", v_cache, 3 + e)
-    check_tensor("slot_pos", slot_pos, 2 + e, dtypes=(torch.int32,))
-    check_tensor("slot_prio", slot_prio, 2 + e, dtypes=(torch.float32,))
-    check_tensor("leaving_prio", leaving_prio, 1 + e, dtypes=(torch.float32,))
-    _check_common(q, k_new, v_new, k_cache, v_cache, pos, sinks, window, e)
-    s, w = sinks, window
-    D = q.shape[-1]
-    Hkv, B, Dk = k_cache.shape[e:]
-    if tuple(v_cache.shape) != (*q.shape[:e], Hkv, B, D) or Dk != D or k_cache.shape[:e] != q.shape[:e]:
-        raise ValueError(f"k_cache and v_cache must both be [{lead}Hkv, B, D] with D = q.shape[-1] = {D}, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _check_new(q, k_new, v_new, Hkv, e)
-    if B < s + w:
-        raise ValueError(f"the budget B = k_cache.shape[-2] = {B} must be >= sinks + window = {s} + {w} = {s + w}")
-    if tuple(slot_pos.shape) != (*q.shape[:e], Hkv, B):
-        raise ValueError(f"slot_pos must be [{lead}Hkv, B] = {[*q.shape[:e], Hkv, B]}, got {tuple(slot_pos.shape)}")
-    if tuple(slot_prio.shape) != (*q.shape[:e], Hkv, B - s - w):
-        raise ValueError(f"slot_prio must be [{lead}Hkv, k] = {[*q.shape[:e], Hkv, B - s - w]} "
-                         f"(k = B - sinks - window), got {tuple(slot_prio.shape)}")
-    if tuple(leaving_prio.shape) != (*q.shape[:e], Hkv):
-        raise ValueError(f"leaving_prio must be [{lead}Hkv] = {[*q.shape[:e], Hkv]}, got {tuple(leaving_prio.shape)}")
-    _check_state(k_cache, v_cache, slot_pos, slot_prio)
-
-
-def _check_state(k_cache, v_cache, slot_pos, slot_prio) -> None:
-    """The tensors updated in place: no grad, no element shared with another or with itself."""
-    state = (("k_cache", k_cache), ("v_cache", v_cache), ("slot_pos", slot_pos), ("slot_prio", slot_prio))
-    for name, x in state:
-        if x.requires_grad:
-            raise ValueError(f"{name} is updated in place and must not require grad (decode under torch.no_grad())")
-        if _overlaps_itself(x):
-            raise ValueError(f"{name} is updated in place, so no two of its elements may share memory; got strides "
-                             f"{tuple(x.stride())} for shape {tuple(x.shape)} (an expand()ed or overlapping view): "
-                             f"pass {name}.contiguous() (or .clone()) and keep that tensor")
-    if torch.compiler.is_compiling():  # addresses are not traceable; checked in every eager call
-        return
-    for i, (na, a) in enumerate(state):
-        for nb, b in state[i + 1:]:
-            if _share_memory(a, b):
-                raise ValueError(f"{na} and {nb} share memory; each of them is updated in place: give each its "
-                                 f"own tensor")
-
-
-def _check_common(q, k_new, v_new, k_cache, v_cache, pos, sinks, window, e):
-    """Dtypes of the step's inputs and the position argument (both layouts; ranks checked before)."""
-    N = q.shape[0] if e else 1
-    if isinstance(pos, torch.Tensor):
-        if pos.dtype not in (torch.int32, torch.int64) or tuple(pos.shape) != (N,):
-            raise ValueError(f"pos as a tensor must be int32/int64 of shape [N] = [{N}], got {pos.dtype} "
-                             f"{tuple(pos.shape)}")
-        if pos.device != q.device:
-            raise ValueError(f"pos must be on q's device {q.device}, got {pos.device}")
-    else:
-        check_int("pos", pos, minimum=0)
-        if pos > _INT32_MAX - 1:
-            raise ValueError(f"pos must fit in int32 slot positions (< {_INT32_MAX}), got {pos}")
-    check_int("sinks", sinks, minimum=0)
-    check_int("window", window, minimum=1)
-    if q.dtype not in CACHE_DTYPES:
-        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, x in (("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype} (cast one of them)")
-
-
-def _check_new(q, k_new, v_new, Hkv, e, note=""):
-    """GQA and the new token's shapes ``[N?, Hkv, D]`` (both layouts)."""
-    lead, D = ("N, " if e else ""), q.shape[-1]
-    check_gqa(q.shape[e], Hkv)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-        if tuple(x.shape) != (*q.shape[:e], Hkv, D):
-            raise ValueError(f"{name} must be [{lead}Hkv, D] = {[*q.shape[:e], Hkv, D]}{note}, got {tuple(x.shape)}")
-
-
-def _check_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window,
-                  head_budgets) -> int:
-    """Validate the packed layout's shapes (no value read from a device tensor); returns ``Hkv``."""
-    batched = isinstance(q, torch.Tensor) and q.dim() == 3
-    lead = "N, " if batched else ""
-    e = 1 if batched else 0
-    check_tensor("q", q, 2 + e)
-    check_tensor("k_new", k_new, 2 + e)
-    check_tensor("v_new", v_new, 2 + e)
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if isinstance(x, torch.Tensor) and x.dim() != 2 + e:
-            raise ValueError(f"with head_budgets {name} is the packed [{lead}T, D] (T = sum of the budgets), got "
-                             f"shape {tuple(x.shape)}")
-        check_tensor(name, x, 2 + e)
-    check_tensor("slot_pos", slot_pos, 1 + e, dtypes=(torch.int32,))
-    check_tensor("slot_prio", slot_prio, 1 + e, dtypes=(torch.float32,))
-    check_tensor("leaving_prio", leaving_prio, 1 + e, dtypes=(torch.float32,))
-    _check_common(q, k_new, v_new, k_cache, v_cache, pos, sinks, window, e)
-    s, w = sinks, window
-    if isinstance(head_budgets, torch.Tensor):
-        if head_budgets.dim() != 1 or head_budgets.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"head_budgets as a tensor must be 1-D int32/int64 (one budget per KV head), got "
-                             f"{head_budgets.dtype} {tuple(head_budgets.shape)}")
-        if head_budgets.device != q.device:
-            raise ValueError(f"head_budgets must be on q's device {q.device}, got {head_budgets.device}")
-        Hkv = head_budgets.shape[0]
-    elif isinstance(head_budgets, (tuple, list)):
-        for h, b in enumerate(head_budgets):
-            if isinstance(b, bool) or not isinstance(b, int):
-                raise TypeError(f"head_budgets[{h}] must be an int, got {type(b).__name__} ({b!r})")
-        Hkv = len(head_budgets)
-    else:
-        raise TypeError(f"head_budgets must be None, a tuple of ints or a 1-D int tensor (one budget per KV head), "
-                        f"got {type(head_budgets).__name__}")
-    if Hkv < 1:
-        raise ValueError("head_budgets must hold one budget per KV head, got none")
-    D = q.shape[-1]
-    _check_new(q, k_new, v_new, Hkv, e, " (Hkv = len(head_budgets))")
-    T = k_cache.shape[e]
-    if tuple(k_cache.shape) != (*q.shape[:e], T, D) or tuple(v_cache.shape) != (*q.shape[:e], T, D):
-        raise ValueError(f"k_cache and v_cache must both be [{lead}T, D] with D = q.shape[-1] = {D}, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if isinstance(head_budgets, (tuple, list)):  # a tensor's values are checked once read back
-        _check_budget_values(tuple(head_budgets), T, s, w)
-    if T < Hkv * (s + w):
-        raise ValueError(f"k_cache holds T = {T} slots, fewer than Hkv x (sinks + window) = {Hkv} x {s + w}")
-    K = T - Hkv * (s + w)
-    if tuple(slot_pos.shape) != (*q.shape[:e], T):
-        raise ValueError(f"slot_pos must be [{lead}T] = {[*q.shape[:e], T]}, got {tuple(slot_pos.shape)}")
-    if tuple(slot_prio.shape) != (*q.shape[:e], K):
-        raise ValueError(f"slot_prio must be [{lead}K] = {[*q.shape[:e], K]} (K = sum of k_h = T - Hkv x (sinks + "
-                         f"window)), got {tuple(slot_prio.shape)}")
-    if tuple(leaving_prio.shape) != (*q.shape[:e], Hkv):
-        raise ValueError(f"leaving_prio must be [{lead}Hkv] = {[*q.shape[:e], Hkv]}, got {tuple(leaving_prio.shape)}")
-    _check_state(k_cache, v_cache, slot_pos, slot_prio)
-    return Hkv
-
-
-def _check_budget_values(budgets: tuple[int, ...], T: int, sinks: int, window: int) -> None:
-    """The host check of a ``head_budgets`` tensor (its values read back)."""
-    bad = [h for h, b in enumerate(budgets) if b < sinks + window]
-    if bad:
-        raise ValueError(f"head_budgets[{bad[0]}] = {budgets[bad[0]]} must be >= sinks + window = "
-                         f"{sinks + window} (k_h >= 0)")
-    if sum(budgets) != T:
-        raise ValueError(f"k_cache holds T = {T} slots but head_budgets sum to {sum(budgets)}: the packed "
-                         f"layout holds every head's budget back to back (T = sum of the budgets)")
-
-
-class _Run(NamedTuple):
-    """Consecutive heads ``[h0, h1)`` of one budget ``b``: in the packed layout their slots
-    ``[off, off + (h1 - h0) b)`` are a uniform ``[h1 - h0, b]`` block (a view)."""
-
-    h0: int
-    h1: int
-    off: int
-    b: int
-
-
-class _Layout(NamedTuple):
-    """What the launchers need of one packed layout (host-known budgets), built once per budgets and device."""
-
-    budgets: tuple[int, ...]
-    meta: torch.Tensor  # [3, Hkv] int64: budgets, slot offsets, long-range offsets (the kernels' view)
-    off: torch.Tensor  # [Hkv] int64: slot offset of each head
-    runs: tuple[_Run, ...]  # the heads cut into runs of equal budgets (the PyTorch path's attention blocks)
-    lr_heads: torch.Tensor | None  # [Hl] int64: the heads with k_h > 0 (None: every head)
-    n_lr_heads: int  # Hl
-    pad_lr: torch.Tensor  # [Hl, kmax] int64: long-range index of each head's j-th slot (padding: its last)
-    pad_slot: torch.Tensor  # [Hl, kmax] int64: the slot of the same
-    pad: torch.Tensor  # [Hl, kmax] bool: padding (j >= k_h)
-    koff_lr: torch.Tensor  # [Hl] int64: long-range offset of each of those heads
-    lr0: torch.Tensor  # [Hl] int64: their first long-range slot (off_h + s + w)
-
-
-_LAYOUTS: dict[tuple, _Layout] = {}
-
-
-def _layout(budgets: tuple[int, ...], sinks: int, window: int, device: torch.device) -> _Layout:
-    key = (budgets, sinks, window, str(device))
-    lay = _LAYOUTS.get(key)
-    if lay is None:
-        if len(_LAYOUTS) > 64:
-            _LAYOUTS.clear()
-        sw = sinks + window
-        offs, koffs = [0], [0]
-        for b in budgets:
-            offs.append(offs[-1] + b)
-            koffs.append(koffs[-1] + b - sw)
-
-        def t(x, dtype=torch.int64):
-            return torch.tensor(x, dtype=dtype).to(device)
-
-        runs, h0 = [], 0
-        for h in range(1, len(budgets) + 1):
-            if h == len(budgets) or budgets[h] != budgets[h0]:
-                runs.append(_Run(h0, h, offs[h0], budgets[h0]))
-                h0 = h
-        ks = [b - sw for b in budgets]
-        heads = [h for h, k in enumerate(ks) if k > 0]
-        kmax, hl = max(ks), len(heads)
-        lay = _Layout(budgets, t([list(budgets), offs[:-1], koffs[:-1]]), t(offs[:-1]), tuple(runs),
-                      None if hl == len(budgets) else t(heads), hl,
-                      t([[koffs[h] + min(j, ks[h] - 1) for j in range(kmax)] for h in heads]).view(hl, kmax),
-                      t([[offs[h] + sw + min(j, ks[h] - 1) for j in range(kmax)] for h in heads]).view(hl, kmax),
-                      t([[j >= ks[h] for j in range(kmax)] for h in heads], torch.bool).view(hl, kmax),
-                      t([koffs[h] for h in heads]), t([offs[h] + sw for h in heads]))
-        _LAYOUTS[key] = lay
-    return lay
-
-
-def _check_positions(pos: torch.Tensor) -> None:
-    """The host check of a ``pos`` tensor (``check=True``): every position in ``[0, 2**31 - 2]``."""
-    p = pos.detach().to("cpu", torch.int64)
-    bad = ((p < 0) | (p > _INT32_MAX - 1)).nonzero().flatten()
-    if bad.numel():
-        rows = bad[:8].tolist()
-        raise ValueError(f"pos must lie in [0, 2**31 - 2] (int32 slot positions), got {p[bad[:8]].tolist()} in "
-                         f"rows {rows}{' ...' if bad.numel() > 8 else ''}")
-
-
-def _overlaps_itself(x: torch.Tensor) -> bool:
-    """True unless the elements of ``x`` provably lie at distinct addresses (its dims, ordered by stride,
-    nest: each stride at least the extent of the dims below it)."""
-    dims = sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1)
-    extent = 1
-    for st, n in dims:
-        if st < extent:
-            return True
-        extent = st * n
-    return False
-
-
-def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` start at one address (e.g. the same tensor passed twice).  Interleaved views
-    of one buffer (keys and values side by side) start apart and are fine."""
-    return a.numel() > 0 and b.numel() > 0 and a.data_ptr() == b.data_ptr()
-
-
 def _batch_form(batched, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos):
     """The step's tensors with a leading batch dimension, and ``pos`` as an int64 ``[N]`` tensor."""
     if not batched:
@@ -691,6 +344,8 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
                         num_splits: int | None = None, block_n: int | None = None,
                         check: bool | None = None,
                         head_budgets: torch.Tensor | tuple[int, ...] | None = None,
+                        layout: SlotLayout | None = None, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step over a fixed budget of ``B = s + w + k`` slots per (batch row, KV head), in place.
 
@@ -744,19 +399,20 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     3. every query head of the group attends over the slots with ``slot_pos >= 0`` (the new token
        included; whatever an empty slot holds is ignored).
 
-    Head-adaptive budgets (``head_budgets``, docs/DESIGN.md section 9, "packed layout"): ``None`` is the
-    uniform layout above.  Else one budget ``B_h = s + w + k_h`` (``k_h >= 0``) per KV head, a tuple of
-    ints or a 1-D int32/int64 tensor ``[Hkv]`` on q's device, and the state is packed: ``k_cache,
-    v_cache [N, T, D]`` with ``T = sum B_h``, head ``h`` in the slots ``[off_h, off_h + B_h)`` (``off_h``
-    the prefix sum of the budgets; inside a head the layout above), ``slot_pos [N, T]``, ``slot_prio
-    [N, K]`` with ``K = sum k_h = T - Hkv (s + w)`` (head ``h`` at the prefix sum of the ``k``).  Each head
-    runs the step above on its own slots; a head with ``k_h = 0`` drops every leaving token.  A tuple is
-    checked on the host (and turned into index tensors once per budgets and device); a tensor is read
-    back under the same rule as ``pos`` (``check``): unchecked, a head whose slots do not lie inside the
-    tensors writes nothing and returns NaN.  (The PyTorch path always reads a CPU tensor's budgets.)  On
-    Triton the splits are cut over the largest budget (over ``T - (Hkv - 1)(s + w)`` for an unchecked
-    tensor, whose largest value the host does not know) in chunks sized, by default, as for the mean
-    budget: a split past its head's ``B_h`` writes an empty partial.  Memory: the sum of the budgets.
+    Layouts (``kvpop_kernels.layout``, docs/DESIGN.md section 9): ``layout=None`` (and no ``head_budgets``) is
+    the uniform layout above (``UniformLayout()``); ``layout=PackedLayout(budgets)``, or its shorthand
+    ``head_budgets=budgets``, the packed layout of head-adaptive budgets: one budget ``B_h = s + w + k_h``
+    (``k_h >= 0``) per KV head, a tuple of ints or a 1-D int32/int64 tensor ``[Hkv]`` on q's device, and the
+    state is packed: ``k_cache, v_cache [N, T, D]`` with ``T = sum B_h``, head ``h`` in the slots ``[off_h,
+    off_h + B_h)`` (``off_h`` the prefix sum of the budgets; inside a head the layout above), ``slot_pos [N,
+    T]``, ``slot_prio [N, K]`` with ``K = sum k_h = T - Hkv (s + w)`` (head ``h`` at the prefix sum of the
+    ``k``). Each head runs the step above on its own slots; a head with ``k_h = 0`` drops every leaving token. A
+    tuple is checked on the host (and turned into index tensors once per budgets and device); a tensor is read
+    back under the same rule as ``pos`` (``check``): unchecked, a head whose slots do not lie inside the tensors
+    writes nothing and returns NaN. (The PyTorch path always reads a CPU tensor's budgets.) On Triton the splits
+    are cut over the largest budget (over ``T - (Hkv - 1)(s + w)`` for an unchecked tensor, whose largest value
+    the host does not know) in chunks sized, by default, as for the mean budget: a split past its head's ``B_h``
+    writes an empty partial. Memory: the sum of the budgets.
 
     Returns ``(out [N, Hq, D] in q's dtype, lse float32 [N, Hq])`` (``[Hq, D]``, ``[Hq]`` in the
     batch-1 form), natural-log LSE.  Not differentiable.
@@ -767,67 +423,34 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     run a vectorised PyTorch step.  Neither reads a value back to the host.  The scorer that
     produces ``leaving_prio`` is not fused.
     """
-    if head_budgets is not None:
-        return _packed_step(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos=pos,
-                            sinks=sinks, window=window, scale=scale, num_splits=num_splits, block_n=block_n,
-                            check=check, head_budgets=head_budgets)
-    _check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window)
-    scale = default_scale(scale, q.shape[-1])
-    if isinstance(pos, torch.Tensor) and host_check(check, q.device):
-        _check_positions(pos)
-    batched = q.dim() == 3
-    q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos = _batch_form(
-        batched, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos)
-    if q.shape[0] == 0:  # no row: nothing to write (and no pointer a kernel may take)
-        out, lse = q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    elif use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio):
-        check_split_options(num_splits, block_n)
-        out, lse = _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
-                                  sinks=sinks, window=window, scale=scale, num_splits=num_splits,
-                                  block_n=block_n)
-    else:
-        out, lse = _torch_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
-                                 sinks=sinks, window=window, scale=scale)
-    return (out, lse) if batched else (out[0], lse[0])
-
-
-def _packed_step(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, *, pos, sinks, window,
-                 scale, num_splits, block_n, check, head_budgets):
-    """``fixed_budget_decode`` with ``head_budgets``: the packed layout (see its docstring)."""
-    Hkv = _check_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks,
-                        window, head_budgets)
+    lay = as_layout(layout, head_budgets)
+    lay.check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window)
+    lay.check_scales(k_scale, v_scale, slot_pos)
+    scales = () if k_scale is None else (("k_scale", k_scale), ("v_scale", v_scale))
+    check_state(("k_cache", k_cache), ("v_cache", v_cache), ("slot_pos", slot_pos), ("slot_prio", slot_prio),
+                *scales)
     scale = default_scale(scale, q.shape[-1])
     checked = host_check(check, q.device)
     if isinstance(pos, torch.Tensor) and checked:
-        _check_positions(pos)
+        check_positions(pos)
     batched = q.dim() == 3
     q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos = _batch_form(
         batched, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos)
-    T = k_cache.shape[1]
+    if k_scale is not None and not batched:
+        k_scale, v_scale = k_scale.unsqueeze(0), v_scale.unsqueeze(0)
     triton_path = use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio)
-    budgets = head_budgets
-    if isinstance(head_budgets, torch.Tensor):
-        if checked or not triton_path:  # a host read (never by default on CUDA)
-            budgets = tuple(int(b) for b in head_budgets.tolist())
-            _check_budget_values(budgets, T, sinks, window)
-    else:
-        budgets = tuple(head_budgets)
-    if q.shape[0] == 0:
+    # budgets held as a tensor (packed): read back unless the step runs unchecked on Triton
+    lay = lay.host_budgets(k_cache.shape[1], sinks, window, checked or not triton_path)
+    if q.shape[0] == 0:  # no row: nothing to write (and no pointer a kernel may take)
         out, lse = q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     elif triton_path:
         check_split_options(num_splits, block_n)
-        if isinstance(budgets, tuple):
-            packed = (_layout(budgets, sinks, window, q.device).meta, max(budgets))
-        else:  # an unchecked device tensor: offsets by a cumsum on the device, a host bound on the largest
-            bud = budgets.to(torch.int64)
-            off = bud.cumsum(0) - bud
-            koff = off - torch.arange(Hkv, device=q.device) * (sinks + window)
-            packed = (torch.stack([bud, off, koff]), T - (Hkv - 1) * (sinks + window))
-        out, lse = _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
+        kn, vn, quant = lay.kernel_new(k_new, v_new, k_scale, v_scale)
+        out, lse = _triton_decode(q, kn, vn, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
                                   sinks=sinks, window=window, scale=scale, num_splits=num_splits,
-                                  block_n=block_n, packed=packed)
+                                  block_n=block_n, packed=lay.kernel_meta(k_cache, slot_prio, sinks, window,
+                                                                          q.device, checked), quant=quant)
     else:
-        out, lse = _torch_decode_packed(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio,
-                                        pos, lay=_layout(budgets, sinks, window, q.device), sinks=sinks,
-                                        window=window, scale=scale)
+        out, lse = _torch_step(lay, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
+                               sinks=sinks, window=window, scale=scale, k_scale=k_scale, v_scale=v_scale)
     return (out, lse) if batched else (out[0], lse[0])

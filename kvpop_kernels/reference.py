@@ -35,6 +35,7 @@ __all__ = [
     "sparse_attention",
     "dense_causal_attention",
     "fixed_budget_decode",
+    "quantized_fixed_budget_decode",
     "ragged_paged_decode",
 ]
 
@@ -284,6 +285,80 @@ def _packed_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leavi
         lses.append(lse)
         off, koff = off + b, koff + kh
     return torch.cat(outs), torch.cat(lses)
+
+
+def quantized_fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                                  k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor,
+                                  v_scale: torch.Tensor, slot_pos: torch.Tensor, slot_prio: torch.Tensor,
+                                  leaving_prio: torch.Tensor, *, pos: int, sinks: int, window: int, kv_dtype: str,
+                                  scale: float | None = None,
+                                  head_budgets: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch-1 decode step of the quantised slot layout (``kvpop_kernels.layout.QuantizedLayout``).
+
+    The slots of :func:`fixed_budget_decode` (uniform, or packed with ``head_budgets``) hold each key and value
+    as 8-bit codes ``k_codes, v_codes`` (``kv_dtype``: ``"int8"`` or ``"fp8"``, float8 e4m3) with one float32
+    scale per slot and KV head, ``k_scale, v_scale`` (``slot_pos``'s shape); a slot's value is
+    ``codes * scale``.  The step:
+
+    1. the new token's key and value are quantised, per KV head: ``scale = max_d |x_d| / qmax`` (``qmax`` 127
+       for int8, 448 for fp8), ``code = x / scale`` (int8: rounded half up, ``floor(c + 0.5)``, clipped to
+       ``[-127, 127]``; fp8: rounded to the nearest float8, ties to even); a zero vector has scale 0;
+    2. :func:`fixed_budget_decode`'s eviction and placement, with each slot's codes and scales moving
+       together (the token leaving the window keeps its codes: no requantisation);
+    3. every query head attends over the dequantised valid slots of its KV head.
+
+    Updates the codes, scales, ``slot_pos`` and ``slot_prio`` in place; returns ``(out [Hq, D] in q's dtype,
+    lse float32 [Hq])``.
+    """
+    qmax, fp8 = {"int8": (127.0, None), "fp8": (448.0, torch.float8_e4m3fn)}[kv_dtype]
+    Hq, D = q.shape
+    Hkv = k_new.shape[0]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+
+    def quantise(x):  # [Hkv, D] -> codes (as float64 values), scale [Hkv]
+        codes, scales = [], []
+        for h in range(Hkv):
+            xh = x[h].float()
+            sc = xh.abs().max() / qmax
+            c = xh / (sc if sc > 0 else 1.0)
+            c = torch.floor(c + 0.5).clamp(-qmax, qmax) if fp8 is None else c.to(fp8).float()
+            codes.append(c.double())
+            scales.append(sc)
+        return torch.stack(codes), torch.stack(scales).double()
+
+    kq, ks = quantise(k_new)
+    vq, vs = quantise(v_new)
+    # 2: the placement moves whole slots, so run it on one float64 vector per slot holding [key codes, key
+    # scale, value codes, value scale] (exact: codes and float32 scales are float64 numbers); its attention
+    # output is not used
+    state = torch.cat([k_codes.double(), k_scale.double()[..., None], v_codes.double(),
+                       v_scale.double()[..., None]], dim=-1)
+    new = torch.cat([kq, ks[:, None], vq, vs[:, None]], dim=-1)
+    q_pad = torch.zeros(Hq, 2 * D + 2, dtype=torch.float64)
+    fixed_budget_decode(q_pad, new, new, state, state.clone(), slot_pos, slot_prio, leaving_prio, pos=pos,
+                        sinks=sinks, window=window, scale=1.0, head_budgets=head_budgets)
+    kc, ksc, vc, vsc = state[..., :D], state[..., D], state[..., D + 1:2 * D + 1], state[..., 2 * D + 1]
+    k_codes.copy_(kc.to(k_codes.dtype) if fp8 is None else kc.float().to(fp8))
+    v_codes.copy_(vc.to(v_codes.dtype) if fp8 is None else vc.float().to(fp8))
+    k_scale.copy_(ksc)
+    v_scale.copy_(vsc)
+    # 3: attention over the dequantised slots of each KV head
+    budgets = [k_codes.shape[1]] * Hkv if head_budgets is None else [int(b) for b in head_budgets]
+    keys = (kc * ksc[..., None]).reshape(-1, D)  # every head's slots in turn
+    vals = (vc * vsc[..., None]).reshape(-1, D)
+    valid = (slot_pos >= 0).reshape(-1)
+    out = torch.zeros(Hq, D, dtype=torch.float64)
+    lse = torch.zeros(Hq, dtype=torch.float64)
+    off = 0
+    for h, b in enumerate(budgets):
+        kk, vv, ok = keys[off:off + b], vals[off:off + b], valid[off:off + b]
+        for g in range(h * G, (h + 1) * G):
+            logits = (kk @ q[g].double() * scale).masked_fill(~ok, float("-inf"))
+            lse[g] = torch.logsumexp(logits, dim=0)
+            out[g] = torch.softmax(logits, dim=0) @ vv
+        off += b
+    return out.to(q.dtype), lse.float()
 
 
 def ragged_paged_decode(q: torch.Tensor, fixed_k: torch.Tensor, fixed_v: torch.Tensor, n_fixed: int,

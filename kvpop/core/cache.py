@@ -18,14 +18,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop_kernels import eviction_schedule, fixed_budget_decode, sparse_attention
-from kvpop_kernels.decode import slot_of
+from kvpop_kernels.layout import PackedLayout, QuantizedLayout, SlotLayout, UniformLayout, check_kv_dtype, slot_of
 
 from .config import MAX_SLOTS, check_budget_for
 
 POLICIES = ("kvpop", "streaming", "tova", "h2o")
 _STATIC = ("kvpop", "streaming")
 _ROW_STATE = ("keys", "values", "slot_pos", "slot_prio", "ring_prio", "score", "pos")
-"""The per-row tensors of a layer (batch dimension first), beside ``scorer_state``."""
+"""The per-row tensors of a layer (batch dimension first), beside ``scorer_state`` and the layout's own
+(``SlotLayout.extra_state``: a quantised layout's scales)."""
 
 
 def _map_state(state: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -45,7 +46,7 @@ class KVpopCacheLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, *, sinks: int, window: int, budget: int, policy: str = "kvpop",
-                 head_budgets: tuple[int, ...] | None = None):
+                 head_budgets: tuple[int, ...] | None = None, kv_dtype: str | None = None):
         super().__init__()
         if budget < sinks + window:
             raise ValueError(f"budget ({budget}) must be >= sinks + window ({sinks + window})")
@@ -63,11 +64,24 @@ class KVpopCacheLayer(CacheLayerMixin):
             if any(b < sinks + window for b in head_budgets) or sum(head_budgets) > MAX_SLOTS:
                 raise ValueError(f"head_budgets {head_budgets} must each be >= sinks + window ({sinks + window}) "
                                  f"and sum to at most {MAX_SLOTS} slots")
+        check_kv_dtype(kv_dtype)
+        if kv_dtype is not None and policy not in _STATIC:
+            raise ValueError(f"policy={policy!r} scores every slot's attention from full-precision keys; kv_dtype="
+                             f"{kv_dtype!r} works with the policies {_STATIC}: pass one of them, or kv_dtype=None")
         self.sinks, self.window, self.budget, self.policy = sinks, window, budget, policy
         self.k = budget - sinks - window
         # head-adaptive budgets: one packed row of T = sum(B_h) slots per batch row (kvpop_kernels'
         # packed layout, docs/DESIGN.md section 9); ``budget`` stays the config's mean
         self.head_budgets = head_budgets
+        self.layout: SlotLayout = UniformLayout(budget) if head_budgets is None else PackedLayout(head_budgets)
+        # quantised slots: keys and values in 8 bits with one float32 scale per slot and KV head (k_scale,
+        # v_scale: the layout's extra state), the priorities in float32
+        self.kv_dtype = kv_dtype
+        if kv_dtype is not None:
+            self.layout = QuantizedLayout(kv_dtype, self.layout)
+        self._row_state = _ROW_STATE + self.layout.extra_state
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
         self.seen = 0  # columns seen (padding included): transformers' view of the sequence length
         # the same count as a device tensor: what a compiled step updates (a Python int changed inside a
         # compiled graph would be a guard, i.e. one recompilation per token); ``seen`` follows it lazily
@@ -84,17 +98,16 @@ class KVpopCacheLayer(CacheLayerMixin):
         self.device = dev
         self.dtype = key_states.dtype
         self.num_kv_heads = hkv
-        if self.head_budgets is None:
-            slots, lr = (n, hkv, self.budget), (n, hkv, self.k)
-        else:
-            if len(self.head_budgets) != hkv:
-                raise ValueError(f"this KVpopCache's head_budgets hold {len(self.head_budgets)} KV heads per layer but "
-                                 f"the model's layer has {hkv}: allocate budgets for this model")
-            T = sum(self.head_budgets)
-            slots, lr = (n, T), (n, T - hkv * (self.sinks + self.window))
-            self._head_offs = torch.tensor([o for o, *_ in self.spans()], dtype=torch.int64, device=dev)
-        self.keys = torch.zeros(*slots, d, dtype=key_states.dtype, device=dev)
-        self.values = torch.zeros(*slots, value_states.shape[-1], dtype=value_states.dtype, device=dev)
+        if self.head_budgets is not None and len(self.head_budgets) != hkv:
+            raise ValueError(f"this KVpopCache's head_budgets hold {len(self.head_budgets)} KV heads per layer but "
+                             f"the model's layer has {hkv}: allocate budgets for this model")
+        slots, lr = self.layout.state_shapes(n, hkv, self.sinks, self.window)
+        self._head_offs = torch.tensor([sp.off for sp in self.spans()], dtype=torch.int64, device=dev)
+        store = self.layout.cache_dtype(key_states.dtype)
+        self.keys = torch.zeros(*slots, d, dtype=store, device=dev)
+        self.values = torch.zeros(*slots, value_states.shape[-1], dtype=store, device=dev)
+        for name in self.layout.extra_state:
+            setattr(self, name, torch.zeros(slots, dtype=torch.float32, device=dev))
         self.slot_pos = torch.full(slots, -1, dtype=torch.int32, device=dev)
         self.slot_prio = torch.full(lr, float("-inf"), dtype=torch.float32, device=dev)
         self.ring_prio = torch.full((n, hkv, self.window), float("-inf"), dtype=torch.float32, device=dev)
@@ -152,6 +165,8 @@ class KVpopCacheLayer(CacheLayerMixin):
             self.ring_prio.fill_(float("-inf"))
             self.score.zero_()
             self.pos.zero_()
+            for name in self.layout.extra_state:
+                getattr(self, name).zero_()
         self._seen_t.zero_()
         self.seen, self._seen_stale = 0, False
         self.prefilled = False
@@ -163,7 +178,7 @@ class KVpopCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         idx = beam_idx.to(self.keys.device)
-        for name in _ROW_STATE:
+        for name in self._row_state:
             t = getattr(self, name)
             t.copy_(t.index_select(0, idx))
         _map_state(self.scorer_state, lambda t: t.copy_(t.index_select(0, idx)))
@@ -186,27 +201,26 @@ class KVpopCacheLayer(CacheLayerMixin):
     def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.is_initialized:
             return
-        for name in _ROW_STATE:
+        for name in self._row_state:
             setattr(self, name, fn(getattr(self, name)))
         self.scorer_state = _map_state(self.scorer_state, fn)
 
     def rows(self, idx: torch.Tensor) -> KVpopCacheLayer:
         """A new layer holding copies of the rows ``idx`` (scatter it back with :meth:`set_rows`)."""
         sub = KVpopCacheLayer(sinks=self.sinks, window=self.window, budget=self.budget, policy=self.policy,
-                              head_budgets=self.head_budgets)
-        for name in _ROW_STATE:
+                              head_budgets=self.head_budgets, kv_dtype=self.kv_dtype)
+        for name in self._row_state:
             setattr(sub, name, getattr(self, name)[idx])
         sub.scorer_state = _map_state(self.scorer_state, lambda t: t[idx])
         sub.device, sub.dtype, sub.is_initialized = self.device, self.dtype, True
         sub.num_kv_heads = self.num_kv_heads
-        if self.head_budgets is not None:
-            sub._head_offs = self._head_offs
+        sub._head_offs = self._head_offs
         sub.seen, sub.prefilled = self.seen, self.prefilled
         return sub
 
     def set_rows(self, idx: torch.Tensor, sub: KVpopCacheLayer) -> None:
         """Write the rows of ``sub`` (from :meth:`rows`) back to the rows ``idx``."""
-        for name in _ROW_STATE:
+        for name in self._row_state:
             getattr(self, name)[idx] = getattr(sub, name)
         if sub.scorer_state is not None:
             if self.scorer_state is None:
@@ -221,38 +235,25 @@ class KVpopCacheLayer(CacheLayerMixin):
         return slot_of(pos, sinks=self.sinks, window=self.window)
 
     def spans(self) -> list[tuple[int, int, int, int]]:
-        """``(slot offset, budget, long-range offset, k)`` of each KV head in the packed layout (head-adaptive
-        budgets only)."""
-        sw, out, off, koff = self.sinks + self.window, [], 0, 0
-        for b in self.head_budgets:
-            out.append((off, b, koff, b - sw))
-            off, koff = off + b, koff + b - sw
-        return out
+        """``(slot offset, budget, long-range offset, k)`` of each KV head (``kvpop_kernels.layout.HeadSpan``;
+        offsets 0 in the uniform layout, whose heads are a dimension of their own)."""
+        return self.layout.spans(self.num_kv_heads, self.sinks, self.window)
 
     def window_values(self, t: torch.Tensor) -> torch.Tensor:
         """The values ``[N, Hkv, D]`` of each row's token ``t [N]`` (int64, on the device) while it is a sink or in
         the window, in either layout (no host read)."""
-        slot = self.slot_of(t)  # [N]
-        if self.head_budgets is None:
-            n, hkv, _, d = self.values.shape
-            return self.values.gather(2, slot[:, None, None, None].expand(n, hkv, 1, d)).squeeze(2)
-        idx = self._head_offs[None, :] + slot[:, None]  # [N, Hkv]
-        return self.values.gather(1, idx[..., None].expand(*idx.shape, self.values.shape[-1]))
+        return self.layout.read_slots(self.values, self.v_scale, self.slot_of(t), self._head_offs)
 
     def nbytes(self) -> int:
         """Bytes held by this layer (constant once initialised)."""
         if not self.is_initialized:
             return 0
-        tensors = [getattr(self, name) for name in _ROW_STATE] + _tensors(self.scorer_state)
+        tensors = [getattr(self, name) for name in self._row_state] + _tensors(self.scorer_state)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def long_range_positions(self, row: int = 0) -> list[set[int]]:
         """Per KV head of batch row ``row``, the positions held in the long-range slots (for tests and inspection)."""
-        sw = self.sinks + self.window
-        if self.head_budgets is None:
-            pos = self.slot_pos[row, :, sw:].tolist()
-        else:
-            pos = [self.slot_pos[row, off + sw:off + b].tolist() for off, b, _, _ in self.spans()]
+        pos = self.layout.long_range_positions(self.slot_pos, row, self.num_kv_heads, self.sinks, self.window)
         return [{p for p in r if p >= 0} for r in pos]
 
 
@@ -353,6 +354,11 @@ class KVpopCache(ServedCache, Cache):
         compileable: mark the cache compileable, so that ``generate`` compiles its decode steps
             (with ``compile_config=``, or by default on CUDA).  Off by default: see docs/library.md
             ("Batched generation") for what was checked.
+        kv_dtype: override ``config.kv_dtype``: ``None`` (keys and values in the model's dtype), ``"int8"`` or
+            ``"fp8"`` (float8 e4m3): quantised slots, 8 bits per element plus one float32 scale per slot and
+            KV head for keys and one for values (``kvpop_kernels.layout.QuantizedLayout``); the policies
+            ``kvpop`` and ``streaming`` only.  The prompt attends to itself in full precision; what the cache
+            keeps of it, and every decoded token, is stored quantised.
 
     Any batch size; left-padded prompts, sampling, ``num_return_sequences`` and beam search work
     (see the module docstring).  Example::
@@ -362,7 +368,7 @@ class KVpopCache(ServedCache, Cache):
     """
 
     def __init__(self, model: Any = None, *, config: Any = None, num_layers: int | None = None,
-                 policy: str | None = None, compileable: bool = False):
+                 policy: str | None = None, compileable: bool = False, kv_dtype: str | None = None):
         config, num_layers = cache_settings("KVpopCache", model, config, num_layers, attr="kvpop_config",
                                             how="a kvpop-patched model (kvpop.patch(model)) or config=KVpopConfig(...)")
         if model is not None and hasattr(model, "config"):
@@ -372,10 +378,12 @@ class KVpopCache(ServedCache, Cache):
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.kvpop_config = self.served_config = config
         self.policy = policy
+        self.kv_dtype = kv_dtype if kv_dtype is not None else getattr(config, "kv_dtype", None)
+        check_kv_dtype(self.kv_dtype)
         self._claims: dict[int, tuple[str, Any, bool]] = {}
         rows = _head_budget_rows(config, num_layers, model)
         layers = [KVpopCacheLayer(sinks=config.sinks, window=config.window, budget=config.budget, policy=policy,
-                                  head_budgets=rows[i])
+                                  head_budgets=rows[i], kv_dtype=self.kv_dtype)
                   for i in range(num_layers)]
         for layer in layers:
             layer.is_compileable = bool(compileable)
@@ -574,41 +582,45 @@ def _prefill(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks: 
     s, w = layer.sinks, layer.window
     n, hkv, S, D = key.shape
     prio = hooks.prompt(module, layer, key, value).float()  # [n, Hkv, S]
-    k = layer.k if layer.head_budgets is None else [b - s - w for b in layer.head_budgets]  # k[l][h] per head
+    k = layer.layout.long_range_k(hkv, s, w)  # one k, or k[l][h] per head
     evict_at = eviction_schedule(prio, sinks=s, window=w, k=k)
     out, _ = sparse_attention(query, key, value, evict_at, sinks=s, window=w, scale=scaling)
-    # keep exactly what the schedule keeps at the prompt's last position; the rows and KV heads of the
-    # group are flattened into one "head" axis of n * Hkv (uniform), or each head's slots filled in turn
-    if layer.head_budgets is None:
-        R, B, k = n * hkv, layer.budget, layer.k
-        _fill_slots(layer.keys.view(R, B, -1), layer.values.view(R, B, -1), layer.slot_pos.view(R, B),
-                    layer.slot_prio.view(R, k), layer.ring_prio.view(R, w), key.reshape(R, S, D),
-                    value.reshape(R, S, value.shape[-1]), evict_at.reshape(R, S), prio.reshape(R, S), s, w, k)
-    else:
-        for h, (off, b, koff, k) in enumerate(layer.spans()):
-            _fill_slots(layer.keys[:, off:off + b], layer.values[:, off:off + b], layer.slot_pos[:, off:off + b],
-                        layer.slot_prio[:, koff:koff + k], layer.ring_prio[:, h], key[:, h], value[:, h],
-                        evict_at[:, h], prio[:, h], s, w, k)
+    # keep exactly what the schedule keeps at the prompt's last position, for each group of heads the
+    # layout fills at once (uniform: the rows and KV heads flattened into one "head" axis of n * Hkv;
+    # packed: each head's slots in turn)
+    lay = layer.layout
+    prompt = lay.prompt_state(key, value)  # keys and values as the slots store them (codes and scales)
+    for h, span in lay.head_groups(hkv, s, w):
+        def src(x, h=h):  # the prompt's tensor [n, Hkv, S, ...] of this group, as [R, S, ...]
+            return x.flatten(0, 1) if h is None else x[:, h]
+
+        def dst(x, lr=False, h=h, span=span):
+            return lay.head_state(x, h, span, lr)
+
+        pairs = [(dst(getattr(layer, name)), src(x)) for name, x in prompt]
+        _fill_slots(pairs, dst(layer.slot_pos), dst(layer.slot_prio, True), src(layer.ring_prio), src(evict_at),
+                    src(prio), s, w, span.k)
     layer.pos.fill_(S)
     return out.transpose(1, 2)
 
 
-def _fill_slots(keys, values, slot_pos, slot_prio, ring_prio, kk, vv, ev, pr, s: int, w: int, k: int) -> None:
+def _fill_slots(pairs, slot_pos, slot_prio, ring_prio, ev, pr, s: int, w: int, k: int) -> None:
     """Write what the schedule keeps at the prompt's last position into ``R`` heads' slots (views, in place):
-    ``keys/values [R, B, D]``, ``slot_pos [R, B]``, ``slot_prio [R, k]``, ``ring_prio [R, w]`` from the prompt's
-    ``kk/vv [R, S, D]``, ``ev`` (``evict_at``) and ``pr`` (priorities) ``[R, S]``."""
+    each ``(state [R, B, ...], prompt [R, S, ...])`` of ``pairs`` (keys and values ``[R, B, D]`` from the
+    prompt's ``[R, S, D]``; a quantised layout's scales ``[R, B]`` too), ``slot_pos [R, B]``, ``slot_prio
+    [R, k]``, ``ring_prio [R, w]`` from ``ev`` (``evict_at``) and ``pr`` (priorities) ``[R, S]``."""
     R, S = ev.shape
     q = S - 1
-    dev = kk.device
+    dev = ev.device
     n_sink = min(s, S)
-    keys[:, :n_sink] = kk[:, :n_sink]
-    values[:, :n_sink] = vv[:, :n_sink]
+    for dst, src in pairs:
+        dst[:, :n_sink] = src[:, :n_sink]
     slot_pos[:, :n_sink] = torch.arange(n_sink, dtype=torch.int32, device=dev)
     win = torch.arange(max(s, S - w), max(s, S), device=dev)  # empty while the prompt is all sinks
     if win.numel():
         slots = s + (win - s) % w
-        keys[:, slots] = kk[:, win]
-        values[:, slots] = vv[:, win]
+        for dst, src in pairs:
+            dst[:, slots] = src[:, win]
         slot_pos[:, slots] = win.to(torch.int32)
         ring_prio[:, slots - s] = pr[:, win]
     if k > 0 and S - w > s:
@@ -621,8 +633,9 @@ def _fill_slots(keys, values, slot_pos, slot_prio, ring_prio, kk, vv, ev, pr, s:
         valid = torch.arange(order.shape[1], device=dev).unsqueeze(0) < n_kept.unsqueeze(1)
         lr = s + w + torch.arange(order.shape[1], device=dev)
         hidx = torch.arange(R, device=dev).unsqueeze(1)
-        keys[hidx, lr] = torch.where(valid[..., None], kk[hidx, toks], keys[hidx, lr])
-        values[hidx, lr] = torch.where(valid[..., None], vv[hidx, toks], values[hidx, lr])
+        for dst, src in pairs:
+            v = valid.view(*valid.shape, *([1] * (dst.dim() - 2)))
+            dst[hidx, lr] = torch.where(v, src[hidx, toks], dst[hidx, lr])
         slot_pos[hidx, lr] = torch.where(valid, toks.to(torch.int32), slot_pos[hidx, lr])
         slot_prio[:, : order.shape[1]] = torch.where(valid, pr[hidx, toks], slot_prio[:, : order.shape[1]])
 
@@ -646,7 +659,7 @@ def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: Priority
         leaving = layer.ring_prio.gather(2, ring).squeeze(2)
     out, lse = fixed_budget_decode(q1, k1, v1, layer.keys, layer.values, layer.slot_pos, layer.slot_prio,
                                    leaving, pos=pos, sinks=s, window=w, scale=scaling, check=False,
-                                   head_budgets=layer.head_budgets)
+                                   layout=layer.layout, k_scale=layer.k_scale, v_scale=layer.v_scale)
     if hooks is not None and hooks.token is not None and not attention_scored:
         new = hooks.token(module, layer, k1, v1, pos, i).float()  # [N, Hkv]
         old = layer.ring_prio.gather(2, ring).squeeze(2)

@@ -17,13 +17,14 @@ from kvpop_kernels.future_target import LABELS
 
 __all__ = ["KVpopConfig", "MAX_SLOTS", "MAX_WIDTH", "BUDGET_PER_POSITION", "check_budget_for", "SCORERS",
            "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS", "STRUCTURAL_FIELDS",
-           "decay_range_for_context", "EPS_RANGE", "LABEL_POWER_RANGE"]
+           "decay_range_for_context", "EPS_RANGE", "LABEL_POWER_RANGE", "KV_DTYPES"]
 
 SCORERS = ("mlp", "mlstm")
 MASK_SOURCES = ("scorer", "teacher", "streaming")
 TARGET_LSES = ("sparse", "dense")
 TARGET_SOURCES = ("student", "teacher")
 POLICIES = ("kvpop", "streaming", "tova", "h2o")
+KV_DTYPES = ("int8", "fp8")  # kvpop_kernels.layout.KV_DTYPES (this module imports no kernels)
 
 STRUCTURAL_FIELDS = ("scorer", "scorer_hidden", "mlstm_dim", "gamma_min", "gamma_max")
 """Fields that fix the scorer's parameter shapes or meaning: they must agree between a
@@ -192,6 +193,12 @@ class KVpopConfig(ConfigFields):
             ``>= sinks + window`` (a head may keep no long-range slot), every row has the same length
             (the model's KV heads) and the total is the uniform one: ``sum = layers * heads * budget``
             (``budget`` is then the mean).  ``kvpop.patch`` checks the rows against the model.
+
+    Quantised slots (docs/DESIGN.md section 5, "Cache layout")
+        kv_dtype: ``None`` (default: the cache keeps keys and values in the model's dtype), ``"int8"`` or
+            ``"fp8"`` (float8 e4m3): ``KVpopCache`` stores them in 8 bits with one float32 scale per slot and
+            KV head (``kvpop_kernels.layout.QuantizedLayout``), the priorities in float32.  Decoding only
+            (training and full-sequence forwards are unchanged); policies ``kvpop`` and ``streaming``.
     """
 
     sinks: int = 4
@@ -215,6 +222,7 @@ class KVpopConfig(ConfigFields):
     compute_loss: bool = True
     policy: str = "kvpop"
     head_budgets: tuple[tuple[int, ...], ...] | None = None
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _int("sinks", self.sinks, 0)
@@ -231,6 +239,13 @@ class KVpopConfig(ConfigFields):
         _choice("target_lse", self.target_lse, TARGET_LSES)
         _choice("target_source", self.target_source, TARGET_SOURCES)
         _choice("policy", self.policy, POLICIES)
+        if self.kv_dtype is not None:
+            if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_DTYPES:
+                raise ValueError(f"kv_dtype must be None (the model's dtype) or one of {list(KV_DTYPES)}, got "
+                                 f"{self.kv_dtype!r}")
+            if self.policy not in ("kvpop", "streaming"):
+                raise ValueError(f"kv_dtype={self.kv_dtype!r} works with the policies kvpop and streaming (tova and "
+                                 f"h2o score every slot from full-precision keys), got policy={self.policy!r}")
         _int("scorer_hidden", self.scorer_hidden, 1, MAX_WIDTH)
         _int("mlstm_dim", self.mlstm_dim, 1, MAX_WIDTH)
         _pos_float("eps", self.eps)

@@ -30,6 +30,11 @@ Head-adaptive budgets (``KVpopConfig.head_budgets``, docs/DESIGN.md section 7): 
 model (one per decoder layer, one budget per KV head) or ``patch`` raises ``ValueError``; on a model
 whose config has them, ``patch(model, budget=X)`` needs ``head_budgets=`` too (new rows, or ``None``).
 
+Quantised slots (``kv_dtype="int8" | "fp8"``, a ``KVpopConfig`` field: ``kvpop.patch(model, kv_dtype="int8")``):
+the ``KVpopCache`` that ``generate`` builds stores keys and values in 8 bits with a float32 scale per slot and
+KV head; anything but ``None``, ``"int8"`` and ``"fp8"`` raises ``ValueError``.  Re-patching with another
+``kv_dtype`` keeps the scorers (it changes only the cache).
+
 Limits: no padding in a full-sequence forward (a 2D attention mask with zeros -> ValueError), no
 sliding-window layers, no attention dropout, no ``output_attentions``.
 

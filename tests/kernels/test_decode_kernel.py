@@ -353,17 +353,22 @@ from kvpop_kernels import decode as dm
 def sig(fn, types, consts):
     return {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
 
-for dt, arch, G, bd, warps, packed in (("bf16", 90, 4, 128, 4, False), ("fp16", 80, 8, 64, 4, False),
-                                       ("fp32", 90, 1, 128, 8, False), ("bf16", 90, 4, 128, 4, True),
-                                       ("fp32", 80, 2, 64, 8, True)):
-    p1 = dict(Q="*" + dt, KN="*" + dt, VN="*" + dt, KC="*" + dt, VC="*" + dt, SP="*i32", PR="*fp32",
-              LP="*fp32", POS="*i64", MID_O="*fp32", MID_L="*fp32", DST="*i32", META="*i64", qk_scale="fp32")
-    c1 = dict(G=G, G_PAD=16, BLOCK_D=bd, BLOCK_N=32, BLOCK_K=1024, UPCAST=dt == "fp32", PACKED=packed)
+# (dtype, arch, G, BLOCK_D, warps, packed, codes): codes None, or a quantised layout's "i8" / "fp8e4nv" slots
+for dt, arch, G, bd, warps, packed, codes in (
+        ("bf16", 90, 4, 128, 4, False, None), ("fp16", 80, 8, 64, 4, False, None), ("fp32", 90, 1, 128, 8, False, None),
+        ("bf16", 90, 4, 128, 4, True, None), ("fp32", 80, 2, 64, 8, True, None), ("bf16", 90, 4, 128, 4, False, "i8"),
+        ("bf16", 90, 4, 128, 4, True, "fp8e4nv"), ("fp16", 80, 8, 64, 4, True, "i8")):
+    kv = "*" + (codes or dt)
+    quant = codes is not None
+    scales = dict(KS="*fp32", VS="*fp32", KNS="*fp32", VNS="*fp32")
+    p1 = dict(Q="*" + dt, KN=kv, VN=kv, KC=kv, VC=kv, SP="*i32", PR="*fp32", LP="*fp32", POS="*i64",
+              MID_O="*fp32", MID_L="*fp32", DST="*i32", META="*i64", qk_scale="fp32", **scales)
+    c1 = dict(G=G, G_PAD=16, BLOCK_D=bd, BLOCK_N=32, BLOCK_K=1024, UPCAST=dt == "fp32", PACKED=packed, QUANT=quant)
     tcompile(ASTSource(fn=dm._decode_stage1, signature=sig(dm._decode_stage1, p1, c1), constexprs=c1),
              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": 2})
-    p2 = dict(MID_O="*fp32", MID_L="*fp32", OUT="*" + dt, LSE="*fp32", DST="*i32", LP="*fp32", KN="*" + dt,
-              VN="*" + dt, KC="*" + dt, VC="*" + dt, SP="*i32", PR="*fp32", POS="*i64", META="*i64")
-    c2 = dict(G=G, BLOCK_S=32, BLOCK_D=bd, PACKED=packed)
+    p2 = dict(MID_O="*fp32", MID_L="*fp32", OUT="*" + dt, LSE="*fp32", DST="*i32", LP="*fp32", KN=kv, VN=kv,
+              KC=kv, VC=kv, SP="*i32", PR="*fp32", POS="*i64", META="*i64", **scales)
+    c2 = dict(G=G, BLOCK_S=32, BLOCK_D=bd, PACKED=packed, QUANT=quant)
     tcompile(ASTSource(fn=dm._decode_stage2, signature=sig(dm._decode_stage2, p2, c2), constexprs=c2),
              target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 print("COMPILED")
@@ -373,8 +378,8 @@ print("COMPILED")
 @pytest.mark.slow
 def test_kernels_compile_for_gpu(tmp_path):
     """Both kernels go through the whole CUDA compiler (TTIR -> PTX -> ptxas, sm_90 and sm_80), the uniform
-    and the packed layout (``head_budgets``), without a GPU: catches the type/layout errors the interpreter
-    does not see."""
+    and the packed layout (``head_budgets``), float and quantised slots (int8; fp8 e4m3 on sm_90), without a
+    GPU: catches the type/layout errors the interpreter does not see."""
     import os
     import subprocess
     import sys

@@ -1,0 +1,142 @@
+"""``fixed_budget_decode(layout=QuantizedLayout(...))``: keys and values of every slot in int8 or fp8 with a
+float32 scale per slot and KV head.
+
+Every step is compared with ``reference.quantized_fixed_budget_decode`` (the new token quantised per head,
+the float reference's placement with codes and scales moving together, attention over the dequantised
+slots): outputs and LSE, and the codes, scales, positions and priorities bit for bit, over steps from an
+empty cache through the first evictions, rows of a batch at different positions, in the uniform and the
+packed layout, on both backends (the Triton kernels through the interpreter, the PyTorch CPU path).  Then
+the quantised step against the float32 step on the same inputs (the error quantisation costs), and the
+refusals.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decode_kernel import assert_close_rms
+from test_decode_packed import step_inputs
+
+from kvpop_kernels import fixed_budget_decode, reference
+from kvpop_kernels.layout import PackedLayout, QuantizedLayout, UniformLayout, dequantize, quantize
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+DTYPES = ["int8", pytest.param("fp8", marks=pytest.mark.skipif(FP8 is None, reason="no float8 in this torch"))]
+
+
+def qstate(N, slots, D, s, w, budgets, kv_dtype):
+    """An empty quantised state: codes, codes, k_scale, v_scale, slot_pos, slot_prio."""
+    store = torch.int8 if kv_dtype == "int8" else FP8
+    if budgets is None:
+        Hkv, B = slots
+        shape, lr = (N, Hkv, B), (N, Hkv, B - s - w)
+    else:
+        T = sum(budgets)
+        shape, lr = (N, T), (N, T - len(budgets) * (s + w))
+    return [torch.zeros(*shape, D, dtype=store), torch.zeros(*shape, D, dtype=store), torch.zeros(shape),
+            torch.zeros(shape), torch.full(shape, -1, dtype=torch.int32), torch.full(lr, float("-inf"))]
+
+
+def run_quantized(kv_dtype, Hkv, G, D, s, w, steps, *, budgets=None, B=None, N=2, start=(0, 5), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    base = UniformLayout() if budgets is None else PackedLayout(budgets)
+    lay = QuantizedLayout(kv_dtype, base)
+    state = qstate(N, (Hkv, B), D, s, w, budgets, kv_dtype)
+    rows = [[t[0].clone() for t in qstate(1, (Hkv, B), D, s, w, budgets, kv_dtype)] for _ in range(N)]
+    pos = torch.tensor(start[:N], dtype=torch.int64)
+    for _ in range(steps):
+        q, kn, vn, lp = step_inputs(N, Hkv, G, D, gen)
+        kc, vc, ks, vs, sp, pr = state
+        o, l = fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=pos, sinks=s, window=w, layout=lay,
+                                   k_scale=ks, v_scale=vs)
+        for n in range(N):
+            rkc, rvc, rks, rvs, rsp, rpr = rows[n]
+            ro, rl = reference.quantized_fixed_budget_decode(
+                q[n], kn[n], vn[n], rkc, rvc, rks, rvs, rsp, rpr, lp[n].clone(), pos=int(pos[n]), sinks=s, window=w,
+                kv_dtype=kv_dtype, head_budgets=budgets)
+            assert_close_rms(o[n], ro, 1e-4, 1e-5, 1e-5)
+            assert_close_rms(l[n], rl, 1e-4, 1e-5, 1e-5)
+            for name, a, b in zip(("k_codes", "v_codes", "k_scale", "v_scale", "slot_pos", "slot_prio"), state,
+                                  rows[n]):
+                a, b = a[n], b
+                if a.dtype == FP8:
+                    a, b = a.view(torch.uint8), b.view(torch.uint8)
+                assert torch.equal(a, b), f"{name} of row {n} differs from the reference at pos {int(pos[n])}"
+        pos = pos + 1
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_quantize_round_trip(kv_dtype):
+    """Half a code step per element for int8 (a scale of max|x| / 127), e4m3's relative step for fp8; a zero
+    vector stays zero with scale 0."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 37, generator=gen) * torch.rand(3, 5, 1, generator=gen) * 10
+    x[1, 2] = 0
+    codes, sc = quantize(x, kv_dtype)
+    assert sc.shape == (3, 5) and sc.dtype == torch.float32 and sc[1, 2] == 0
+    err = (dequantize(codes, sc) - x).abs()
+    if kv_dtype == "int8":
+        assert codes.dtype == torch.int8
+        assert bool((err <= sc[..., None] * 0.5 + 1e-6).all())
+    else:
+        assert codes.dtype == FP8
+        assert bool((err <= x.abs() * 2.0 ** -4 + sc[..., None] * 2.0 ** -9 + 1e-7).all())
+    assert bool((dequantize(codes, sc)[1, 2] == 0).all())
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("packed", [False, True], ids=["uniform", "packed"])
+def test_steps_match_reference(backend, kv_dtype, packed):
+    """From empty through the first evictions, two rows at different positions, odd head size."""
+    if packed:
+        run_quantized(kv_dtype, 3, 2, 20, 2, 3, 14, budgets=(5, 9, 12))
+    else:
+        run_quantized(kv_dtype, 2, 2, 20, 2, 3, 14, B=9)
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_close_to_the_float32_step(backend, kv_dtype):
+    """The same steps in float32 and quantised: the outputs differ by what 8 bits cost (relative RMS below
+    2% for int8, 6% for fp8's 3 mantissa bits), the positions and priorities not at all."""
+    gen = torch.Generator().manual_seed(5)
+    N, Hkv, G, D, s, w, B = 2, 2, 4, 24, 2, 4, 12
+    f32 = [torch.zeros(N, Hkv, B, D), torch.zeros(N, Hkv, B, D), torch.full((N, Hkv, B), -1, dtype=torch.int32),
+           torch.full((N, Hkv, B - s - w), float("-inf"))]
+    qs = qstate(N, (Hkv, B), D, s, w, None, kv_dtype)
+    lay = QuantizedLayout(kv_dtype)
+    pos = torch.tensor([0, 3])
+    rms = []
+    for _ in range(16):
+        q, kn, vn, lp = step_inputs(N, Hkv, G, D, gen, ties=False)
+        of, _ = fixed_budget_decode(q, kn, vn, *f32, lp.clone(), pos=pos, sinks=s, window=w)
+        oq, _ = fixed_budget_decode(q, kn, vn, qs[0], qs[1], qs[4], qs[5], lp.clone(), pos=pos, sinks=s, window=w,
+                                    layout=lay, k_scale=qs[2], v_scale=qs[3])
+        rms.append(float((oq - of).pow(2).mean().sqrt() / of.pow(2).mean().sqrt()))
+        assert torch.equal(qs[4], f32[2]) and torch.equal(qs[5], f32[3])
+        pos = pos + 1
+    assert max(rms) < (0.02 if kv_dtype == "int8" else 0.06), rms
+    assert max(rms) > 0  # the quantised step did quantise
+
+
+def test_refusals():
+    N, Hkv, D, s, w, B = 1, 2, 16, 1, 2, 6
+    q, kn, vn, lp = step_inputs(N, Hkv, 1, D, torch.Generator().manual_seed(0))
+    kc, vc, ks, vs, sp, pr = qstate(N, (Hkv, B), D, s, w, None, "int8")
+    lay = QuantizedLayout("int8")
+    with pytest.raises(ValueError, match=r"kv_dtype must be None .* \['int8', 'fp8'\], got 'int4'"):
+        QuantizedLayout("int4")
+    with pytest.raises(TypeError, match="pass k_scale= a float32 tensor"):
+        fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay)
+    with pytest.raises(ValueError, match="k_scale must be float32 with slot_pos's shape"):
+        fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay, k_scale=ks[..., 1:],
+                            v_scale=vs)
+    with pytest.raises(ValueError, match=r"k_cache must have dtype in \['torch.int8'\]"):
+        fixed_budget_decode(q, kn, vn, kc.float(), vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay, k_scale=ks,
+                            v_scale=vs)
+    with pytest.raises(ValueError, match="scales of a quantised layout"):
+        fixed_budget_decode(q, kn, vn, kc.float(), vc.float(), sp, pr, lp, pos=0, sinks=s, window=w, k_scale=ks,
+                            v_scale=vs)
+    with pytest.raises(ValueError, match="k_scale and v_scale share memory"):
+        fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay, k_scale=ks,
+                            v_scale=ks)
+    with pytest.raises(ValueError, match="layout= or head_budgets=, not both"):
+        fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay, head_budgets=(6, 6))
