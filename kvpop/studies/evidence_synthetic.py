@@ -8,7 +8,7 @@ Stages (``--stage all`` runs them in order; each is resumable):
 
 1. ``select``: the control's learning rate and DMS's grid (:data:`DMS_GRID`, staged), each trial trained with
    seed 0 and scored on the demo's validation sequences by :func:`kvpop.studies.evidence.choose`; the KVpop
-   recipes are the demo's validated choice (``kvpop.cli.demo.CHOSEN``, its selection records counted as
+   recipes are the demo's validated choice (``kvpop.demo.search.CHOSEN``, its selection records counted as
    their trials) and the paper's recipe (no selection); writes ``selection.json``.
 2. ``seeds``: every row's recipe with every seed (``RetrofitConfig.seed``: initialisation, data, noise).
 3. ``test``: each (row, seed) on ``--n-sequences`` fresh test sequences (``test_seed(FRESH_FIRST + i)``, never
@@ -36,13 +36,14 @@ SELECTION_FILES = ("selection.json", "selection-label.json", "selection-target_s
 
 
 def _demo(task: str, out: Path, n_valid: int):
-    """The demo's settings (``kvpop.cli.demo._settings``) for ``task``."""
+    """The demo's settings (:func:`kvpop.demo.search.settings`) for ``task``."""
     from kvpop.cli import demo as D
+    from kvpop.demo import search as S
 
     p = argparse.ArgumentParser()
     D.add_arguments(p)
     args = p.parse_args(["--out", str(out), "--task", task, "--no-progress", "--n-sequences", str(n_valid)])
-    return D, args, D._settings(args, task)
+    return S, args, S.settings(args, task)
 
 
 def _name(policy: str, c: dict) -> str:
@@ -88,7 +89,7 @@ def rows_of(task: str, s: dict) -> dict[str, dict]:
 def shipped_trials(task: str, policy: str) -> int:
     """The validation trials the demo's selection records ran for ``policy`` and the scorer-only retrofit whose
     settings it inherits (``kvpop/data/demo_results/<task>/selection*.json``)."""
-    from kvpop.cli.demo import JOINT_OF
+    from kvpop.demo.search import JOINT_OF
 
     d = Path(__file__).resolve().parent.parent / "data" / "demo_results" / task
     feeds = {policy, JOINT_OF.get(policy, policy)}
@@ -117,10 +118,10 @@ def run(a: argparse.Namespace) -> int:
     seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
     if not seeds:
         raise ValueError(f"--seeds lists no seed: {a.seeds!r}")
-    D, args, s = _demo(a.task, out, a.n_valid)
-    mod = D.task_module(a.task)
-    base = E.load_base_model(D._base_model_dir(args, a.task))
-    vcfg = D._valid_config(E, s, args)
+    S, args, s = _demo(a.task, out, a.n_valid)
+    mod = S.task_module(a.task)
+    base = E.load_base_model(S.base_model_dir(args, a.task))
+    vcfg = S.valid_config(E, s, args)
     pm = dict(sinks=s["sinks"], window=s["window"], budget=s["budgets"][0])
     stages = ("select", "seeds", "test") if a.stage == "all" else (a.stage,)
     sel_file = out / "selection.json"
@@ -144,9 +145,9 @@ def run(a: argparse.Namespace) -> int:
     def train_kv(name: str, r: dict, seed: int) -> Path:
         d = out / name / f"seed{seed}"
         p, c = r["policy"], r["settings"]
-        rc = replace(D._retrofit_config(E, s, p, c), seed=seed)
+        rc = replace(S.retrofit_config(E, s, p, c), seed=seed)
         R.retrofit(base, p, d, rc, resume=True, progress=False, task=mod,
-                   validate=D._validator(E, mod, base, s, args, p, d, {}) if rc.eval_every else None)
+                   validate=S.validator(E, mod, base, s, args, p, d, {}) if rc.eval_every else None)
         return d
 
     if "select" in stages:
@@ -162,9 +163,9 @@ def run(a: argparse.Namespace) -> int:
             for lr in CONTROL_LR:
                 c = {"steps": control_steps, "lr_model": lr}
                 d = out / "control_select" / f"lr{lr:g}"
-                rc = D._retrofit_config(E, s, "fixed-finetune", c)
+                rc = S.retrofit_config(E, s, "fixed-finetune", c)
                 R.retrofit(base, "fixed-finetune", d, rc, resume=True, progress=False, task=mod)
-                sc = _score(E, mod, base, {"fixed-finetune": D._policy_model(E, base, "fixed-finetune", d, pm)}, vcfg)
+                sc = _score(E, mod, base, {"fixed-finetune": S.policy_model(E, base, "fixed-finetune", d, pm)}, vcfg)
                 record["control"]["trials"].append({"settings": c, "score": sc})
                 print(f"[evidence {a.task}] control {c}: validation {sc:.3f}", flush=True)
             record["control"]["chosen"] = choose(record["control"]["trials"])
@@ -205,7 +206,7 @@ def run(a: argparse.Namespace) -> int:
                 print(f"[evidence {a.task}] {name} seed {seed}", flush=True)
                 if r["policy"] == "fixed-finetune":
                     d = out / name / f"seed{seed}"
-                    R.retrofit(base, "fixed-finetune", d, replace(D._retrofit_config(E, s, "fixed-finetune",
+                    R.retrofit(base, "fixed-finetune", d, replace(S.retrofit_config(E, s, "fixed-finetune",
                                                                                      r["settings"]), seed=seed),
                                resume=True, progress=False, task=mod)
                 else:
@@ -213,11 +214,11 @@ def run(a: argparse.Namespace) -> int:
             print(f"[evidence {a.task}] dms[tuned] seed {seed}", flush=True)
             train_dms(out / "dms[tuned]" / f"seed{seed}", sel["dms"]["chosen"]["settings"], seed)
     if "test" in stages:
-        _test(a, out, seeds, E, D, mod, base, s, pm, all_rows, sel, dms_model)
+        _test(a, out, seeds, E, S, mod, base, s, pm, all_rows, sel, dms_model)
     return 0
 
 
-def _test(a, out: Path, seeds, E, D, mod, base, s: dict, pm: dict, all_rows: dict, sel: dict, dms_model) -> None:
+def _test(a, out: Path, seeds, E, S, mod, base, s: dict, pm: dict, all_rows: dict, sel: dict, dms_model) -> None:
     tl = TestLog(out)
     cfg = E.EvalConfig(train_len=s["train_len"], lengths=[s["train_len"], 2 * s["train_len"]], budgets=s["budgets"],
                        n_sequences=a.n_test, sinks=s["sinks"], window=s["window"], progress=False,
@@ -233,7 +234,7 @@ def _test(a, out: Path, seeds, E, D, mod, base, s: dict, pm: dict, all_rows: dic
             d = out / name / f"seed{seed}"
             model = dms_model(d) if r["policy"] == "dms" else None
             per.setdefault(name, {})[seed] = tl.once(f"{name}|seed{seed}", lambda d=d, r=r, model=model: rows_for(
-                {r["policy"]: model if model is not None else D._policy_model(E, base, r["policy"], d, pm)}))
+                {r["policy"]: model if model is not None else S.policy_model(E, base, r["policy"], d, pm)}))
     out_rows = []
     hb = HEADLINE_BUDGET[a.task]
     for L in cfg.lengths:

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from kvpop.cli import main
-from kvpop.cli.demo import CHOSEN, JOINT_OF, RETROFITS, TASKS, label_variant
 from kvpop.demo.evaluate import JOINT, LABEL_VARIANTS, POLICIES
+from kvpop.demo.search import CHOSEN, JOINT_OF, RETROFITS, TASKS, label_variant
 
 RESULTS = Path(__file__).resolve().parents[2] / "kvpop" / "data" / "demo_results"
 
@@ -82,7 +82,7 @@ def test_select_quick_chooses_on_validation_sequences(tmp_path, capsys):
 def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, capsys, monkeypatch):
     """``--select-stage label``: mean vs max label for each scorer-only retrofit, then fresh vs warm-started
     joint retrofits; a demo run in the same --out with those settings reuses the trials instead of training."""
-    import kvpop.cli.demo as D
+    import kvpop.demo.search as S
 
     out = tmp_path / "sel"
     assert main(["demo", "--quick", "--select", "--select-stage", "label", "--task", "kvtrace", "--out", str(out),
@@ -95,8 +95,8 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
         assert sorted(c["label"] for c in by[p][:2]) == ["max", "mean"]
         assert all(c["eval_every"] == 50 for c in by[p])  # the kvtrace task's DEMO_GRID
         assert [c.get("head_budgets") for c in by[p]] == [None, None, "ablation"]  # after the label's choice
-        ha = D._trial_dir(out / "kvtrace", p, by[p][-1])
-        assert (ha / "head_budgets.json").exists() and not (D._trial_dir(out / "kvtrace", p, by[p][0])
+        ha = S.trial_dir(out / "kvtrace", p, by[p][-1])
+        assert (ha / "head_budgets.json").exists() and not (S.trial_dir(out / "kvtrace", p, by[p][0])
                                                               / "head_budgets.json").exists()
     for j, sc in JOINT_OF.items():
         assert sorted(c["joint_init"] for c in by[j]) == ["fresh", "scorer-only"]
@@ -107,12 +107,12 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
         if p != "fixed-finetune":
             assert cand[(p, json.dumps(c, sort_keys=True))]["val_mean"] == max(
                 x["val_mean"] for x in sel["candidates"] if x["policy"] == p)
-    warm = D._trial_dir(out / "kvtrace", "kvpop-mlp-joint",
+    warm = S.trial_dir(out / "kvtrace", "kvpop-mlp-joint",
                         next(c for c in by["kvpop-mlp-joint"] if c["joint_init"] == "scorer-only"))
     assert "sha256" in json.loads((warm / "done.json").read_text())["settings"]["init_scorers"]
     capsys.readouterr()
     # the demo with the max-label settings of the trials: the scorer-only retrofits are adopted, not retrained
-    monkeypatch.setattr(D, "QUICK", {**D.QUICK, "label": "max", "decay_span": None, "eval_every": 50, "patience": 0})
+    monkeypatch.setattr(S, "QUICK", {**S.QUICK, "label": "max", "decay_span": None, "eval_every": 50, "patience": 0})
     assert main(["demo", "--quick", "--task", "kvtrace", "--out", str(out), "--no-progress", "--dms-steps", "0",
                  "--no-decode-check"]) == 0
     printed = capsys.readouterr().out
@@ -129,7 +129,7 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
 def test_the_demo_defaults_are_the_shipped_validation_choice(task):
     """CHOSEN (the demo's defaults) is what `kvpop demo --select` chose, as recorded with its figures: the full
     grid's record, then each later stage's choice over it (the label family, then the label source)."""
-    from kvpop.cli.demo import selection_file
+    from kvpop.demo.search import selection_file
 
     chosen = {}
     for stage in ("all", "label", "target_source"):
@@ -165,9 +165,10 @@ def test_demo_bad_inputs(tmp_path, capsys, monkeypatch):
 
 def test_adopting_a_trial_replaces_another_retrofit_and_keeps_the_same(tmp_path):
     import kvpop.cli.demo as D
+    from kvpop.demo.search import trial_dir
 
     c = {"steps": 3, "k": 4, "label": "max"}
-    src = D._trial_dir(tmp_path, "kvpop-mlp", c)
+    src = trial_dir(tmp_path, "kvpop-mlp", c)
     src.mkdir(parents=True)
     (src / "done.json").write_text(json.dumps({"settings": {"label": "max"}}))
     (src / "scorers.safetensors").write_bytes(b"new")
@@ -186,10 +187,10 @@ def test_adopting_a_trial_replaces_another_retrofit_and_keeps_the_same(tmp_path)
 def test_demo_with_head_adaptive_budgets_end_to_end(tmp_path, capsys, monkeypatch):
     """Retrofits with head-adaptive budgets through the whole demo: allocation, training, evaluation at every
     budget (re-budgeted by the saved importance), token-by-token decoding through the packed cache."""
-    import kvpop.cli.demo as D
+    import kvpop.demo.search as S
     from kvpop.core.budgets import read_head_budgets
 
-    monkeypatch.setattr(D, "QUICK", {**D.QUICK, "label": "max", "head_budgets": "ablation"})
+    monkeypatch.setattr(S, "QUICK", {**S.QUICK, "label": "max", "head_budgets": "ablation"})
     out = tmp_path / "ha"
     assert main(["demo", "--quick", "--task", "kvtrace", "--out", str(out), "--no-progress", "--dms-steps", "0"]) == 0
     d = out / "kvtrace"

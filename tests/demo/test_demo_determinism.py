@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvpop.cli import main
-from kvpop.cli.demo import TASKS
+from kvpop.demo.search import TASKS
 
 
 def _demo(out, *extra):

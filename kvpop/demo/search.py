@@ -1,0 +1,390 @@
+"""The training settings of ``kvpop demo`` and their search on validation sequences (``kvpop demo --select``).
+
+The settings of one demo run (:func:`settings`: each retrofit's from :data:`CHOSEN`, the shipped choice, read
+from ``kvpop/data/demo_results/chosen.json``, or the command's overrides), the retrofit config and validation
+of each (:func:`retrofit_config`, :func:`validator`), and :func:`select`: every candidate of :data:`GRID`
+trained and scored on validation sequences, stage by stage, recorded in ``OUT/<task>/selection*.json``.
+The command ``kvpop demo`` (``kvpop.cli.demo``) parses its arguments and calls these.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+TASKS = {"kvtrace": "kvpop.demo.task", "lookahead": "kvpop.demo.lookahead_task"}
+"""Demo task name -> task module (``make_example``, ``test_seed``, ``valid_seed``, ``TRAIN_LEN``, ``SHIPPED_MODEL``)."""
+SCORER_ONLY = ("kvpop-mlp", "kvpop-mlstm")
+JOINT_OF = {"kvpop-mlp-joint": "kvpop-mlp", "kvpop-mlstm-joint": "kvpop-mlstm"}
+RETROFITS = (*SCORER_ONLY, *JOINT_OF, "fixed-finetune")
+"""The retrofits of every demo run; each joint one also trains on the label source it did not choose
+(:func:`label_variant`, :func:`demo_retrofits`)."""
+
+
+def label_variant(joint: str, source: str) -> str:
+    """The policy name of ``joint`` trained on the label of ``source`` (``"kvpop-mlp-joint-teacher-label"``)."""
+    return f"{joint}-{source}-label"
+
+
+LABEL_VARIANTS_OF = {f"{j}-{src}-label": j for j in JOINT_OF for src in ("student", "teacher")}
+"""A joint retrofit's label-source variant -> the joint retrofit (:func:`label_variant`)."""
+
+
+def demo_retrofits(chosen: dict) -> tuple[str, ...]:
+    """The retrofits a demo run trains, in order: :data:`RETROFITS`, then, for each joint retrofit, the
+    label source its ``chosen`` settings do not use (a labelled second row of the table)."""
+    from kvpop.demo.evaluate import LABEL_SOURCES
+
+    return RETROFITS + tuple(label_variant(j, src) for j in JOINT_OF for src in LABEL_SOURCES
+                             if src != chosen[j].get("target_source", "student"))
+
+GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4,),
+        "target_source": ("student", "teacher"), "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,),
+        "label": ("mean", "max"), "decay_span": (None, 8.0), "label_lr_scorer": (1e-2,), "label_steps": (200,),
+        "eval_every": (0,), "patience": (0,), "joint_init": ("fresh", "scorer-only"),
+        "head_budgets": ("uniform", "ablation")}
+"""The candidates of ``--select``.  Scorer-only: every (k, lr_scorer) at the first number of steps, then the
+best of those at every number of steps, then the best of those with every (label, decay_span) (the label the
+scorers learn, ``KVpopConfig.label``, and the decay's range: ``None`` the seed's, a number of nats the range
+tied to the training length, ``decay_range_for_context``).  Joint: the scorer-only choice of the same scorer
+with every ``joint_lr_model`` (student label), then the best of those with every ``target_source`` (the
+label's source) and every ``joint_init`` (``"fresh"`` scorers or the scorer-only retrofit's as the start).
+fixed-finetune: every (finetune_lr_model, finetune_steps).  ``--select-stage label`` searches only the label
+family: every (label, decay_span, label_lr_scorer) for each scorer-only retrofit at ``label_steps`` steps (the
+other settings as CHOSEN), the best of those with every ``head_budgets`` (``"ablation"``: head-adaptive budgets
+fixed before training, ``RetrofitConfig.head_allocation``), then each joint retrofit with its scorer's choice
+and every ``joint_init``.
+``eval_every`` / ``patience`` (one value each): validation during every kvpop retrofit, the best state kept
+(``kvpop.demo.retrofit``; 0: none).  A grid of one value fixes that setting (the CPU budget of a 2-core
+machine: each candidate is a retrofit plus a validation run).  A task module's ``DEMO_GRID`` replaces some of
+these entries for its task."""
+LABEL_KEYS = ("label", "decay_span", "eval_every", "patience", "head_budgets")
+"""Settings a joint retrofit takes from its scorer-only retrofit's choice (besides ``lr_scorer`` and ``k``)."""
+
+CHOSEN_FILE = Path(__file__).resolve().parent.parent / "data" / "demo_results" / "chosen.json"
+CHOSEN: dict[str, dict[str, dict]] = {t: c for t, c in json.loads(CHOSEN_FILE.read_text()).items() if t in TASKS}
+"""Training settings of each retrofit per task, chosen on validation sequences by ``kvpop demo --select``
+(:data:`CHOSEN_FILE`, the records beside it: ``kvpop/data/demo_results/<task>/selection*.json``).  ``k``:
+long-range slots of the training budget (``budget = sinks + window + k``); fixed-finetune trains at 12.5 % of
+the training length."""
+QUICK = {"steps": 3, "k": 4, "lr_scorer": 1e-2, "lr_model": 1e-4, "target_source": "student"}
+
+
+def selection_file(stage: str) -> str:
+    """The record ``kvpop demo --select --select-stage STAGE`` writes into ``OUT/<task>/``."""
+    return "selection.json" if stage == "all" else f"selection-{stage}.json"
+
+
+def task_module(name: str):
+    import importlib
+
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; allowed: {sorted(TASKS)} (or 'all')")
+    return importlib.import_module(TASKS[name])
+
+
+def base_model_dir(args: argparse.Namespace, task: str) -> Path:
+    mod = task_module(task)
+    path = Path(args.model) if args.model else Path(mod.SHIPPED_MODEL)
+    if not args.model and not (path / "config.json").exists():
+        raise ValueError(f"the {task} task has no shipped model yet ({path}): pre-train one with "
+                         f"`kvpop pretrain --task {task} --out RUN` (see {mod.__name__}) and pass --model RUN/model")
+    return path
+
+
+def settings(args: argparse.Namespace, task: str, *, lengths: list[int] | None = None,
+             budgets: list[int] | None = None) -> dict:
+    """The settings of one demo run of ``task``: ``args`` the command's options (``lengths`` and
+    ``budgets`` parsed from them); ValueError naming a bad option."""
+    mod = task_module(task)
+    q = args.quick
+    train_len = args.train_len or (128 if q else mod.TRAIN_LEN)
+    sinks = (2 if q else 4) if args.sinks is None else args.sinks
+    window = (4 if q else 32) if args.window is None else args.window
+    for name in ("train_length", "train_budget"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.dms_steps is not None and args.dms_steps < 0:
+        raise ValueError(f"--dms-steps must be >= 0 (0 leaves dms out), got {args.dms_steps}")
+    if args.dms_target_keep is not None and not 0 < args.dms_target_keep <= 1:
+        raise ValueError(f"--dms-target-keep must be in (0, 1], got {args.dms_target_keep}")
+    for name in ("lr_scorer", "lr_model", "tau", "dms_lr"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v}")
+    if args.train_budget is not None and args.train_budget < sinks + window + 1:
+        raise ValueError(f"--train-budget {args.train_budget} is too small: it must be >= sinks + window + 1 = "
+                         f"{sinks + window + 1}")
+    retro = {}
+    chosen = {p: dict(QUICK if q else CHOSEN[task][p]) for p in RETROFITS}
+    for p in demo_retrofits(chosen):
+        if p in chosen:
+            c = dict(chosen[p])
+        else:  # a joint retrofit on the other label source
+            j, src = next((j, src) for j in JOINT_OF for src in ("student", "teacher") if p == label_variant(j, src))
+            c = {**chosen[j], "target_source": src}
+        if p == "fixed-finetune":
+            for key in ("k", "lr_scorer", *LABEL_KEYS, "joint_init"):
+                c.pop(key, None)
+        if p in SCORER_ONLY or p == "fixed-finetune":
+            c.pop("target_source", None)
+            c.pop("joint_init", None)
+        if p in SCORER_ONLY:
+            c.pop("lr_model", None)
+        if args.steps is not None:
+            c["steps"] = args.steps
+        if args.train_budget is not None and "k" in c:
+            c["k"] = args.train_budget - sinks - window
+        if args.lr_scorer is not None and "lr_scorer" in c:
+            c["lr_scorer"] = args.lr_scorer
+        if args.lr_model is not None and "lr_model" in c:
+            c["lr_model"] = args.lr_model
+        retro[p] = c
+    return {
+        "task": task,
+        "train_len": train_len,
+        "lengths": lengths or [train_len, 2 * train_len],
+        "budgets": budgets or (None if q else task_budgets(mod, train_len)),
+        "n_sequences": args.n_sequences if args.n_sequences is not None else (1 if q else 6),
+        "sinks": sinks,
+        "window": window,
+        "train_length": (args.train_length if args.train_length is not None
+                         else train_len if q else getattr(mod, "DEMO_TRAIN_LENGTH", train_len // 2)),
+        "tau": 1.0 if args.tau is None else args.tau,
+        "retrofits": retro,
+        "dms_steps": (QUICK["steps"] if q else 100) if args.dms_steps is None else args.dms_steps,
+        "dms_target_keep": 0.04 if args.dms_target_keep is None else args.dms_target_keep,
+        "dms_lr": 0.05 if args.dms_lr is None else args.dms_lr,
+        "dms_lr_model": 1e-4 if args.lr_model is None else args.lr_model,
+        "decode_check": not args.no_decode_check,
+    }
+
+
+def task_budgets(mod, train_len: int) -> list[int]:
+    """The task's evaluation budgets: its ``BUDGET_FRACTIONS`` of ``train_len`` (6.25/12.5/25 % unless the task
+    module says otherwise)."""
+    from kvpop.demo.evaluate import BUDGET_FRACTIONS, budgets_for
+
+    return budgets_for(train_len, getattr(mod, "BUDGET_FRACTIONS", BUDGET_FRACTIONS))
+
+
+def trial_dir(out: Path, policy: str, c: dict) -> Path:
+    """Where ``kvpop demo --select`` trains ``policy`` with settings ``c`` (``OUT/<task>/<policy>/<tag>``)."""
+    def fmt(v):
+        return "none" if v is None else v if isinstance(v, str) else f"{v:g}"
+
+    return out / policy / "_".join(f"{k}{fmt(v)}" for k, v in sorted(c.items()))
+
+
+def retrofit_config(E, s: dict, policy: str, c: dict, init: Path | None = None):
+    """The :class:`~kvpop.demo.retrofit.RetrofitConfig` of ``policy`` with settings ``c``; ``init``: the scorer
+    file a ``joint_init="scorer-only"`` retrofit starts from."""
+    least = s["sinks"] + s["window"] + 1
+    if policy == "fixed-finetune":
+        budget = int(round(0.125 * s["train_length"]))
+        if budget < least:
+            raise ValueError(f"training budget {budget} (12.5% of --train-length {s['train_length']}) is below "
+                             f"sinks + window + 1 = {least}: raise --train-length or lower --window")
+    else:
+        budget = s["sinks"] + s["window"] + int(c["k"])
+        if budget < least:
+            raise ValueError(f"training budget {budget} is too small: it must be >= sinks + window + 1 = {least}")
+    return E.RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, budget=budget,
+                            sinks=s["sinks"], window=s["window"], lr_scorer=float(c.get("lr_scorer", 1e-2)),
+                            lr_model=float(c.get("lr_model", 1e-4)), tau=s["tau"],
+                            train_model=policy not in SCORER_ONLY,
+                            target_source=c.get("target_source", "student"), label=c.get("label", "mean"),
+                            decay_span=c.get("decay_span"), eval_every=int(c.get("eval_every", 0)),
+                            patience=int(c.get("patience", 0)),
+                            init_scorers=str(init) if c.get("joint_init") == "scorer-only" and init else None,
+                            head_allocation="ablation" if c.get("head_budgets") == "ablation" else None,
+                            checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
+
+
+def init_file(out: Path, policy: str, c: dict, trial_of: dict | None = None) -> Path | None:
+    """The scorer file a joint retrofit with ``joint_init="scorer-only"`` starts from: its scorer-only
+    retrofit's (``out/<scorer-only>/``; with ``trial_of``, the ``--select`` trial of those scorer-only
+    settings)."""
+    if c.get("joint_init") != "scorer-only":
+        return None
+    sc = JOINT_OF[LABEL_VARIANTS_OF.get(policy, policy)]
+    return (out / sc if trial_of is None else trial_dir(out, sc, trial_of)) / "scorers.safetensors"
+
+
+def valid_config(E, s: dict, args: argparse.Namespace):
+    """The validation sequences every choice is made on (``--select``, early stopping): ``valid_seed``, L_train,
+    the task's budgets, ``--n-sequences`` (default 6)."""
+    v = eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=args.n_sequences or (1 if args.quick else 6),
+                     split="valid")
+    v.progress = False
+    return v
+
+
+def validator(E, mod, base, s: dict, args: argparse.Namespace, policy: str, d: Path, dense_done: dict):
+    """``validate(model)`` of ``policy``'s retrofit in ``d``: the mean validation accuracy over the budgets at
+    L_train (:func:`valid_config`) of the model in training, served as ``kvpop demo`` serves it."""
+    from kvpop.core.checkpoint import save_scorers
+    from kvpop.demo import retrofit as R
+
+    vcfg = valid_config(E, s, args)
+    pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
+
+    def validate(model) -> float:
+        import copy
+
+        f = d / "train.pt" / "validate.safetensors"
+        ft = None
+        if policy != "fixed-finetune":
+            save_scorers(model, f)
+        if policy in E.JOINT or policy == "fixed-finetune":
+            ft = copy.deepcopy(model)
+            R._strip(ft)
+        served = (E.policy_model(base, policy, finetuned=ft, **pm) if policy == "fixed-finetune"
+                  else E.policy_model(base, policy, scorers=f, finetuned=ft, head_plan=head_plan(d), **pm))
+        res = E.evaluate({"dense": base, policy: served}, vcfg, task=mod, done=dense_done)
+        for row in res["rows"]:
+            if row["policy"] == "dense":
+                dense_done[f"dense|{row['budget']}|{row['length']}"] = row
+        acc = [row["accuracy"] for row in res["rows"] if row["policy"] == policy]
+        return sum(acc) / len(acc)
+
+    return validate
+
+
+def head_plan(d: Path) -> dict | None:
+    """The head-adaptive budgets a retrofit in ``d`` was trained with (``head_budgets.json``), or ``None``."""
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets
+
+    return read_head_budgets(d / HEAD_BUDGETS_FILE) if (d / HEAD_BUDGETS_FILE).exists() else None
+
+
+def policy_model(E, base, policy: str, d: Path, pm: dict):
+    """The model serving ``policy`` from its retrofit directory ``d``."""
+    if policy == "fixed-finetune":
+        return E.policy_model(base, policy, finetuned=E.load_base_model(d / "model"), **pm)
+    ft = E.load_base_model(d / "model") if policy in E.JOINT else None
+    return E.policy_model(base, policy, scorers=d / "scorers.safetensors", finetuned=ft, head_plan=head_plan(d),
+                          **pm)
+
+
+def eval_config(E, s: dict, args: argparse.Namespace, **kw):
+    return E.EvalConfig(train_len=s["train_len"], lengths=kw.pop("lengths", s["lengths"]), budgets=s["budgets"],
+                        n_sequences=kw.pop("n_sequences", s["n_sequences"]), sinks=s["sinks"], window=s["window"],
+                        progress=not args.no_progress, **kw)
+
+
+def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
+    """Train every candidate of :data:`GRID` for ``task`` (settings ``s``, :func:`settings`) and choose on
+    validation sequences; writes
+    ``out/selection.json`` (after every candidate) and returns it."""
+    from kvpop.demo import evaluate as E
+    from kvpop.demo import retrofit as R
+
+    mod = task_module(task)
+    vcfg = valid_config(E, s, args)
+    base = E.load_base_model(base_model_dir(args, task))
+    pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
+    out.mkdir(parents=True, exist_ok=True)
+    full = {**GRID, **getattr(mod, "DEMO_GRID", {})}
+    grid = ({**{k: v[:1] for k, v in full.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],),
+             "label_steps": (QUICK["steps"],), "target_source": full["target_source"], "label": full["label"],
+             "joint_init": full["joint_init"], "head_budgets": full["head_budgets"]} if args.quick else full)
+    record = {"task": task, "grid": grid, "criterion": "mean validation accuracy over the budgets at L_train",
+              "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})",
+                             "length": s["train_len"], "budgets": vcfg.budgets, "sinks": vcfg.sinks,
+                             "window": vcfg.window, "train_length": s["train_length"]},
+              "candidates": [], "chosen": {}}
+    dense_done: dict = {}
+
+    def save() -> None:
+        E.write_results(record, out / selection_file(args.select_stage))
+
+    def trial(policy: str, stage: str, c: dict) -> dict:
+        d = trial_dir(out, policy, c)
+        sc = JOINT_OF.get(LABEL_VARIANTS_OF.get(policy, policy))
+        rc = retrofit_config(E, s, policy, c,
+                              init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
+        R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,
+                   validate=validator(E, mod, base, s, args, policy, d, dense_done) if rc.eval_every else None)
+        vf = d / "validation.json"
+        if vf.exists() and json.loads(vf.read_text()).get("settings") == c:
+            r = json.loads(vf.read_text())
+        else:
+            res = E.evaluate({"dense": base, policy: policy_model(E, base, policy, d, pm)}, vcfg, task=mod,
+                             done=dense_done)
+            for row in res["rows"]:
+                if row["policy"] == "dense":
+                    dense_done[f"dense|{row['budget']}|{row['length']}"] = row
+            acc = {str(row["budget"]): row["accuracy"] for row in res["rows"] if row["policy"] == policy}
+            r = {"policy": policy, "stage": stage, "settings": c, "val_accuracy": acc,
+                 "val_mean": sum(acc.values()) / len(acc), "val_dense": res["dense_accuracy"]}
+            done = json.loads((d / "done.json").read_text())
+            if "best_step" in done:  # early stopping: the state kept and the validations it was chosen by
+                r["best_step"], r["validations"] = done["best_step"], done["validation"]
+            vf.write_text(json.dumps(r, indent=1))
+        record["candidates"].append(r)
+        save()
+        print(f"[kvpop demo --select] {task} {policy} {c}: validation accuracy "
+              f"{ {b: round(a, 3) for b, a in r['val_accuracy'].items()} } mean {r['val_mean']:.3f}", flush=True)
+        return r
+
+    def best(rs: list[dict]) -> dict:
+        return max(rs, key=lambda r: r["val_mean"])  # the first of equals: the earlier (cheaper) candidate
+
+    chosen = record["chosen"]
+    if args.select_stage == "label":  # the label family; the other settings as chosen before (CHOSEN)
+        fixed = {"eval_every": grid["eval_every"][0], "patience": grid["patience"][0]}
+        for p in SCORER_ONLY:
+            c = {k: v for k, v in s["retrofits"][p].items() if k not in ("label", "decay_span", "lr_scorer")}
+            chosen[p] = best([trial(p, "label x decay_span x lr_scorer",
+                                    {**c, **fixed, "steps": grid["label_steps"][0], "label": lab,
+                                     "decay_span": span, "lr_scorer": lr})
+                              for lab in grid["label"] for span in grid["decay_span"]
+                              for lr in grid["label_lr_scorer"]])
+            chosen[p] = best([chosen[p]] + [trial(p, "head_budgets", {**chosen[p]["settings"], "head_budgets": hb})
+                                            for hb in grid["head_budgets"] if hb != "uniform"])["settings"]
+        for p, sc in JOINT_OF.items():
+            c = {**{k: v for k, v in s["retrofits"][p].items() if k != "head_budgets"},
+                 **{k: chosen[sc][k] for k in (*LABEL_KEYS, "lr_scorer") if k in chosen[sc]},
+                 "eval_every": 0, "patience": 0}  # the joint retrofits' own steps, no early stopping
+            chosen[p] = best([trial(p, "joint_init", {**c, "joint_init": ji})
+                              for ji in grid["joint_init"]])["settings"]
+        chosen["fixed-finetune"] = dict(s["retrofits"]["fixed-finetune"])
+        save()
+        print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
+        return record
+    if args.select_stage == "target_source":  # the other settings as chosen before (CHOSEN, or --quick's)
+        for p in JOINT_OF:
+            c = {k: v for k, v in s["retrofits"][p].items() if k != "target_source"}
+            chosen[p] = best([trial(p, "target_source", {**c, "target_source": src})
+                              for src in grid["target_source"]])["settings"]
+        save()
+        print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
+        return record
+    fixed = {"eval_every": grid["eval_every"][0], "patience": grid["patience"][0], "label": grid["label"][0],
+             "decay_span": grid["decay_span"][0]}
+    for p in SCORER_ONLY:
+        first = best([trial(p, "k x lr_scorer", {**fixed, "steps": grid["steps"][0], "k": k, "lr_scorer": lr})
+                      for k in grid["k"] for lr in grid["lr_scorer"]])
+        first = best([first] + [trial(p, "steps", {**first["settings"], "steps": st}) for st in grid["steps"][1:]])
+        first = best([first] + [trial(p, "label x decay_span", {**first["settings"], "label": lab, "decay_span": span})
+                                for lab in grid["label"] for span in grid["decay_span"]
+                                if (lab, span) != (fixed["label"], fixed["decay_span"])])
+        chosen[p] = best([first] + [trial(p, "head_budgets", {**first["settings"], "head_budgets": hb})
+                                    for hb in grid["head_budgets"] if hb != "uniform"])["settings"]
+    for p, sc in JOINT_OF.items():
+        first = best([trial(p, "lr_model", {**chosen[sc], "lr_model": lm, "target_source": "student",
+                                            "joint_init": grid["joint_init"][0]})
+                      for lm in grid["joint_lr_model"]])
+        first = best([first] + [trial(p, "target_source", {**first["settings"], "target_source": src})
+                                for src in grid["target_source"] if src != "student"])
+        chosen[p] = best([first] + [trial(p, "joint_init", {**first["settings"], "joint_init": ji})
+                                    for ji in grid["joint_init"][1:]])["settings"]
+    chosen["fixed-finetune"] = best([trial("fixed-finetune", "lr_model x steps", {"steps": st, "lr_model": lm})
+                                     for lm in grid["finetune_lr_model"] for st in grid["finetune_steps"]])["settings"]
+    save()
+    print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
+    return record
+
