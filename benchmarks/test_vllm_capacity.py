@@ -8,7 +8,11 @@ of ``POOL_BLOCKS`` blocks per layer and ``max_model_len = LENGTH``; ``N_REQUESTS
 
 * ``dense``: vLLM's own ``Qwen3ForCausalLM`` (every token cached: ``LENGTH / 32`` blocks per request);
 * ``kvpop-B128``: the plugin, ``kvpop`` policy, budget 128 (sinks 4, window 32): ``128 / 32 = 4``
-  blocks per request, whatever its length.
+  blocks per request, whatever its length;
+* ``kvpop-heads-B128``: the plugin with head-adaptive budgets of the same total (``HEAD_BUDGETS``, mean
+  128): every layer's and head's slots in one packed block of layer 0's cache, whose pages hold
+  ``layers x KV heads`` rows, so the same ``POOL_BLOCKS`` count is the same bytes as the uniform pool's
+  and a request holds the same 4 blocks (from its first token).
 
 ``extra_info``: ``reported_max_concurrency`` (what vLLM computes and logs at start-up for
 ``max_model_len``-token requests in this pool), and from the run itself ``peak_running`` and
@@ -41,30 +45,43 @@ except ImportError:  # pragma: no cover - older layout
 MODEL = str(task.SHIPPED_MODEL)
 BLOCK, POOL_BLOCKS, LENGTH, PROMPT, N_REQUESTS = 32, 33, 512, 32, 8
 SINKS, WINDOW, BUDGET = 4, 32, 128
+HEAD_BUDGETS = ((36, 220), (100, 156))  # 2 layers x 2 KV heads, the uniform total 4 x 128; a head with k = 0
 
 
-@pytest.fixture(scope="module")
-def scorer_file(tmp_path_factory):
+def _scorer_file(tmp_path_factory, head_budgets=None) -> str:
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
     m = Qwen3ForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    kvpop.patch(m, sinks=SINKS, window=WINDOW, budget=BUDGET, scorer="mlp")
+    kvpop.patch(m, sinks=SINKS, window=WINDOW, budget=BUDGET, scorer="mlp", head_budgets=head_budgets)
     path = tmp_path_factory.mktemp("scorers") / "scorers.safetensors"
     kvpop.save_scorers(m, path)
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def scorer_file(tmp_path_factory):
+    return _scorer_file(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def head_scorer_file(tmp_path_factory):
+    return _scorer_file(tmp_path_factory, HEAD_BUDGETS)
+
+
 @pytest.mark.benchmark(group="vllm-capacity")
-@pytest.mark.parametrize("provider", ["dense", f"kvpop-B{BUDGET}"])
-def test_capacity(benchmark, provider, scorer_file, monkeypatch):
+@pytest.mark.parametrize("provider", ["dense", f"kvpop-B{BUDGET}", f"kvpop-heads-B{BUDGET}"])
+def test_capacity(benchmark, provider, request, monkeypatch):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    extra = {} if provider == "dense" else {"hf_overrides": kvpop.vllm.hf_overrides(scorer_file)}
+    extra = {}
+    if provider != "dense":
+        scorers = request.getfixturevalue("head_scorer_file" if "heads" in provider else "scorer_file")
+        extra["hf_overrides"] = kvpop.vllm.hf_overrides(scorers)
     llm = LLM(model=MODEL, skip_tokenizer_init=True, dtype="float32", max_model_len=LENGTH, block_size=BLOCK,
               enable_prefix_caching=False, enforce_eager=True, seed=0, max_num_seqs=N_REQUESTS,
               num_gpu_blocks_override=POOL_BLOCKS, disable_log_stats=False, **extra)
@@ -113,7 +130,7 @@ def test_capacity(benchmark, provider, scorer_file, monkeypatch):
         pool_blocks=POOL_BLOCKS, block_size=BLOCK, max_model_len=LENGTH, requests=N_REQUESTS,
         reported_max_concurrency=reported, peak_running=max(running), mean_running=sum(running) / len(running),
         preemptions=preempted[0], steps=len(running), tokens_per_s=n / secs)
-    if provider != "dense":  # the fixed budget: every request fits at once, none is preempted
+    if provider != "dense":  # the fixed budget (either layout): every request fits at once, none is preempted
         assert reported == pytest.approx(POOL_BLOCKS / (BUDGET // BLOCK))
         assert max(running) == N_REQUESTS and preempted[0] == 0
     else:

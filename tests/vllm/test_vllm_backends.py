@@ -30,6 +30,7 @@ class _Meta:
 
 class _Layer:
     kvpop_sinks, kvpop_window, kvpop_budget = 2, 4, 12
+    kvpop_layout = None  # uniform budgets (kvpop.vllm.model sets a PackedSlots for head-adaptive ones)
 
 
 def _impl(calls):
