@@ -94,7 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--mlstm-dim", type=int, default=None,
                     help=f"mLSTM feature width (with --scorer mlstm; default {d.mlstm_dim})")
     kv.add_argument("--mask-source", choices=MASK_SOURCES, default=None,
-                    help=f"priorities of the training mask (default {d.mask_source})")
+                    help="priorities of the training mask: scorer (the learned policy), teacher (the oracle: the "
+                         "exact label itself, from the --target-source model's queries), streaming (the fixed "
+                         f"sinks + window pattern) (default {d.mask_source})")
     kv.add_argument("--target-lse", choices=TARGET_LSES, default=None,
                     help=f"normaliser of the target (default {d.target_lse})")
     kv.add_argument("--target-source", choices=TARGET_SOURCES, default=None,

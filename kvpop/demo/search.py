@@ -13,6 +13,8 @@ import json
 import math
 from pathlib import Path
 
+from kvpop.policies import LABEL_VARIANTS
+
 TASKS = {"kvtrace": "kvpop.demo.task", "lookahead": "kvpop.demo.lookahead_task"}
 """Demo task name -> task module (``make_example``, ``test_seed``, ``valid_seed``, ``TRAIN_LEN``, ``SHIPPED_MODEL``)."""
 SCORER_ONLY = ("kvpop-mlp", "kvpop-mlstm")
@@ -27,8 +29,6 @@ def label_variant(joint: str, source: str) -> str:
     return f"{joint}-{source}-label"
 
 
-LABEL_VARIANTS_OF = {f"{j}-{src}-label": j for j in JOINT_OF for src in ("student", "teacher")}
-"""A joint retrofit's label-source variant -> the joint retrofit (:func:`label_variant`)."""
 
 
 def demo_retrofits(chosen: dict) -> tuple[str, ...]:
@@ -209,7 +209,7 @@ def init_file(out: Path, policy: str, c: dict, trial_of: dict | None = None) -> 
     settings)."""
     if c.get("joint_init") != "scorer-only":
         return None
-    sc = JOINT_OF[LABEL_VARIANTS_OF.get(policy, policy)]
+    sc = JOINT_OF[LABEL_VARIANTS.get(policy, policy)]
     return (out / sc if trial_of is None else trial_dir(out, sc, trial_of)) / "scorers.safetensors"
 
 
@@ -303,7 +303,7 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
 
     def trial(policy: str, stage: str, c: dict) -> dict:
         d = trial_dir(out, policy, c)
-        sc = JOINT_OF.get(LABEL_VARIANTS_OF.get(policy, policy))
+        sc = JOINT_OF.get(LABEL_VARIANTS.get(policy, policy))
         rc = retrofit_config(E, s, policy, c,
                               init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
         R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dms import RANGES
-from .dms import row_stats as dms_row_stats
+from kvpop.baselines.dms.budget import RANGES
+from kvpop.baselines.dms.budget import row_stats as dms_row_stats
+
 from .evaluate import (
     DEFAULT_SINKS,
     DEFAULT_WINDOW,

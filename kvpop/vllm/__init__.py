@@ -3,7 +3,8 @@
 Every request gets the flat ``B``-slot cache of ``kvpop.KVpopCache`` per layer and KV head inside vLLM's
 paged KV cache, ``ceil(B / block_size)`` blocks whatever its length.  :func:`hf_overrides` builds the
 model's settings; :func:`register` (the ``vllm.general_plugins`` entry point) registers the model class
-and the KV-cache spec, and is the only place this module imports vLLM.  Installing and serving:
+and the KV-cache spec; this module imports vLLM only inside it (``model``, ``backends`` and ``spec`` import
+vLLM at their top, and only ``register`` imports them).  Installing and serving:
 docs/vllm.md; the settings, the modules and the cache contract: docs/DESIGN.md section 5.
 """
 from __future__ import annotations

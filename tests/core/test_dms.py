@@ -383,18 +383,3 @@ def test_other_families_decode_like_the_teacher_forced_forward(family):
         kw = {"use_cache": True, cache_kwarg_name(): cache}
         outs = [model(ids[:, :9], **kw).logits] + [model(ids[:, i:i + 1], **kw).logits for i in range(9, 30)]
     torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-4, rtol=1e-4)
-
-
-def test_old_import_paths_still_work_with_a_deprecation_warning():
-    """The harness's DMS pieces moved to kvpop.baselines.dms.budget and kvpop.demo.retrofit; kvpop.demo.dms stays
-    as an alias for one release."""
-    import importlib
-    import sys
-
-    from kvpop.baselines.dms import budget as B
-    from kvpop.demo import retrofit as R
-
-    sys.modules.pop("kvpop.demo.dms", None)
-    with pytest.warns(DeprecationWarning, match="deprecated"):
-        mod = importlib.import_module("kvpop.demo.dms")
-    assert mod.dms_logits is B.dms_logits and mod.retrofit_dms is R.retrofit_dms
