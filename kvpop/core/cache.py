@@ -354,11 +354,12 @@ class KVpopCache(ServedCache, Cache):
         compileable: mark the cache compileable, so that ``generate`` compiles its decode steps
             (with ``compile_config=``, or by default on CUDA).  Off by default: see docs/library.md
             ("Batched generation") for what was checked.
-        kv_dtype: override ``config.kv_dtype``: ``None`` (keys and values in the model's dtype), ``"int8"`` or
-            ``"fp8"`` (float8 e4m3): quantised slots, 8 bits per element plus one float32 scale per slot and
-            KV head for keys and one for values (``kvpop_kernels.layout.QuantizedLayout``); the policies
-            ``kvpop`` and ``streaming`` only.  The prompt attends to itself in full precision; what the cache
-            keeps of it, and every decoded token, is stored quantised.
+        kv_dtype: ``"auto"`` (default: ``config.kv_dtype``, what ``kvpop.patch(..., kv_dtype=)`` set), ``None``
+            (keys and values in the model's dtype, whatever the config says), ``"int8"`` or ``"fp8"`` (float8
+            e4m3): quantised slots, 8 bits per element plus one float32 scale per slot and KV head for keys and
+            one for values (``kvpop_kernels.layout.QuantizedLayout``); the policies ``kvpop`` and ``streaming``
+            only.  The prompt attends to itself in full precision; what the cache keeps of it, and every decoded
+            token, is stored quantised.
 
     Any batch size; left-padded prompts, sampling, ``num_return_sequences`` and beam search work
     (see the module docstring).  Example::
@@ -368,7 +369,7 @@ class KVpopCache(ServedCache, Cache):
     """
 
     def __init__(self, model: Any = None, *, config: Any = None, num_layers: int | None = None,
-                 policy: str | None = None, compileable: bool = False, kv_dtype: str | None = None):
+                 policy: str | None = None, compileable: bool = False, kv_dtype: str | None = "auto"):
         config, num_layers = cache_settings("KVpopCache", model, config, num_layers, attr="kvpop_config",
                                             how="a kvpop-patched model (kvpop.patch(model)) or config=KVpopConfig(...)")
         if model is not None and hasattr(model, "config"):
@@ -378,7 +379,10 @@ class KVpopCache(ServedCache, Cache):
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.kvpop_config = self.served_config = config
         self.policy = policy
-        self.kv_dtype = kv_dtype if kv_dtype is not None else getattr(config, "kv_dtype", None)
+        if not (kv_dtype is None or isinstance(kv_dtype, str) and kv_dtype in ("auto", "int8", "fp8")):
+            raise ValueError(f"kv_dtype must be 'auto' (the config's, {getattr(config, 'kv_dtype', None)!r}), None "
+                             f"(the model's dtype) or one of ['int8', 'fp8'], got {kv_dtype!r}")
+        self.kv_dtype = getattr(config, "kv_dtype", None) if kv_dtype == "auto" else kv_dtype
         check_kv_dtype(self.kv_dtype)
         self._claims: dict[int, tuple[str, Any, bool]] = {}
         rows = _head_budget_rows(config, num_layers, model)

@@ -77,13 +77,15 @@ def test_patch_kv_dtype_reaches_generate(kv_dtype):
         assert kvpop.get_config(m).kv_dtype == kv_dtype
         assert all(torch.equal(v, m.state_dict()[k]) for k, v in weights.items())
         assert kvpop.KVpopCache(m).kv_dtype == kv_dtype
+        assert kvpop.KVpopCache(m, kv_dtype=None).kv_dtype is None  # the model's dtype, whatever the config says
+        assert kvpop.KVpopCache(m, kv_dtype=None).nbytes() == 0  # (allocated at the first call)
         quant = m.generate(ids, max_new_tokens=6, do_sample=False)
     assert quant.shape == plain.shape  # (tokens may differ: int8 moves the logits)
 
 
 def test_refusals():
     m = _model()
-    with pytest.raises(ValueError, match=r"kv_dtype must be None .*\['int8', 'fp8'\], got 'int4'"):
+    with pytest.raises(ValueError, match=r"kv_dtype must be 'auto' .*None .*\['int8', 'fp8'\], got 'int4'"):
         kvpop.KVpopCache(m, kv_dtype="int4")
     with pytest.raises(ValueError, match=r"kv_dtype must be None .*got 'bf16'"):
         kvpop.patch(m, kv_dtype="bf16")
