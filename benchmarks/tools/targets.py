@@ -108,6 +108,18 @@ TARGETS: tuple[Target, ...] = (
     Target("decode-head-adaptive-bytes", 22, "decode cache bytes, head-adaptive budgets / uniform of the same total",
            key="bytes_adaptive_over_uniform", op="<=", goal=1.0, device="any", file="benchmarks/test_decode.py",
            test="test_decode_step_head_adaptive", also=("adaptive_bytes", "uniform_bytes")),
+    Target("decode-quantized-gpu", 34, "decode step, Qwen3-8B shapes (32/8 heads, D=128), 32K context, B=2048: "
+           "int8 slots (dequantised on load) / bf16 slots", key="int8_time_over_float", op="<=", goal=1.1,
+           device="cuda", file="benchmarks/test_decode_quantized.py", test="test_decode_step_quantized",
+           also=("int8_s", "float_s", "fp8_time_over_float")),
+    Target("decode-quantized-bytes-gpu", 34, "decode state bytes per sequence, Qwen3-8B shapes, B=2048: int8 slots "
+           "with their float32 scales / bf16 slots", key="int8_bytes_over_float", op="<=", goal=0.55, device="cuda",
+           file="benchmarks/test_decode_quantized.py", test="test_decode_step_quantized",
+           also=("int8_bytes_per_sequence", "float_bytes_per_sequence")),
+    Target("decode-quantized-cpu", 34, "decode step CPU path (4/2 heads, D=64, B=512, 32K context): int8 slots / "
+           "float32 slots", key="int8_time_over_float", op=None, goal=None, device="cpu",
+           file="benchmarks/test_decode_quantized.py", test="test_decode_step_quantized",
+           also=("int8_bytes_over_float", "bf16_time_over_float")),
     # batched decoding.  Under --benchmark-disable (CI) its benchmark runs smoke sizes without the
     # CPU figures, so the CPU rows are matched by key, not pinned: a pinned row on the dry run's device must
     # record its number there, and these cannot (the dry check then fails; it did once)
