@@ -94,6 +94,32 @@ def _scorer(source: Path, seqs: list, budget: int):
     return score
 
 
+def _task_scorer(source: Path, n: int, length: int, budget: int):
+    """``score(dir)`` with ``--task``: the run in ``dir`` served at ``budget`` on the task's validation examples
+    (``valid_seed(0..n-1)`` at ``length``), its error rate at the graded positions (1 - accuracy), the task's
+    own measure (``kvpop eval --run`` on the task reports accuracy)."""
+    from kvpop.demo import evaluate as E
+    from kvpop.demo import task as T
+    from kvpop.demo import trace_eval as TE
+
+    from .trained import policy_models, read_run
+
+    base = TE.load_model(source)
+    examples = [T.make_example(T.valid_seed(i), length) for i in range(n)]
+
+    def score(d: Path) -> float:
+        t = read_run(str(d))
+        models = policy_models(E, base, ["dense", t.policy], [t.policy], {t.policy: t}, sinks=t.config.sinks,
+                               window=t.config.window, budget=budget, load=TE.load_model)
+        right = graded = 0
+        for ex in examples:
+            c, g = E.sequence_correct(models[t.policy], ex, t.policy, budget)
+            right, graded = right + c, graded + g
+        return 1.0 - right / graded
+
+    return score
+
+
 def auto_run(args: argparse.Namespace, train) -> int | None:
     """``kvpop train``'s entry: ``--auto``'s search (:func:`run_auto`) and its exit status, or ``None`` for one run
     (then ``--preset`` has been applied to ``args``); an option error exits naming it."""
@@ -141,9 +167,17 @@ def run_auto(args: argparse.Namespace, train) -> int:
             check_options(ns)
             return oracle_excess(model, seqs, method_config(ns))
 
+        if args.task:  # the task's own measure: accuracy at its graded positions
+            score = _task_scorer(source, len(seqs), args.seq_len, first.budget)
+            criterion = (f"validation error rate at the task's graded positions (1 - accuracy; lower is better) of "
+                         f"{len(seqs)} validation sequences, served as kvpop eval --run serves the run")
+        else:
+            score = _scorer(source, seqs, first.budget)
+            criterion = "validation NLL over dense past the budget (nats; lower is better), served as kvpop eval " \
+                        "--run serves the run"
         search(args, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
-               train_model=not args.no_train_model, train=train, score=_scorer(source, seqs, first.budget),
-               oracle=oracle, log=lambda s: print(s, file=sys.stderr, flush=True))
+               train_model=not args.no_train_model, train=train, score=score, oracle=oracle,
+               log=lambda s: print(s, file=sys.stderr, flush=True), criterion=criterion)
     except _Stopped as e:
         print(f"kvpop train --auto: stopped; the finished trials are kept in {args.out}: run the same command with "
               f"--resume to continue", file=sys.stderr)

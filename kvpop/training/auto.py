@@ -13,7 +13,9 @@ A staged search, each stage starting from the best settings of the stages before
 
 Every trained trial is an ordinary ``kvpop train`` run of ``--steps`` steps in ``OUT/auto/<tag>``, scored on
 the validation sequences as ``kvpop eval --run`` serves it (the mean next-token NLL over dense past the
-budget, through ``kvpop.KVpopCache``; lower is better).  A stage's candidates after its first are skipped once
+budget, through ``kvpop.KVpopCache``; with ``--task`` the error rate at the task's graded positions, the task's
+own measure: the NLL over all positions chose head-adaptive budgets that starve a head of the retrieval the
+task grades; lower is better).  A stage's candidates after its first are skipped once
 the budget (:func:`parse_budget`: trained steps, or minutes of the trials' wall time) would be overrun.  The
 record is ``OUT/selection.json`` (``trials``: settings, validation score, steps, seconds; ``chosen``), written
 after every trial; the chosen trial's files are then copied into ``OUT``, so ``OUT`` is a run that
@@ -149,7 +151,9 @@ def _tag(settings: dict) -> str:
 
 def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_model: bool,
            train: Callable[[argparse.Namespace], int], score: Callable[[Path], float],
-           oracle: Callable[[dict], float], log: Callable[[str], None] = print) -> dict:
+           oracle: Callable[[dict], float], log: Callable[[str], None] = print,
+           criterion: str = "validation NLL over dense past the budget (nats; lower is better), served as kvpop "
+                            "eval --run serves the run") -> dict:
     """Run the staged search of this module for the ``kvpop train`` arguments ``args`` (``args.out``: OUT) and
     return the record written to ``OUT/selection.json``.
 
@@ -157,7 +161,7 @@ def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_mod
     method's default scorer learning rate; ``train_model``: whether the model is trained (the label-source
     stage); ``train(ns)``: one ``kvpop train`` run of the namespace ``ns`` (exit status); ``score(dir)``: the
     validation score of the run in ``dir`` (lower is better); ``oracle(settings)``: the first stage's score of
-    a label candidate."""
+    a label candidate; ``criterion``: what ``score`` measures, for the record."""
     out = Path(args.out)
     auto_dir = out / "auto"
     record_file = out / "selection.json"
@@ -166,8 +170,7 @@ def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_mod
         raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
                          f"choose another --out")
     auto_dir.mkdir(parents=True, exist_ok=True)
-    record: dict = {"criterion": "validation NLL over dense past the budget (nats; lower is better), served as "
-                                 "kvpop eval --run serves the run; the label stage: each label's oracle",
+    record: dict = {"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
                     "budget": {"unit": unit, "value": budget}, "steps_per_trial": args.steps, "trials": [],
                     "skipped": [], "chosen": None}
     spent = {"steps": 0, "minutes": 0.0, "trained": 0}

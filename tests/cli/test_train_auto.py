@@ -41,6 +41,9 @@ def test_auto_writes_a_selection_and_a_run_kvpop_eval_serves(searched, tmp_path)
     assert {t["settings"]["lr_scorer"] for t in trained} == {1e-3, 3e-3}
     for t in rec["trials"]:
         assert set(t) >= {"stage", "settings", "score", "steps", "seconds"} and t["score"] == t["score"]
+    # with --task the trained trials are scored by the task's own measure: the error rate at its graded positions
+    assert rec["criterion"].startswith("validation error rate at the task's graded positions")
+    assert all(0.0 <= t["score"] <= 1.0 for t in trained)
     best = min(trained, key=lambda t: t["score"])
     assert rec["chosen"]["settings"] == best["settings"] and rec["chosen"]["score"] == best["score"]
     assert [s["stage"] for s in rec["skipped"]][:1] == ["decay"]  # the budget was spent before the third trial
