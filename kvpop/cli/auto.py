@@ -71,23 +71,30 @@ def _valid_sequences(args: argparse.Namespace, model, source: Path) -> list:
     return seqs
 
 
-def _scorer(source: Path, seqs: list, budget: int):
-    """``score(dir)``: the run in ``dir`` served by ``kvpop eval --run`` at ``budget`` on ``seqs``: its mean
-    next-token NLL over dense past the budget."""
+def _served(base, d: Path, budget: int):
+    """``(run, models)``: the run in ``d`` read as ``kvpop eval --run`` reads it, and its policy models (dense
+    and the run's) at ``budget`` over ``base``."""
     from kvpop.demo import evaluate as E
     from kvpop.demo import trace_eval as TE
 
     from .trained import policy_models, read_run
 
+    t = read_run(str(d))
+    return t, policy_models(E, base, ["dense", t.policy], [t.policy], {t.policy: t}, sinks=t.config.sinks,
+                            window=t.config.window, budget=budget, load=TE.load_model)
+
+
+def _scorer(source: Path, seqs: list, budget: int):
+    """``score(dir)``: the run in ``dir`` served by ``kvpop eval --run`` at ``budget`` on ``seqs``: its mean
+    next-token NLL over dense past the budget."""
+    from kvpop.demo import trace_eval as TE
+
     base = TE.load_model(source)
 
     def score(d: Path) -> float:
-        t = read_run(str(d))
-        sinks, window = t.config.sinks, t.config.window
-        models = policy_models(E, base, ["dense", t.policy], [t.policy], {t.policy: t}, sinks=sinks, window=window,
-                               budget=budget, load=TE.load_model)
-        cfg = TE.TraceEvalConfig(budgets=[budget], sinks=sinks, window=window, policies=["dense", t.policy],
-                                 progress=False)
+        t, models = _served(base, d, budget)
+        cfg = TE.TraceEvalConfig(budgets=[budget], sinks=t.config.sinks, window=t.config.window,
+                                 policies=["dense", t.policy], progress=False)
         rows = TE.evaluate_traces(models, seqs, cfg)
         return float(next(r["delta_nll"] for r in rows if r["policy"] == t.policy))
 
@@ -102,15 +109,11 @@ def _task_scorer(source: Path, n: int, length: int, budget: int):
     from kvpop.demo import task as T
     from kvpop.demo import trace_eval as TE
 
-    from .trained import policy_models, read_run
-
     base = TE.load_model(source)
     examples = [T.make_example(T.valid_seed(i), length) for i in range(n)]
 
     def score(d: Path) -> float:
-        t = read_run(str(d))
-        models = policy_models(E, base, ["dense", t.policy], [t.policy], {t.policy: t}, sinks=t.config.sinks,
-                               window=t.config.window, budget=budget, load=TE.load_model)
+        t, models = _served(base, d, budget)
         right = graded = 0
         for ex in examples:
             c, g = E.sequence_correct(models[t.policy], ex, t.policy, budget)

@@ -18,7 +18,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop_kernels import eviction_schedule, fixed_budget_decode, sparse_attention
-from kvpop_kernels.layout import PackedLayout, QuantizedLayout, SlotLayout, UniformLayout, check_kv_dtype, slot_of
+from kvpop_kernels.layout import (
+    KV_DTYPES,
+    PackedLayout,
+    QuantizedLayout,
+    SlotLayout,
+    UniformLayout,
+    check_kv_dtype,
+    slot_of,
+)
 
 from .config import MAX_SLOTS, check_budget_for
 
@@ -379,9 +387,9 @@ class KVpopCache(ServedCache, Cache):
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.kvpop_config = self.served_config = config
         self.policy = policy
-        if not (kv_dtype is None or isinstance(kv_dtype, str) and kv_dtype in ("auto", "int8", "fp8")):
+        if not (kv_dtype is None or isinstance(kv_dtype, str) and kv_dtype in ("auto", *KV_DTYPES)):
             raise ValueError(f"kv_dtype must be 'auto' (the config's, {getattr(config, 'kv_dtype', None)!r}), None "
-                             f"(the model's dtype) or one of ['int8', 'fp8'], got {kv_dtype!r}")
+                             f"(the model's dtype) or one of {list(KV_DTYPES)}, got {kv_dtype!r}")
         self.kv_dtype = getattr(config, "kv_dtype", None) if kv_dtype == "auto" else kv_dtype
         check_kv_dtype(self.kv_dtype)
         self._claims: dict[int, tuple[str, Any, bool]] = {}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvpop_kernels.future_target import LABELS
+from kvpop_kernels.layout import KV_DTYPES, check_kv_dtype
 
 __all__ = ["KVpopConfig", "MAX_SLOTS", "MAX_WIDTH", "BUDGET_PER_POSITION", "check_budget_for", "SCORERS",
            "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS", "STRUCTURAL_FIELDS",
@@ -24,7 +25,6 @@ MASK_SOURCES = ("scorer", "teacher", "streaming")
 TARGET_LSES = ("sparse", "dense")
 TARGET_SOURCES = ("student", "teacher")
 POLICIES = ("kvpop", "streaming", "tova", "h2o")
-KV_DTYPES = ("int8", "fp8")  # kvpop_kernels.layout.KV_DTYPES (this module imports no kernels)
 
 STRUCTURAL_FIELDS = ("scorer", "scorer_hidden", "mlstm_dim", "gamma_min", "gamma_max")
 """Fields that fix the scorer's parameter shapes or meaning: they must agree between a
@@ -239,10 +239,7 @@ class KVpopConfig(ConfigFields):
         _choice("target_lse", self.target_lse, TARGET_LSES)
         _choice("target_source", self.target_source, TARGET_SOURCES)
         _choice("policy", self.policy, POLICIES)
-        if self.kv_dtype is not None:
-            if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_DTYPES:
-                raise ValueError(f"kv_dtype must be None (the model's dtype) or one of {list(KV_DTYPES)}, got "
-                                 f"{self.kv_dtype!r}")
+        if check_kv_dtype(self.kv_dtype) is not None:
             if self.policy not in ("kvpop", "streaming"):
                 raise ValueError(f"kv_dtype={self.kv_dtype!r} works with the policies kvpop and streaming (tova and "
                                  f"h2o score every slot from full-precision keys), got policy={self.policy!r}")

@@ -78,7 +78,6 @@ def test_patch_kv_dtype_reaches_generate(kv_dtype):
         assert all(torch.equal(v, m.state_dict()[k]) for k, v in weights.items())
         assert kvpop.KVpopCache(m).kv_dtype == kv_dtype
         assert kvpop.KVpopCache(m, kv_dtype=None).kv_dtype is None  # the model's dtype, whatever the config says
-        assert kvpop.KVpopCache(m, kv_dtype=None).nbytes() == 0  # (allocated at the first call)
         quant = m.generate(ids, max_new_tokens=6, do_sample=False)
     assert quant.shape == plain.shape  # (tokens may differ: int8 moves the logits)
 
