@@ -7,7 +7,7 @@ import copy
 import sys
 from pathlib import Path
 
-from kvpop.demo.task import SHIPPED_MODEL
+from kvpop.demo.search import default_model, task_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,8 +59,7 @@ def _valid_sequences(args: argparse.Namespace, model, source: Path) -> list:
 
     n = args.valid_sequences or A.VALID_SEQUENCES
     if args.task:
-        from kvpop.demo import task as T
-
+        T = task_of(args)
         return list(T.make_batch([T.valid_seed(i) for i in range(n)], args.seq_len)["input_ids"])
     seqs, _, _ = A.validation_file(args.valid_data, args.seq_len, n, vocab_size=model.config.vocab_size,
                                    model_dir=source, pack=args.pack,
@@ -101,16 +100,15 @@ def _scorer(source: Path, seqs: list, budget: int):
     return score
 
 
-def _task_scorer(source: Path, n: int, length: int, budget: int):
+def _task_scorer(source: Path, task, n: int, length: int, budget: int):
     """``score(dir)`` with ``--task``: the run in ``dir`` served at ``budget`` on the task's validation examples
     (``valid_seed(0..n-1)`` at ``length``), its error rate at the graded positions (1 - accuracy), the task's
     own measure (``kvpop eval --run`` on the task reports accuracy)."""
     from kvpop.demo import evaluate as E
-    from kvpop.demo import task as T
     from kvpop.demo import trace_eval as TE
 
     base = TE.load_model(source)
-    examples = [T.make_example(T.valid_seed(i), length) for i in range(n)]
+    examples = [task.make_example(task.valid_seed(i), length) for i in range(n)]
 
     def score(d: Path) -> float:
         t, models = _served(base, d, budget)
@@ -151,7 +149,7 @@ def run_auto(args: argparse.Namespace, train) -> int:
         check_options(first)  # every option of the trials, before any work
     except ValueError as e:
         raise SystemExit(f"kvpop train: {e}") from None
-    source = Path(args.model) if args.model else SHIPPED_MODEL
+    source = Path(args.model) if args.model else default_model(args)
     lock = RunLock(Path(args.out), "kvpop train --auto")
     try:
         lock.acquire()
@@ -171,7 +169,7 @@ def run_auto(args: argparse.Namespace, train) -> int:
             return oracle_excess(model, seqs, method_config(ns))
 
         if args.task:  # the task's own measure: accuracy at its graded positions
-            score = _task_scorer(source, len(seqs), args.seq_len, first.budget)
+            score = _task_scorer(source, task_of(args), len(seqs), args.seq_len, first.budget)
             criterion = (f"validation error rate at the task's graded positions (1 - accuracy; lower is better) of "
                          f"{len(seqs)} validation sequences, served as kvpop eval --run serves the run")
         else:

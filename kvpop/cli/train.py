@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvpop.demo.task import SHIPPED_MODEL
+from kvpop.demo.search import default_model, task_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,8 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dat = src.add_mutually_exclusive_group()
     dat.add_argument("--data", type=str, default=None,
                      help='JSONL file, one {"input_ids": [...]} or {"text": "..."} per line')
-    dat.add_argument("--task", action="store_true",
-                     help="train on the synthetic trace task (kvpop.demo.task), generated on the fly")
+    dat.add_argument("--task", nargs="?", const="kvtrace", default=None, choices=("kvtrace", "lookahead"),
+                     help="train on a synthetic task generated on the fly: kvtrace (kvpop.demo.task, what --task alone "
+                          "means) or lookahead (kvpop.demo.lookahead_task); the default --model is the task's "
+                          "shipped model")
     src.add_argument("--seq-len", type=int, default=4096,
                      help="tokens per sequence: records are cut into pieces of this length (default 4096)")
     src.add_argument("--pack", action="store_true",
@@ -220,7 +222,7 @@ def _load_model(args: argparse.Namespace, device):
     else:
         from kvpop.models import load_model_dir
 
-        source = Path(args.model) if args.model else SHIPPED_MODEL
+        source = Path(args.model) if args.model else default_model(args)
         try:  # config.json checked first: an unsupported family is refused before any weight is allocated
             model = load_model_dir(source, dtype=torch.float32)
         except (OSError, ValueError) as e:
@@ -235,11 +237,16 @@ def _data(args: argparse.Namespace, model, source: Path | None):
     from kvpop.training import data as data_io
 
     if args.task:
-        from kvpop.demo import task as T
+        from kvpop.demo import task as kvtrace
 
+        T = task_of(args)
         if model.config.vocab_size < T.VOCAB_SIZE:
-            _fail(f"--task needs a vocabulary of >= {T.VOCAB_SIZE} tokens; the model has {model.config.vocab_size}")
-        return T.TaskBatches(args.seq_len, args.batch_size)
+            _fail(f"--task {args.task} needs a vocabulary of >= {T.VOCAB_SIZE} tokens; the model has "
+                  f"{model.config.vocab_size}")
+        try:
+            return kvtrace.TaskBatches(args.seq_len, args.batch_size, T.DEFAULT, make_batch=T.make_batch)
+        except ValueError as e:
+            _fail(str(e))
     seqs = data_io.cut_file(args.data, args.seq_len, vocab_size=model.config.vocab_size, model_dir=source,
                             pack=args.pack, eos_token_id=getattr(model.config, "eos_token_id", None))
     if args.allocate is not None and args.valid_data is not None:  # its sequences are checked against these
@@ -269,8 +276,7 @@ def _head_budgets(args: argparse.Namespace, kv_cfg, model, source: Path | None, 
             print(f"kvpop train: warning: --valid-data {args.valid_data}: {both} of its {len(seqs)} sequences measured "
                   f"are training sequences of --data {args.data} too", file=sys.stderr)
     else:
-        from kvpop.demo import task as T
-
+        T = task_of(args)
         seqs = list(T.make_batch([T.valid_seed(i) for i in range(n)], args.seq_len)["input_ids"])
         what = f"{n} validation sequence(s) of the task (valid_seed(0..{n - 1})), {args.seq_len} tokens"
     if not seqs:

@@ -29,8 +29,8 @@ from .files import atomic_write
 from .layer import kvpop_layers
 from .patching import get_config, is_patched, patch, unpatch
 
-__all__ = ["save_scorers", "load_scorers", "read_scorer_config", "read_step", "FORMAT", "MAX_ABS_WEIGHT",
-           "STEP_KEY", "LayerFile"]
+__all__ = ["save_scorers", "load_scorers", "read_scorer_config", "rewrite_scorer_config", "read_step", "FORMAT",
+           "MAX_ABS_WEIGHT", "STEP_KEY", "LayerFile"]
 
 FORMAT = "kvpop-scorers/1"
 
@@ -101,6 +101,20 @@ class LayerFile:
         except (TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{self.noun} {path}: its {self.config_key} metadata is not a valid "
                              f"{config_type.__name__} as JSON ({type(e).__name__}: {str(e)[:300]})") from None
+
+    def rewrite_config(self, path: str | os.PathLike, config: Any) -> None:
+        """Write ``config`` (``.to_json()``) into the file at ``path`` in place of its own, tensors and other
+        metadata unchanged (atomically); ValueError when the file is not one."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save
+
+        path = self.check_path(path)
+        self.read_config(path, type(config))  # the file is one of this kind
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+        meta[self.config_key] = config.to_json()
+        data = save(load_file(str(path)), metadata=meta)
+        atomic_write(path, lambda f: f.write(data))
 
     def read_tensors(self, path: str | os.PathLike) -> dict[str, torch.Tensor]:
         """The file's tensors, each checked to be floating point and finite."""
@@ -207,6 +221,18 @@ def save_scorers(model: nn.Module, path: str | os.PathLike, *, step: int | None 
 def read_scorer_config(path: str | os.PathLike) -> KVpopConfig:
     """The ``KVpopConfig`` stored in a scorer file (ValueError when the file is not one)."""
     return SCORERS.read_config(path, KVpopConfig)
+
+
+def rewrite_scorer_config(path: str | os.PathLike, config: KVpopConfig) -> None:
+    """Store ``config`` in the scorer file at ``path`` in place of its own (the weights unchanged); its scorer
+    structure must be the file's (``KVpopConfig.structural_mismatch``), else ValueError naming the fields."""
+    if not isinstance(config, KVpopConfig):
+        raise TypeError(f"config must be a kvpop.KVpopConfig, got {type(config).__name__}")
+    bad = config.structural_mismatch(read_scorer_config(path))
+    if bad:
+        raise ValueError(f"scorer file {path}: the new config changes the scorer's structure ({bad}); only the cache "
+                         f"shape and training options may change")
+    SCORERS.rewrite_config(path, config)
 
 
 def load_scorers(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:

@@ -84,6 +84,16 @@ def task_module(name: str):
     return importlib.import_module(TASKS[name])
 
 
+def task_of(args: argparse.Namespace):
+    """The task module of ``kvpop train --task NAME`` (``--task`` alone: kvtrace)."""
+    return task_module(args.task or "kvtrace")
+
+
+def default_model(args: argparse.Namespace) -> Path:
+    """``kvpop train``'s model without ``--model``: the shipped model of its ``--task`` (kvtrace's without one)."""
+    return Path(task_of(args).SHIPPED_MODEL)
+
+
 def base_model_dir(args: argparse.Namespace, task: str) -> Path:
     mod = task_module(task)
     path = Path(args.model) if args.model else Path(mod.SHIPPED_MODEL)

@@ -378,22 +378,24 @@ def describe(cfg: TaskConfig = DEFAULT) -> str:
 class _LazyBatch(dict):
     """A batch dict whose ``input_ids`` is generated at the first access (skipped batches cost nothing)."""
 
-    def __init__(self, index: int, batch_size: int, seq_len: int, task_cfg: Any) -> None:
+    def __init__(self, index: int, batch_size: int, seq_len: int, task_cfg: Any, make: Any = None) -> None:
         super().__init__()
-        self._args = (index, batch_size, seq_len, task_cfg)
+        self._args = (index, batch_size, seq_len, task_cfg, make or make_batch)
 
     def __missing__(self, key: str) -> Any:
-        i, b, L, cfg = self._args
-        batch = make_batch([train_seed(i * b + j) for j in range(b)], L, cfg)
+        i, b, L, cfg, make = self._args
+        batch = make([train_seed(i * b + j) for j in range(b)], L, cfg)
         self.update(batch)
         return batch[key]
 
 
 class TaskBatches:
-    """Endless re-iterable of ``{"input_ids": [B, seq_len], ...}`` batches of the synthetic task."""
+    """Endless re-iterable of ``{"input_ids": [B, seq_len], ...}`` batches of the synthetic task (another task's
+    with its ``make_batch`` and config: ``kvpop.demo.lookahead_task``'s, whose training seeds are this task's)."""
 
-    def __init__(self, seq_len: int, batch_size: int, task_cfg: Any = None) -> None:
+    def __init__(self, seq_len: int, batch_size: int, task_cfg: Any = None, *, make_batch: Any = None) -> None:
         self.task_cfg = task_cfg or DEFAULT
+        self.make_batch = make_batch
         if seq_len < self.task_cfg.min_length():
             raise ValueError(f"--task needs --seq-len >= {self.task_cfg.min_length()}, got {seq_len}")
         self.seq_len, self.batch_size = seq_len, batch_size
@@ -401,5 +403,5 @@ class TaskBatches:
     def __iter__(self) -> Iterator[dict]:
         i = 0
         while True:
-            yield _LazyBatch(i, self.batch_size, self.seq_len, self.task_cfg)
+            yield _LazyBatch(i, self.batch_size, self.seq_len, self.task_cfg, self.make_batch)
             i += 1

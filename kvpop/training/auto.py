@@ -5,10 +5,13 @@ A staged search, each stage starting from the best settings of the stages before
 1. ``label``: the label family (:data:`LABEL_CANDIDATES`), scored by each label's oracle (:func:`oracle_excess`:
    the model as loaded, evicting by the exact label of its own dense attention), which needs no training;
 2. ``lr_scorer``: the scorers' learning rate (:data:`LR_FACTORS` of the method's default), a trained run each;
-3. ``decay``: the paper's decay range against the range tied to ``--seq-len`` (:data:`DECAY_NATS`); trained,
+3. ``train_budget``: training at the served budget against tighter ones (:func:`train_budgets`: fewer long-range
+   slots, so more of the label's decisions bind); every trial is still scored at the served ``--budget``, and
+   the chosen run's scorer file is written at it (:func:`_adopt`);
+4. ``decay``: the paper's decay range against the range tied to ``--seq-len`` (:data:`DECAY_NATS`); trained,
    since the range bounds the decay the scorers learn while the oracle's label sees only its initial value;
-4. ``head_budgets``: uniform budgets against head-adaptive ones (``--allocate ablation``);
-5. ``target_source``: the label from the model being trained (student) against the frozen original's
+5. ``head_budgets``: uniform budgets against head-adaptive ones (``--allocate ablation``);
+6. ``target_source``: the label from the model being trained (student) against the frozen original's
    (teacher), when the model is trained.
 
 Every trained trial is an ordinary ``kvpop train`` run of ``--steps`` steps in ``OUT/auto/<tag>``, scored on
@@ -42,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["PAPER", "LABEL_CANDIDATES", "SEARCHED", "parse_budget", "default_budget", "apply_preset",
-           "oracle_excess", "search"]
+           "oracle_excess", "search", "train_budgets", "served_budget"]
 
 PAPER = {"scorer": "mlp", "label": "mean", "decay_nats": None, "gamma_min": 0.999, "gamma_max": 0.999999,
          "gamma_init": 0.9999, "mask_source": "scorer", "target_source": "student", "target_lse": "sparse"}
@@ -55,14 +58,40 @@ DECAY_NATS = 8.0
 ``kvpop.decay_range_for_context``; the value the demo's selection grid tried)."""
 SEARCHED = ("label", "decay_nats", "lr_scorer", "allocate", "target_source")
 """The settings the search chooses; one the user gave is kept as given (its stage has that one candidate)."""
-LR_FACTORS = (1.0, 3.0)
+LR_FACTORS = (1.0, 3.0, 10.0)
 """The second stage's scorer learning rates, as factors of the method's default (the demo's selection chose
 3e-3 and 1e-2 on its two tasks, above the default 1e-3)."""
+TRAIN_K_DIVISORS = (4, 16)
+"""The third stage's training budgets: the served budget's long-range slots ``k`` divided by each (at least one
+slot), besides ``k`` itself (the demo's selection trained kvtrace at k = 4 and lookahead at k = 12 and served
+them at k = 92 and 28)."""
 RUN_FILES = ("scorers.safetensors", "gates.safetensors", "model", "head_budgets.json", "last.pt", "args.json",
              "history.jsonl")
 """What of the chosen trial is copied into ``OUT``."""
 DEFAULT_TRIALS = 5
 """The default budget: this many trained trials of ``--steps`` steps each."""
+
+
+def served_budget(args: argparse.Namespace) -> int:
+    """The budget the search serves and scores every trial at: ``--budget``, else ``KVpopConfig``'s default."""
+    if getattr(args, "budget", None) is not None:
+        return int(args.budget)
+    from kvpop.core.config import KVpopConfig
+
+    return KVpopConfig().budget
+
+
+def train_budgets(budget: int, sinks: int, window: int) -> list[int]:
+    """The third stage's tighter training budgets for a served ``budget``: ``sinks + window + max(1, k // d)`` for
+    each divisor ``d`` of :data:`TRAIN_K_DIVISORS` (``k = budget - sinks - window``), distinct and below
+    ``budget``, largest first; none when ``k <= 1``."""
+    k = budget - sinks - window
+    out: list[int] = []
+    for d in TRAIN_K_DIVISORS:
+        b = sinks + window + max(1, k // d)
+        if b < budget and b not in out:
+            out.append(b)
+    return out
 
 
 def parse_budget(text: str | None, steps: int) -> tuple[str, float]:
@@ -174,6 +203,8 @@ def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_mod
                     "budget": {"unit": unit, "value": budget}, "steps_per_trial": args.steps, "trials": [],
                     "skipped": [], "chosen": None}
     spent = {"steps": 0, "minutes": 0.0, "trained": 0}
+    served = served_budget(args)
+    record["served_budget"] = served
 
     def save() -> None:
         tmp = record_file.with_suffix(".json.tmp")
@@ -207,6 +238,8 @@ def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_mod
             ns.resume = (d / "last.pt").exists()
             for k, v in settings.items():
                 setattr(ns, k, v)
+            ns.budget = settings.get("train_budget") or served  # trained at; scored at `served` all the same
+            vars(ns).pop("train_budget", None)
             if ns.allocate is None:
                 ns.valid_data = ns.valid_sequences = None
             rc = train(ns)
@@ -242,8 +275,10 @@ def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_mod
            else {"settings": {"label": labels[0]}})
     start = {**lab["settings"], "decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
              "target_source": given.get("target_source", "student")}
-    best = stage("lr_scorer", start, [{"lr_scorer": lr}
-                                      for lr in options("lr_scorer", [lr_scorer * f for f in LR_FACTORS])], True, None)
+    best = stage("lr_scorer", {**start, "train_budget": None},
+                 [{"lr_scorer": lr} for lr in options("lr_scorer", [lr_scorer * f for f in LR_FACTORS])], True, None)
+    best = stage("train_budget", best["settings"],
+                 [{"train_budget": b} for b in train_budgets(served, args.sinks, args.window)], True, best)
     if "decay_nats" not in given:
         best = stage("decay", best["settings"], [{"decay_nats": DECAY_NATS}], True, best)
     if "allocate" not in given:
@@ -252,7 +287,7 @@ def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_mod
         best = stage("target_source", best["settings"], [{"target_source": "teacher"}], True, best)
     record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
     save()
-    _adopt(out, out / best["dir"])
+    _adopt(out, out / best["dir"], served)
     log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
         f"{len(record['trials'])} trials, {spent['steps']} trained steps; the run is {out}")
     return record
@@ -266,8 +301,10 @@ class _Stopped(Exception):
         self.rc = rc
 
 
-def _adopt(out: Path, trial: Path) -> None:
-    """The chosen trial's run files (:data:`RUN_FILES`) into ``out``, replacing those of an earlier choice."""
+def _adopt(out: Path, trial: Path, budget: int) -> None:
+    """The chosen trial's run files (:data:`RUN_FILES`) into ``out``, replacing those of an earlier choice; a trial
+    trained at another budget has its scorer file (and ``head_budgets.json``) written at ``budget``, the one every
+    trial was scored at, so that ``OUT`` serves it with no other flag."""
     for name in RUN_FILES:
         dst = out / name
         if dst.is_dir():
@@ -279,3 +316,29 @@ def _adopt(out: Path, trial: Path) -> None:
             shutil.copytree(src, dst)
         elif src.exists():
             shutil.copy2(src, dst)
+    _serve_at(out, budget)
+
+
+def _serve_at(out: Path, budget: int) -> None:
+    """Rewrite ``out``'s scorer file for ``budget`` (:func:`kvpop.core.budgets.rescale`: uniform rows take the new
+    budget; head-adaptive rows are shared anew by the importance in ``head_budgets.json``, which is rewritten with
+    them); nothing when the file is at ``budget`` already."""
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets, rescale, write_head_budgets
+    from kvpop.core.checkpoint import read_scorer_config, rewrite_scorer_config
+
+    f = out / "scorers.safetensors"
+    if not f.is_file():
+        return
+    cfg = read_scorer_config(f)
+    if cfg.budget == budget:
+        return
+    plan = read_head_budgets(out / HEAD_BUDGETS_FILE) if cfg.head_budgets is not None else None
+    new = rescale(cfg, budget, importance=None if plan is None else plan.get("importance"),
+                  min_k=0 if plan is None else plan.get("min_k", 0),
+                  granularity=1 if plan is None else plan.get("granularity", 1))
+    rewrite_scorer_config(f, new)
+    if plan is not None:
+        extra = {k: v for k, v in plan.items()
+                 if k not in ("head_budgets", "budget", "importance", "min_k", "granularity")}
+        write_head_budgets(out / HEAD_BUDGETS_FILE, new.head_budgets, importance=plan.get("importance"),
+                           min_k=plan.get("min_k", 0), granularity=plan.get("granularity", 1), **extra)

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from tiny import tiny_model  # noqa: E402
 
 from kvpop.cli import main  # noqa: E402
-from kvpop.training.auto import PAPER, apply_preset, oracle_excess, parse_budget  # noqa: E402
+from kvpop.training.auto import PAPER, apply_preset, oracle_excess, parse_budget, train_budgets  # noqa: E402
 
 # the shipped tiny model on the task at S = 96 > budget 32; two validation sequences
 QUICK = ["--auto", "--task", "--seq-len", "96", "--budget", "32", "--sinks", "2", "--window", "8",
@@ -46,7 +46,8 @@ def test_auto_writes_a_selection_and_a_run_kvpop_eval_serves(searched, tmp_path)
     assert all(0.0 <= t["score"] <= 1.0 for t in trained)
     best = min(trained, key=lambda t: t["score"])
     assert rec["chosen"]["settings"] == best["settings"] and rec["chosen"]["score"] == best["score"]
-    assert [s["stage"] for s in rec["skipped"]][:1] == ["decay"]  # the budget was spent before the third trial
+    assert [s["stage"] for s in rec["skipped"]][:1] == ["lr_scorer"]  # the budget was spent before the third trial
+    assert rec["skipped"][0]["settings"]["lr_scorer"] == 1e-2 and rec["served_budget"] == 32
     # OUT is the chosen trial's run: its scorers, and kvpop eval --run takes it with no other flag
     assert (searched / "scorers.safetensors").read_bytes() == \
         (searched / best["dir"] / "scorers.safetensors").read_bytes()
@@ -71,8 +72,8 @@ def test_resume_continues_without_repeating_a_finished_trial(searched, tmp_path,
     trials = _trials(out)
     assert {t["dir"]: (out / t["dir"] / "trial.json").stat().st_mtime_ns for t in trials
             if t["dir"] in before} == before  # none trained or scored again
-    assert [t["stage"] for t in trials if t["steps"]] == ["lr_scorer", "lr_scorer", "decay"]
-    assert trials[-1]["settings"]["decay_nats"] == 8.0
+    assert [t["stage"] for t in trials if t["steps"]] == ["lr_scorer", "lr_scorer", "lr_scorer"]
+    assert trials[-1]["settings"]["lr_scorer"] == 1e-2
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -101,6 +102,63 @@ def test_auto_refusals_outside_the_task(tmp_path):
               "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit, match="--auto-budget 40 is the budget of --auto"):
         main(["train", "--task", "--auto-budget", "40", "--out", str(tmp_path / "o")])
+
+
+def test_train_budgets_are_tighter_than_the_served_one():
+    assert train_budgets(128, 4, 32) == [4 + 32 + 23, 4 + 32 + 5]  # k = 92: k // 4, k // 16
+    assert train_budgets(64, 4, 32) == [4 + 32 + 7, 4 + 32 + 1]  # k = 28: k // 16 = 1 slot
+    assert train_budgets(40, 4, 32) == [4 + 32 + 1]  # k = 4: one candidate (k // 4 = k // 16 -> 1)
+    assert train_budgets(37, 4, 32) == []  # k = 1: nothing tighter
+
+
+@pytest.mark.parametrize("allocate", [False, True])
+def test_a_run_trained_tighter_is_adopted_at_the_served_budget(tmp_path, allocate):
+    """The chosen trial trained at budget 15 is served at the search's budget 32: its scorer file says 32 (the
+    weights unchanged), head-adaptive rows are shared anew by their importance and written beside it."""
+    from safetensors.torch import load_file
+
+    from kvpop.core.budgets import read_head_budgets
+    from kvpop.core.checkpoint import read_scorer_config
+    from kvpop.training.auto import _adopt
+
+    trial, out = tmp_path / "trial", tmp_path / "out"
+    extra = ["--allocate", "ablation", "--valid-sequences", "1"] if allocate else []
+    assert main(["train", "--task", "--seq-len", "96", "--budget", "15", "--sinks", "2", "--window", "8", "--steps",
+                 "1", "--no-train-model", "--no-progress", *extra, "--out", str(trial)]) == 0
+    out.mkdir()
+    _adopt(out, trial, 32)
+    got, trained = read_scorer_config(out / "scorers.safetensors"), read_scorer_config(trial / "scorers.safetensors")
+    assert trained.budget == 15 and got.budget == 32
+    assert got.replace(budget=15, head_budgets=trained.head_budgets) == trained  # nothing else changed
+    a, b = load_file(str(out / "scorers.safetensors")), load_file(str(trial / "scorers.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    if allocate:
+        rows = got.head_budgets
+        assert sum(map(sum, rows)) == 32 * len(rows) * len(rows[0]) and rows != trained.head_budgets
+        plan = read_head_budgets(out / "head_budgets.json")
+        assert [tuple(r) for r in plan["head_budgets"]] == [tuple(r) for r in rows]
+        assert plan["importance"] == read_head_budgets(trial / "head_budgets.json")["importance"]
+    else:
+        assert got.head_budgets is None
+    _adopt(out, trial, 15)  # adopted again at its own budget: the trial's file as it is
+    assert (out / "scorers.safetensors").read_bytes() == (trial / "scorers.safetensors").read_bytes()
+
+
+def test_rewrite_scorer_config_refuses_another_structure(tmp_path):
+    from kvpop.core.checkpoint import read_scorer_config, rewrite_scorer_config
+
+    f = tmp_path / "s.safetensors"
+    m = tiny_model()
+    import kvpop
+
+    kvpop.patch(m, sinks=2, window=8, budget=16)
+    kvpop.save_scorers(m, f)
+    with pytest.raises(ValueError, match="scorer_hidden"):
+        rewrite_scorer_config(f, read_scorer_config(f).replace(scorer_hidden=7))
+    with pytest.raises(TypeError, match="KVpopConfig"):
+        rewrite_scorer_config(f, {"budget": 3})
+    rewrite_scorer_config(f, read_scorer_config(f).replace(budget=20))
+    assert read_scorer_config(f).budget == 20
 
 
 def test_parse_budget():
