@@ -20,6 +20,18 @@ def test_scores_a_joint_run_on_the_fresh_test_seeds(tmp_path, monkeypatch, capsy
     assert "kvpop-mlp-joint L=2048 B=128: accuracy" in capsys.readouterr().out
 
 
+def test_scores_a_lookahead_run_on_its_test_seeds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    run = tmp_path / "run"
+    assert kvpop_main(["train", "--task", "lookahead", "--seq-len", "512", "--budget", "40", "--sinks", "4",
+                       "--window", "32", "--lr-model", "1e-4", "--steps", "1", "--no-progress", "--out", str(run)]) == 0
+    assert T.main(["--task", "lookahead", "--run", str(run), "--out", str(tmp_path / "test"), "--n-test", "1"]) == 0
+    res = json.loads((tmp_path / "test" / "test_results.json").read_text())
+    kv = {(r["length"], r["budget"]) for r in res["rows"] if r["policy"] == "kvpop-mlp-joint"}
+    assert kv == {(512, 64), (1024, 64)}  # the lookahead ledger's lengths and headline budget
+    assert "kvpop-mlp-joint L=512 B=64: accuracy" in capsys.readouterr().out
+
+
 def test_refuses_a_directory_without_a_joint_run(tmp_path):
     with pytest.raises(SystemExit, match="needs a joint run's scorers.safetensors and model/"):
         T.main(["--run", str(tmp_path), "--out", str(tmp_path / "o")])
