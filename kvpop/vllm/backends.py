@@ -35,7 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
-from . import slots
+from . import quantized, slots
 
 __all__ = ["KVpopCPUBackend", "KVpopCPUImpl", "KVpopTritonBackend", "KVpopTritonImpl"]
 
@@ -46,9 +46,7 @@ class _FixedBudgetImpl:
     _kvpop_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _check_supported(self) -> None:
-        if self.kv_cache_dtype != "auto":
-            raise NotImplementedError(f"kvpop serves unquantised KV caches only, got kv_cache_dtype="
-                                      f"{self.kv_cache_dtype!r}")
+        quantized.check_cache_dtype(self.kv_cache_dtype, cpu=isinstance(self, CPUAttentionBackendImpl))
         no_window = getattr(self, "sliding_window", None) in (None, -1, (-1, -1))
         if not no_window or getattr(self, "alibi_slopes", None) is not None:
             raise NotImplementedError("kvpop layers have no sliding window or ALiBi of their own")
@@ -142,6 +140,11 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
         self._check_supported()
         nb, hkv, bs, _ = kv_cache.shape
         region_k, region_v = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
+        if self.kv_cache_dtype != "auto":  # fp8 codes, a scale per slot: kvpop's own write and attention
+            tk, tv = quantized.cpu_block_layout(layer.isa, bs, self.head_size)
+            quantized.cpu_forward(self, layer, _logical(region_k, tk), _logical(region_v, tv), query, key, value,
+                                  prio, meta, output)
+            return
         tk, tv = _cpu_block_layout(layer.isa, kv_cache.dtype, bs, self.head_size)
         K, V = _logical(region_k, tk), _logical(region_v, tv)
         B = layer.kvpop_budget

@@ -32,6 +32,7 @@ from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, _resolve_l
 from kvpop import KVpopLayer
 from kvpop.core.priority import priority
 
+from .quantized import check_cache_dtype
 from .settings import Settings, resolve
 from .slots import PackedSlots
 from .spec import FixedBudgetSpec
@@ -174,6 +175,7 @@ class KVpopQwen3ForCausalLM(Qwen3ForCausalLM):
         nn.Module.__init__(self)
         config = vllm_config.model_config.hf_config
         self.kvpop_settings = resolve(config)  # fails early, with the reason, on a bad setting
+        check_cache_dtype(vllm_config.cache_config.cache_dtype, cpu=current_platform.is_cpu())
         if vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("kvpop's fixed-budget cache cannot share prefix blocks (their content depends on what "
                              "was evicted): start vLLM with enable_prefix_caching=False / --no-enable-prefix-caching")

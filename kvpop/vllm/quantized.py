@@ -1,0 +1,245 @@
+"""fp8 KV caches for kvpop layers: vLLM's ``kv_cache_dtype="fp8"`` with one scale per slot and KV head.
+
+vLLM allocates an fp8 cache as bytes (``torch.uint8``, one byte per key or value element), and its own fp8
+(``FP8_PER_TENSOR``) dequantises with one scalar ``k_scale`` / ``v_scale`` per layer.  kvpop stores in that
+very tensor the codes of ``KVpopCache(kv_dtype="fp8")`` (``kvpop_kernels.layout.quantize``: float8 e4m3fn,
+``code = x / scale`` rounded to nearest even, ``scale = max |x| / 448`` per token and KV head), in the bytes
+and the in-block order vLLM's CPU_ATTN uses for fp8, and keeps the per-slot scales in two more side tables
+``[num_blocks, rows, bs]`` float32 beside the positions and priorities.  A token leaving the window moves
+into a long-range slot with its codes and its scales (no requantisation); a slot is read as
+``codes * scale`` in float32 and the decode attention is kvpop's own (vLLM's kernel takes one scale per
+layer), for uniform and head-adaptive (packed) budgets alike.  The layers' ``k_scale`` / ``v_scale`` are
+not used.  docs/DESIGN.md section 5 and docs/vllm.md give the bytes and the tolerance.
+
+Nothing here imports vLLM at module level (only :func:`cpu_block_layout`, when called).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvpop_kernels.layout import quantize, slot_of
+
+from . import slots
+
+__all__ = ["KV_CACHE_DTYPES", "kv_dtype_of", "check_cache_dtype", "scale_tables", "decode_step", "read_slots",
+           "decode_attention", "extend", "cpu_block_layout", "cpu_forward"]
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""The ``kv_cache_dtype`` values kvpop layers take: ``auto`` (the model's dtype) and vLLM's two names of
+float8 e4m3 (``fp8`` is ``fp8_e4m3`` in vLLM)."""
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def kv_dtype_of(kv_cache_dtype) -> str | None:
+    """kvpop's ``kv_dtype`` for a vLLM ``kv_cache_dtype``: ``None`` for ``"auto"``, ``"fp8"`` for ``"fp8"`` /
+    ``"fp8_e4m3"``; ``ValueError`` naming the value for anything else (vLLM has no plain int8 cache dtype;
+    ``fp8_e5m2``, the per-token-head and 4-bit formats are other encodings than kvpop's)."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kvpop layers serve kv_cache_dtype in {list(KV_CACHE_DTYPES)} (fp8: float8 e4m3 with one "
+                         f"scale per slot and KV head, as KVpopCache(kv_dtype='fp8')), got {kv_cache_dtype!r}")
+    return None if kv_cache_dtype == "auto" else "fp8"
+
+
+def check_cache_dtype(kv_cache_dtype, *, cpu: bool) -> str | None:
+    """:func:`kv_dtype_of`, and fp8 refused off the CPU backend (``NotImplementedError``: the GPU backend's fp8
+    path is not written)."""
+    kv_dtype = kv_dtype_of(kv_cache_dtype)
+    if kv_dtype is not None and not cpu:
+        raise NotImplementedError(f"kvpop serves kv_cache_dtype={kv_cache_dtype!r} on the CPU backend only; the GPU "
+                                  f"backend takes kv_cache_dtype='auto'")
+    return kv_dtype
+
+
+_SCALES: dict = {}
+"""Per-slot scale tables of each fp8 cache, by the address of its first byte and its device (the layers of a
+packed block share one cache tensor, so they share these too)."""
+
+
+def scale_tables(K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_scale, v_scale)`` ``[num_blocks, rows, bs]`` float32 of the cache ``K`` (a logical view
+    ``[num_blocks, rows, bs, D]``), allocated on first use.  A slot past a request's ``min(n, B_h)`` holds a
+    stale scale that is never read."""
+    nb, rows, bs, _ = K.shape
+    key = (K.data_ptr(), K.device)  # layers may hold views of one buffer: the view's own address
+    t = _SCALES.get(key)
+    if t is None or t[0].shape != (nb, rows, bs):
+        t = _SCALES[key] = (torch.zeros(nb, rows, bs, dtype=torch.float32, device=K.device),
+                            torch.zeros(nb, rows, bs, dtype=torch.float32, device=K.device))
+    return t
+
+
+def _codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes as bytes, scale)`` of ``x [..., D]`` (kvpop's fp8 quantiser)."""
+    q, s = quantize(x, "fp8")
+    return q.view(torch.uint8), s
+
+
+def _dequant(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[..., D]`` of float8 e4m3fn codes times ``scale [...]``, float32."""
+    return codes.view(_FP8).float() * scale[..., None]
+
+
+class _Dense(slots.UniformSlots):
+    """Head ``h``'s slot ``j`` at ``(table[j // bs], h, j % bs)`` of a dense copy, with the heads' own budgets."""
+
+    def __init__(self, budgets) -> None:
+        self.budgets = tuple(int(b) for b in budgets)
+
+
+def _addresses(layout, table: torch.Tensor, bs: int):
+    """Physical addresses ``[N, Hkv, Bmax]`` of every head's slots ``[0, Bmax)`` of the requests of ``table``
+    (a padded slot ``j >= B_h`` addresses the head's last slot), and ``(j [Bmax], budgets [Hkv])``."""
+    dev = table.device
+    b = torch.tensor(layout.budgets, dtype=torch.long, device=dev)
+    j = torch.arange(int(b.max()), device=dev)
+    sl = torch.minimum(j[None, :], b[:, None] - 1)  # [Hkv, Bmax]
+    n, hkv = table.shape[0], b.numel()
+    heads = torch.arange(hkv, device=dev)[None, :, None].expand(n, hkv, j.numel())
+    return layout.addr(table, heads, sl[None].expand(n, -1, -1), bs), j, b
+
+
+@torch.no_grad()
+def decode_step(K, V, k_scale, v_scale, slot_pos, slot_prio, block_table, pos, k_new, v_new, p_new, *, sinks: int,
+                window: int, layout) -> None:
+    """:func:`slots.decode_step` on fp8 codes (``K, V`` byte views of the cache): the new token is quantised
+    per KV head, the token leaving the window moves with its codes and its scales."""
+    s, w = sinks, window
+    bs = K.shape[2]
+    N, hkv = p_new.shape
+    dev = K.device
+    pos = pos.long().clamp(min=0)
+    kq, ks = _codes(k_new)
+    vq, vs = _codes(v_new)
+    heads = torch.arange(hkv, device=dev)[None, :].expand(N, hkv)
+    at = layout.addr(block_table, heads, slot_of(pos, sinks=s, window=w)[:, None].expand(N, hkv), bs)
+    ks_leave, vs_leave = k_scale[at], v_scale[at]  # the scales of the token about to leave the window
+    slots.decode_step(K, V, slot_pos, slot_prio, block_table, pos, kq, vq, p_new, sinks=s, window=w, layout=layout)
+    if max(layout.budgets) > s + w:  # where the leaving token went: the long-range slot holding its position now
+        (blk, row, off), j, b = _addresses(layout, block_table, bs)
+        lr = (j >= s + w)[None, None] & (j[None, None] < b[None, :, None]) & (j[None, None] <= pos[:, None, None])
+        t_leave = pos - w
+        hit = lr & (slot_pos[blk, row, off].long() == t_leave[:, None, None]) & (t_leave >= s)[:, None, None]
+        jj = hit.float().argmax(dim=-1, keepdim=True)
+        dst = tuple(x.gather(2, jj).squeeze(2) for x in (blk, row, off))
+        moved = hit.any(dim=-1)
+        k_scale[dst] = torch.where(moved, ks_leave, k_scale[dst])
+        v_scale[dst] = torch.where(moved, vs_leave, v_scale[dst])
+    k_scale[at] = ks
+    v_scale[at] = vs
+
+
+def read_slots(K, V, k_scale, v_scale, table, layout) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Every head's slots ``[0, Bmax)`` of the requests of ``table [N, nb]``, dequantised: ``K, V [N, Hkv, Bmax,
+    D]`` float32, and the layout that reads them as blocks of ``Bmax`` slots (block table ``arange(N)``)."""
+    at, _, _ = _addresses(layout, table, K.shape[2])
+    return _dequant(K[at], k_scale[at]), _dequant(V[at], v_scale[at]), _Dense(layout.budgets)
+
+
+@torch.no_grad()
+def decode_attention(K, V, k_scale, v_scale, block_table, pos, q, *, layout, scale: float) -> torch.Tensor:
+    """:func:`slots.decode_attention` over the dequantised slots (float32, fixed shapes)."""
+    kk, vv, dense = read_slots(K, V, k_scale, v_scale, block_table, layout)
+    j = torch.arange(kk.shape[2], device=kk.device)
+    b = torch.tensor(layout.budgets, device=kk.device)
+    held = (j[None, None] < torch.minimum(pos.long().clamp(min=0)[:, None] + 1, b[None]).unsqueeze(-1))[..., None]
+    kk, vv = kk.where(held, 0.0), vv.where(held, 0.0)  # a stale slot's bytes may be a NaN code: never multiplied
+    rows = torch.arange(q.shape[0], device=q.device)[:, None]
+    return slots.decode_attention(kk, vv, rows, pos, q, layout=dense, scale=scale)
+
+
+@torch.no_grad()
+def extend(K, V, k_scale, v_scale, slot_pos, slot_prio, block_row, ctx: int, q, k, v, p, *, sinks: int,
+           window: int, scale: float, layout) -> torch.Tensor:
+    """:func:`slots.extend` of one request on fp8 slots: the chunk attends to its cached slots dequantised and
+    to itself in full precision (as a prompt does in ``KVpopCache``); then every kept chunk token is stored as
+    its codes and scales, and every kept cached token keeps its own (moved, never requantised)."""
+    L, hkv, d = k.shape
+    bs = K.shape[2]
+    (blk, row, off), j, b = _addresses(layout, block_row[None], bs)
+    at = (blk[0], row[0], off[0])  # [Hkv, Bmax]
+    old = (K[at], V[at], k_scale[at], v_scale[at])
+    old_pos = slot_pos[at].long()
+    dense = _Dense(layout.budgets)
+    kk, vv = _dequant(old[0], old[2])[None], _dequant(old[1], old[3])[None]
+    sp, pr = slot_pos[at][None].clone(), slot_prio[at][None].clone()
+    zero = torch.zeros(1, dtype=torch.long, device=K.device)
+    out = slots.extend(kk, vv, sp, pr, zero, ctx, q, k, v, p, sinks=sinks, window=window, scale=scale, layout=dense)
+    new_pos = sp[0].long()
+    live = j[None] < torch.clamp(b, max=ctx + L)[:, None]  # [Hkv, Bmax]: the slots the request holds now
+    fresh = new_pos >= ctx  # a chunk token: its own codes; else a cached one: the codes of its old slot
+    kq, ks = _codes(k.transpose(0, 1))  # [Hkv, L, D], [Hkv, L]
+    vq, vs = _codes(v.transpose(0, 1))
+    ci = (new_pos - ctx).clamp(0, L - 1)
+    cached = j[None] < torch.clamp(b, max=ctx)[:, None]
+    big = torch.iinfo(torch.long).max
+    by_pos, order = torch.where(cached, old_pos, torch.full_like(old_pos, big)).sort(dim=1)
+    src = order.gather(1, torch.searchsorted(by_pos, new_pos.contiguous()).clamp(max=j.numel() - 1))
+    pick = fresh[..., None]
+
+    def take(x, idx):
+        return x.gather(1, idx[..., None].expand(-1, -1, d)) if x.dim() == 3 else x.gather(1, idx)
+
+    new = (torch.where(pick, take(kq, ci), take(old[0], src)), torch.where(pick, take(vq, ci), take(old[1], src)),
+           torch.where(fresh, take(ks, ci), take(old[2], src)), torch.where(fresh, take(vs, ci), take(old[3], src)))
+    dst = (at[0][live], at[1][live], at[2][live])
+    for table, x in zip((K, V, k_scale, v_scale, slot_pos, slot_prio), new + (sp[0], pr[0])):
+        table[dst] = x[live].to(table.dtype)
+    return out
+
+
+@functools.cache
+def cpu_block_layout(isa: str, block_size: int, head_size: int) -> tuple[bool, bool]:
+    """Whether CPU_ATTN's fp8 cache stores keys / values transposed (``[D, bs]``) inside a block, found by
+    writing exactly representable values with vLLM's own fp8 cache write (``k_scale = v_scale = 1``), which
+    also checks that its bytes are float8 e4m3fn's (so kvpop's codes sit where and as vLLM's would)."""
+    from vllm import _custom_ops as ops
+
+    bs, D = block_size, head_size
+    kv = torch.zeros(1, 1, bs, 2 * D, dtype=torch.uint8)
+    kc, vc = kv.view(1, 1, 2 * bs, D).chunk(2, dim=2)
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(1, 127, (2, bs, D), generator=g, dtype=torch.uint8)  # positive, finite e4m3fn bytes
+    codes[:, :, 0] |= 128  # and some negative
+    k, v = (c.view(_FP8).float()[:, None, :] for c in codes)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(bs, dtype=torch.int64), isa, 1.0, 1.0, "fp8")
+    out = []
+    for name, c, stored in (("keys", codes[0], kc), ("values", codes[1], vc)):
+        flat = stored.reshape(-1)
+        if torch.equal(flat, c.reshape(-1)):
+            out.append(False)
+        elif torch.equal(flat, c.t().reshape(-1)):
+            out.append(True)
+        else:
+            raise NotImplementedError(f"kvpop: CPU_ATTN's fp8 {name} for ISA {isa!r} (block {bs}, head {D}) are not "
+                                      f"float8 e4m3fn bytes in a [bs, D] or [D, bs] block; not supported")
+    return out[0], out[1]
+
+
+def cpu_forward(impl, layer, K, V, query, key, value, prio, meta, output) -> None:
+    """One forward of a kvpop layer on an fp8 cache (CPU_ATTN): decode tokens of every request at once, then
+    prompts and chunks one request at a time; ``K, V`` the byte views ``[num_blocks, rows, bs, D]``."""
+    sp, pr = impl._tables(K, layer)
+    ks, vs = scale_tables(K)
+    layout = layer.kvpop_layout
+    if layout is None:
+        layout = slots.UniformSlots(layer.kvpop_budget, K.shape[1])
+    where = dict(sinks=layer.kvpop_sinks, window=layer.kvpop_window)
+    qsl = meta.query_start_loc.long()
+    R = qsl.shape[0] - 1
+    qlen = qsl[1:] - qsl[:-1]
+    ctx = meta.seq_lens[:R].long() - qlen
+    bt = meta.block_table[:R]
+    dec = ((qlen == 1) & (ctx > 0)).nonzero().flatten()
+    if dec.numel():
+        tok = qsl[dec]
+        decode_step(K, V, ks, vs, sp, pr, bt[dec], ctx[dec], key[tok], value[tok], prio[tok], layout=layout, **where)
+        output[tok] = decode_attention(K, V, ks, vs, bt[dec], ctx[dec], query[tok], layout=layout,
+                                       scale=impl.scale).to(output.dtype)
+    q_host, ctx_host = qsl.tolist(), ctx.tolist()
+    for r in ((qlen > 1) | ((qlen == 1) & (ctx == 0))).nonzero().flatten().tolist():
+        a, e = q_host[r], q_host[r + 1]
+        output[a:e] = extend(K, V, ks, vs, sp, pr, bt[r], ctx_host[r], query[a:e], key[a:e], value[a:e], prio[a:e],
+                             scale=impl.scale, layout=layout, **where).to(output.dtype)

@@ -1,0 +1,85 @@
+"""kvpop served by vLLM with ``kv_cache_dtype="fp8"`` against transformers + ``KVpopCache(kv_dtype="fp8")``.
+
+The engines of tests/vllm/test_vllm_engine.py (its helpers and scorer file; the shipped tiny Qwen3, float32,
+``B = 64``, sinks 4, window 32, blocks of 32 slots), eager, whole prompts in one step, with vLLM's fp8 cache:
+kvpop stores in it the codes of ``KVpopCache(kv_dtype="fp8")`` with their per-slot scales beside it
+(:mod:`kvpop.vllm.quantized`).  Oracle: greedy tokens equal, log-probabilities within ``FP8_TOL``
+(docs/vllm.md states it: the same codes; what differs is the order of float32 sums, and a code that the two
+paths' keys, equal to about 1e-7, put on either side of an fp8 rounding boundary).
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.entrypoints.llm")
+
+import test_vllm_engine as base  # noqa: E402  (this directory is on the test path)
+import torch  # noqa: E402
+
+import kvpop  # noqa: E402
+
+_cpu_engine_env = base._cpu_engine_env  # the engine module's fixtures, by name in this module
+scorer_file = base.scorer_file
+
+FP8_TOL = 1e-4
+LENGTHS, NEW = (7, 60, 300), 120
+HEAD_BUDGETS = ((40, 88), (56, 72))  # 2 layers x 2 KV heads, mean 64 (the uniform total), each >= sinks + window
+
+
+def reference_fp8(scorers: str, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and log-probabilities of transformers + ``KVpopCache(kv_dtype="fp8")``."""
+    base.reference(scorers, "kvpop", ids[:1], 1)  # loads the model with the scorers
+    m = base._REF_MODELS[base.MODEL, scorers]
+    with torch.no_grad():
+        out = m.generate(torch.tensor([ids]), past_key_values=kvpop.KVpopCache(m, policy="kvpop", kv_dtype="fp8"),
+                         max_new_tokens=n, do_sample=False, pad_token_id=0, output_scores=True,
+                         return_dict_in_generate=True)
+    gen = out.sequences[0, len(ids):].tolist()
+    return gen, [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, gen)]
+
+
+def _equal(got, want, what) -> float:
+    (toks, lps), (rtoks, rlps) = got, want
+    first = next((i for i, (a, b) in enumerate(zip(toks, rtoks)) if a != b), None)
+    assert toks == rtoks, f"{what}: first differing token at {first} of {len(rtoks)}"
+    worst = max(abs(a - b) for a, b in zip(lps, rlps))
+    assert worst <= FP8_TOL, f"{what}: log-probabilities differ by up to {worst:.3g}"
+    return worst
+
+
+def _fp8_engine(scorers):
+    return base.engine(scorers, "kvpop", kv_cache_dtype="fp8", enforce_eager=True, max_num_batched_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def head_budget_scorers(tmp_path_factory):
+    """A scorer file with head-adaptive budgets (seeded MLP scorers of the shipped model)."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(1)
+    m = Qwen3ForCausalLM.from_pretrained(base.MODEL, dtype=torch.float32)
+    kvpop.patch(m, sinks=base.SINKS, window=base.WINDOW, budget=base.BUDGET, scorer="mlp", head_budgets=HEAD_BUDGETS)
+    path = tmp_path_factory.mktemp("hb_fp8") / "scorers.safetensors"
+    kvpop.save_scorers(m, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("layout", ["uniform", "head-adaptive"])
+def test_fp8_engine_equals_transformers_fp8(layout, scorer_file, head_budget_scorers):
+    """Prompts of 7, 60 and 300 tokens, 120 new tokens each, three requests at once in vLLM's fp8 cache: greedy
+    tokens equal transformers + KVpopCache(kv_dtype="fp8")'s, log-probabilities within FP8_TOL; the pool holds
+    4x the blocks of the float32 cache in the same VLLM_CPU_KVCACHE_SPACE (1 GiB)."""
+    scorers = scorer_file if layout == "uniform" else head_budget_scorers
+    llm = _fp8_engine(scorers)
+    try:
+        cfg = llm.llm_engine.vllm_config
+        blocks = cfg.cache_config.num_gpu_blocks
+        prompts = [base.prompt(n, seed=20 + i) for i, n in enumerate(LENGTHS)]
+        got = base.generate(llm, prompts, NEW)
+    finally:
+        base._close(llm)
+    # float32 pages of 2 layers x 2 KV heads x 32 slots x (32 + 32) elements: 1 GiB holds 32,768 of them
+    assert cfg.cache_config.cache_dtype == "fp8" and blocks == 4 * 32768, blocks
+    worst = [_equal(g, reference_fp8(scorers, p, NEW), f"fp8 {layout}, prompt of {len(p)}") for p, g in
+             zip(prompts, got)]
+    print(f"fp8 {layout}: {blocks} blocks of {base.BLOCK}; worst log-probability difference per prompt {worst}")
