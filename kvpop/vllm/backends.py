@@ -35,7 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
-from . import quantized, slots
+from . import quantized, recurrent, slots
 
 __all__ = ["KVpopCPUBackend", "KVpopCPUImpl", "KVpopTritonBackend", "KVpopTritonImpl"]
 
@@ -71,14 +71,82 @@ class _FixedBudgetImpl:
             return {"layout": layer.kvpop_layout}
         return {"budget": layer.kvpop_budget}
 
-    def _extend_rows(self, layer, rows, qsl, ctx, bt, query, key, value, prio, K, V, output) -> None:
-        """The prompt/chunk path, one request at a time (host-side bookkeeping; runs eagerly)."""
+    def _extend_rows(self, layer, rows, qsl, ctx, bt, query, key, value, prio, K, V, output, *, k_pre=None,
+                     state=None) -> None:
+        """The prompt/chunk path, one request at a time (host-side bookkeeping; runs eagerly).  With the mLSTM
+        (``state``: :meth:`_state`) the priorities come from each request's state and ``k_pre``."""
         sp, pr = self._tables(K, layer)
         for r in rows:
             a, b = qsl[r], qsl[r + 1]
-            output[a:b] = slots.extend(K, V, sp, pr, bt[r], ctx[r], query[a:b], key[a:b], value[a:b], prio[a:b],
+            p = prio[a:b] if state is None else self._recurrent_extend(layer, state, r, bt[r], K, V, pr, ctx[r],
+                                                                       k_pre[a:b], value[a:b])
+            output[a:b] = slots.extend(K, V, sp, pr, bt[r], ctx[r], query[a:b], key[a:b], value[a:b], p,
                                        sinks=layer.kvpop_sinks, window=layer.kvpop_window, scale=self.scale,
                                        **self._where(layer)).to(output.dtype)
+
+    # ----------------------------------------------------------- the mLSTM's state (kvpop.vllm.recurrent)
+    @staticmethod
+    def _state(layer, kv_cache: torch.Tensor, bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pages [num_blocks, page floats]``, a float32 view of the KV cache, ``state blocks [R, E])``: the
+        first ``E`` block-table columns of each request hold its mLSTM state (its slots follow)."""
+        if not kv_cache.is_contiguous():
+            raise NotImplementedError(f"kvpop keeps the mLSTM's state in KV-cache pages, which needs a contiguous "
+                                      f"cache; got shape {tuple(kv_cache.shape)}, strides {kv_cache.stride()}")
+        pages = kv_cache.view(kv_cache.shape[0], -1).view(torch.float32)
+        E = recurrent.state_blocks(layer.kvpop_recurrent[0].scorer, pages.shape[1] * 4)
+        return pages, bt[:, :E]
+
+    @staticmethod
+    def _window_addr(layer, table: torch.Tensor, t: torch.Tensor, bs: int):
+        """Physical ``(block, head, offset)`` ``[N, Hkv, m]`` of tokens ``t [N, m]`` while they are sinks or in the
+        window (the uniform layout)."""
+        s, w = layer.kvpop_sinks, layer.kvpop_window
+        slot = torch.where(t < s, t, s + (t - s).clamp(min=0) % w)
+        N, m = t.shape
+        hkv = layer.num_kv_heads
+        heads = torch.arange(hkv, device=t.device)[None, :, None].expand(N, hkv, m)
+        return slots.UniformSlots(layer.kvpop_budget, hkv).addr(table, heads, slot[:, None].expand(N, hkv, m), bs)
+
+    def _recurrent_decode(self, layer, state, rows, bt, V, pos, k_pre, value, valid=None):
+        """``(p_new, p_leave)`` ``[N, Hkv]`` of one decode token per request ``rows`` (fixed shapes, no host read;
+        rows not ``valid`` use block 0, vLLM's null block): the mLSTM's state absorbs the token and prices the one
+        leaving the window (its value read from its window slot, which the new token is about to take)."""
+        pages, st = state
+        st = st[rows]
+        if valid is not None:
+            st = torch.where(valid[:, None], st, torch.zeros_like(st))
+            bt = torch.where(valid[:, None], bt, torch.zeros_like(bt))
+        N, E = st.shape
+        idx = st.long().reshape(-1)
+        flat = pages[idx].view(N, -1)
+        t = (pos.long() - layer.kvpop_window).clamp(min=0)
+        v_leave = V[self._window_addr(layer, bt, t[:, None], V.shape[2])].squeeze(2)
+        sc = layer.kvpop_recurrent[0]
+        p_leave = recurrent.decode_priorities(sc.scorer, sc.log_gamma(), flat, pos, k_pre, value, v_leave)
+        pages[idx] = flat.view(N * E, -1)
+        return torch.zeros_like(p_leave), p_leave
+
+    def _recurrent_extend(self, layer, state, r: int, bt_row, K, V, pr, ctx: int, k_pre, value) -> torch.Tensor:
+        """The priorities ``[n, Hkv]`` of a prompt or chunk of request ``r`` after ``ctx`` tokens: those of the chunk's
+        tokens that leave the window within it; those of the cached window tokens that do are written into the
+        priority table at their slots (the others are read only once they leave, and stay 0)."""
+        pages, st = state
+        idx = st[r].long()
+        w, n = layer.kvpop_window, k_pre.shape[0]
+        flat = pages[idx].view(1, -1)
+        tw = torch.arange(ctx - min(w, ctx), ctx, device=K.device)
+        v_win = V[self._window_addr(layer, bt_row[None], tw[None], V.shape[2])][0]  # [Hkv, nw, D]
+        sc = layer.kvpop_recurrent[0]
+        p_t = recurrent.extend_priorities(sc.scorer, sc.log_gamma(), flat, ctx, k_pre, value, v_win)
+        pages[idx] = flat.view(idx.numel(), -1)
+        lo = max(0, ctx - w)
+        n_old = max(0, min(ctx, ctx + n - w) - lo)  # cached tokens leaving in this chunk: [lo, lo + n_old)
+        if n_old:
+            t_old = torch.arange(lo, lo + n_old, device=K.device)
+            pr[self._window_addr(layer, bt_row[None], t_old[None], K.shape[2])] = p_t[None, :, :n_old]
+        p = torch.zeros(n, p_t.shape[0], dtype=torch.float32, device=K.device)
+        p[: p_t.shape[1] - n_old] = p_t[:, n_old:].T
+        return p
 
     def _packed_decode(self, layer, K, V, bt, pos, query, key, value, prio, valid=None) -> torch.Tensor:
         """Eviction, write and attention of one token per request in the packed layout (fixed shapes)."""
@@ -131,7 +199,7 @@ def _logical(region: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
-    def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output) -> None:
+    def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output, k_pre=None) -> None:
         if meta is None:  # warm-up / profiling run
             return
         from vllm import _custom_ops as ops
@@ -153,6 +221,10 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
         qlen = qsl_t[1:] - qsl_t[:-1]
         ctx = meta.seq_lens[:R].long() - qlen
         bt = meta.block_table[:R]
+        state = None
+        if layer.kvpop_recurrent:  # the mLSTM's state pages come first in each request's block-table row
+            state = self._state(layer, kv_cache, bt)
+            bt = bt[:, state[1].shape[1]:]
         dec = ((qlen == 1) & (ctx > 0)).nonzero().flatten()
         if dec.numel() and layer.kvpop_layout is not None:
             tok = qsl_t[dec]
@@ -161,8 +233,10 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
         elif dec.numel():
             sp, pr = self._tables(K, layer)
             tok = qsl_t[dec]
-            slots.decode_step(K, V, sp, pr, bt[dec], ctx[dec], key[tok], value[tok], prio[tok],
-                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B)
+            p_new, p_leave = (prio[tok], None) if state is None else self._recurrent_decode(
+                layer, state, dec, bt[dec], V, ctx[dec], k_pre[tok], value[tok])
+            slots.decode_step(K, V, sp, pr, bt[dec], ctx[dec], key[tok], value[tok], p_new,
+                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B, p_leave=p_leave)
             nd = dec.numel()
             q = query[tok].contiguous()
             out = torch.empty_like(q)
@@ -181,7 +255,8 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
             output[tok] = out
         ext = ((qlen > 1) | ((qlen == 1) & (ctx == 0))).nonzero().flatten().tolist()
         if ext:
-            self._extend_rows(layer, ext, qsl_t.tolist(), ctx.tolist(), bt, query, key, value, prio, K, V, output)
+            self._extend_rows(layer, ext, qsl_t.tolist(), ctx.tolist(), bt, query, key, value, prio, K, V, output,
+                              k_pre=k_pre, state=state)
 
 
 class KVpopCPUBuilder(CPUAttentionMetadataBuilder):
@@ -210,7 +285,7 @@ class KVpopCPUBackend(CPUAttentionBackend):
 class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
     """UNTESTED ON A GPU (no GPU was available when it was written); see the module docstring."""
 
-    def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output) -> None:
+    def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output, k_pre=None) -> None:
         if meta is None:  # profiling run
             output.zero_()
             return
@@ -225,13 +300,20 @@ class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
             output[:R] = self._packed_decode(layer, K, V, meta.block_table[:R], pos, query[:R], key[:R], value[:R],
                                              prio[:R], valid=pos >= 0).to(output.dtype)
             return
+        table, state = meta.block_table, None
+        if layer.kvpop_recurrent:  # the mLSTM's state pages come first in each request's block-table row
+            state = self._state(layer, kv_cache, table)
+            table = table[:, state[1].shape[1]:]
         if meta.max_query_len == 1:  # pure decode: fixed shapes, no host sync (graph capturable)
             sp, pr = self._tables(K, layer)
             pos = meta.seq_lens[:R].long() - 1
             valid = pos >= 0  # padded rows of a graph batch have seq_len 0 (and stale block-table rows)
-            slots.decode_step(K, V, sp, pr, meta.block_table[:R], pos, key[:R], value[:R], prio[:R],
-                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B, valid=valid)
-            clamped = dataclasses.replace(meta, seq_lens=meta.seq_lens.clamp(max=B))
+            p_new, p_leave = (prio[:R], None) if state is None else self._recurrent_decode(
+                layer, state, slice(0, R), table[:R], V, pos.clamp(min=0), k_pre[:R], value[:R], valid=valid)
+            slots.decode_step(K, V, sp, pr, table[:R], pos, key[:R], value[:R], p_new,
+                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B, valid=valid,
+                              p_leave=p_leave)
+            clamped = dataclasses.replace(meta, seq_lens=meta.seq_lens.clamp(max=B), block_table=table)
             self.forward(layer, query, key, value, kv_cache, clamped, output)
             return
         # a prompt or a chunk in the batch: eager, request by request (decode rows too)
@@ -239,7 +321,8 @@ class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
         seq = meta.seq_lens[:R].tolist()
         ctx = [seq[r] - (q_host[r + 1] - q_host[r]) for r in range(R)]
         rows = [r for r in range(R) if q_host[r + 1] > q_host[r]]
-        self._extend_rows(layer, rows, q_host, ctx, meta.block_table, query, key, value, prio, K, V, output)
+        self._extend_rows(layer, rows, q_host, ctx, table, query, key, value, prio, K, V, output, k_pre=k_pre,
+                          state=state)
 
 
 class KVpopTritonBackend(TritonAttentionBackend):

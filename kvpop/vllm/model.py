@@ -59,6 +59,19 @@ direct_register_custom_op(op_name="kvpop_attention", op_func=kvpop_attention, mu
                           fake_impl=_kvpop_attention_fake)
 
 
+@eager_break_during_capture
+def kvpop_attention_recurrent(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pre: torch.Tensor,
+                              output: torch.Tensor, layer_name: LayerNameType) -> None:
+    """The mLSTM scorer's op: ``k_pre [T, Hkv, D]`` the pre-RoPE keys; the backend prices each token when it
+    leaves the window, from the request's state (``kvpop.vllm.recurrent``) -> ``output``."""
+    attn_metadata, layer, kv_cache, _ = get_attention_context(_resolve_layer_name(layer_name))
+    layer.impl.kvpop_forward(layer, query, key, value, None, kv_cache, attn_metadata, output, k_pre=k_pre)
+
+
+direct_register_custom_op(op_name="kvpop_attention_recurrent", op_func=kvpop_attention_recurrent,
+                          mutates_args=["output"], fake_impl=_kvpop_attention_fake)
+
+
 def _backend() -> type:
     from .backends import KVpopCPUBackend, KVpopTritonBackend
 
@@ -95,11 +108,20 @@ class KVpopAttention(Attention):
         self.kvpop_sinks, self.kvpop_window, self.kvpop_budget = c.sinks, c.window, c.budget
         if c.head_budgets is not None:
             self.kvpop_layout = packed_layout(settings, layer_idx, num_layers, self.num_kv_heads)
+        self.kvpop_recurrent: tuple = ()
+        """``(KVpopLayer,)`` for the mLSTM scorer (a tuple: the layer's parameters stay where the model holds
+        them); its state pages sit in front of each request's slots."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # type: ignore[override]
                 prio: torch.Tensor) -> torch.Tensor:
         output = torch.empty(query.shape[0], self.num_heads * self.head_size_v, dtype=query.dtype,
                              device=query.device)
+        if self.kvpop_recurrent:  # prio is the pre-RoPE key: the backend prices tokens as they leave the window
+            torch.ops.vllm.kvpop_attention_recurrent(
+                query.view(-1, self.num_heads, self.head_size), key.view(-1, self.num_kv_heads, self.head_size),
+                value.view(-1, self.num_kv_heads, self.head_size_v), prio,
+                output.view(-1, self.num_heads, self.head_size_v), _encode_layer_name(self.layer_name))
+            return output
         torch.ops.vllm.kvpop_attention(
             query.view(-1, self.num_heads, self.head_size), key.view(-1, self.num_kv_heads, self.head_size),
             value.view(-1, self.num_kv_heads, self.head_size_v), prio,
@@ -110,7 +132,8 @@ class KVpopAttention(Attention):
         base = super().get_kv_cache_spec(vllm_config)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
         if self.kvpop_layout is None:
-            return FixedBudgetSpec(**fields, budget=self.kvpop_budget)
+            state = kvpop_state_blocks(self, base.page_size_bytes)
+            return FixedBudgetSpec(**fields, budget=self.kvpop_budget, state_blocks=state)
         # layer 0 owns the packed block of every layer: pages of L * Hkv rows, ceil(B / bs) of them
         fields["num_kv_heads"] = self.kvpop_layout.rows
         return FixedBudgetSpec(**fields, budget=self.kvpop_budget, whole=True)
@@ -137,6 +160,12 @@ class KVpopQwen3Attention(Qwen3Attention):
         sa.kvpop_settings = settings
         # scorers stay float32 whatever the model's dtype (as kvpop.patch creates them)
         sa.kvpop = KVpopLayer(settings.config, sa.num_kv_heads, sa.head_dim, layer_idx).float()
+        if settings.uses_scorer and settings.config.scorer == "mlstm":
+            dtype = getattr(cache_config, "cache_dtype", "auto")
+            if dtype != "auto":
+                raise ValueError(f"kvpop serves the mLSTM scorer with unquantised KV caches only (its window values "
+                                 f"feed the scorer as the transformers cache holds them), got kv_cache_dtype={dtype!r}")
+            sa.attn.kvpop_recurrent = (sa.kvpop,)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
@@ -145,6 +174,11 @@ class KVpopQwen3Attention(Qwen3Attention):
         q = self.q_norm(q.view(T, -1, self.head_dim)).view(q.shape)
         k_pre = self.k_norm(k.view(T, -1, self.head_dim))  # [T, Hkv, D]: what the scorer reads
         k = k_pre.view(k.shape)
+        if self.attn.kvpop_recurrent:  # the mLSTM: priced in the backend, from the request's state
+            k_pre = k_pre.clone()  # vLLM's rotary embedding may rotate k, a view of k_pre, in place
+            q, k = self.rotary_emb(positions, q, k)
+            output, _ = self.o_proj(self.attn(q, k, v, k_pre))
+            return output
         if self.kvpop_settings.uses_scorer:
             v_heads = v.view(T, self.num_kv_heads, self.head_dim)
             r = self.kvpop.scorer(k_pre.transpose(0, 1)[None], v_heads.transpose(0, 1)[None])[0]  # [Hkv, T]
@@ -206,6 +240,15 @@ class KVpopQwen3ForCausalLM(Qwen3ForCausalLM):
         else:  # streaming: the scorers are never run, their parameters need no values
             loaded |= {f"{name}.{p}" for name, m in layers.items() for p, _ in m.named_parameters()}
         return loaded
+
+
+def kvpop_state_blocks(attn: KVpopAttention, page_bytes: int) -> int:
+    """Pages of the recurrent scorer's state in front of a request's slots (0 without one)."""
+    if not attn.kvpop_recurrent:
+        return 0
+    from .recurrent import state_blocks
+
+    return state_blocks(attn.kvpop_recurrent[0].scorer, page_bytes)
 
 
 def _check_packed(vllm_config, settings: Settings) -> None:

@@ -59,7 +59,8 @@ def resolve(cfg: Any) -> Settings:
     """``Settings`` from a mapping or a config object carrying the ``kvpop_*`` keys.
 
     Raises ``ValueError`` naming the key for: an unknown policy, a ``kvpop`` policy without a scorer
-    file, a missing or foreign file, unknown ``kvpop_config`` fields, an mLSTM scorer (not served yet).
+    file, a missing or foreign file, unknown ``kvpop_config`` fields, an mLSTM scorer with head-adaptive budgets
+    (not served). The MLP and the mLSTM scorer are served (the mLSTM's state: ``kvpop.vllm.recurrent``).
     Head-adaptive budgets (``head_budgets``, from the file or ``kvpop_config``) are served in the packed layout;
     another ``budget`` for a file with them shares the new total by the importance they were allocated from
     (``head_budgets.json`` beside the file, as ``kvpop train --allocate`` writes it), else ``ValueError``.
@@ -84,9 +85,9 @@ def resolve(cfg: Any) -> Settings:
     if scorers is not None and config.structural_mismatch(base):
         raise ValueError(f"kvpop_config changes the scorer's structure ({config.structural_mismatch(base)}); only "
                          f"the cache shape (budget, sinks, window of an MLP scorer) may differ from the file")
-    if policy == "kvpop" and config.scorer != "mlp":
+    if policy == "kvpop" and config.scorer == "mlstm" and config.head_budgets is not None:
         raise ValueError(
-            f"the vLLM plugin serves the MLP scorer only; {scorers} holds an {config.scorer!r} scorer. The mLSTM "
-            f"scorer keeps a recurrent state per request (see docs/vllm.md); serve it with "
-            f"kvpop.KVpopCache in transformers, or use kvpop_policy='streaming'")
+            f"the vLLM plugin serves the mLSTM scorer with uniform budgets only; {scorers} holds an 'mlstm' scorer "
+            f"with head_budgets (its state pages would sit in the packed block that every layer shares: not built); "
+            f"serve it with kvpop.KVpopCache in transformers")
     return Settings(config=config, policy=policy, scorers=None if scorers is None else str(scorers))

@@ -31,6 +31,7 @@ class _Meta:
 class _Layer:
     kvpop_sinks, kvpop_window, kvpop_budget = 2, 4, 12
     kvpop_layout = None  # uniform budgets (kvpop.vllm.model sets a PackedSlots for head-adaptive ones)
+    kvpop_recurrent = ()  # the MLP scorer (the mLSTM: its KVpopLayer, whose state pages lead each table row)
 
 
 def _impl(calls):
@@ -77,3 +78,54 @@ def test_pure_decode_batch_with_a_padded_row():
         assert calls[-1].seq_lens.tolist() == [min(n, 12) for n in seq]
         assert bool((out == 1).all())
     assert len(calls) == 3
+
+
+def test_pure_decode_batch_mlstm_state_pages():
+    """The mLSTM scorer's pure-decode path: each request's state pages lead its block-table row (their count from
+    ``recurrent.state_blocks``); the step equals ``recurrent.decode_priorities`` + ``slots.decode_step`` on the real
+    rows alone, over the rows' slot blocks, with the leaving token's value read from its window slot; a padded row
+    writes into the null block only; the kernel is handed the slot columns of the block table."""
+    from kvpop import KVpopConfig, KVpopLayer
+    from kvpop.vllm import recurrent
+
+    torch.manual_seed(1)
+    hkv, bs, D, hq = 2, 4, 8, 4
+    layer = _Layer()
+    layer.num_kv_heads = hkv
+    sc = KVpopLayer(KVpopConfig(sinks=2, window=4, budget=12, scorer="mlstm", mlstm_dim=4, scorer_hidden=8), hkv, D, 0)
+    layer.kvpop_recurrent = (sc,)
+    E = recurrent.state_blocks(sc.scorer, hkv * bs * 2 * D * 4)
+    nb = 3 * (E + 3) + 2
+    perm = torch.randperm(nb - 1)[: 3 * (E + 3)] + 1  # block 0 is vLLM's null block
+    bt = torch.cat([perm.view(3, E + 3), perm[:E + 3].view(1, E + 3)]).int()  # row 3: padding, a live row's blocks
+    kv = torch.randn(nb, hkv, bs, 2 * D)
+    kv.view(nb, -1)[perm[:E]] = 0.0  # request 0 starts from an empty state (the others from garbage, reset at 0)
+    calls = []
+    impl = _impl(calls)
+    ref_kv = kv.clone()
+    ref_tables = (torch.full((nb, hkv, bs), -1, dtype=torch.int32), torch.full((nb, hkv, bs), float("-inf")))
+    for seq in ([1, 1, 1, 0], *([n, n, n, 0] for n in range(2, 16))):
+        seq_lens = torch.tensor(seq, dtype=torch.int32)
+        q, k, v, k_pre = torch.randn(4, hq, D), torch.randn(4, hkv, D), torch.randn(4, hkv, D), torch.randn(4, hkv, D)
+        meta = _Meta(torch.arange(5, dtype=torch.int32), seq_lens, bt, 1, 16)
+        out = torch.zeros(4, hq, D)
+        impl.kvpop_forward(layer, q, k, v, None, kv, meta, out, k_pre=k_pre)
+        # the same on the three real rows
+        K, V = ref_kv[..., :D], ref_kv[..., D:]
+        pos = seq_lens[:3].long() - 1
+        pages = ref_kv.view(nb, -1)
+        st = bt[:3, :E].long().reshape(-1)
+        flat = pages[st].view(3, -1)
+        t = (pos - 4).clamp(min=0)
+        slot = torch.where(t < 2, t, 2 + (t - 2).clamp(min=0) % 4)
+        v_leave = V[bt[:3, E:].long().gather(1, (slot // bs)[:, None]), torch.arange(hkv)[None], (slot % bs)[:, None]]
+        p_leave = recurrent.decode_priorities(sc.scorer, sc.log_gamma(), flat, pos, k_pre[:3], v[:3], v_leave)
+        pages[st] = flat.view(3 * E, -1)
+        slots.decode_step(K, V, *ref_tables, bt[:3, E:], pos, k[:3], v[:3], torch.zeros(3, hkv), sinks=2, window=4,
+                          budget=12, p_leave=p_leave)
+        live = torch.arange(1, nb)
+        torch.testing.assert_close(kv[live], ref_kv[live], rtol=0, atol=0)
+        sp, pr = impl._kvpop_tables
+        assert torch.equal(sp[live], ref_tables[0][live]) and torch.equal(pr[live], ref_tables[1][live])
+        assert torch.equal(calls[-1].block_table, bt[:, E:])
+    assert len(calls) == 15

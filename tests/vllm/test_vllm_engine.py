@@ -10,7 +10,8 @@ Engines (each costs about a minute to start on 2 cores, so few of them, shared b
   than a chunk continue through the chunk path while other requests decode), a pool of exactly
   ``4 requests x 2 blocks``;
 * ``streaming`` policy, eager, whole prompts in one step: the example of docs/vllm.md;
-* ``vllm serve`` with the plugin on 127.0.0.1, asked over plain HTTP.
+* ``vllm serve`` with the plugin on 127.0.0.1, asked over plain HTTP;
+* head-adaptive budgets and the mLSTM scorer, each a ``kvpop train`` run, with one request preempted.
 """
 from __future__ import annotations
 
@@ -258,18 +259,68 @@ def test_head_budgets_compiled_chunked_preempted(head_budget_run, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process: preempt by hand
     llm = engine(scorers, "kvpop", model=model, enforce_eager=False, max_num_batched_tokens=96, async_scheduling=False,
                  num_gpu_blocks_override=4 * (-(-BUDGET // BLOCK)) + 1)
+    _four_requests_one_preempted(llm, model, scorers, [7, 60, 300, 1200], seed=10, after=40, what="head budgets")
+
+
+def _four_requests_one_preempted(llm, model: str, scorers: str, lengths: list[int], *, seed: int, after: int,
+                                 what: str) -> None:
+    """Four prompts of ``lengths``, 200 new tokens each, the last running request preempted once after ``after``
+    steps; the pool holds all four at once; then the engine is closed and every request's tokens and log-probabilities
+    compared with transformers + KVpopCache's."""
     try:
-        lengths = [7, 60, 300, 1200]
-        prompts = [prompt(n, seed=10 + i) for i, n in enumerate(lengths)]
-        seen = _force_one_preemption(llm, after=40)
+        prompts = [prompt(n, seed=seed + i) for i, n in enumerate(lengths)]
+        seen = _force_one_preemption(llm, after=after)
         with SchedulerSpy(llm) as spy:
             got = generate(llm, prompts, 200)
         assert seen["preempted"] is not None and spy.preempted >= 1
-        assert max(spy.running) == 4, "the pool of 4 x ceil(B / bs) blocks did not hold four requests at once"
+        assert max(spy.running) == 4, "the pool of 4 requests' blocks did not hold four requests at once"
     finally:
         _close(llm)
     for n, g, want in zip(lengths, got, reference_batch(scorers, "kvpop", prompts, 200, model=model)):
-        assert_same(g, want, f"head budgets, prompt of {n}")
+        assert_same(g, want, f"{what}, prompt of {n}")
+
+
+# ----------------------------------------------------------------------------------------- the mLSTM scorer
+@pytest.fixture(scope="module")
+def mlstm_run(tmp_path_factory):
+    """A kvpop-mlstm-joint run of ``kvpop train`` (the mLSTM scorer, model and scorers, two steps): its model/ and
+    scorer file."""
+    out = tmp_path_factory.mktemp("mlstm") / "run"
+    cmd = [sys.executable, "-c", "import sys; from kvpop.cli import main; sys.exit(main())", "train", "--model", MODEL,
+           "--task", "--seq-len", "128", "--steps", "2", "--batch-size", "2", "--budget", str(BUDGET), "--sinks",
+           str(SINKS), "--window", str(WINDOW), "--scorer", "mlstm", "--out", str(out), "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert res.returncode == 0, f"kvpop train failed ({res.returncode}): {res.stderr[-3000:]}"
+    assert kvpop.read_scorer_config(str(out / "scorers.safetensors")).scorer == "mlstm"
+    return str(out / "model"), str(out / "scorers.safetensors")
+
+
+def mlstm_blocks(scorers: str) -> int:
+    """Blocks a request holds with the mLSTM scorer: its state's pages and ``ceil(B / bs)`` of slots."""
+    from kvpop.core.scorers import build_scorer
+    from kvpop.vllm.recurrent import state_blocks
+
+    sc = build_scorer(kvpop.read_scorer_config(scorers), 2, 32)  # the tiny model: 2 KV heads of 32, float32 pages
+    return state_blocks(sc, BLOCK * 2 * 2 * 32 * 4) + -(-BUDGET // BLOCK)
+
+
+@pytest.mark.parametrize("mode", ["compiled, chunked", "eager"])
+def test_mlstm_chunked_preempted(mlstm_run, mode, monkeypatch):
+    """The mLSTM scorer (a ``kvpop train`` run) served compiled with prompts of 7 to 1,200 tokens prefilled in
+    chunks of 96 while others decode (chunk boundaries off the mLSTM's 128-token chunks), and eager with whole
+    prompts; 200 new tokens each, one request preempted mid-decode and recomputed from its prompt and tokens so
+    far: every request's greedy tokens equal transformers + KVpopCache's, log-probabilities within 1e-4; a pool
+    of exactly 4 x (state pages + ceil(B / bs)) blocks holds all four at once (vLLM counts the state pages)."""
+    model, scorers = mlstm_run
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process: preempt by hand
+    per_request = mlstm_blocks(scorers)
+    assert per_request > -(-BUDGET // BLOCK)
+    compiled = mode.startswith("compiled")
+    kw = dict(max_num_batched_tokens=96) if compiled else {}
+    llm = engine(scorers, "kvpop", model=model, enforce_eager=not compiled, async_scheduling=False,
+                 num_gpu_blocks_override=4 * per_request + 1, **kw)
+    _four_requests_one_preempted(llm, model, scorers, [7, 60, 300, 1200] if compiled else [9, 130, 256, 700],
+                                 seed=20, after=40 if compiled else 20, what=f"mLSTM ({mode})")
 
 
 # ------------------------------------------------------------------------- docs/vllm.md / streaming

@@ -22,7 +22,7 @@ def test_vllm_refuses_budget_off_the_head_budgets_total():
         resolve(cfg)
 
 
-def _scorer_file(tmp_path, head_budgets):
+def _scorer_file(tmp_path, head_budgets, scorer="mlp"):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -31,7 +31,7 @@ def _scorer_file(tmp_path, head_budgets):
     torch.manual_seed(0)
     m = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8))
-    kvpop.patch(m, sinks=S, window=W, budget=B, head_budgets=head_budgets)
+    kvpop.patch(m, sinks=S, window=W, budget=B, head_budgets=head_budgets, scorer=scorer)
     path = tmp_path / "scorers.safetensors"
     kvpop.save_scorers(m, path)
     return str(path)
@@ -52,3 +52,12 @@ def test_vllm_head_budgets_at_another_budget_by_their_importance(tmp_path):
     want = rescale(got.replace(budget=B, head_budgets=rows), 30, importance=importance)
     assert got.budget == 30 and got.head_budgets == want.head_budgets != rows
     assert resolve({"kvpop_scorers": path, "kvpop_config": {"budget": B}}).config.head_budgets == rows
+
+
+def test_vllm_serves_the_mlstm_with_uniform_budgets_only(tmp_path):
+    got = resolve({"kvpop_scorers": _scorer_file(tmp_path, None, "mlstm")})
+    assert got.config.scorer == "mlstm" and got.uses_scorer
+    (tmp_path / "hb").mkdir()
+    path = _scorer_file(tmp_path / "hb", [[S + W, 2 * B - S - W], [B, B]], "mlstm")
+    with pytest.raises(ValueError, match="mLSTM scorer with uniform budgets only.*'mlstm' scorer with head_budgets"):
+        resolve({"kvpop_scorers": path})

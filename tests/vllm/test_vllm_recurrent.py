@@ -1,0 +1,120 @@
+"""``kvpop.vllm.recurrent``: the mLSTM scorer's priorities through vLLM's chunks and decode steps (no vLLM needed).
+
+Oracle: the transformers cache's computation of the same tokens, ``ScorerHooks.prompt`` (one full-sequence
+``MLSTMScorer.forward`` of the prompt) then ``ScorerHooks.leaving`` (``MLSTMScorer.decode_leaving`` per step):
+every token's priority when it leaves the window must have the same bits, whatever chunks the prompt is cut
+into (boundaries off the mLSTM's 128-token chunks, a single-token prompt), in whatever batch rows it decodes.
+"""
+import pytest
+import torch
+
+from kvpop.core.priority import priority
+from kvpop.core.scorers import MLSTMScorer
+from kvpop.vllm import recurrent as R
+
+H, D, W = 2, 32, 32
+
+
+def _scorer(seed=0):
+    torch.manual_seed(seed)
+    sc = MLSTMScorer(H, D, W, dim=16, hidden=24)
+    with torch.no_grad():  # a forget gate that forgets: states that differ would show
+        sc.bf.fill_(1.0)
+        sc.wi.mul_(100)
+    return sc, torch.linspace(-0.01, -0.001, H)
+
+
+def _oracle(sc, lg, k, v, prompt):
+    """Priority of each token ``t < S - w`` when it leaves the window, as the transformers cache computes it."""
+    S = k.shape[0]
+    kb, vb = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, S, D]
+    with torch.no_grad():
+        r, state = sc(kb[:, :, :prompt], vb[:, :, :prompt], return_state=True)
+    out = {t: p for t, p in enumerate(priority(r, torch.arange(prompt), lg)[0].T[: max(0, prompt - W)])}
+    for pos in range(prompt, S):
+        t = pos - W
+        with torch.no_grad():
+            rr = sc.decode_leaving(state, kb[:, :, pos], vb[:, :, pos], torch.tensor([pos]),
+                                   kb[:, :, max(t, 0)], vb[:, :, max(t, 0)])
+        if t >= 0:
+            out[t] = priority(rr, torch.tensor([t]), lg)[0]
+    return out
+
+
+def _served(sc, lg, k, v, chunks, flat):
+    """The same through :func:`recurrent.extend_priorities` (the prompt in ``chunks``) and one decode step per
+    token after it, the state living in ``flat [1, F']``."""
+    out, ctx = {}, 0
+    for n in chunks:
+        nw = min(W, ctx)
+        p = R.extend_priorities(sc, lg, flat, ctx, k[ctx:ctx + n], v[ctx:ctx + n], v[ctx - nw:ctx].transpose(0, 1))
+        lo = max(0, ctx - W)
+        assert p.shape == (H, max(0, ctx + n - W - lo))
+        out.update({lo + i: p[:, i] for i in range(p.shape[1])})
+        ctx += n
+    for pos in range(ctx, k.shape[0]):
+        t = max(pos - W, 0)
+        p = R.decode_priorities(sc, lg, flat, torch.tensor([pos]), k[pos][None], v[pos][None], v[t][None])
+        if pos >= W:
+            out[pos - W] = p[0]
+    return out
+
+
+@pytest.mark.parametrize("chunks", [[300], [96, 96, 96, 12], [1], [7], [40, 1, 1, 200, 33, 26], [128, 128, 44]])
+def test_chunks_and_decode_give_the_transformers_bits(chunks):
+    sc, lg = _scorer()
+    S = 420
+    torch.manual_seed(1)
+    k, v = torch.randn(S, H, D), torch.randn(S, H, D)
+    want = _oracle(sc, lg, k, v, sum(chunks))
+    flat = torch.randn(1, R.state_floats(sc) + 5)  # stale garbage of an earlier owner, and a page's tail
+    got = _served(sc, lg, k, v, chunks, flat)
+    assert sorted(got) == sorted(want) == list(range(S - W))
+    bad = [t for t in want if not torch.equal(got[t], want[t])]
+    assert not bad, f"{len(bad)} tokens' priorities differ from transformers', first {bad[:5]}"
+
+
+def test_decode_batch_restarts_at_zero():
+    """Three requests decode together, joining at different steps, each starting at position 0 in a state slot
+    full of another request's state: each row's priorities equal ``MLSTMScorer.decode_leaving`` on the transformers
+    cache's state (``decode_state`` and a ring) of the same rows batched alike.  (Batched alike: on the CPU the
+    state carried at a chunk's end has bits that depend on the batch's size, in transformers as here.)"""
+    sc, lg = _scorer(2)
+    S = 300
+    torch.manual_seed(3)
+    ks, vs = torch.randn(3, S, H, D), torch.randn(3, S, H, D)
+    starts = [0, 130, 250]  # request r decodes positions [0, S - starts[r]) of its own tokens
+    flat = torch.randn(3, R.state_floats(sc))
+    ref = [(*sc.decode_state(1, "cpu"), torch.zeros(1, H, W, D)) for _ in range(3)]
+    checked = 0
+    for step in range(S):
+        rows = [r for r in range(3) if step >= starts[r]]
+        pos = torch.tensor([step - starts[r] for r in rows])
+        idx = torch.tensor(rows)
+        k = torch.stack([ks[r, step - starts[r]] for r in rows])
+        v = torch.stack([vs[r, step - starts[r]] for r in rows])
+        t = (pos - W).clamp_min(0)
+        vl = torch.stack([vs[r, int(t[i])] for i, r in enumerate(rows)])
+        sub = flat[idx].clone()
+        got = R.decode_priorities(sc, lg, sub, pos, k, v, vl)
+        flat[idx] = sub
+        st = [torch.cat([ref[r][i] for r in rows]) for i in range(8)]
+        kt = st[7].gather(2, (t % W)[:, None, None, None].expand(-1, H, 1, D)).squeeze(2)
+        with torch.no_grad():
+            want = priority(sc.decode_leaving(tuple(st[:7]), k, v, pos, kt, vl), t, lg)
+        st[7].scatter_(2, (pos % W)[:, None, None, None].expand(-1, H, 1, D), k.unsqueeze(2))
+        for i, r in enumerate(rows):
+            ref[r] = tuple(x[i:i + 1] for x in st)
+            if pos[i] >= W:
+                assert torch.equal(got[i], want[i]), f"request {r}, position {int(pos[i])}"
+                checked += 1
+    assert checked == sum(S - s0 - W for s0 in starts)
+
+
+def test_state_blocks():
+    sc, _ = _scorer()
+    F = R.state_floats(sc)
+    assert F == H * (16 * 16 + 16 + 1 + 2 * 128 * 16 + 2 * 128 + W * D)
+    assert R.state_blocks(sc, 4 * F) == 1 and R.state_blocks(sc, 4 * F - 4) == 2
+    with pytest.raises(ValueError, match="page of 6 bytes"):
+        R.state_blocks(sc, 6)
