@@ -23,7 +23,7 @@ from kvpop_kernels.layout import quantize, slot_of
 
 from . import slots
 
-__all__ = ["KV_CACHE_DTYPES", "kv_dtype_of", "check_cache_dtype", "scale_tables", "decode_step", "read_slots",
+__all__ = ["KV_CACHE_DTYPES", "kv_dtype_of", "check_cache_dtype", "scale_tables", "decode_step",
            "decode_attention", "extend", "cpu_block_layout", "cpu_forward"]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -131,23 +131,15 @@ def decode_step(K, V, k_scale, v_scale, slot_pos, slot_prio, block_table, pos, k
     v_scale[at] = vs
 
 
-def read_slots(K, V, k_scale, v_scale, table, layout) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """Every head's slots ``[0, Bmax)`` of the requests of ``table [N, nb]``, dequantised: ``K, V [N, Hkv, Bmax,
-    D]`` float32, and the layout that reads them as blocks of ``Bmax`` slots (block table ``arange(N)``)."""
-    at, _, _ = _addresses(layout, table, K.shape[2])
-    return _dequant(K[at], k_scale[at]), _dequant(V[at], v_scale[at]), _Dense(layout.budgets)
-
-
 @torch.no_grad()
 def decode_attention(K, V, k_scale, v_scale, block_table, pos, q, *, layout, scale: float) -> torch.Tensor:
-    """:func:`slots.decode_attention` over the dequantised slots (float32, fixed shapes)."""
-    kk, vv, dense = read_slots(K, V, k_scale, v_scale, block_table, layout)
-    j = torch.arange(kk.shape[2], device=kk.device)
-    b = torch.tensor(layout.budgets, device=kk.device)
-    held = (j[None, None] < torch.minimum(pos.long().clamp(min=0)[:, None] + 1, b[None]).unsqueeze(-1))[..., None]
-    kk, vv = kk.where(held, 0.0), vv.where(held, 0.0)  # a stale slot's bytes may be a NaN code: never multiplied
-    rows = torch.arange(q.shape[0], device=q.device)[:, None]
-    return slots.decode_attention(kk, vv, rows, pos, q, layout=dense, scale=scale)
+    """:func:`slots.decode_attention` over the dequantised slots (float32, fixed shapes; a stale slot's bytes
+    may be a NaN code: read as 0, never attended)."""
+    def load(at):
+        return (_dequant(K[at], k_scale[at]).nan_to_num_(0.0, 0.0, 0.0),
+                _dequant(V[at], v_scale[at]).nan_to_num_(0.0, 0.0, 0.0))
+
+    return slots.decode_attention(K, V, block_table, pos, q, layout=layout, scale=scale, load=load)
 
 
 @torch.no_grad()

@@ -175,10 +175,13 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
 
 @torch.no_grad()
 def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor,
-                     q: torch.Tensor, *, layout, scale: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+                     q: torch.Tensor, *, layout, scale: float, valid: torch.Tensor | None = None,
+                     load=None) -> torch.Tensor:
     """Attention ``[N, Hq, D]`` of one query per request ``q [N, Hq, D]`` over the ``min(pos + 1, B_h)``
     occupied slots of each KV head (after :func:`decode_step`), in float32; fixed shapes, no host read
-    (the packed layout's decode, where vLLM's kernels, one length for every head, do not apply)."""
+    (the packed layout's decode, where vLLM's kernels, one length for every head, do not apply).
+    ``load(at)``, if given, reads the slots at the physical addresses ``at`` as float32 keys and values
+    (finite everywhere; fp8 slots dequantised)."""
     N, hq, d = q.shape
     hkv = len(layout.budgets)
     bs = K.shape[2]
@@ -187,7 +190,7 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor
     j, slots, b = _head_slots(layout, max(layout.budgets), K.device)
     heads = torch.arange(hkv, device=K.device)[None, :, None].expand(N, hkv, j.numel())
     at = layout.addr(block_table, heads, slots[None].expand(N, -1, -1), bs)
-    kk, vv = K[at].float(), V[at].float()  # [N, Hkv, Bmax, D]
+    kk, vv = (K[at].float(), V[at].float()) if load is None else load(at)  # [N, Hkv, Bmax, D]
     n = torch.minimum(pos.long().clamp(min=0)[:, None] + 1, b[None])  # [N, Hkv]
     seen = j[None, None, :] < n[..., None]
     logits = torch.einsum("nhgd,nhjd->nhgj", q.float().view(N, hkv, hq // hkv, d), kk) * scale
