@@ -43,7 +43,8 @@ class VLLMEngine:
     request samples with its own seed (:func:`kvpop.answers.generation.row_seed`; vLLM's sampler, so sampled
     answers differ from the hf engine's, greedy ones agree).  Cache bytes per sequence are those of the slots
     vLLM pages for the request: ``ceil(n / block_size)`` blocks of keys and values (``n``: the sequence's
-    tokens, dense; the budget, kvpop)."""
+    tokens, dense; the budget, kvpop), and with the mLSTM scorer the blocks that hold its state
+    (``kvpop.vllm.recurrent.state_blocks``)."""
 
     def __init__(self, *, sinks: int, window: int, dtype: str = "auto", block_size: int | None = None,
                  max_model_len: int | None = None, **llm_kwargs: Any) -> None:
@@ -102,10 +103,29 @@ class VLLMEngine:
         per_token = (2 * hf.num_hidden_layers * hf.num_key_value_heads * cfg.get_head_size()
                      * torch.tensor([], dtype=cfg.dtype).element_size())
         block = llm.llm_engine.vllm_config.cache_config.block_size
+        state = _state_blocks(spec, cfg, block)
         rows = []
         for p, o in zip(prompts, outs):
             toks = list(o.outputs[0].token_ids)
             n = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
             held = budget if spec.cache_policy is not None else len(p) + n - 1
-            rows.append((toks[:n], int(-(-held // block) * block * per_token)))
+            rows.append((toks[:n], int((-(-held // block) + state) * block * per_token)))
         return rows
+
+
+def _state_blocks(spec: VLLMModel, cfg, block: int) -> int:
+    """Blocks of a request's mLSTM scorer state (0 for another policy): ``kvpop.vllm.recurrent.state_blocks`` of a
+    layer's page, the same count in every layer."""
+    if spec.cache_policy != "kvpop" or spec.scorers is None:
+        return 0
+    from kvpop import read_scorer_config
+    from kvpop.core.scorers import build_scorer
+
+    scfg = read_scorer_config(spec.scorers)
+    if scfg.scorer != "mlstm":
+        return 0
+    from kvpop.vllm.recurrent import state_blocks
+
+    hf = cfg.hf_text_config
+    page = block * hf.num_key_value_heads * 2 * cfg.get_head_size() * torch.tensor([], dtype=cfg.dtype).element_size()
+    return state_blocks(build_scorer(scfg, hf.num_key_value_heads, cfg.get_head_size()), page)
