@@ -83,3 +83,11 @@ def test_fp8_engine_equals_transformers_fp8(layout, scorer_file, head_budget_sco
     worst = [_equal(g, reference_fp8(scorers, p, NEW), f"fp8 {layout}, prompt of {len(p)}") for p, g in
              zip(prompts, got)]
     print(f"fp8 {layout}: {blocks} blocks of {base.BLOCK}; worst log-probability difference per prompt {worst}")
+
+
+def test_engine_refuses_other_cache_dtype_by_name(scorer_file, monkeypatch):
+    """An fp8 format kvpop does not write (e5m2) stops the engine at the model's construction, naming the value
+    and the ones taken."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model is built in this process: its error here
+    with pytest.raises(ValueError, match=r"kv_cache_dtype in \['auto', 'fp8', 'fp8_e4m3'\].*got 'fp8_e5m2'"):
+        base.engine(scorer_file, "kvpop", kv_cache_dtype="fp8_e5m2", enforce_eager=True)
