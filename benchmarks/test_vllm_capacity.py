@@ -12,7 +12,13 @@ of ``POOL_BLOCKS`` blocks per layer and ``max_model_len = LENGTH``; ``N_REQUESTS
 * ``kvpop-heads-B128``: the plugin with head-adaptive budgets of the same total (``HEAD_BUDGETS``, mean
   128): every layer's and head's slots in one packed block of layer 0's cache, whose pages hold
   ``layers x KV heads`` rows, so the same ``POOL_BLOCKS`` count is the same bytes as the uniform pool's
-  and a request holds the same 4 blocks (from its first token).
+  and a request holds the same 4 blocks (from its first token);
+* ``kvpop-mlstm-B128``: the plugin with the mLSTM scorer (uniform budget 128): a request also holds its
+  scorer state's pages (``kvpop.vllm.recurrent``: ``STATE_BLOCKS`` more blocks, from its first token).
+
+Group ``vllm-scorer-cost``: the MLP against the mLSTM scorer, the same ``COST_REQUESTS`` requests in a pool
+that holds them all (no preemption), eager: ``ms_per_token`` is the batch's wall time over its generated
+tokens, ``state_blocks`` the pages of scorer state a request holds beside its ``ceil(B / bs)`` of slots.
 
 ``extra_info``: ``reported_max_concurrency`` (what vLLM computes and logs at start-up for
 ``max_model_len``-token requests in this pool), and from the run itself ``peak_running`` and
@@ -48,12 +54,12 @@ SINKS, WINDOW, BUDGET = 4, 32, 128
 HEAD_BUDGETS = ((36, 220), (100, 156))  # 2 layers x 2 KV heads, the uniform total 4 x 128; a head with k = 0
 
 
-def _scorer_file(tmp_path_factory, head_budgets=None) -> str:
+def _scorer_file(tmp_path_factory, head_budgets=None, scorer="mlp") -> str:
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
     m = Qwen3ForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    kvpop.patch(m, sinks=SINKS, window=WINDOW, budget=BUDGET, scorer="mlp", head_budgets=head_budgets)
+    kvpop.patch(m, sinks=SINKS, window=WINDOW, budget=BUDGET, scorer=scorer, head_budgets=head_budgets)
     path = tmp_path_factory.mktemp("scorers") / "scorers.safetensors"
     kvpop.save_scorers(m, path)
     return str(path)
@@ -69,24 +75,90 @@ def head_scorer_file(tmp_path_factory):
     return _scorer_file(tmp_path_factory, HEAD_BUDGETS)
 
 
-@pytest.mark.benchmark(group="vllm-capacity")
-@pytest.mark.parametrize("provider", ["dense", f"kvpop-B{BUDGET}", f"kvpop-heads-B{BUDGET}"])
-def test_capacity(benchmark, provider, request, monkeypatch):
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+@pytest.fixture(scope="module")
+def mlstm_scorer_file(tmp_path_factory):
+    return _scorer_file(tmp_path_factory, scorer="mlstm")
 
+
+def _state_blocks(scorers: str) -> int:
+    """Pages of mLSTM state a request of the tiny model holds (2 KV heads of 32, float32 pages of BLOCK slots)."""
+    from kvpop.core.scorers import build_scorer
+    from kvpop.vllm.recurrent import state_blocks
+
+    return state_blocks(build_scorer(kvpop.read_scorer_config(scorers), 2, 32), BLOCK * 2 * 2 * 32 * 4)
+
+
+def _engine(scorers: str | None, *, n_requests: int, pool_blocks: int | None):
+    from vllm import LLM
+
+    extra = {} if scorers is None else {"hf_overrides": kvpop.vllm.hf_overrides(scorers)}
+    if pool_blocks is not None:
+        extra["num_gpu_blocks_override"] = pool_blocks
+    return LLM(model=MODEL, skip_tokenizer_init=True, dtype="float32", max_model_len=LENGTH, block_size=BLOCK,
+               enable_prefix_caching=False, enforce_eager=True, seed=0, max_num_seqs=n_requests,
+               disable_log_stats=False, **extra)
+
+
+def _scorers_for(provider: str, request) -> str | None:
+    if provider == "dense":
+        return None
+    name = "head_scorer_file" if "heads" in provider else "mlstm_scorer_file" if "mlstm" in provider else "scorer_file"
+    return request.getfixturevalue(name)
+
+
+@pytest.mark.benchmark(group="vllm-capacity")
+@pytest.mark.parametrize("provider", ["dense", f"kvpop-B{BUDGET}", f"kvpop-heads-B{BUDGET}", f"kvpop-mlstm-B{BUDGET}"])
+def test_capacity(benchmark, provider, request, monkeypatch):
+    _env(monkeypatch)
+    scorers = _scorers_for(provider, request)
+    llm = _engine(scorers, n_requests=N_REQUESTS, pool_blocks=POOL_BLOCKS)
+    reported = llm.llm_engine.vllm_config.cache_config.kv_cache_max_concurrency
+    n, secs, running, preempted = _run_batch(benchmark, llm, N_REQUESTS)
+    benchmark.extra_info.update(
+        pool_blocks=POOL_BLOCKS, block_size=BLOCK, max_model_len=LENGTH, requests=N_REQUESTS,
+        reported_max_concurrency=reported, peak_running=max(running), mean_running=sum(running) / len(running),
+        preemptions=preempted, steps=len(running), tokens_per_s=n / secs)
+    if "mlstm" in provider:  # the state's pages count: fewer requests fit
+        held = _state_blocks(scorers) + BUDGET // BLOCK
+        benchmark.extra_info.update(state_blocks=held - BUDGET // BLOCK)
+        assert reported == pytest.approx(POOL_BLOCKS / held)
+        assert max(running) == (POOL_BLOCKS - 1) // held
+    elif provider != "dense":  # the fixed budget (either layout): every request fits at once, none is preempted
+        assert reported == pytest.approx(POOL_BLOCKS / (BUDGET // BLOCK))
+        assert max(running) == N_REQUESTS and preempted == 0
+    else:
+        assert reported == pytest.approx(POOL_BLOCKS / (LENGTH // BLOCK))
+
+
+COST_REQUESTS = 4
+
+
+@pytest.mark.benchmark(group="vllm-scorer-cost")
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_scorer_cost(benchmark, scorer, request, monkeypatch):
+    """Decode cost per token of the MLP and the mLSTM scorer, the same requests all running at once."""
+    _env(monkeypatch)
+    scorers = request.getfixturevalue("mlstm_scorer_file" if scorer == "mlstm" else "scorer_file")
+    llm = _engine(scorers, n_requests=COST_REQUESTS, pool_blocks=None)
+    n, secs, running, preempted = _run_batch(benchmark, llm, COST_REQUESTS)
+    assert preempted == 0 and max(running) == COST_REQUESTS
+    benchmark.extra_info.update(requests=COST_REQUESTS, tokens=n, ms_per_token=1e3 * secs / n,
+                                steps=len(running), state_blocks=_state_blocks(scorers) if scorer == "mlstm" else 0)
+
+
+def _env(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    extra = {}
-    if provider != "dense":
-        scorers = request.getfixturevalue("head_scorer_file" if "heads" in provider else "scorer_file")
-        extra["hf_overrides"] = kvpop.vllm.hf_overrides(scorers)
-    llm = LLM(model=MODEL, skip_tokenizer_init=True, dtype="float32", max_model_len=LENGTH, block_size=BLOCK,
-              enable_prefix_caching=False, enforce_eager=True, seed=0, max_num_seqs=N_REQUESTS,
-              num_gpu_blocks_override=POOL_BLOCKS, disable_log_stats=False, **extra)
+
+
+def _run_batch(benchmark, llm, n_requests: int):
+    """Submit ``n_requests`` requests at once and step the engine to the end, timed once; then close the engine:
+    ``(tokens generated, seconds, requests running per step, preemptions)``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     engine = llm.llm_engine
-    reported = engine.vllm_config.cache_config.kv_cache_max_concurrency
     running, preempted = [], [0]
     record = engine.logger_manager.record
 
@@ -99,7 +171,7 @@ def test_capacity(benchmark, provider, request, monkeypatch):
 
     engine.logger_manager.record = spy
     sp = SamplingParams(temperature=0.0, max_tokens=LENGTH - PROMPT, ignore_eos=True, detokenize=False)
-    prompts = [task.make_example(task.test_seed(i), 64)["input_ids"][:PROMPT].tolist() for i in range(N_REQUESTS)]
+    prompts = [task.make_example(task.test_seed(i), 64)["input_ids"][:PROMPT].tolist() for i in range(n_requests)]
     generated = []
 
     def run():
@@ -125,13 +197,5 @@ def test_capacity(benchmark, provider, request, monkeypatch):
             pass
         gc.collect()
     n, secs = generated[-1]
-    assert n == N_REQUESTS * (LENGTH - PROMPT)
-    benchmark.extra_info.update(
-        pool_blocks=POOL_BLOCKS, block_size=BLOCK, max_model_len=LENGTH, requests=N_REQUESTS,
-        reported_max_concurrency=reported, peak_running=max(running), mean_running=sum(running) / len(running),
-        preemptions=preempted[0], steps=len(running), tokens_per_s=n / secs)
-    if provider != "dense":  # the fixed budget (either layout): every request fits at once, none is preempted
-        assert reported == pytest.approx(POOL_BLOCKS / (BUDGET // BLOCK))
-        assert max(running) == N_REQUESTS and preempted[0] == 0
-    else:
-        assert reported == pytest.approx(POOL_BLOCKS / (LENGTH // BLOCK))
+    assert n == n_requests * (LENGTH - PROMPT)
+    return n, secs, running, preempted[0]

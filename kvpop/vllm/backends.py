@@ -10,6 +10,11 @@ layout of :mod:`kvpop.vllm.slots` itself.  Per forward, for each request of the 
 * a **prompt or a later chunk** (several tokens): :func:`slots.extend`, i.e. ``eviction_schedule`` +
   ``sparse_attention`` over the cached slots and the chunk, then the kept tokens are written.
 
+With the mLSTM scorer (``layer.kvpop_recurrent``) the step's priorities are computed here, not in the model:
+each request's scorer state sits in the first ``E`` blocks of its block-table row (:mod:`kvpop.vllm.recurrent`),
+its slots in the rest (the stock kernels get the shifted table); a decode token prices the token leaving the
+window (``decode_step``'s ``p_leave``), a prompt or chunk prices the tokens leaving inside it.
+
 Beside the KV cache each layer keeps two side tables ``[num_blocks, Hkv, bs]`` (int32 positions,
 float32 priorities): 8 bytes per slot and KV head, allocated on the first forward (vLLM does not
 count them in its KV-cache memory: 3% of the cache for a 32-wide float32 head, 1.6% for a 128-wide
