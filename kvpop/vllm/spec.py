@@ -44,6 +44,10 @@ class FixedBudgetSpec(FullAttentionSpec):
         slots = min(self.budget_blocks, cdiv(vllm_config.model_config.max_model_len, self.block_size))
         return (self.state_blocks + slots) * self.page_size_bytes
 
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        # the block-table row: the state pages come first, then up to max_len tokens' slots
+        return self.state_blocks + super().max_num_blocks_per_req(vllm_config, max_len)
+
     @property
     def prefix_cacheable(self) -> bool:
         return False

@@ -129,3 +129,20 @@ def test_pure_decode_batch_mlstm_state_pages():
         assert torch.equal(sp[live], ref_tables[0][live]) and torch.equal(pr[live], ref_tables[1][live])
         assert torch.equal(calls[-1].block_table, bt[:, E:])
     assert len(calls) == 15
+
+
+def test_spec_counts_the_mlstm_state_pages():
+    """The KV-cache spec of an mLSTM layer: its state pages come with the first token and first in the request's
+    block-table row, so vLLM's memory per request and the row's width both count them."""
+    import types
+
+    from kvpop.vllm.spec import FixedBudgetSpec
+
+    spec = FixedBudgetSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, budget=64,
+                           state_blocks=11)
+    cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=256),
+                                parallel_config=types.SimpleNamespace(decode_context_parallel_size=1))
+    assert spec.max_num_blocks_per_req(cfg, 256) == 11 + 8
+    assert spec.max_memory_usage_bytes(cfg) == (11 + 2) * spec.page_size_bytes
+    mlp = FixedBudgetSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, budget=64)
+    assert mlp.max_num_blocks_per_req(cfg, 256) == 8 and mlp.max_memory_usage_bytes(cfg) == 2 * mlp.page_size_bytes
