@@ -323,6 +323,13 @@ def test_mlstm_chunked_preempted(mlstm_run, mode, monkeypatch):
                                  seed=20, after=40 if compiled else 20, what=f"mLSTM ({mode})")
 
 
+def test_mlstm_with_an_fp8_cache_is_refused(mlstm_run, monkeypatch):
+    model, scorers = mlstm_run
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model is built in this process: its error here
+    with pytest.raises(ValueError, match="mLSTM scorer with unquantised KV caches only.*kv_cache_dtype='fp8'"):
+        engine(scorers, "kvpop", model=model, enforce_eager=True, kv_cache_dtype="fp8")
+
+
 # ------------------------------------------------------------------------- docs/vllm.md / streaming
 VLLM_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "vllm.md")
 
