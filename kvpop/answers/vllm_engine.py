@@ -114,8 +114,9 @@ class VLLMEngine:
 
 
 def _state_blocks(spec: VLLMModel, cfg, block: int) -> int:
-    """Blocks of a request's mLSTM scorer state (0 for another policy): ``kvpop.vllm.recurrent.state_blocks`` of a
-    layer's page, the same count in every layer."""
+    """Blocks of a request's mLSTM scorer state (0 for another policy): ``MLSTMScorer.state_floats`` float32 values
+    per layer over a layer's page, the same count in every layer (``kvpop.vllm.recurrent.state_blocks``, which this
+    module does not import: the plugin is a leaf)."""
     if spec.cache_policy != "kvpop" or spec.scorers is None:
         return 0
     from kvpop import read_scorer_config
@@ -124,8 +125,6 @@ def _state_blocks(spec: VLLMModel, cfg, block: int) -> int:
     scfg = read_scorer_config(spec.scorers)
     if scfg.scorer != "mlstm":
         return 0
-    from kvpop.vllm.recurrent import state_blocks
-
     hf = cfg.hf_text_config
     page = block * hf.num_key_value_heads * 2 * cfg.get_head_size() * torch.tensor([], dtype=cfg.dtype).element_size()
-    return state_blocks(build_scorer(scfg, hf.num_key_value_heads, cfg.get_head_size()), page)
+    return -(-4 * build_scorer(scfg, hf.num_key_value_heads, cfg.get_head_size()).state_floats() // page)

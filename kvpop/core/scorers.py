@@ -268,6 +268,12 @@ class MLSTMScorer(nn.Module):
                 torch.zeros(batch, H, L, d, device=device), torch.zeros(batch, H, L, d, device=device),
                 torch.full((batch, H, L), float("-inf"), device=device), torch.zeros(batch, H, L, device=device))
 
+    def state_floats(self) -> int:
+        """Float32 values a cache keeps per sequence for this layer to decode: :meth:`decode_state` and the ring
+        of the last ``w`` pre-RoPE keys that ``ScorerHooks`` (and the vLLM plugin's state pages) keep beside it."""
+        H, d, L = self.num_kv_heads, self.dim, self.chunk
+        return H * (d * d + d + 1 + 2 * L * d + 2 * L + self.window * self.head_dim)
+
     @float32_scoring
     def decode_leaving(self, state: tuple[torch.Tensor, ...], k_new: torch.Tensor, v_new: torch.Tensor,
                        pos: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor) -> torch.Tensor:

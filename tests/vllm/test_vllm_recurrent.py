@@ -115,6 +115,8 @@ def test_state_blocks():
     sc, _ = _scorer()
     F = R.state_floats(sc)
     assert F == H * (16 * 16 + 16 + 1 + 2 * 128 * 16 + 2 * 128 + W * D)
+    views = R.unpack(sc, torch.zeros(3, F))
+    assert sum(v[0].numel() for v in views) == F and views[-1].shape == (3, H, W, D)
     assert R.state_blocks(sc, 4 * F) == 1 and R.state_blocks(sc, 4 * F - 4) == 2
     with pytest.raises(ValueError, match="page of 6 bytes"):
         R.state_blocks(sc, 6)
