@@ -14,9 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``--auto``, ``--auto-budget`` and ``--preset`` of ``kvpop train``."""
     auto = p.add_argument_group("settings chosen for you (kvpop.training.auto)")
     auto.add_argument("--auto", action="store_true",
-                      help="choose the label, decay range, scorer lr, head budgets and label source on validation "
-                           "data (--valid-data, or the task's validation sequences with --task), a --steps run per "
-                           "trial; writes OUT/selection.json and OUT as the chosen run (--resume continues a search)")
+                      help="choose the label, scorer lr, training budget, decay range, head budgets and label "
+                           "source on validation data (--valid-data, or the task's validation sequences with --task), "
+                           "a --steps run per trial; writes OUT/selection.json and OUT as the chosen run (--resume "
+                           "continues a search)")
     auto.add_argument("--auto-budget", default=None, metavar="STEPS|MINUTES",
                       help="--auto's budget: trained steps over all trials (e.g. 400) or minutes (e.g. 30m) "
                            "(default: 5 trials of --steps)")
