@@ -160,7 +160,7 @@ class MLSTMScorer(nn.Module):
             den = (q * n).sum(-1)
             return num / torch.maximum(den.abs(), torch.exp(-m))[..., None]
         num = torch.einsum("bhtk,bhkv->bhtv", q, C)
-        den = torch.einsum("bhtk,bhk->bht", q, n)
+        den = (q * n[:, :, None, :]).sum(-1)  # a product and a sum: see ``_chunk``'s ``den``
         return num / torch.maximum(den.abs(), torch.exp(-m)[..., None])[..., None]
 
     # ---------------------------------------------------------------- training (chunkwise)
@@ -227,7 +227,8 @@ class MLSTMScorer(nn.Module):
         wj = torch.exp(Fc[..., -1:] - Fc + ig - m_new[..., None])  # [B,H,L]; 0 at padding
         carry = torch.exp(Fc[..., -1] + m - m_new)  # 0 on the first chunk (m = -inf)
         C = carry[..., None, None] * C + torch.einsum("bhjk,bhjv->bhkv", kf * wj[..., None], vf)
-        n = carry[..., None] * n + torch.einsum("bhjk,bhj->bhk", kf, wj)
+        # a product and a sum, as ``den`` above: the matrix-vector einsum's summation order changed with the batch
+        n = carry[..., None] * n + (kf * wj[..., None]).sum(-2)
         return h, (C, n, m_new)
 
     def _chunkwise(self, q, kf, vf, ig, lf):

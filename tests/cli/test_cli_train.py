@@ -132,7 +132,7 @@ def test_task_with_the_shipped_model_scorers_only(tmp_path, capsys):
     assert not (out / "model").exists()  # scorers only: the model is unchanged, not written
     from transformers import AutoModelForCausalLM
 
-    from kvpop.cli.train import SHIPPED_MODEL
+    from kvpop.demo.task import SHIPPED_MODEL  # what kvpop train --task loads without --model
 
     orig = AutoModelForCausalLM.from_pretrained(str(SHIPPED_MODEL), local_files_only=True).state_dict()
     ck = torch.load(out / "last.pt", weights_only=False)
