@@ -21,7 +21,8 @@ from .config import KVpopConfig, _int
 from .layer import kvpop_layers
 from .patching import patched
 
-__all__ = ["allocate", "uniform", "ablation_importance", "ablation_budgets", "rescale", "set_importance", "rebudget",
+__all__ = ["allocate", "uniform", "ablation_importance", "ablation_budgets", "rescale", "rescale_by", "set_importance",
+           "rebudget",
            "read_head_budgets", "write_head_budgets", "HEAD_BUDGETS_FILE"]
 
 HEAD_BUDGETS_FILE = "head_budgets.json"
@@ -282,6 +283,14 @@ def rescale(config: KVpopConfig, budget: int, *, importance: Any = None, min_k: 
     return config.replace(budget=budget, head_budgets=rows)
 
 
+def rescale_by(config: KVpopConfig, budget: int, plan: dict | None) -> KVpopConfig:
+    """:func:`rescale` with the ``importance``, ``min_k`` and ``granularity`` of ``plan`` (a head-budgets document,
+    :func:`read_head_budgets`; ``None``: no importance)."""
+    plan = plan or {}
+    return rescale(config, budget, importance=plan.get("importance"), min_k=plan.get("min_k", 0),
+                   granularity=plan.get("granularity", 1))
+
+
 _PLAN = "_kvpop_budget_plan"
 
 
@@ -316,9 +325,7 @@ def rebudget(model: nn.Module, budget: int) -> nn.Module:
     plan = getattr(model, _PLAN, None)
     if plan is not None and plan["home"].budget == budget:
         return patch(model, plan["home"])
-    new = rescale(cfg, int(budget), importance=None if plan is None else plan["importance"],
-                  min_k=0 if plan is None else plan["min_k"], granularity=1 if plan is None else plan["granularity"])
-    return patch(model, new)
+    return patch(model, rescale_by(cfg, int(budget), plan))
 
 
 def read_head_budgets(path: Any) -> dict[str, Any]:

@@ -323,7 +323,7 @@ def _serve_at(out: Path, budget: int) -> None:
     """Rewrite ``out``'s scorer file for ``budget`` (:func:`kvpop.core.budgets.rescale`: uniform rows take the new
     budget; head-adaptive rows are shared anew by the importance in ``head_budgets.json``, which is rewritten with
     them); nothing when the file is at ``budget`` already."""
-    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets, rescale, write_head_budgets
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets, rescale_by, write_head_budgets
     from kvpop.core.checkpoint import read_scorer_config, rewrite_scorer_config
 
     f = out / "scorers.safetensors"
@@ -333,9 +333,7 @@ def _serve_at(out: Path, budget: int) -> None:
     if cfg.budget == budget:
         return
     plan = read_head_budgets(out / HEAD_BUDGETS_FILE) if cfg.head_budgets is not None else None
-    new = rescale(cfg, budget, importance=None if plan is None else plan.get("importance"),
-                  min_k=0 if plan is None else plan.get("min_k", 0),
-                  granularity=1 if plan is None else plan.get("granularity", 1))
+    new = rescale_by(cfg, budget, plan)
     rewrite_scorer_config(f, new)
     if plan is not None:
         extra = {k: v for k, v in plan.items()

@@ -41,7 +41,7 @@ def _with_overrides(base: KVpopConfig, overrides: dict, scorers: Any) -> KVpopCo
     new_budget = overrides.get("budget", base.budget)
     if base.head_budgets is None or "head_budgets" in overrides or new_budget == base.budget:
         return base.replace(**overrides)
-    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets, rescale
+    from kvpop.core.budgets import HEAD_BUDGETS_FILE, read_head_budgets, rescale_by
 
     plan_file = os.path.join(os.path.dirname(os.path.abspath(str(scorers))), HEAD_BUDGETS_FILE)
     plan = read_head_budgets(plan_file) if os.path.isfile(plan_file) else None
@@ -51,8 +51,7 @@ def _with_overrides(base: KVpopConfig, overrides: dict, scorers: Any) -> KVpopCo
                          f"budget={base.budget}, or pass head_budgets= rows of mean {new_budget}")
     rest = {k: v for k, v in overrides.items() if k != "budget"}
     home = base.replace(**rest) if rest else base
-    return rescale(home, int(new_budget), importance=plan["importance"], min_k=plan.get("min_k", 0),
-                   granularity=plan.get("granularity", 1))
+    return rescale_by(home, int(new_budget), plan)
 
 
 def resolve(cfg: Any) -> Settings:
