@@ -151,5 +151,5 @@ def test_the_graph_is_read():
     assert {"kvpop.core.patching", "kvpop.baselines.dms.patching", "kvpop.training.train",
             "kvpop_kernels.decode"} <= set(graph)
     assert "kvpop.core.lifecycle" in graph["kvpop.baselines.dms.patching"]
-    assert "kvpop.demo.retrofit" in graph["kvpop.cli.demo"]
+    assert "kvpop.demo.retrofit" in graph["kvpop.demo.run"] and "kvpop.demo.run" in graph["kvpop.cli.demo"]
     assert "ext:transformers" in graph["kvpop.core.cache"]

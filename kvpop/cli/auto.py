@@ -150,6 +150,7 @@ def run_auto(args: argparse.Namespace, train) -> int:
         check_options(first)  # every option of the trials, before any work
     except ValueError as e:
         raise SystemExit(f"kvpop train: {e}") from None
+    served = first.budget  # --budget, or the default check_options filled in: every trial is scored at it
     source = Path(args.model) if args.model else default_model(args)
     lock = RunLock(Path(args.out), "kvpop train --auto")
     try:
@@ -170,14 +171,14 @@ def run_auto(args: argparse.Namespace, train) -> int:
             return oracle_excess(model, seqs, method_config(ns))
 
         if args.task:  # the task's own measure: accuracy at its graded positions
-            score = _task_scorer(source, task_of(args), len(seqs), args.seq_len, first.budget)
+            score = _task_scorer(source, task_of(args), len(seqs), args.seq_len, served)
             criterion = (f"validation error rate at the task's graded positions (1 - accuracy; lower is better) of "
                          f"{len(seqs)} validation sequences, served as kvpop eval --run serves the run")
         else:
-            score = _scorer(source, seqs, first.budget)
+            score = _scorer(source, seqs, served)
             criterion = "validation NLL over dense past the budget (nats; lower is better), served as kvpop eval " \
                         "--run serves the run"
-        search(args, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
+        search(args, served=served, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
                train_model=not args.no_train_model, train=train, score=score, oracle=oracle,
                log=lambda s: print(s, file=sys.stderr, flush=True), criterion=criterion)
     except _Stopped as e:

@@ -156,20 +156,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problems(p)
 
 
-def finish(results: dict, out: Path | None, plot: bool) -> None:
-    from kvpop.demo.evaluate import format_table, plot_results, write_results
-
-    table = format_table(results)
-    print(table)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_results(results, out / "results.json")
-        (out / "table.md").write_text(table + "\n")
-        if plot:
-            plot_results(results, out / "accuracy_vs_budget.png")
-        print(f"wrote {out / 'results.json'}" + (f" and {out / 'accuracy_vs_budget.png'}" if plot else ""))
-
-
 def _trained(args: argparse.Namespace) -> dict:
     """policy -> :class:`kvpop.cli.trained.Trained` from ``--run``, ``--scorers``, ``--finetuned`` and ``--dms``
     (files checked and configs read here, before any model is loaded)."""
@@ -357,5 +343,5 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
-    finish(results, Path(args.out) if args.out else None, not args.no_plot)
+    E.write_outputs(results, Path(args.out) if args.out else None, not args.no_plot)
     return 0

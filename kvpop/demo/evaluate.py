@@ -100,6 +100,7 @@ __all__ = [
     "results_dict",
     "format_table",
     "write_results",
+    "write_outputs",
     "trained_label",
     "plot_results",
     "save_figure",
@@ -494,6 +495,21 @@ def trained_label(results: dict, policy: str) -> str:
 def write_results(results: dict, path: str | os.PathLike) -> None:
     """Write ``results`` as JSON (atomically: :func:`kvpop.core.files.write_json`)."""
     write_json(path, results)
+
+
+def write_outputs(results: dict, out: Path | None, plot: bool) -> None:
+    """Print the table of ``results`` and, with ``out``, write ``results.json``, ``table.md`` and (``plot``)
+    ``accuracy_vs_budget.png`` there (``kvpop eval``'s and ``kvpop demo``'s outputs)."""
+    table = format_table(results)
+    print(table)
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_results(results, out / "results.json")
+        (out / "table.md").write_text(table + "\n")
+        if plot:
+            plot_results(results, out / "accuracy_vs_budget.png")
+        print(f"wrote {out / 'results.json'}" + (f" and {out / 'accuracy_vs_budget.png'}" if plot else ""))
 
 
 def plot_results(results: dict, path: str | os.PathLike) -> None:

@@ -2,9 +2,11 @@
 
 The settings of one demo run (:func:`settings`: each retrofit's from :data:`CHOSEN`, the shipped choice, read
 from ``kvpop/data/demo_results/chosen.json``, or the command's overrides), the retrofit config and validation
-of each (:func:`retrofit_config`, :func:`validator`), and :func:`select`: every candidate of :data:`GRID`
-trained and scored on validation sequences, stage by stage, recorded in ``OUT/<task>/selection*.json``.
-The command ``kvpop demo`` (``kvpop.cli.demo``) parses its arguments and calls these.
+of each (:func:`retrofit_config`, :func:`validator`), and :func:`select`: the demo's stages
+(:func:`kvpop.training.search.select_plan` over :data:`kvpop.training.search.SELECT_GRID`) run by the one
+search of the library, :class:`kvpop.training.search.Search` (``kvpop train --auto``'s too), each trial a
+retrofit scored on the task's validation sequences, recorded in ``OUT/<task>/selection*.json``.  The command
+``kvpop demo`` (``kvpop.cli.demo``) parses its arguments and calls these.
 """
 from __future__ import annotations
 
@@ -14,16 +16,10 @@ import math
 from pathlib import Path
 
 from kvpop.policies import LABEL_VARIANTS
+from kvpop.training.search import JOINT_OF, LABEL_KEYS, RETROFITS, SCORER_ONLY, SELECT_GRID, trial_tag
 
 TASKS = {"kvtrace": "kvpop.demo.task", "lookahead": "kvpop.demo.lookahead_task"}
 """Demo task name -> task module (``make_example``, ``test_seed``, ``valid_seed``, ``TRAIN_LEN``, ``SHIPPED_MODEL``)."""
-SCORER_ONLY = ("kvpop-mlp", "kvpop-mlstm")
-JOINT_OF = {"kvpop-mlp-joint": "kvpop-mlp", "kvpop-mlstm-joint": "kvpop-mlstm"}
-RETROFITS = (*SCORER_ONLY, *JOINT_OF, "fixed-finetune")
-"""The retrofits of every demo run; each joint one also trains on the label source it did not choose
-(:func:`label_variant`, :func:`demo_retrofits`)."""
-
-
 def label_variant(joint: str, source: str) -> str:
     """The policy name of ``joint`` trained on the label of ``source`` (``"kvpop-mlp-joint-teacher-label"``)."""
     return f"{joint}-{source}-label"
@@ -38,29 +34,6 @@ def demo_retrofits(chosen: dict) -> tuple[str, ...]:
 
     return RETROFITS + tuple(label_variant(j, src) for j in JOINT_OF for src in LABEL_SOURCES
                              if src != chosen[j].get("target_source", "student"))
-
-GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4,),
-        "target_source": ("student", "teacher"), "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,),
-        "label": ("mean", "max"), "decay_span": (None, 8.0), "label_lr_scorer": (1e-2,), "label_steps": (200,),
-        "eval_every": (0,), "patience": (0,), "joint_init": ("fresh", "scorer-only"),
-        "head_budgets": ("uniform", "ablation")}
-"""The candidates of ``--select``.  Scorer-only: every (k, lr_scorer) at the first number of steps, then the
-best of those at every number of steps, then the best of those with every (label, decay_span) (the label the
-scorers learn, ``KVpopConfig.label``, and the decay's range: ``None`` the seed's, a number of nats the range
-tied to the training length, ``decay_range_for_context``).  Joint: the scorer-only choice of the same scorer
-with every ``joint_lr_model`` (student label), then the best of those with every ``target_source`` (the
-label's source) and every ``joint_init`` (``"fresh"`` scorers or the scorer-only retrofit's as the start).
-fixed-finetune: every (finetune_lr_model, finetune_steps).  ``--select-stage label`` searches only the label
-family: every (label, decay_span, label_lr_scorer) for each scorer-only retrofit at ``label_steps`` steps (the
-other settings as CHOSEN), the best of those with every ``head_budgets`` (``"ablation"``: head-adaptive budgets
-fixed before training, ``RetrofitConfig.head_allocation``), then each joint retrofit with its scorer's choice
-and every ``joint_init``.
-``eval_every`` / ``patience`` (one value each): validation during every kvpop retrofit, the best state kept
-(``kvpop.demo.retrofit``; 0: none).  A grid of one value fixes that setting (the CPU budget of a 2-core
-machine: each candidate is a retrofit plus a validation run).  A task module's ``DEMO_GRID`` replaces some of
-these entries for its task."""
-LABEL_KEYS = ("label", "decay_span", "eval_every", "patience", "head_budgets")
-"""Settings a joint retrofit takes from its scorer-only retrofit's choice (besides ``lr_scorer`` and ``k``)."""
 
 CHOSEN_FILE = Path(__file__).resolve().parent.parent / "data" / "demo_results" / "chosen.json"
 CHOSEN: dict[str, dict[str, dict]] = {t: c for t, c in json.loads(CHOSEN_FILE.read_text()).items() if t in TASKS}
@@ -181,11 +154,9 @@ def task_budgets(mod, train_len: int) -> list[int]:
 
 
 def trial_dir(out: Path, policy: str, c: dict) -> Path:
-    """Where ``kvpop demo --select`` trains ``policy`` with settings ``c`` (``OUT/<task>/<policy>/<tag>``)."""
-    def fmt(v):
-        return "none" if v is None else v if isinstance(v, str) else f"{v:g}"
-
-    return out / policy / "_".join(f"{k}{fmt(v)}" for k, v in sorted(c.items()))
+    """Where ``kvpop demo --select`` trains ``policy`` with settings ``c`` (``OUT/<task>/<policy>/<tag>``,
+    :func:`kvpop.training.search.trial_tag`)."""
+    return out / policy / trial_tag(c)
 
 
 def retrofit_config(E, s: dict, policy: str, c: dict, init: Path | None = None):
@@ -286,115 +257,62 @@ def eval_config(E, s: dict, args: argparse.Namespace, **kw):
 
 
 def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
-    """Train every candidate of :data:`GRID` for ``task`` (settings ``s``, :func:`settings`) and choose on
-    validation sequences; writes
-    ``out/selection.json`` (after every candidate) and returns it."""
+    """``kvpop demo --select --select-stage args.select_stage`` for ``task`` (settings ``s``, :func:`settings`)
+    into ``out``: each retrofit's stages (:func:`kvpop.training.search.select_plan`) run by
+    :class:`kvpop.training.search.Search`, each trial a retrofit (``out/<policy>/<tag>``) scored by its error rate
+    on the validation sequences (:func:`valid_config`: 1 - the mean accuracy over the budgets at L_train);
+    writes ``out/selection*.json`` (:func:`selection_file`) after every trial and returns it."""
     from kvpop.demo import evaluate as E
     from kvpop.demo import retrofit as R
+    from kvpop.training.search import Search, select_plan
 
     mod = task_module(task)
     vcfg = valid_config(E, s, args)
     base = E.load_base_model(base_model_dir(args, task))
     pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
-    out.mkdir(parents=True, exist_ok=True)
-    full = {**GRID, **getattr(mod, "DEMO_GRID", {})}
+    full = {**SELECT_GRID, **getattr(mod, "DEMO_GRID", {})}
     grid = ({**{k: v[:1] for k, v in full.items()}, "steps": (QUICK["steps"],), "finetune_steps": (QUICK["steps"],),
              "label_steps": (QUICK["steps"],), "target_source": full["target_source"], "label": full["label"],
              "joint_init": full["joint_init"], "head_budgets": full["head_budgets"]} if args.quick else full)
-    record = {"task": task, "grid": grid, "criterion": "mean validation accuracy over the budgets at L_train",
-              "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})",
-                             "length": s["train_len"], "budgets": vcfg.budgets, "sinks": vcfg.sinks,
-                             "window": vcfg.window, "train_length": s["train_length"]},
-              "candidates": [], "chosen": {}}
+    search = Search(out, selection_file(args.select_stage), prefix=f"[kvpop demo --select] {task}", header={
+        "task": task, "grid": grid, "stage": args.select_stage,
+        "criterion": "validation error rate: 1 - the mean validation accuracy over the budgets at L_train "
+                     "(lower is better)",
+        "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})", "length": s["train_len"],
+                       "budgets": vcfg.budgets, "sinks": vcfg.sinks, "window": vcfg.window,
+                       "train_length": s["train_length"]}})
+    chosen = search.record["chosen"] = {}
     dense_done: dict = {}
 
-    def save() -> None:
-        E.write_results(record, out / selection_file(args.select_stage))
-
-    def trial(policy: str, stage: str, c: dict) -> dict:
-        d = trial_dir(out, policy, c)
-        sc = JOINT_OF.get(LABEL_VARIANTS.get(policy, policy))
-        rc = retrofit_config(E, s, policy, c,
-                              init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
-        R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,
-                   validate=validator(E, mod, base, s, args, policy, d, dense_done) if rc.eval_every else None)
-        vf = d / "validation.json"
-        if vf.exists() and json.loads(vf.read_text()).get("settings") == c:
-            r = json.loads(vf.read_text())
-        else:
+    def runner(policy: str):
+        def run(c: dict, d: Path) -> dict:
+            sc = JOINT_OF.get(LABEL_VARIANTS.get(policy, policy))
+            rc = retrofit_config(E, s, policy, c, init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
+            R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,
+                       validate=validator(E, mod, base, s, args, policy, d, dense_done) if rc.eval_every else None)
             res = E.evaluate({"dense": base, policy: policy_model(E, base, policy, d, pm)}, vcfg, task=mod,
                              done=dense_done)
             for row in res["rows"]:
                 if row["policy"] == "dense":
                     dense_done[f"dense|{row['budget']}|{row['length']}"] = row
             acc = {str(row["budget"]): row["accuracy"] for row in res["rows"] if row["policy"] == policy}
-            r = {"policy": policy, "stage": stage, "settings": c, "val_accuracy": acc,
-                 "val_mean": sum(acc.values()) / len(acc), "val_dense": res["dense_accuracy"]}
+            mean = sum(acc.values()) / len(acc)
+            r = {"score": 1.0 - mean, "steps": rc.steps, "val_accuracy": acc, "val_mean": mean,
+                 "val_dense": res["dense_accuracy"]}
             done = json.loads((d / "done.json").read_text())
             if "best_step" in done:  # early stopping: the state kept and the validations it was chosen by
                 r["best_step"], r["validations"] = done["best_step"], done["validation"]
-            vf.write_text(json.dumps(r, indent=1))
-        record["candidates"].append(r)
-        save()
-        print(f"[kvpop demo --select] {task} {policy} {c}: validation accuracy "
-              f"{ {b: round(a, 3) for b, a in r['val_accuracy'].items()} } mean {r['val_mean']:.3f}", flush=True)
-        return r
+                r["steps"] = done["validation"][-1]["step"]  # the last step trained (validated after it)
+            return r
 
-    def best(rs: list[dict]) -> dict:
-        return max(rs, key=lambda r: r["val_mean"])  # the first of equals: the earlier (cheaper) candidate
+        return run
 
-    chosen = record["chosen"]
-    if args.select_stage == "label":  # the label family; the other settings as chosen before (CHOSEN)
-        fixed = {"eval_every": grid["eval_every"][0], "patience": grid["patience"][0]}
-        for p in SCORER_ONLY:
-            c = {k: v for k, v in s["retrofits"][p].items() if k not in ("label", "decay_span", "lr_scorer")}
-            chosen[p] = best([trial(p, "label x decay_span x lr_scorer",
-                                    {**c, **fixed, "steps": grid["label_steps"][0], "label": lab,
-                                     "decay_span": span, "lr_scorer": lr})
-                              for lab in grid["label"] for span in grid["decay_span"]
-                              for lr in grid["label_lr_scorer"]])
-            chosen[p] = best([chosen[p]] + [trial(p, "head_budgets", {**chosen[p]["settings"], "head_budgets": hb})
-                                            for hb in grid["head_budgets"] if hb != "uniform"])["settings"]
-        for p, sc in JOINT_OF.items():
-            c = {**{k: v for k, v in s["retrofits"][p].items() if k != "head_budgets"},
-                 **{k: chosen[sc][k] for k in (*LABEL_KEYS, "lr_scorer") if k in chosen[sc]},
-                 "eval_every": 0, "patience": 0}  # the joint retrofits' own steps, no early stopping
-            chosen[p] = best([trial(p, "joint_init", {**c, "joint_init": ji})
-                              for ji in grid["joint_init"]])["settings"]
-        chosen["fixed-finetune"] = dict(s["retrofits"]["fixed-finetune"])
-        save()
-        print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
-        return record
-    if args.select_stage == "target_source":  # the other settings as chosen before (CHOSEN, or --quick's)
-        for p in JOINT_OF:
-            c = {k: v for k, v in s["retrofits"][p].items() if k != "target_source"}
-            chosen[p] = best([trial(p, "target_source", {**c, "target_source": src})
-                              for src in grid["target_source"]])["settings"]
-        save()
-        print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
-        return record
-    fixed = {"eval_every": grid["eval_every"][0], "patience": grid["patience"][0], "label": grid["label"][0],
-             "decay_span": grid["decay_span"][0]}
-    for p in SCORER_ONLY:
-        first = best([trial(p, "k x lr_scorer", {**fixed, "steps": grid["steps"][0], "k": k, "lr_scorer": lr})
-                      for k in grid["k"] for lr in grid["lr_scorer"]])
-        first = best([first] + [trial(p, "steps", {**first["settings"], "steps": st}) for st in grid["steps"][1:]])
-        first = best([first] + [trial(p, "label x decay_span", {**first["settings"], "label": lab, "decay_span": span})
-                                for lab in grid["label"] for span in grid["decay_span"]
-                                if (lab, span) != (fixed["label"], fixed["decay_span"])])
-        chosen[p] = best([first] + [trial(p, "head_budgets", {**first["settings"], "head_budgets": hb})
-                                    for hb in grid["head_budgets"] if hb != "uniform"])["settings"]
-    for p, sc in JOINT_OF.items():
-        first = best([trial(p, "lr_model", {**chosen[sc], "lr_model": lm, "target_source": "student",
-                                            "joint_init": grid["joint_init"][0]})
-                      for lm in grid["joint_lr_model"]])
-        first = best([first] + [trial(p, "target_source", {**first["settings"], "target_source": src})
-                                for src in grid["target_source"] if src != "student"])
-        chosen[p] = best([first] + [trial(p, "joint_init", {**first["settings"], "joint_init": ji})
-                                    for ji in grid["joint_init"][1:]])["settings"]
-    chosen["fixed-finetune"] = best([trial("fixed-finetune", "lr_model x steps", {"steps": st, "lr_model": lm})
-                                     for lm in grid["finetune_lr_model"] for st in grid["finetune_steps"]])["settings"]
-    save()
+    for p in RETROFITS:
+        plan = select_plan(args.select_stage, p, grid, s["retrofits"], chosen)
+        if plan:
+            chosen[p] = search.run_plan(plan, runner(p), subdir=p, extra={"policy": p})["settings"]
+        elif args.select_stage == "label" and p == "fixed-finetune":
+            chosen[p] = dict(s["retrofits"][p])  # not searched by the label stage: kept as chosen before
+    search.save()
     print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
-    return record
-
+    return search.record

@@ -89,14 +89,14 @@ def rows_of(task: str, s: dict) -> dict[str, dict]:
 def shipped_trials(task: str, policy: str) -> int:
     """The validation trials the demo's selection records ran for ``policy`` and the scorer-only retrofit whose
     settings it inherits (``kvpop/data/demo_results/<task>/selection*.json``)."""
-    from kvpop.demo.search import JOINT_OF
+    from kvpop.training.search import JOINT_OF
 
     d = Path(__file__).resolve().parent.parent / "data" / "demo_results" / task
     feeds = {policy, JOINT_OF.get(policy, policy)}
     n = 0
     for f in SELECTION_FILES:
         if (d / f).exists():
-            n += sum(1 for c in json.loads((d / f).read_text())["candidates"] if c["policy"] in feeds)
+            n += sum(1 for c in json.loads((d / f).read_text())["trials"] if c["policy"] in feeds)
     return n
 
 

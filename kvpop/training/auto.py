@@ -1,6 +1,8 @@
 """``kvpop train --auto``: the training settings chosen on the user's own validation split, within a budget.
 
-A staged search, each stage starting from the best settings of the stages before it:
+A staged search (:func:`kvpop.training.search.auto_plan` run by :class:`kvpop.training.search.Search`, the one
+search code path, ``kvpop demo --select``'s too), each stage starting from the best settings of the stages
+before it:
 
 1. ``label``: the label family (:data:`LABEL_CANDIDATES`), scored by each label's oracle (:func:`oracle_excess`:
    the model as loaded, evicting by the exact label of its own dense attention), which needs no training;
@@ -23,7 +25,8 @@ the budget (:func:`parse_budget`: trained steps, or minutes of the trials' wall 
 record is ``OUT/selection.json`` (``trials``: settings, validation score, steps, seconds; ``chosen``), written
 after every trial; the chosen trial's files are then copied into ``OUT``, so ``OUT`` is a run that
 ``kvpop eval --run OUT`` and the vLLM plugin take as it is.  A finished trial (``OUT/auto/<tag>/trial.json``)
-is never trained again: ``--resume`` continues an interrupted search where it stopped.
+is never trained again: ``--resume`` continues an interrupted search where it stopped (the record, the budget
+and the reuse are :class:`~kvpop.training.search.Search`'s).
 
 The library's side takes its collaborators as functions (train one run, score one run), so that it imports
 nothing above :mod:`kvpop.training`; ``kvpop.cli.auto`` gives them.
@@ -32,11 +35,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import re
 import shutil
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["PAPER", "LABEL_CANDIDATES", "SEARCHED", "parse_budget", "default_budget", "apply_preset",
-           "oracle_excess", "search", "train_budgets", "served_budget"]
+           "oracle_excess", "search", "train_budgets"]
 
 PAPER = {"scorer": "mlp", "label": "mean", "decay_nats": None, "gamma_min": 0.999, "gamma_max": 0.999999,
          "gamma_init": 0.9999, "mask_source": "scorer", "target_source": "student", "target_lse": "sparse"}
@@ -70,15 +71,6 @@ RUN_FILES = ("scorers.safetensors", "gates.safetensors", "model", "head_budgets.
 """What of the chosen trial is copied into ``OUT``."""
 DEFAULT_TRIALS = 5
 """The default budget: this many trained trials of ``--steps`` steps each."""
-
-
-def served_budget(args: argparse.Namespace) -> int:
-    """The budget the search serves and scores every trial at: ``--budget``, else ``KVpopConfig``'s default."""
-    if getattr(args, "budget", None) is not None:
-        return int(args.budget)
-    from kvpop.core.config import KVpopConfig
-
-    return KVpopConfig().budget
 
 
 def train_budgets(budget: int, sinks: int, window: int) -> list[int]:
@@ -171,126 +163,63 @@ def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: 
     return (total - dense) / n
 
 
-def _tag(settings: dict) -> str:
-    def fmt(v):
-        return "none" if v is None else v if isinstance(v, str) else f"{v:g}"
-
-    return "_".join(f"{k.replace('_', '')}-{fmt(v)}" for k, v in sorted(settings.items()))
-
-
-def search(args: argparse.Namespace, *, given: dict, lr_scorer: float, train_model: bool,
+def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: float, train_model: bool,
            train: Callable[[argparse.Namespace], int], score: Callable[[Path], float],
            oracle: Callable[[dict], float], log: Callable[[str], None] = print,
            criterion: str = "validation NLL over dense past the budget (nats; lower is better), served as kvpop "
                             "eval --run serves the run") -> dict:
-    """Run the staged search of this module for the ``kvpop train`` arguments ``args`` (``args.out``: OUT) and
-    return the record written to ``OUT/selection.json``.
+    """Run the staged search of this module (:func:`kvpop.training.search.auto_plan` on
+    :class:`kvpop.training.search.Search`, the one search of ``kvpop demo --select`` too) for the ``kvpop train``
+    arguments ``args`` (``args.out``: OUT) and return the record written to ``OUT/selection.json``.
 
-    ``given``: the searched options (:data:`SEARCHED`) the user gave, fixed at their values; ``lr_scorer``: the
+    ``served``: the budget every trial is scored at and the chosen run is written for (``--budget`` as
+    :func:`kvpop.training.options.check_options` fills it in); ``given``: the searched options
+    (:data:`SEARCHED`) the user gave, fixed at their values; ``lr_scorer``: the
     method's default scorer learning rate; ``train_model``: whether the model is trained (the label-source
     stage); ``train(ns)``: one ``kvpop train`` run of the namespace ``ns`` (exit status); ``score(dir)``: the
     validation score of the run in ``dir`` (lower is better); ``oracle(settings)``: the first stage's score of
     a label candidate; ``criterion``: what ``score`` measures, for the record."""
+    from kvpop.training.search import Search, auto_plan
+
     out = Path(args.out)
-    auto_dir = out / "auto"
-    record_file = out / "selection.json"
-    unit, budget = parse_budget(args.auto_budget, args.steps)
-    if record_file.exists() and not args.resume:
+    if (out / "selection.json").exists() and not args.resume:
         raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
                          f"choose another --out")
-    auto_dir.mkdir(parents=True, exist_ok=True)
-    record: dict = {"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
-                    "budget": {"unit": unit, "value": budget}, "steps_per_trial": args.steps, "trials": [],
-                    "skipped": [], "chosen": None}
-    spent = {"steps": 0, "minutes": 0.0, "trained": 0}
-    served = served_budget(args)
-    record["served_budget"] = served
+    s = Search(out, header={"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
+                            "steps_per_trial": args.steps, "served_budget": served},
+               budget=parse_budget(args.auto_budget, args.steps), log=log, prefix="[kvpop train --auto]")
 
-    def save() -> None:
-        tmp = record_file.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(record_file)
-
-    def run_trial(stage: str, settings: dict, trained: bool) -> dict | None:
-        d = auto_dir / _tag(settings)
-        f = d / "trial.json"
-        if f.exists():
-            r = json.loads(f.read_text())
-            if r["settings"] == settings:
-                log(f"[kvpop train --auto] {stage} {settings}: finished before, score {r['score']:.5f} (reused)")
-                record["trials"].append(r)
-                spent["steps"] += r["steps"]
-                spent["minutes"] += r["seconds"] / 60
-                spent["trained"] += r["steps"] > 0
-                save()
-                return r
-        if trained and spent["trained"] and (spent["steps"] + args.steps > budget if unit == "steps"
-                                             else spent["minutes"] >= budget):
-            record["skipped"].append({"stage": stage, "settings": settings,
-                                      "why": f"the budget of {budget:g} {unit} is spent"})
-            save()
-            return None
-        t0 = time.time()
-        if trained:
-            ns = copy.copy(args)
-            ns.auto, ns.auto_budget, ns.preset = False, None, None
-            ns.out = str(d)
-            ns.resume = (d / "last.pt").exists()
-            for k, v in settings.items():
-                setattr(ns, k, v)
-            ns.budget = settings.get("train_budget") or served  # trained at; scored at `served` all the same
-            vars(ns).pop("train_budget", None)
-            if ns.allocate is None:
-                ns.valid_data = ns.valid_sequences = None
-            rc = train(ns)
-            if rc != 0:
-                raise _Stopped(rc)
-            value = score(d)
-        else:
-            d.mkdir(parents=True, exist_ok=True)
-            value = oracle(settings)
-        r = {"stage": stage, "settings": settings, "score": value, "steps": args.steps if trained else 0,
-             "seconds": round(time.time() - t0, 1), "dir": str(d.relative_to(out))}
-        f.write_text(json.dumps(r, indent=1))
-        record["trials"].append(r)
-        spent["steps"] += r["steps"]
-        spent["minutes"] += r["seconds"] / 60
-        spent["trained"] += trained
-        save()
-        log(f"[kvpop train --auto] {stage} {settings}: validation score {value:.5f} ({r['seconds']:.0f} s)")
-        return r
-
-    def stage(name: str, start: dict, key_values: list[dict], trained: bool, best: dict | None) -> dict | None:
-        for kv in key_values:
-            r = run_trial(name, {**start, **kv}, trained)
-            if r is not None and (best is None or r["score"] < best["score"]):
-                best = r
-        return best
+    def trained(settings: dict, d: Path) -> dict:
+        ns = copy.copy(args)
+        ns.auto, ns.auto_budget, ns.preset = False, None, None
+        ns.out = str(d)
+        ns.resume = (d / "last.pt").exists()
+        for k, v in settings.items():
+            setattr(ns, k, v)
+        ns.budget = settings.get("train_budget") or served  # trained at; scored at `served` all the same
+        vars(ns).pop("train_budget", None)
+        if ns.allocate is None:
+            ns.valid_data = ns.valid_sequences = None
+        rc = train(ns)
+        if rc != 0:
+            raise _Stopped(rc)
+        return {"score": score(d), "steps": args.steps}
 
     def options(key: str, values: list) -> list:
         return [given[key]] if key in given else values
 
-    labels = options("label", list(LABEL_CANDIDATES))
-    lab = (stage("label", {}, [{"label": x} for x in labels], False, None) if len(labels) > 1
-           else {"settings": {"label": labels[0]}})
-    start = {**lab["settings"], "decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
-             "target_source": given.get("target_source", "student")}
-    best = stage("lr_scorer", {**start, "train_budget": None},
-                 [{"lr_scorer": lr} for lr in options("lr_scorer", [lr_scorer * f for f in LR_FACTORS])], True, None)
-    best = stage("train_budget", best["settings"],
-                 [{"train_budget": b} for b in train_budgets(served, args.sinks, args.window)], True, best)
-    if "decay_nats" not in given:
-        best = stage("decay", best["settings"], [{"decay_nats": DECAY_NATS}], True, best)
-    if "allocate" not in given:
-        best = stage("head_budgets", best["settings"], [{"allocate": "ablation"}], True, best)
-    if train_model and "target_source" not in given:
-        best = stage("target_source", best["settings"], [{"target_source": "teacher"}], True, best)
-    record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
-    save()
+    plan = auto_plan(labels=options("label", list(LABEL_CANDIDATES)),
+                     lr_scorers=options("lr_scorer", [lr_scorer * f for f in LR_FACTORS]),
+                     train_budgets=train_budgets(served, args.sinks, args.window), given=given,
+                     decay_nats=DECAY_NATS, train_model=train_model)
+    best = s.run_plan(plan, trained, oracle=lambda settings, d: {"score": oracle(settings), "steps": 0},
+                      steps_of=lambda settings: args.steps, subdir="auto")
+    s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
+    s.save()
     _adopt(out, out / best["dir"], served)
     log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
-        f"{len(record['trials'])} trials, {spent['steps']} trained steps; the run is {out}")
-    return record
+        f"{len(s.record['trials'])} trials, {s.spent['steps']} trained steps; the run is {out}")
+    return s.record
 
 
 class _Stopped(Exception):

@@ -7,7 +7,8 @@ import pytest
 
 from kvpop.cli import main
 from kvpop.demo.evaluate import JOINT, LABEL_VARIANTS, POLICIES
-from kvpop.demo.search import CHOSEN, JOINT_OF, RETROFITS, TASKS, label_variant
+from kvpop.demo.search import CHOSEN, TASKS, label_variant
+from kvpop.training.search import JOINT_OF, RETROFITS
 
 RESULTS = Path(__file__).resolve().parents[2] / "kvpop" / "data" / "demo_results"
 
@@ -70,7 +71,7 @@ def test_select_quick_chooses_on_validation_sequences(tmp_path, capsys):
     sel = json.loads((out / "kvtrace" / "selection.json").read_text())
     assert sel["validation"]["split"] == "valid" and set(sel["chosen"]) == set(RETROFITS)
     by_policy = {}
-    for c in sel["candidates"]:
+    for c in sel["trials"]:
         by_policy.setdefault(c["policy"], []).append(c)
         assert set(c["val_accuracy"]) == {"8", "16", "32"}
         assert c["val_mean"] == pytest.approx(sum(c["val_accuracy"].values()) / 3)
@@ -89,7 +90,7 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
                  "--no-progress"]) == 0
     sel = json.loads((out / "kvtrace" / "selection-label.json").read_text())
     by = {}
-    for c in sel["candidates"]:
+    for c in sel["trials"]:
         by.setdefault(c["policy"], []).append(c["settings"])
     for p in ("kvpop-mlp", "kvpop-mlstm"):
         assert sorted(c["label"] for c in by[p][:2]) == ["max", "mean"]
@@ -102,11 +103,11 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
         assert sorted(c["joint_init"] for c in by[j]) == ["fresh", "scorer-only"]
         assert all(c.get("head_budgets") == sel["chosen"][sc].get("head_budgets") for c in by[j])
         assert all(c["label"] == sel["chosen"][sc]["label"] for c in by[j])
-    cand = {(c["policy"], json.dumps(c["settings"], sort_keys=True)): c for c in sel["candidates"]}
+    cand = {(c["policy"], json.dumps(c["settings"], sort_keys=True)): c for c in sel["trials"]}
     for p, c in sel["chosen"].items():
         if p != "fixed-finetune":
             assert cand[(p, json.dumps(c, sort_keys=True))]["val_mean"] == max(
-                x["val_mean"] for x in sel["candidates"] if x["policy"] == p)
+                x["val_mean"] for x in sel["trials"] if x["policy"] == p)
     warm = S.trial_dir(out / "kvtrace", "kvpop-mlp-joint",
                         next(c for c in by["kvpop-mlp-joint"] if c["joint_init"] == "scorer-only"))
     assert "sha256" in json.loads((warm / "done.json").read_text())["settings"]["init_scorers"]
@@ -164,7 +165,7 @@ def test_demo_bad_inputs(tmp_path, capsys, monkeypatch):
 
 
 def test_adopting_a_trial_replaces_another_retrofit_and_keeps_the_same(tmp_path):
-    import kvpop.cli.demo as D
+    import kvpop.demo.run as D
     from kvpop.demo.search import trial_dir
 
     c = {"steps": 3, "k": 4, "label": "max"}
@@ -175,13 +176,13 @@ def test_adopting_a_trial_replaces_another_retrofit_and_keeps_the_same(tmp_path)
     dst = tmp_path / "kvpop-mlp"
     (dst / "done.json").write_text(json.dumps({"settings": {"label": "mean"}}))
     (dst / "head_budgets.json").write_text("{}")  # of the replaced retrofit: must not stay
-    assert D._adopt_trial(tmp_path, "kvpop-mlp", c)
+    assert D.adopt_trial(tmp_path, "kvpop-mlp", c)
     assert (dst / "scorers.safetensors").read_bytes() == b"new" and not (dst / "head_budgets.json").exists()
     assert json.loads((dst / "done.json").read_text())["settings"] == {"label": "max"}
     (dst / "scorers.safetensors").write_bytes(b"kept")
-    assert D._adopt_trial(tmp_path, "kvpop-mlp", c)  # the same retrofit: nothing copied again
+    assert D.adopt_trial(tmp_path, "kvpop-mlp", c)  # the same retrofit: nothing copied again
     assert (dst / "scorers.safetensors").read_bytes() == b"kept"
-    assert not D._adopt_trial(tmp_path, "kvpop-mlp", {**c, "k": 16})  # no such trial
+    assert not D.adopt_trial(tmp_path, "kvpop-mlp", {**c, "k": 16})  # no such trial
 
 
 def test_demo_with_head_adaptive_budgets_end_to_end(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,313 @@
+"""The one staged search on validation sequences, behind ``kvpop train --auto`` and ``kvpop demo --select``.
+
+A search is a list of :class:`Stage`: each stage tries its variations of the best settings so far, and the best
+trial (by its validation score, lower is better; the first of equals, the earlier and cheaper one, wins) is
+what the next stage varies.  :class:`Search` runs the stages and keeps the record, ``OUT/<record file>``,
+written after every trial::
+
+    {..., "trials": [{"stage", "settings", "score", "steps", "seconds", "dir", ...}], "skipped": [...],
+     "chosen": ...}
+
+Every trial runs in its own directory (``OUT/<subdir>/<tag of its settings>``, :func:`trial_tag`) and leaves
+``trial.json`` there when it is finished; a trial whose ``trial.json`` holds the same settings is reused, never
+run again, so an interrupted search continues where it stopped.  A budget (trained steps, or minutes of the
+trials' wall time) skips a stage's trials once it would be overrun; the first trained trial always runs.
+
+What a trial *is* (one ``kvpop train`` run scored as ``kvpop eval --run`` serves it; one demo retrofit scored on
+the task's validation sequences) is the caller's ``run(settings, dir)``; what is searched is a plan:
+
+* :func:`auto_plan`: ``kvpop train --auto``'s stages (:mod:`kvpop.training.auto`: the label family by its oracle,
+  the scorer lr, the training budget, the decay range, head-adaptive budgets, the label source);
+* :func:`select_plan` over :data:`SELECT_GRID` (a task's ``DEMO_GRID`` replacing some entries): ``kvpop demo
+  --select``'s stages for each of the demo's retrofits (:mod:`kvpop.demo.search` runs them).
+
+This module imports nothing above :mod:`kvpop.core`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpop.core.files import write_json
+
+__all__ = ["Stage", "Search", "choose", "trial_tag", "auto_plan", "select_plan", "SELECT_GRID", "SELECT_STAGES",
+           "LABEL_KEYS", "SCORER_ONLY", "JOINT_OF", "RETROFITS"]
+
+
+def choose(trials: Sequence[dict], *, key: str = "score", higher_is_better: bool = True) -> dict:
+    """The best of ``trials`` by ``trial[key]`` (the first of equals: the earlier, cheaper candidate).  The one
+    selection rule of every search (:class:`Search` compares with it, lower is better) and of every evidence row,
+    KVpop's and DMS's alike (:mod:`kvpop.studies.ledger`)."""
+    if not trials:
+        raise ValueError("choose needs at least one trial")
+    best = trials[0]
+    for t in trials[1:]:
+        if (t[key] > best[key]) if higher_is_better else (t[key] < best[key]):
+            best = t
+    return best
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a search: ``variations`` (each a dict of settings) over a starting point.
+
+    ``start=None``: each variation updates the best settings so far, and that best trial stays a candidate (a
+    variation that changes nothing is not run again).  ``start`` a dict: the stage starts anew from the best
+    settings so far (none before the first stage) updated by ``start``; the trials before are no longer compared
+    (their score measured something else: the oracle's stage before the trained ones).  ``trained``: whether
+    the trials train (only those count against the search's budget)."""
+
+    name: str
+    variations: Sequence[Mapping[str, Any]]
+    start: Mapping[str, Any] | None = None
+    trained: bool = True
+
+
+def trial_tag(settings: Mapping[str, Any]) -> str:
+    """The directory name of a trial with ``settings``: ``key-value`` pairs in key order, the keys without
+    underscores (``lrscorer-0.01_steps-200``)."""
+    def fmt(v):
+        return "none" if v is None else v if isinstance(v, str) else f"{v:g}"
+
+    return "_".join(f"{k.replace('_', '')}-{fmt(v)}" for k, v in sorted(settings.items()))
+
+
+class _Budget:
+    def __init__(self, budget: tuple[str, float] | None):
+        self.unit, self.value = budget if budget is not None else (None, None)
+        self.steps = 0
+        self.minutes = 0.0
+        self.trained = 0
+
+    def add(self, r: dict) -> None:
+        self.steps += r["steps"]
+        self.minutes += (r["seconds"] or 0.0) / 60
+        self.trained += r["steps"] > 0
+
+    def spent_before(self, steps: int) -> bool:
+        if self.unit is None or not self.trained:
+            return False
+        return self.steps + steps > self.value if self.unit == "steps" else self.minutes >= self.value
+
+
+@dataclass
+class Search:
+    """A staged search's record ``out / record_file`` and its trials' directories under ``out``.
+
+    ``header``: the record's fixed entries (what is searched, the criterion, the validation sequences);
+    ``budget``: ``("steps" | "minutes", value)`` or ``None`` (every trial runs); ``log(line)``: progress."""
+
+    out: Path
+    record_file: str = "selection.json"
+    header: Mapping[str, Any] = field(default_factory=dict)
+    budget: tuple[str, float] | None = None
+    log: Callable[[str], None] = print
+    prefix: str = "[kvpop search]"
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.record: dict = {**self.header, "trials": [], "skipped": [], "chosen": None}
+        if self.budget is not None:
+            self.record["budget"] = {"unit": self.budget[0], "value": self.budget[1]}
+        self._spent = _Budget(self.budget)
+
+    @property
+    def spent(self) -> dict:
+        """``{"steps", "minutes", "trained"}`` so far (reused trials included)."""
+        return {"steps": self._spent.steps, "minutes": self._spent.minutes, "trained": self._spent.trained}
+
+    def save(self) -> None:
+        """Write the record (atomically)."""
+        write_json(self.out / self.record_file, self.record)
+
+    def trial(self, stage: str, settings: dict, run: Callable[[dict, Path], dict], *, trained: bool = True,
+              steps: int = 0, subdir: str = "", extra: Mapping[str, Any] | None = None) -> dict | None:
+        """One trial of ``settings`` in ``out/subdir/<tag>``: reused when that holds a finished one of the same
+        settings, ``None`` (recorded under ``skipped``) when the budget is spent, else ``run(settings, dir)`` (a
+        dict with ``"score"`` and the trained ``"steps"``; any other entries are kept in the trial's record).
+        A trial this search ran (or reused) before is returned as it is, not recorded twice.  ``steps``: what the
+        trial will train, for the budget; ``extra``: entries every trial of this call's record carries first
+        (``{"policy": ...}``)."""
+        d = self.out / subdir / trial_tag(settings)
+        f = d / "trial.json"
+        rel = str(d.relative_to(self.out))
+        seen = next((r for r in self.record["trials"] if r["dir"] == rel and r["settings"] == settings), None)
+        if seen is not None:  # tried before in this search (a later stage came back to it): the same trial
+            return seen
+        if f.exists():
+            r = json.loads(f.read_text())
+            if r.get("settings") == settings:
+                self.log(f"{self.prefix} {stage} {settings}: finished before, score {r['score']:.5f} (reused)")
+                return self._keep(r)
+        if trained and self._spent.spent_before(steps):
+            self.record["skipped"].append({**(extra or {}), "stage": stage, "settings": settings,
+                                           "why": f"the budget of {self.budget[1]:g} {self.budget[0]} is spent"})
+            self.save()
+            return None
+        d.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        res = dict(run(settings, d))
+        r = {**(extra or {}), "stage": stage, "settings": settings, "score": float(res.pop("score")),
+             "steps": int(res.pop("steps", 0)), "seconds": round(time.time() - t0, 1),
+             "dir": rel, **res}
+        write_json(f, r)
+        self.log(f"{self.prefix} {stage} {settings}: validation score {r['score']:.5f} ({r['seconds']:.0f} s)")
+        return self._keep(r)
+
+    def _keep(self, r: dict) -> dict:
+        self.record["trials"].append(r)
+        self._spent.add(r)
+        self.save()
+        return r
+
+    def run_plan(self, plan: Sequence[Stage], run: Callable[[dict, Path], dict], *,
+                 oracle: Callable[[dict, Path], dict] | None = None, steps_of: Callable[[dict], int] = lambda s: 0,
+                 subdir: str = "", extra: Mapping[str, Any] | None = None) -> dict:
+        """Run the stages of ``plan`` (their trials: ``run``, an untrained stage's: ``oracle``, both as
+        :meth:`trial` takes them) and return the best trial of the stages since the last that started anew;
+        ``steps_of(settings)``: the steps a trial of ``settings`` trains (for the budget)."""
+        best: dict | None = None
+        prev: dict = {}
+        for st in plan:
+            if st.start is not None:
+                base, best = {**prev, **st.start}, None
+            elif best is None:
+                raise ValueError(f"stage {st.name!r} varies the best settings so far, but no trial ran before it")
+            else:
+                base = best["settings"]
+            for v in st.variations:
+                s = {**base, **v}
+                if best is not None and s == best["settings"]:
+                    continue
+                if not st.trained and oracle is None:
+                    raise ValueError(f"stage {st.name!r} is untrained: run_plan needs an oracle")
+                r = self.trial(st.name, s, run if st.trained else oracle, trained=st.trained,
+                               steps=steps_of(s) if st.trained else 0, subdir=subdir, extra=extra)
+                if r is not None:
+                    best = r if best is None else choose([best, r], higher_is_better=False)
+            if best is None:
+                raise ValueError(f"stage {st.name!r} ran no trial (its variations: {list(st.variations)})")
+            prev = best["settings"]
+        if best is None:
+            raise ValueError("an empty plan")
+        return best
+
+
+# --------------------------------------------------------------------------------------- kvpop train --auto
+
+
+def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budgets: Sequence[int],
+              given: Mapping[str, Any], decay_nats: float, train_model: bool) -> list[Stage]:
+    """``kvpop train --auto``'s stages (:mod:`kvpop.training.auto` gives the candidates): ``label`` scored by each
+    label's oracle (untrained; absent with one label), then, trained and compared anew, ``lr_scorer``,
+    ``train_budget``, ``decay`` (``decay_nats`` against the paper's range), ``head_budgets`` (``allocate
+    ablation`` against uniform) and, when the model is trained, ``target_source``; a setting in ``given`` (the
+    user's) is fixed and its stage left out."""
+    plan = []
+    start = {"decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
+             "target_source": given.get("target_source", "student"), "train_budget": None}
+    if len(labels) > 1:
+        plan.append(Stage("label", [{"label": x} for x in labels], start={}, trained=False))
+    else:
+        start = {"label": labels[0], **start}
+    plan.append(Stage("lr_scorer", [{"lr_scorer": lr} for lr in lr_scorers], start=start))
+    plan.append(Stage("train_budget", [{"train_budget": b} for b in train_budgets]))
+    if "decay_nats" not in given:
+        plan.append(Stage("decay", [{"decay_nats": decay_nats}]))
+    if "allocate" not in given:
+        plan.append(Stage("head_budgets", [{"allocate": "ablation"}]))
+    if train_model and "target_source" not in given:
+        plan.append(Stage("target_source", [{"target_source": "teacher"}]))
+    return plan
+
+
+# --------------------------------------------------------------------------------------- kvpop demo --select
+
+SCORER_ONLY = ("kvpop-mlp", "kvpop-mlstm")
+JOINT_OF = {"kvpop-mlp-joint": "kvpop-mlp", "kvpop-mlstm-joint": "kvpop-mlstm"}
+RETROFITS = (*SCORER_ONLY, *JOINT_OF, "fixed-finetune")
+"""The retrofits of every demo run, in the order they are searched and trained (a joint one after its scorer's)."""
+
+SELECT_GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2,), "steps": (100,), "joint_lr_model": (1e-4,),
+               "target_source": ("student", "teacher"), "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30,),
+               "label": ("mean", "max"), "decay_span": (None, 8.0), "label_lr_scorer": (1e-2,),
+               "label_steps": (200,), "eval_every": (0,), "patience": (0,), "joint_init": ("fresh", "scorer-only"),
+               "head_budgets": ("uniform", "ablation")}
+"""The candidates of ``kvpop demo --select`` (:func:`select_plan`); a task module's ``DEMO_GRID`` replaces some
+of these entries for its task.  A grid of one value fixes that setting (the CPU budget of a 2-core machine:
+each candidate is a retrofit plus a validation run).  ``k``: the training budget's long-range slots; ``label``
+and ``decay_span``: the label the scorers learn (``KVpopConfig.label``) and the decay's range (``None`` the
+paper's, a number of nats the range tied to the training length); ``eval_every`` / ``patience``: validation
+during the retrofit, the best state kept (0: none); ``joint_init``: a joint retrofit's scorers ``"fresh"`` or the
+scorer-only retrofit's; ``head_budgets``: ``"ablation"`` head-adaptive budgets fixed before training."""
+SELECT_STAGES = ("all", "label", "target_source")
+"""``kvpop demo --select --select-stage``: every setting, the label family alone, the label source alone."""
+LABEL_KEYS = ("label", "decay_span", "eval_every", "patience", "head_budgets")
+"""Settings a joint retrofit takes from its scorer-only retrofit's choice (besides ``lr_scorer`` and ``k``)."""
+
+
+def select_plan(which: str, policy: str, grid: Mapping[str, Sequence], current: Mapping[str, dict],
+                chosen: Mapping[str, dict]) -> list[Stage]:
+    """The stages of ``kvpop demo --select --select-stage which`` for the demo's retrofit ``policy``.
+
+    ``grid``: :data:`SELECT_GRID` with the task's entries; ``current``: each retrofit's settings before this
+    search (the shipped choice; the stages ``label`` and ``target_source`` keep the rest of them);
+    ``chosen``: the choices made so far in this search (a joint retrofit's plan starts from its scorer's).
+    ``which``:
+
+    * ``all``: scorer-only: every (k, lr_scorer) at the first steps, then every steps, every (label,
+      decay_span) and every head budget; joint: every joint_lr_model from the scorer's choice with the student's
+      label, then every target_source and every joint_init; fixed-finetune: every (lr_model, steps);
+    * ``label``: scorer-only: every (label, decay_span, lr_scorer) at label_steps with the task's validation
+      during training, then every head budget; joint: its scorer's label settings, every joint_init;
+      fixed-finetune: not searched (``[]``);
+    * ``target_source``: the joint retrofits' every label source (``[]`` for the others).
+    """
+    if which not in SELECT_STAGES:
+        raise ValueError(f"unknown select stage {which!r}; allowed: {list(SELECT_STAGES)}")
+    if policy not in RETROFITS:
+        raise ValueError(f"unknown demo retrofit {policy!r}; allowed: {list(RETROFITS)}")
+    g = grid
+    heads = [{"head_budgets": hb} for hb in g["head_budgets"] if hb != "uniform"]
+    if which == "target_source":
+        if policy not in JOINT_OF:
+            return []
+        c = {k: v for k, v in current[policy].items() if k != "target_source"}
+        return [Stage("target_source", [{"target_source": s} for s in g["target_source"]], start=c)]
+    if which == "label":
+        if policy in SCORER_ONLY:
+            c = {k: v for k, v in current[policy].items() if k not in ("label", "decay_span", "lr_scorer")}
+            c.update(eval_every=g["eval_every"][0], patience=g["patience"][0], steps=g["label_steps"][0])
+            return [Stage("label x decay_span x lr_scorer",
+                          [{"label": lab, "decay_span": span, "lr_scorer": lr} for lab in g["label"]
+                           for span in g["decay_span"] for lr in g["label_lr_scorer"]], start=c),
+                    Stage("head_budgets", heads)]
+        if policy in JOINT_OF:
+            sc = chosen[JOINT_OF[policy]]
+            c = {**{k: v for k, v in current[policy].items() if k != "head_budgets"},
+                 **{k: sc[k] for k in (*LABEL_KEYS, "lr_scorer") if k in sc},
+                 "eval_every": 0, "patience": 0}  # the joint retrofits' own steps, no early stopping
+            return [Stage("joint_init", [{"joint_init": ji} for ji in g["joint_init"]], start=c)]
+        return []
+    if policy in SCORER_ONLY:
+        fixed = {"eval_every": g["eval_every"][0], "patience": g["patience"][0], "label": g["label"][0],
+                 "decay_span": g["decay_span"][0], "steps": g["steps"][0]}
+        return [Stage("k x lr_scorer", [{"k": k, "lr_scorer": lr} for k in g["k"] for lr in g["lr_scorer"]],
+                      start=fixed),
+                Stage("steps", [{"steps": st} for st in g["steps"][1:]]),
+                Stage("label x decay_span", [{"label": lab, "decay_span": span} for lab in g["label"]
+                                             for span in g["decay_span"]]),
+                Stage("head_budgets", heads)]
+    if policy in JOINT_OF:
+        return [Stage("lr_model", [{"lr_model": lm} for lm in g["joint_lr_model"]],
+                      start={**chosen[JOINT_OF[policy]], "target_source": "student",
+                             "joint_init": g["joint_init"][0]}),
+                Stage("target_source", [{"target_source": s} for s in g["target_source"]]),
+                Stage("joint_init", [{"joint_init": ji} for ji in g["joint_init"][1:]])]
+    return [Stage("lr_model x steps", [{"steps": st, "lr_model": lm} for lm in g["finetune_lr_model"]
+                                       for st in g["finetune_steps"]], start={})]
