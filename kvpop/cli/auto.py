@@ -14,13 +14,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``--auto``, ``--auto-budget`` and ``--preset`` of ``kvpop train``."""
     auto = p.add_argument_group("settings chosen for you (kvpop.training.auto)")
     auto.add_argument("--auto", action="store_true",
-                      help="choose the label, scorer lr, training budget, decay range, head budgets and label "
-                           "source on validation data (--valid-data, or the task's validation sequences with --task), "
-                           "a --steps run per trial; writes OUT/selection.json and OUT as the chosen run (--resume "
-                           "continues a search)")
+                      help="choose the label, scorer lr, training budget, decay range, head budgets, label "
+                           "source and the joint run's warm start on validation data (--valid-data, or the task's "
+                           "validation sequences with --task), a --steps run per trial; writes OUT/selection.json "
+                           "and OUT as the chosen run (--resume continues a search)")
     auto.add_argument("--auto-budget", default=None, metavar="STEPS|MINUTES",
                       help="--auto's budget: trained steps over all trials (e.g. 400) or minutes (e.g. 30m) "
                            "(default: 5 trials of --steps)")
+    auto.add_argument("--auto-patience", type=int, default=None, metavar="N",
+                      help="--auto's early stopping: validate each trial every --auto-eval-every steps and stop it "
+                           "after N validations without a better or equal score, keeping its best state (default 0: "
+                           "no early stopping, each trial scored once after --steps)")
+    auto.add_argument("--auto-eval-every", type=int, default=None, metavar="STEPS",
+                      help="with --auto-patience: the validation interval in steps (default --steps / 4)")
     auto.add_argument("--preset", choices=("paper",), default=None,
                       help="paper: the paper's method (MLP scorer, mean label, decay [0.999, 0.999999] from 0.9999, "
                            "the student's sparse label, uniform budgets)")
@@ -28,12 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_auto_options(args: argparse.Namespace) -> None:
     """``--auto-budget`` and ``--preset`` where they mean something, and what ``--auto`` needs, before any work."""
-    from kvpop.training.auto import apply_preset, parse_budget
+    from kvpop.training.auto import apply_preset, early_stopping, parse_budget
 
     if not args.auto:
-        if args.auto_budget is not None:
-            raise ValueError(f"--auto-budget {args.auto_budget} is the budget of --auto's search: give --auto, or "
-                             f"leave it out")
+        for name in ("auto_budget", "auto_patience", "auto_eval_every"):
+            if getattr(args, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {getattr(args, name)} is an option of --auto's search: give --auto, or "
+                                 f"leave it out")
         apply_preset(args, args.preset)
         return
     if args.preset is not None:
@@ -53,6 +61,7 @@ def check_auto_options(args: argparse.Namespace) -> None:
     if args.resume and not (Path(args.out) / "selection.json").exists() and Path(args.out, "last.pt").exists():
         raise ValueError(f"--out {args.out} holds a run of kvpop train without --auto; choose another --out")
     parse_budget(args.auto_budget, args.steps)
+    early_stopping(args)
 
 
 def _valid_sequences(args: argparse.Namespace, model, source: Path) -> list:

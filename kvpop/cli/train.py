@@ -130,6 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"upper end of the learned per-head decay (default {d.gamma_max})")
     kv.add_argument("--gamma-init", type=float, default=None,
                     help=f"initial decay, strictly inside the range (default {d.gamma_init})")
+    kv.add_argument("--init-scorers", type=str, default=None, metavar="FILE",
+                    help="start the scorers from this scorer file (a scorer-only run's scorers.safetensors: a joint "
+                         "retrofit's warm start) instead of their seeded initialisation; its scorer structure must "
+                         "be this run's (kvpop.load_scorers checks it); budget and label may differ")
     hb = kv.add_mutually_exclusive_group()
     hb.add_argument("--head-budgets", type=str, default=None, metavar="FILE.json",
                     help="head-adaptive budgets (docs/DESIGN.md section 7): a JSON list (one per layer) of lists (one "
@@ -361,6 +365,13 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
             method.attach(model)
         except (TypeError, ValueError) as e:
             _fail(f"cannot patch {source or 'the --tiny model'}: {e}")
+        if args.init_scorers is not None:  # a warm start (a resume then restores last.pt's state over it)
+            from kvpop.core.checkpoint import load_scorers
+
+            try:
+                load_scorers(model, args.init_scorers)
+            except (OSError, ValueError) as e:
+                _fail(f"--init-scorers {args.init_scorers}: {e}")
         tcfg = train_config(args, out, data_fingerprint=_checked(rundir.data_print, args.data),
                             model_fingerprint=model_print)
         if rank == 0:

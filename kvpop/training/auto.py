@@ -14,7 +14,15 @@ before it:
    since the range bounds the decay the scorers learn while the oracle's label sees only its initial value;
 5. ``head_budgets``: uniform budgets against head-adaptive ones (``--allocate ablation``);
 6. ``target_source``: the label from the model being trained (student) against the frozen original's
-   (teacher), when the model is trained.
+   (teacher), when the model is trained;
+7. ``warm_start``: the joint run started from the scorers of a scorer-only run of the same settings
+   (``--init-scorers``; the trial trains both, twice ``--steps``) against fresh scorers, when the model is
+   trained and ``--init-scorers`` is not given.
+
+With ``--auto-patience N`` (:func:`early_stopping`) a trial is validated every ``--auto-eval-every`` steps (its
+``kvpop train`` extended by ``--resume``, the one uninterrupted run), stopped after N validations without a
+better or equal score, and its outputs are its best validated state's (``validations`` and ``best_step`` in
+its record; ``steps`` the last step trained).
 
 Every trained trial is an ordinary ``kvpop train`` run of ``--steps`` steps in ``OUT/auto/<tag>``, scored on
 the validation sequences as ``kvpop eval --run`` serves it (the mean next-token NLL over dense past the
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import re
 import shutil
@@ -57,7 +66,7 @@ LABEL_CANDIDATES = ("mean", "max")
 DECAY_NATS = 8.0
 """The third stage's alternative to the paper's decay range: ``--decay-nats 8`` (``gamma_min = exp(-8 / --seq-len)``,
 ``kvpop.decay_range_for_context``; the value the demo's selection grid tried)."""
-SEARCHED = ("label", "decay_nats", "lr_scorer", "allocate", "target_source")
+SEARCHED = ("label", "decay_nats", "lr_scorer", "allocate", "target_source", "init_scorers")
 """The settings the search chooses; one the user gave is kept as given (its stage has that one candidate)."""
 LR_FACTORS = (1.0, 3.0, 10.0)
 """The second stage's scorer learning rates, as factors of the method's default (the demo's selection chose
@@ -189,21 +198,66 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
                             "steps_per_trial": args.steps, "served_budget": served},
                budget=parse_budget(args.auto_budget, args.steps), log=log, prefix="[kvpop train --auto]")
 
+    every, patience = early_stopping(args)
+
+    def train_to(ns: argparse.Namespace, d: Path, steps: int) -> None:
+        ns = copy.copy(ns)
+        ns.out, ns.steps, ns.resume = str(d), steps, (d / "last.pt").exists()
+        rc = train(ns)
+        if rc != 0:
+            raise _Stopped(rc)
+
+    def validated(ns: argparse.Namespace, d: Path) -> dict:
+        """The run of ``ns`` in ``d``, validated every ``every`` steps with ``patience`` (0: once, at the end)."""
+        if not patience:
+            train_to(ns, d, args.steps)
+            return {"score": score(d), "steps": args.steps}
+        vfile, keep = d / "validation.jsonl", d / "best"
+        done = [json.loads(x) for x in vfile.read_text().splitlines() if x.strip()] if vfile.exists() else []
+        vals: list[dict] = []
+        best, bad = None, 0
+        for target in [*range(every, args.steps, every), args.steps]:
+            rec = next((r for r in done if r["step"] == target), None)  # validated before an interruption
+            if rec is None:
+                train_to(ns, d, target)
+                rec = {"step": target, "score": score(d)}
+                if best is None or rec["score"] <= best["score"]:  # the state first, then its record
+                    _copy_run(d, keep)
+                with open(vfile, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            vals.append(rec)
+            if best is None or rec["score"] <= best["score"]:  # of equals the later, more trained state
+                best, bad = rec, 0
+            else:
+                bad += 1
+                if bad >= patience:
+                    break
+        if best["step"] != vals[-1]["step"]:
+            _copy_run(keep, d)  # the run's outputs are the best validated state's (last.pt stays the last step)
+        return {"score": best["score"], "steps": vals[-1]["step"], "best_step": best["step"], "validations": vals}
+
     def trained(settings: dict, d: Path) -> dict:
         ns = copy.copy(args)
-        ns.auto, ns.auto_budget, ns.preset = False, None, None
-        ns.out = str(d)
-        ns.resume = (d / "last.pt").exists()
+        ns.auto, ns.auto_budget, ns.preset, ns.auto_patience, ns.auto_eval_every = False, None, None, None, None
         for k, v in settings.items():
             setattr(ns, k, v)
         ns.budget = settings.get("train_budget") or served  # trained at; scored at `served` all the same
         vars(ns).pop("train_budget", None)
+        warm = vars(ns).pop("warm_start", None)
         if ns.allocate is None:
             ns.valid_data = ns.valid_sequences = None
-        rc = train(ns)
-        if rc != 0:
-            raise _Stopped(rc)
-        return {"score": score(d), "steps": args.steps}
+        before = 0
+        if warm == "scorer-only":  # the scorers trained alone first, then the joint run starts from them
+            w = copy.copy(ns)
+            w.no_train_model = True
+            first = validated(w, d / "scorer-only")
+            before = first["steps"]
+            ns.init_scorers = str(d / "scorer-only" / "scorers.safetensors")
+        r = validated(ns, d)
+        if warm == "scorer-only":
+            r["scorer_only"] = first
+        r["steps"] += before
+        return r
 
     def options(key: str, values: list) -> list:
         return [given[key]] if key in given else values
@@ -211,15 +265,48 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     plan = auto_plan(labels=options("label", list(LABEL_CANDIDATES)),
                      lr_scorers=options("lr_scorer", [lr_scorer * f for f in LR_FACTORS]),
                      train_budgets=train_budgets(served, args.sinks, args.window), given=given,
-                     decay_nats=DECAY_NATS, train_model=train_model)
+                     decay_nats=DECAY_NATS, train_model=train_model,
+                     warm_start=train_model and "init_scorers" not in given)
     best = s.run_plan(plan, trained, oracle=lambda settings, d: {"score": oracle(settings), "steps": 0},
-                      steps_of=lambda settings: args.steps, subdir="auto")
+                      steps_of=lambda settings: args.steps * (2 if settings.get("warm_start") else 1),
+                      subdir="auto")
     s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
     s.save()
     _adopt(out, out / best["dir"], served)
     log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
         f"{len(s.record['trials'])} trials, {s.spent['steps']} trained steps; the run is {out}")
     return s.record
+
+
+def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
+    """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience``: each trial validated every ``every``
+    steps and stopped after ``patience`` validations without a better or equal score, its best state kept
+    (``patience`` 0, the default: no early stopping, one validation at the end); ``every`` defaults to a quarter
+    of ``--steps``.  ValueError naming a bad value."""
+    patience = getattr(args, "auto_patience", None) or 0
+    every = getattr(args, "auto_eval_every", None)
+    if patience < 0:
+        raise ValueError(f"--auto-patience must be >= 0, got {patience}")
+    if every is not None and not 1 <= every <= args.steps:
+        raise ValueError(f"--auto-eval-every must lie in [1, --steps {args.steps}], got {every}")
+    if every is not None and not patience:
+        raise ValueError(f"--auto-eval-every {every} is the validation interval of --auto-patience: give "
+                         f"--auto-patience N (N >= 1), or leave it out")
+    return (every or max(1, args.steps // 4)), patience
+
+
+def _copy_run(src: Path, dst: Path) -> None:
+    """A run's served outputs (scorer file, ``model/``, ``head_budgets.json``) from ``src`` into ``dst``."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("scorers.safetensors", "model", "head_budgets.json"):
+        if (dst / name).is_dir():
+            shutil.rmtree(dst / name)
+        elif (dst / name).exists():
+            (dst / name).unlink()
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name)
+        elif (src / name).exists():
+            shutil.copy2(src / name, dst / name)
 
 
 class _Stopped(Exception):

@@ -18,7 +18,7 @@ __all__ = ["KVPOP_ONLY", "DMS_ONLY", "fill_defaults", "check_combinations", "che
 # (--no-balance is a flag: given when True)
 KVPOP_ONLY = ("budget", "scorer", "scorer_hidden", "mlstm_dim", "mask_source", "target_lse", "target_source", "tau",
                "tie_margin", "eps", "label", "label_power", "decay_nats", "gamma_min", "gamma_max", "gamma_init",
-               "no_balance")
+               "no_balance", "init_scorers")
 DMS_ONLY = ("target_keep", "schedule_steps", "gate_tau", "gate_offset", "aux_weight")
 DMS_FIELDS = {"gate_tau": "tau"}  # option -> DMSConfig field where the names differ
 
@@ -33,7 +33,7 @@ def fill_defaults(args: Any) -> set[str]:
              if (getattr(args, n, False) is True if n == "no_balance" else getattr(args, n, None) is not None)}
     d, dd = KVpopConfig(), DMSConfig()
     for n in KVPOP_ONLY:
-        if getattr(args, n, None) is None and n not in ("decay_nats", "no_balance"):
+        if getattr(args, n, None) is None and n not in ("decay_nats", "no_balance", "init_scorers"):
             setattr(args, n, getattr(d, n))
     for n in DMS_ONLY:
         if getattr(args, n, None) is None and n != "schedule_steps":
@@ -129,6 +129,9 @@ def check_options(args: Any) -> None:
         if same:
             _fail(f"--valid-data {args.valid_data} has the same content as the training file --data {args.data} (a "
                   f"copy): the allocation must be measured on held-out records")
+    if getattr(args, "init_scorers", None) is not None and not Path(args.init_scorers).is_file():
+        _fail(f"--init-scorers {args.init_scorers}: no such file (give a scorer file, e.g. a scorer-only run's "
+              f"OUT/scorers.safetensors)")
     if args.method == "kvpop" and args.seq_len <= args.budget:
         _fail(f"--seq-len ({args.seq_len}) must be larger than --budget ({args.budget}): a sequence of at most "
               f"budget tokens evicts nothing, so the scorers get no training signal")

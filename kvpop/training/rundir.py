@@ -49,7 +49,7 @@ __all__ = ["RESUMABLE", "PATHS", "arg_dict", "comparable", "check_outputs", "che
 
 RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume", "out", "device"}
 """Arguments that may change between a run and its ``--resume`` (``--out`` is where the run is)."""
-PATHS = ("data", "model", "head_budgets", "valid_data")
+PATHS = ("data", "model", "head_budgets", "valid_data", "init_scorers")
 """Arguments that name files: compared resolved."""
 
 KEEP_MARGIN = 0.25

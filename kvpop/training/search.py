@@ -202,12 +202,14 @@ class Search:
 
 
 def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budgets: Sequence[int],
-              given: Mapping[str, Any], decay_nats: float, train_model: bool) -> list[Stage]:
+              given: Mapping[str, Any], decay_nats: float, train_model: bool,
+              warm_start: bool = False) -> list[Stage]:
     """``kvpop train --auto``'s stages (:mod:`kvpop.training.auto` gives the candidates): ``label`` scored by each
     label's oracle (untrained; absent with one label), then, trained and compared anew, ``lr_scorer``,
     ``train_budget``, ``decay`` (``decay_nats`` against the paper's range), ``head_budgets`` (``allocate
-    ablation`` against uniform) and, when the model is trained, ``target_source``; a setting in ``given`` (the
-    user's) is fixed and its stage left out."""
+    ablation`` against uniform) and, when the model is trained, ``target_source`` and (``warm_start``)
+    ``warm_start``: the joint run started from a scorer-only run's scorers (``{"warm_start": "scorer-only"}``)
+    against fresh ones; a setting in ``given`` (the user's) is fixed and its stage left out."""
     plan = []
     start = {"decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
              "target_source": given.get("target_source", "student"), "train_budget": None}
@@ -223,6 +225,8 @@ def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budge
         plan.append(Stage("head_budgets", [{"allocate": "ablation"}]))
     if train_model and "target_source" not in given:
         plan.append(Stage("target_source", [{"target_source": "teacher"}]))
+    if train_model and warm_start:
+        plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}]))
     return plan
 
 

@@ -100,7 +100,7 @@ def test_auto_refusals_outside_the_task(tmp_path):
     with pytest.raises(SystemExit, match="instead of --tiny"):
         main(["train", "--auto", "--tiny", "--task", "--seq-len", "64", "--budget", "32",
               "--out", str(tmp_path / "o")])
-    with pytest.raises(SystemExit, match="--auto-budget 40 is the budget of --auto"):
+    with pytest.raises(SystemExit, match="--auto-budget 40 is an option of --auto"):
         main(["train", "--task", "--auto-budget", "40", "--out", str(tmp_path / "o")])
 
 
@@ -205,3 +205,75 @@ def test_oracle_excess_is_zero_when_nothing_is_evicted_and_positive_when_much_is
     tight = oracle_excess(model, seqs, KVpopConfig(budget=11, sinks=2, window=8))
     assert tight > 1e-4
     assert model.training  # its mode restored
+
+
+def _tensors(f):
+    from safetensors.torch import load_file
+
+    return load_file(str(f))
+
+
+def test_init_scorers_starts_from_the_file_and_refuses_what_does_not_fit(tmp_path):
+    """``kvpop train --init-scorers``: a run whose scorer lr is too small to move them (1 step of 1e-12) ends
+    with the file's scorers, not its own seeded ones; a missing file and another structure are refused."""
+    base = ["train", "--task", "--seq-len", "96", "--budget", "32", "--sinks", "2", "--window", "8", "--steps", "1",
+            "--no-progress"]
+    assert main([*base, "--no-train-model", "--seed", "3", "--lr-scorer", "1e-2", "--out", str(tmp_path / "a")]) == 0
+    src = tmp_path / "a" / "scorers.safetensors"
+    for init, out in ((["--init-scorers", str(src)], "b"), ([], "c")):
+        assert main([*base, "--lr-scorer", "1e-12", "--lr-model", "1e-12", *init, "--out", str(tmp_path / out)]) == 0
+    a, b, c = (_tensors(tmp_path / x / "scorers.safetensors") for x in "abc")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-6 for k in a)
+    assert any((a[k] - c[k]).abs().max() > 1e-3 for k in a)  # the seeded start differs: the test can fail
+    with pytest.raises(SystemExit, match="--init-scorers .*no such file"):
+        main([*base, "--init-scorers", str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "d")])
+    with pytest.raises(SystemExit, match="--init-scorers .*scorer_hidden"):
+        main([*base, "--scorer-hidden", "7", "--init-scorers", str(src), "--out", str(tmp_path / "e")])
+
+
+def test_a_run_extended_by_resume_equals_the_uninterrupted_run(tmp_path):
+    """What --auto's early stopping relies on: 2 steps, then --resume to 4, are the 4-step run bit for bit."""
+    base = ["train", "--task", "--seq-len", "96", "--budget", "32", "--sinks", "2", "--window", "8", "--no-progress"]
+    assert main([*base, "--steps", "4", "--out", str(tmp_path / "full")]) == 0
+    assert main([*base, "--steps", "2", "--out", str(tmp_path / "seg")]) == 0
+    assert main([*base, "--steps", "4", "--resume", "--out", str(tmp_path / "seg")]) == 0
+    a, b = _tensors(tmp_path / "full" / "scorers.safetensors"), _tensors(tmp_path / "seg" / "scorers.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(tmp_path, monkeypatch):
+    """--auto-patience: each trial validated every --auto-eval-every steps, stopped after a validation without a
+    better or equal score, its outputs the best step's; the last stage trains a scorer-only run first and starts
+    the joint run from its scorers. The validation scores are made up (a fixed sequence per trial) so the test
+    knows where each trial must stop."""
+    import kvpop.cli.auto as A
+    from kvpop.training.runstate import output_step
+
+    seq = iter([0.5, 0.4, 0.45] * 50)  # per trial: better, then worse -> stops after 2 of 4 validations
+
+    def fake_scorer(source, seqs, budget):
+        return lambda d: next(seq)
+
+    monkeypatch.setattr(A, "_task_scorer", lambda source, task, n, length, budget: fake_scorer(source, n, budget))
+    out = tmp_path / "run"
+    assert main(["train", *QUICK, "--steps", "4", "--auto-patience", "1", "--auto-eval-every", "1", "--label", "mean",
+                 "--lr-scorer", "1e-3", "--decay-nats", "8", "--allocate", "ablation", "--target-source", "student",
+                 "--auto-budget", "40", "--out", str(out)]) == 0
+    rec = json.loads((out / "selection.json").read_text())
+    assert [t["stage"] for t in rec["trials"]] == ["lr_scorer", "train_budget", "train_budget", "warm_start"]
+    for t in rec["trials"][:3]:
+        assert [v["step"] for v in t["validations"]] == [1, 2, 3] and t["best_step"] == 2 and t["steps"] == 3
+        assert t["score"] == 0.4
+        assert output_step(out / t["dir"] / "scorers.safetensors") == 2  # the best state, not the last
+        assert output_step(out / t["dir"] / "model") == 2
+    warm = rec["trials"][3]
+    assert warm["settings"]["warm_start"] == "scorer-only" and warm["steps"] == 6  # 3 scorer-only + 3 joint
+    assert warm["scorer_only"]["best_step"] == 2
+    args = json.loads((out / warm["dir"] / "args.json").read_text())
+    assert args["init_scorers"].endswith("scorer-only/scorers.safetensors") and not args["no_train_model"]
+    assert json.loads((out / warm["dir"] / "scorer-only" / "args.json").read_text())["no_train_model"]
+    # refusals
+    with pytest.raises(SystemExit, match="--auto-eval-every 2 is the validation interval of --auto-patience"):
+        main(["train", *QUICK, "--steps", "4", "--auto-eval-every", "2", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--auto-patience 1 is an option of --auto"):
+        main(["train", "--task", "--steps", "4", "--auto-patience", "1", "--out", str(tmp_path / "x")])

@@ -8,8 +8,17 @@ import time
 
 import pytest
 
-from kvpop.training.search import (JOINT_OF, RETROFITS, SCORER_ONLY, SELECT_GRID, Search, Stage, auto_plan,
-                                   select_plan, trial_tag)
+from kvpop.training.search import (
+    JOINT_OF,
+    RETROFITS,
+    SCORER_ONLY,
+    SELECT_GRID,
+    Search,
+    Stage,
+    auto_plan,
+    select_plan,
+    trial_tag,
+)
 
 
 def _objective(s):
