@@ -22,11 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="--auto's budget: trained steps over all trials (e.g. 400) or minutes (e.g. 30m) "
                            "(default: 5 trials of --steps)")
     auto.add_argument("--auto-patience", type=int, default=None, metavar="N",
-                      help="--auto's early stopping: validate each trial every --auto-eval-every steps and stop it "
-                           "after N validations without a better or equal score, keeping its best state (default 0: "
-                           "no early stopping, each trial scored once after --steps)")
+                      help="--auto's early stopping: each trial validated every --auto-eval-every steps and stopped "
+                           "after N validations without a better or equal score, its best state kept (default 2; "
+                           "0: no early stopping, each trial scored once after --steps)")
     auto.add_argument("--auto-eval-every", type=int, default=None, metavar="STEPS",
-                      help="with --auto-patience: the validation interval in steps (default --steps / 4)")
+                      help="--auto's validation interval within a trial, in steps (default --steps / 4)")
     auto.add_argument("--preset", choices=("paper",), default=None,
                       help="paper: the paper's method (MLP scorer, mean label, decay [0.999, 0.999999] from 0.9999, "
                            "the student's sparse label, uniform budgets)")

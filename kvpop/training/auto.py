@@ -19,10 +19,11 @@ before it:
    (``--init-scorers``; the trial trains both, twice ``--steps``) against fresh scorers, when the model is
    trained and ``--init-scorers`` is not given.
 
-With ``--auto-patience N`` (:func:`early_stopping`) a trial is validated every ``--auto-eval-every`` steps (its
-``kvpop train`` extended by ``--resume``, the one uninterrupted run), stopped after N validations without a
-better or equal score, and its outputs are its best validated state's (``validations`` and ``best_step`` in
-its record; ``steps`` the last step trained).
+Every trial stops early (:func:`early_stopping`): it is validated every ``--auto-eval-every`` steps (its
+``kvpop train`` extended by ``--resume``, the one uninterrupted run), stopped after ``--auto-patience``
+validations without a better or equal score, and its outputs are its best validated state's (``validations``
+and ``best_step`` in its record; ``steps`` the last step trained); ``--auto-patience 0`` trains every trial
+to ``--steps`` and scores it once.
 
 Every trained trial is an ordinary ``kvpop train`` run of ``--steps`` steps in ``OUT/auto/<tag>``, scored on
 the validation sequences as ``kvpop eval --run`` serves it (the mean next-token NLL over dense past the
@@ -78,6 +79,9 @@ them at k = 92 and 28)."""
 RUN_FILES = ("scorers.safetensors", "gates.safetensors", "model", "head_budgets.json", "last.pt", "args.json",
              "history.jsonl")
 """What of the chosen trial is copied into ``OUT``."""
+PATIENCE = 2
+"""``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
+better or equal score."""
 DEFAULT_TRIALS = 5
 """The default budget: this many trained trials of ``--steps`` steps each."""
 
@@ -280,18 +284,18 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
 
 def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
     """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience``: each trial validated every ``every``
-    steps and stopped after ``patience`` validations without a better or equal score, its best state kept
-    (``patience`` 0, the default: no early stopping, one validation at the end); ``every`` defaults to a quarter
-    of ``--steps``.  ValueError naming a bad value."""
-    patience = getattr(args, "auto_patience", None) or 0
+    steps (default a quarter of ``--steps``) and stopped after ``patience`` (default :data:`PATIENCE`)
+    validations without a better or equal score, its best state kept; ``patience`` 0: no early stopping, one
+    validation after ``--steps``.  ValueError naming a bad value."""
+    patience = PATIENCE if getattr(args, "auto_patience", None) is None else args.auto_patience
     every = getattr(args, "auto_eval_every", None)
     if patience < 0:
         raise ValueError(f"--auto-patience must be >= 0, got {patience}")
     if every is not None and not 1 <= every <= args.steps:
         raise ValueError(f"--auto-eval-every must lie in [1, --steps {args.steps}], got {every}")
     if every is not None and not patience:
-        raise ValueError(f"--auto-eval-every {every} is the validation interval of --auto-patience: give "
-                         f"--auto-patience N (N >= 1), or leave it out")
+        raise ValueError(f"--auto-eval-every {every} is the validation interval of early stopping, which "
+                         f"--auto-patience 0 switches off: leave one of them out")
     return (every or max(1, args.steps // 4)), patience
 
 

@@ -242,7 +242,7 @@ def test_a_run_extended_by_resume_equals_the_uninterrupted_run(tmp_path):
 
 
 def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(tmp_path, monkeypatch):
-    """--auto-patience: each trial validated every --auto-eval-every steps, stopped after a validation without a
+    """Early stopping: each trial validated every --auto-eval-every steps, stopped after a validation without a
     better or equal score, its outputs the best step's; the last stage trains a scorer-only run first and starts
     the joint run from its scorers. The validation scores are made up (a fixed sequence per trial) so the test
     knows where each trial must stop."""
@@ -273,7 +273,8 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
     assert args["init_scorers"].endswith("scorer-only/scorers.safetensors") and not args["no_train_model"]
     assert json.loads((out / warm["dir"] / "scorer-only" / "args.json").read_text())["no_train_model"]
     # refusals
-    with pytest.raises(SystemExit, match="--auto-eval-every 2 is the validation interval of --auto-patience"):
-        main(["train", *QUICK, "--steps", "4", "--auto-eval-every", "2", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--auto-eval-every 2 is the validation interval of early stopping"):
+        main(["train", *QUICK, "--steps", "4", "--auto-eval-every", "2", "--auto-patience", "0",
+              "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="--auto-patience 1 is an option of --auto"):
         main(["train", "--task", "--steps", "4", "--auto-patience", "1", "--out", str(tmp_path / "x")])
