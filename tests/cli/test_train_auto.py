@@ -272,6 +272,11 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
     args = json.loads((out / warm["dir"] / "args.json").read_text())
     assert args["init_scorers"].endswith("scorer-only/scorers.safetensors") and not args["no_train_model"]
     assert json.loads((out / warm["dir"] / "scorer-only" / "args.json").read_text())["no_train_model"]
+    # OUT, a trial stopped early (its outputs of step 2, its last.pt of step 3), is served by kvpop eval --run
+    assert output_step(out / "scorers.safetensors") == 2 and rec["chosen"]["dir"] == rec["trials"][0]["dir"]
+    assert main(["eval", "--run", str(out), "--train-len", "96", "--lengths", "96", "--budgets", "32",
+                 "--n-sequences", "1", "--policies", "kvpop-mlp-joint", "--no-plot", "--no-progress",
+                 "--out", str(tmp_path / "ev")]) == 0
     # refusals
     with pytest.raises(SystemExit, match="--auto-eval-every 2 is the validation interval of early stopping"):
         main(["train", *QUICK, "--steps", "4", "--auto-eval-every", "2", "--auto-patience", "0",
