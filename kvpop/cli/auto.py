@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "after N validations without a better or equal score, its best state kept (default 2; "
                            "0: no early stopping, each trial scored once after --steps)")
     auto.add_argument("--auto-eval-every", type=int, default=None, metavar="STEPS",
-                      help="--auto's validation interval within a trial, in steps (default --steps / 4)")
+                      help="--auto's validation interval within a trial, in steps (default --steps / 4, rounded up)")
     auto.add_argument("--preset", choices=("paper",), default=None,
                       help="paper: the paper's method (MLP scorer, mean label, decay [0.999, 0.999999] from 0.9999, "
                            "the student's sparse label, uniform budgets)")

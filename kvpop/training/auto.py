@@ -284,9 +284,9 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
 
 def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
     """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience``: each trial validated every ``every``
-    steps (default a quarter of ``--steps``) and stopped after ``patience`` (default :data:`PATIENCE`)
-    validations without a better or equal score, its best state kept; ``patience`` 0: no early stopping, one
-    validation after ``--steps``.  ValueError naming a bad value."""
+    steps (default a quarter of ``--steps``, rounded up: at most four validations) and stopped after
+    ``patience`` (default :data:`PATIENCE`) validations without a better or equal score, its best state kept;
+    ``patience`` 0: no early stopping, one validation after ``--steps``.  ValueError naming a bad value."""
     patience = PATIENCE if getattr(args, "auto_patience", None) is None else args.auto_patience
     every = getattr(args, "auto_eval_every", None)
     if patience < 0:
@@ -296,7 +296,7 @@ def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
     if every is not None and not patience:
         raise ValueError(f"--auto-eval-every {every} is the validation interval of early stopping, which "
                          f"--auto-patience 0 switches off: leave one of them out")
-    return (every or max(1, args.steps // 4)), patience
+    return (every or math.ceil(args.steps / 4)), patience
 
 
 def _copy_run(src: Path, dst: Path) -> None:
