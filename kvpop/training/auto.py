@@ -7,17 +7,22 @@ before it:
 1. ``label``: the label family (:data:`LABEL_CANDIDATES`), scored by each label's oracle (:func:`oracle_excess`:
    the model as loaded, evicting by the exact label of its own dense attention), which needs no training;
 2. ``lr_scorer``: the scorers' learning rate (:data:`LR_FACTORS` of the method's default), a trained run each;
-3. ``train_budget``: training at the served budget against tighter ones (:func:`train_budgets`: fewer long-range
+3. ``head_budgets``: uniform budgets against head-adaptive ones (``--allocate ablation``);
+4. ``train_budget``: training at the served budget against tighter ones (:func:`train_budgets`: fewer long-range
    slots, so more of the label's decisions bind); every trial is still scored at the served ``--budget``, and
    the chosen run's scorer file is written at it (:func:`_adopt`);
-4. ``decay``: the paper's decay range against the range tied to ``--seq-len`` (:data:`DECAY_NATS`); trained,
-   since the range bounds the decay the scorers learn while the oracle's label sees only its initial value;
-5. ``head_budgets``: uniform budgets against head-adaptive ones (``--allocate ablation``);
-6. ``target_source``: the label from the model being trained (student) against the frozen original's
+5. ``target_source``: the label from the model being trained (student) against the frozen original's
    (teacher), when the model is trained;
+6. ``decay``: the paper's decay range against the range tied to ``--seq-len`` (:data:`DECAY_NATS`); trained,
+   since the range bounds the decay the scorers learn while the oracle's label sees only its initial value;
 7. ``warm_start``: the joint run started from the scorers of a scorer-only run of the same settings
    (``--init-scorers``; the trial trains both, twice ``--steps``) against fresh scorers, when the model is
    trained and ``--init-scorers`` is not given.
+
+The trained stages come in the order of what each won per trained step on the three instruments' validation
+records (``kvpop/data/demo_results/auto.md``): the scorer lr mattered on all three, head-adaptive budgets won
+on two (lookahead, real text), the training budget on two (kvtrace, lookahead) but lost by 2-8x on real
+text, the label source on one, the decay range on none; the warm start, twice a trial's cost, is last.
 
 Every trial stops early (:func:`early_stopping`): it is validated every ``--auto-eval-every`` steps (its
 ``kvpop train`` extended by ``--resume``, the one uninterrupted run), stopped after ``--auto-patience``

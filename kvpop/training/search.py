@@ -205,11 +205,13 @@ def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budge
               given: Mapping[str, Any], decay_nats: float, train_model: bool,
               warm_start: bool = False) -> list[Stage]:
     """``kvpop train --auto``'s stages (:mod:`kvpop.training.auto` gives the candidates): ``label`` scored by each
-    label's oracle (untrained; absent with one label), then, trained and compared anew, ``lr_scorer``,
-    ``train_budget``, ``decay`` (``decay_nats`` against the paper's range), ``head_budgets`` (``allocate
-    ablation`` against uniform) and, when the model is trained, ``target_source`` and (``warm_start``)
-    ``warm_start``: the joint run started from a scorer-only run's scorers (``{"warm_start": "scorer-only"}``)
-    against fresh ones; a setting in ``given`` (the user's) is fixed and its stage left out."""
+    label's oracle (untrained; absent with one label), then, trained and compared anew, in the order of what
+    they won per trained step on the three instruments' validation records (``kvpop/data/demo_results/auto.md``):
+    ``lr_scorer``, ``head_budgets`` (``allocate ablation`` against uniform), ``train_budget``, when the model is
+    trained ``target_source``, then ``decay`` (``decay_nats`` against the paper's range; it won on none) and,
+    when the model is trained and ``warm_start``, ``warm_start`` (the joint run started from a scorer-only run's
+    scorers, ``{"warm_start": "scorer-only"}``, against fresh ones; a trial of it trains twice); a setting in
+    ``given`` (the user's) is fixed and its stage left out."""
     plan = []
     start = {"decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
              "target_source": given.get("target_source", "student"), "train_budget": None}
@@ -218,13 +220,13 @@ def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budge
     else:
         start = {"label": labels[0], **start}
     plan.append(Stage("lr_scorer", [{"lr_scorer": lr} for lr in lr_scorers], start=start))
-    plan.append(Stage("train_budget", [{"train_budget": b} for b in train_budgets]))
-    if "decay_nats" not in given:
-        plan.append(Stage("decay", [{"decay_nats": decay_nats}]))
     if "allocate" not in given:
         plan.append(Stage("head_budgets", [{"allocate": "ablation"}]))
+    plan.append(Stage("train_budget", [{"train_budget": b} for b in train_budgets]))
     if train_model and "target_source" not in given:
         plan.append(Stage("target_source", [{"target_source": "teacher"}]))
+    if "decay_nats" not in given:
+        plan.append(Stage("decay", [{"decay_nats": decay_nats}]))
     if train_model and warm_start:
         plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}]))
     return plan

@@ -128,9 +128,9 @@ def test_the_first_trained_trial_runs_whatever_the_budget_and_bad_plans_are_refu
 
 def test_auto_plan_leaves_out_what_the_user_gave():
     full = auto_plan(labels=["mean", "max"], lr_scorers=[1e-3, 1e-2], train_budgets=[50, 40], given={},
-                     decay_nats=8.0, train_model=True)
-    assert [st.name for st in full] == ["label", "lr_scorer", "train_budget", "decay", "head_budgets",
-                                        "target_source"]
+                     decay_nats=8.0, train_model=True, warm_start=True)
+    assert [st.name for st in full] == ["label", "lr_scorer", "head_budgets", "train_budget", "target_source",
+                                        "decay", "warm_start"]
     assert not full[0].trained and full[1].start == {"decay_nats": None, "allocate": None,
                                                      "target_source": "student", "train_budget": None}
     fixed = auto_plan(labels=["max"], lr_scorers=[1e-3], train_budgets=[], given={"allocate": "ablation",
