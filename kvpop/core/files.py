@@ -5,11 +5,11 @@ import contextlib
 import json
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write", "write_json"]
+__all__ = ["atomic_write", "write_json", "replace_files"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, binary: bool = True) -> None:
@@ -44,3 +44,22 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` to ``path`` as JSON (indent 1, a final newline) through :func:`atomic_write`."""
     text = json.dumps(obj, indent=1) + "\n"
     atomic_write(path, lambda f: f.write(text), binary=False)
+
+
+def replace_files(src: str | os.PathLike, dst: str | os.PathLike, names: Sequence[str]) -> None:
+    """Each of ``names`` (a file or a directory) in ``dst`` replaced by ``src``'s: removed from ``dst`` first, then
+    copied when ``src`` has it (so nothing of an earlier occupant stays beside what is copied); ``dst`` is made
+    when missing."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (dst / name).is_dir():
+            shutil.rmtree(dst / name)
+        elif (dst / name).exists():
+            (dst / name).unlink()
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name)
+        elif (src / name).exists():
+            shutil.copy2(src / name, dst / name)

@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from kvpop.core.files import replace_files
 from kvpop.demo.search import (
     base_model_dir,
     eval_config,
@@ -154,18 +155,8 @@ def adopt_trial(out: Path, policy: str, c: dict) -> bool:
     if (dst / "done.json").exists() and (json.loads((dst / "done.json").read_text())["settings"]
                                          == json.loads((src / "done.json").read_text())["settings"]):
         return True  # adopted before
-    parts = ("scorers.safetensors", "model", "head_budgets.json")
-    for name in ("done.json", *parts):  # nothing of another retrofit stays beside the adopted one
-        if (dst / name).is_dir():
-            shutil.rmtree(dst / name)
-        elif (dst / name).exists():
-            (dst / name).unlink()
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in parts:
-        if (src / name).is_dir():
-            shutil.copytree(src / name, dst / name)
-        elif (src / name).exists():
-            shutil.copy2(src / name, dst / name)
+    (dst / "done.json").unlink(missing_ok=True)  # the marker first: nothing half-replaced reads as finished
+    replace_files(src, dst, ("scorers.safetensors", "model", "head_budgets.json"))
     shutil.copy2(src / "done.json", dst / "done.json")
     return True
 

@@ -52,13 +52,14 @@ import copy
 import json
 import math
 import re
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvpop.core.files import replace_files
 
 __all__ = ["PAPER", "LABEL_CANDIDATES", "SEARCHED", "parse_budget", "default_budget", "apply_preset",
            "oracle_excess", "search", "train_budgets"]
@@ -84,6 +85,8 @@ them at k = 92 and 28)."""
 RUN_FILES = ("scorers.safetensors", "gates.safetensors", "model", "head_budgets.json", "last.pt", "args.json",
              "history.jsonl")
 """What of the chosen trial is copied into ``OUT``."""
+SERVED_FILES = ("scorers.safetensors", "model", "head_budgets.json")
+"""A run's served outputs: what early stopping keeps of a trial's best validated state (``best/``)."""
 PATIENCE = 2
 """``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
 better or equal score."""
@@ -231,7 +234,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
                 train_to(ns, d, target)
                 rec = {"step": target, "score": score(d)}
                 if best is None or rec["score"] <= best["score"]:  # the state first, then its record
-                    _copy_run(d, keep)
+                    replace_files(d, keep, SERVED_FILES)
                 with open(vfile, "a") as f:
                     f.write(json.dumps(rec) + "\n")
             vals.append(rec)
@@ -242,7 +245,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
                 if bad >= patience:
                     break
         if best["step"] != vals[-1]["step"]:
-            _copy_run(keep, d)  # the run's outputs are the best validated state's (last.pt stays the last step)
+            replace_files(keep, d, SERVED_FILES)  # the outputs are the best state's (last.pt stays the last step's)
         return {"score": best["score"], "steps": vals[-1]["step"], "best_step": best["step"], "validations": vals}
 
     def trained(settings: dict, d: Path) -> dict:
@@ -304,20 +307,6 @@ def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
     return (every or math.ceil(args.steps / 4)), patience
 
 
-def _copy_run(src: Path, dst: Path) -> None:
-    """A run's served outputs (scorer file, ``model/``, ``head_budgets.json``) from ``src`` into ``dst``."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in ("scorers.safetensors", "model", "head_budgets.json"):
-        if (dst / name).is_dir():
-            shutil.rmtree(dst / name)
-        elif (dst / name).exists():
-            (dst / name).unlink()
-        if (src / name).is_dir():
-            shutil.copytree(src / name, dst / name)
-        elif (src / name).exists():
-            shutil.copy2(src / name, dst / name)
-
-
 class _Stopped(Exception):
     """A trial's ``kvpop train`` stopped with a non-zero exit status (interrupted)."""
 
@@ -330,17 +319,7 @@ def _adopt(out: Path, trial: Path, budget: int) -> None:
     """The chosen trial's run files (:data:`RUN_FILES`) into ``out``, replacing those of an earlier choice; a trial
     trained at another budget has its scorer file (and ``head_budgets.json``) written at ``budget``, the one every
     trial was scored at, so that ``OUT`` serves it with no other flag."""
-    for name in RUN_FILES:
-        dst = out / name
-        if dst.is_dir():
-            shutil.rmtree(dst)
-        elif dst.exists():
-            dst.unlink()
-        src = trial / name
-        if src.is_dir():
-            shutil.copytree(src, dst)
-        elif src.exists():
-            shutil.copy2(src, dst)
+    replace_files(trial, out, RUN_FILES)
     _serve_at(out, budget)
 
 
