@@ -79,23 +79,14 @@ def _commands(block: str) -> list[str]:
     return out
 
 
-def test_readme_own_model_walkthrough_runs(monkeypatch, tmp_path, capsys):
-    """The README's train-and-eval walkthrough, command by command (``kvpop`` in this process, ``python -c``
-    with its ``> FILE``), on its stand-in model and traces; every DMS run reaches its target keep."""
+def _run_walkthrough(block, main, tmp_path):
+    """Run the walkthrough's commands in this process; the programs they ran."""
     import contextlib
     import io
-    import json
     import shlex
 
-    from kvpop.cli import main
-
-    blocks = [b for b in re.findall(r"```bash\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
-              if b.startswith(WALKTHROUGH)]
-    assert len(blocks) == 1, f"README.md needs one bash block starting with {WALKTHROUGH!r}"
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.chdir(tmp_path)
     ran = []
-    for cmd in _commands(blocks[0]):
+    for cmd in _commands(block):
         argv = shlex.split(cmd)
         if argv[0] == "kvpop":
             assert main(argv[1:]) == 0, cmd
@@ -110,8 +101,39 @@ def test_readme_own_model_walkthrough_runs(monkeypatch, tmp_path, capsys):
                 assert len(argv) == 3, cmd
         ran.append(argv[0])
     assert ran.count("kvpop") >= 4
+    return ran
+
+
+def test_readme_own_model_walkthrough_runs(monkeypatch, tmp_path, capsys):
+    """The README's train-and-eval walkthrough, command by command (``kvpop`` in this process, ``python -c``
+    with its ``> FILE``), on its stand-in model and traces; every DMS run reaches its target keep."""
+    import json
+
+    from kvpop.cli import main
+
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+              if b.startswith(WALKTHROUGH)]
+    assert len(blocks) == 1, f"README.md needs one bash block starting with {WALKTHROUGH!r}"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.chdir(tmp_path)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the figures the README shows were made on one thread (sums split differently)
+    try:
+        _run_walkthrough(blocks[0], main, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
     err = capsys.readouterr().err
     assert "missed its target" not in err, err
+    # the tables the README shows are the ones this run printed, exactly
+    table = (tmp_path / "eval-out" / "table.md").read_text(encoding="utf-8")
+    shown = re.search(r"<!-- walkthrough:start[^>]*-->\n(.*?)<!-- walkthrough:end -->",
+                      README.read_text(encoding="utf-8"), flags=re.S)
+    assert shown, "README.md needs the walkthrough's tables between <!-- walkthrough:start --> and :end markers"
+    assert shown.group(1).strip() == table.strip(), (
+        "README.md's walkthrough tables differ from what the block prints today; paste eval-out/table.md "
+        f"between the markers (then python -m tools.freshness stamp README.md#walkthrough):\n{table}")
     res = json.loads((tmp_path / "eval-out" / "results.json").read_text())
     assert {"kvpop-mlp", "kvpop-mlstm-joint", "dms"} <= {r["policy"] for r in res["rows"]}
     assert res["trained"]["kvpop-mlp"]["window"] == res["window"]

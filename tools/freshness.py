@@ -1,0 +1,470 @@
+"""Every shipped figure true to today's code.
+
+Each shipped result file (or marked block of one, such as the README's walkthrough tables) is listed in
+:data:`GROUPS` with the *sentinels* its figures depend on and the command that regenerates it. A sentinel is
+a cheap canonical computation through the same code the file was made with:
+
+- ``demo/<task>/<policy>``: the rows of one policy in a ``kvpop demo --quick`` run (every retrofit trained a
+  few steps, every policy evaluated): a change anywhere in that policy's training or evaluation numerics,
+  down to the summation order of one op, changes its bytes;
+- ``code/<method>``: two training steps of ``kvpop train`` on the real-text code model and its evaluation
+  with ``kvpop eval --data`` (the real-text instrument's path);
+- ``forward/<policy>``: logits of a seeded tiny Qwen3 decoding through ``KVpopCache`` or ``DMSCache``
+  (prefill past the budget, then token by token), for every policy, scorer and slot storage.
+
+``tools/freshness.json`` records, per file, the bytes it held (sha256) and the digest of every sentinel
+it depends on at the time it was made. ``python -m tools.freshness check`` (and the fast test
+``tests/test_freshness.py``) recomputes the sentinels and names every file whose sentinels moved, with
+the command that regenerates it. After regenerating, ``python -m tools.freshness stamp PATH...`` records
+the new state; it refuses a file whose sentinels moved but whose bytes did not (it was not regenerated)
+unless ``--unchanged`` says that the new code gives the same bytes (checked by regenerating, by hand).
+
+Digests are of float32 bits, which depend on the machine's arithmetic (its BLAS kernels and vector
+width): the manifest records a digest of a fixed set of plain torch ops on the machine that stamped it.
+On a machine whose digest differs, the sentinels are compared by value instead (``forward/*`` only, to a
+relative 1e-4: a numerics change that moves logits by less is not seen there), and the check says so.
+
+Timings (``benchmarks/RESULTS.md``'s CPU figures) cannot be recomputed: their sentinel is ``source/...``,
+a digest of the timed modules' code (comments and docstrings dropped), so a change of the code they time
+marks them stale.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = ROOT / "tools" / "freshness.json"
+RESULTS = "kvpop/data/demo_results"
+TASKS = ("kvtrace", "lookahead")
+FORWARD_POLICIES = ("kvpop-mlp", "kvpop-mlstm", "streaming", "tova", "h2o", "kvpop-mlp-int8", "kvpop-mlp-fp8",
+                    "dms")
+DEMO_POLICIES = ("dense", "streaming", "tova", "h2o", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
+                 "kvpop-mlstm-joint", "fixed-finetune", "dms", "dms-test-calibrated", "teacher-label", "decode")
+CODE_METHODS = ("kvpop-mlp-joint", "fixed-finetune", "dms", "dense")
+VALUE_RTOL = 1e-4
+
+
+# ------------------------------------------------------------------ what each shipped file depends on
+@dataclass(frozen=True)
+class Group:
+    """Shipped files (``path`` or ``path#block``: the text between ``<!-- block:start`` and
+    ``<!-- block:end -->``) made by one command, and the sentinels their figures depend on."""
+
+    name: str
+    files: tuple[str, ...]
+    sentinels: tuple[str, ...]
+    command: str
+    note: str = ""
+
+
+def _demo(task: str, policies: Iterable[str] = DEMO_POLICIES) -> tuple[str, ...]:
+    return tuple(f"demo/{task}/{p}" for p in policies)
+
+
+_FWD_ALL = tuple(f"forward/{p}" for p in FORWARD_POLICIES)
+_DEMO_FILES = ("results.json", "table.md", "dms.md", "decode.md", "accuracy_vs_budget.png")
+_SYNTH_LEDGER = ("dense", "streaming", "kvpop-mlp-joint", "teacher-label", "fixed-finetune", "dms")
+
+GROUPS: tuple[Group, ...] = (
+    *(Group(f"demo {t}", tuple(f"{RESULTS}/{t}/{f}" for f in _DEMO_FILES), (*_demo(t), *_FWD_ALL),
+            f"kvpop demo --task {t} --out OUT --threads 1 --no-progress; cp OUT/{t}/{{{','.join(_DEMO_FILES)}}} "
+            f"{RESULTS}/{t}/; python -m tools.freshness stamp {RESULTS}/{t}") for t in TASKS),
+    Group("README walkthrough", ("README.md#walkthrough",),
+          (*_demo("kvtrace", ("dense", "streaming", "kvpop-mlp", "kvpop-mlstm-joint", "dms")),
+           "forward/kvpop-mlp", "forward/kvpop-mlstm", "forward/streaming", "forward/dms"),
+          "python -m pytest -q tests/test_readme.py -k walkthrough (it prints the tables the block makes; paste "
+          "them between the README's walkthrough markers); python -m tools.freshness stamp README.md#walkthrough"),
+    Group("evidence ledger", (f"{RESULTS}/evidence.json", f"{RESULTS}/evidence.md", "README.md#evidence",
+                              *(f"{RESULTS}/evidence/{i}/evidence_rows.json" for i in ("kvtrace", "lookahead",
+                                                                                       "realtext"))),
+          (*_demo("kvtrace", _SYNTH_LEDGER), *_demo("lookahead", _SYNTH_LEDGER),
+           *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
+          "python -m kvpop.studies.evidence synthetic / realtext (hours: see evidence.md), then "
+          "python -m kvpop.studies.evidence ledger and readme; python -m tools.freshness stamp the files"),
+    Group("--auto records", (f"{RESULTS}/auto.md",),
+          (*_demo("kvtrace", ("kvpop-mlp-joint", "teacher-label")), *_demo("lookahead", ("kvpop-mlp-joint",)),
+           "code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp"),
+          "the kvpop train --auto commands auto.md lists (hours); python -m tools.freshness stamp "
+          f"{RESULTS}/auto.md"),
+    Group("quantised slots", (f"{RESULTS}/quantized.md",),
+          ("code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp", "forward/kvpop-mlp-int8",
+           "forward/kvpop-mlp-fp8", "forward/streaming", *_demo("lookahead", ("kvpop-mlp-joint",))),
+          "python -m kvpop.studies.quantized (see quantized.md); python -m tools.freshness stamp "
+          f"{RESULTS}/quantized.md"),
+    Group("real-text study", (f"{RESULTS}/realtext.md",),
+          (*(f"code/{m}" for m in CODE_METHODS), *_FWD_ALL),
+          "python -m kvpop.studies.realtext (hours: see realtext.md); python -m tools.freshness stamp "
+          f"{RESULTS}/realtext.md"),
+    Group("CPU benchmark figures", ("benchmarks/RESULTS.md",),
+          ("source/kvpop_kernels", "source/kvpop/core"),
+          "python -m pytest benchmarks/ --benchmark-only (CPU), then update the CPU figures of "
+          "benchmarks/RESULTS.md; python -m tools.freshness stamp benchmarks/RESULTS.md"),
+)
+
+
+def group_of(path: str) -> Group:
+    for g in GROUPS:
+        if path in g.files:
+            return g
+    raise ValueError(f"{path!r} is not a shipped result file listed in tools/freshness.py's GROUPS; "
+                     f"listed: {', '.join(f for g in GROUPS for f in g.files)}")
+
+
+# ------------------------------------------------------------------ contents
+def file_bytes(spec: str) -> bytes:
+    """The bytes a file spec names: a whole file, or the block ``path#name`` between its markers."""
+    path, _, block = spec.partition("#")
+    data = (ROOT / path).read_bytes()
+    if not block:
+        return data
+    m = re.search(rb"<!-- " + block.encode() + rb":start[^>]*-->(.*?)<!-- " + block.encode() + rb":end -->",
+                  data, flags=re.S)
+    if m is None:
+        raise ValueError(f"{path} has no block between <!-- {block}:start --> and <!-- {block}:end -->")
+    return m.group(1)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ------------------------------------------------------------------ the machine's arithmetic
+def machine_digest() -> str:
+    """Digest of plain torch float32 ops whose bits depend on the machine's kernels (BLAS, vector width)."""
+    import torch
+
+    with _one_thread():
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(67, 129, generator=g), torch.randn(129, 45, generator=g)
+        x = torch.randn(3, 5, 77, 33, generator=g)
+        outs = [a @ b, torch.softmax(x, -1), torch.exp(x).sum(-1), torch.einsum("bhtk,bhsk->bhts", x, x),
+                torch.nn.functional.rms_norm(x, (33,), eps=1e-6), torch.logsumexp(x, -1), torch.sigmoid(a).cumsum(0)]
+    return sha(b"".join(o.contiguous().numpy().tobytes() for o in outs))
+
+
+@contextlib.contextmanager
+def _one_thread():
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------ sentinels
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # CPU tensors: the PyTorch path
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def _kvpop(*argv: str, cwd: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvpop", *argv], cwd=cwd, env=_env(), capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"kvpop {' '.join(argv)} failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+
+
+def _canon(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()
+
+
+def demo_sentinels(work: Path) -> dict[str, str]:
+    """``demo/<task>/<policy>``: each policy's rows (and the decode check's) of ``kvpop demo --quick``."""
+    _kvpop("demo", "--quick", "--task", "all", "--out", str(work / "demo"), "--threads", "1", "--no-progress",
+           "--no-plot", cwd=work)
+    out = {}
+    for task in TASKS:
+        res = json.loads((work / "demo" / task / "results.json").read_text())
+        for p in DEMO_POLICIES:
+            if p == "decode":
+                rows = res["decode"]
+            elif p == "teacher-label":
+                rows = [r for r in res["rows"] if r["policy"].endswith("-label")]
+            else:
+                rows = [r for r in res["rows"] if r["policy"] == p]
+            if not rows:
+                raise RuntimeError(f"kvpop demo --quick --task {task} wrote no row of {p!r}: update DEMO_POLICIES")
+            out[f"demo/{task}/{p}"] = sha(_canon(rows))
+    return out
+
+
+def code_sentinels(work: Path) -> dict[str, str]:
+    """``code/<method>``: 2 steps of ``kvpop train`` on the code model (the real-text instrument's path),
+    evaluated by ``kvpop eval --data`` on one test record."""
+    model = ROOT / "kvpop" / "data" / "tiny_qwen3_code"
+    data = ROOT / "kvpop" / "data" / "realtext"
+    train = work / "train.jsonl"
+    train.write_text("".join((data / "validation.jsonl").read_text().splitlines(keepends=True)[:4]))
+    test = work / "test.jsonl"
+    test.write_text((data / "test.jsonl").read_text().splitlines(keepends=True)[0])
+    common = ("--model", str(model), "--data", str(train), "--seq-len", "256", "--sinks", "4", "--window", "32",
+              "--steps", "2", "--no-progress", "--seed", "0")
+    runs = {"kvpop-mlp-joint": ("--budget", "64", "--scorer", "mlp"),
+            "fixed-finetune": ("--budget", "64", "--mask-source", "streaming"),
+            "dms": ("--method", "dms", "--target-keep", "0.25")}
+    for name, extra in runs.items():
+        _kvpop("train", *common, *extra, "--out", str(work / name), cwd=work)
+    _kvpop("eval", "--model", str(model), "--data", str(test), "--seq-len", "256", "--budgets", "64",
+           "--sinks", "4", "--window", "32", "--n-sequences", "1", "--no-plot", "--no-progress",
+           *(a for name in runs for a in ("--run", str(work / name))), "--out", str(work / "eval"), cwd=work)
+    res = json.loads((work / "eval" / "results.json").read_text())
+    out = {}
+    for m in CODE_METHODS:
+        if m == "dense":  # the dense NLL every row is measured against, and the untrained policies
+            rows = [r for r in res["rows"] if r["policy"] in ("streaming", "tova", "h2o")]
+        else:
+            rows = [r for r in res["rows"] if r["policy"] == m]
+        if not rows:
+            raise RuntimeError(f"kvpop eval wrote no row of {m!r}: update code_sentinels")
+        out[f"code/{m}"] = sha(_canon(rows))
+    return out
+
+
+def forward_values() -> dict[str, list[float]]:
+    """``forward/<policy>``: logits of a seeded tiny Qwen3 (float32) through the policy's cache: a 70-token
+    prefill past the budget of 40 (sinks 4, window 16), then 24 tokens one by one."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import kvpop
+    from kvpop.baselines import dms
+    from kvpop.models import cache_kwarg_name
+
+    cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    key = cache_kwarg_name()  # cache= where transformers takes it, past_key_values= before
+    out = {}
+    with _one_thread(), torch.no_grad():
+        for policy in FORWARD_POLICIES:
+            torch.manual_seed(0)
+            model = Qwen3ForCausalLM(cfg).eval()
+            ids = torch.randint(0, cfg.vocab_size, (1, 94), generator=torch.Generator().manual_seed(1))
+            if policy == "dms":
+                dms.patch_dms(model, sinks=4, window=16)
+                with torch.no_grad():  # gates open on some heads, closed on others: evictions happen
+                    for p in model.parameters():
+                        if p.dim() == 1 and p.numel() <= 8:
+                            p.normal_(0, 2, generator=torch.Generator().manual_seed(2))
+                cache = dms.DMSCache(model)
+            else:
+                scorer = "mlstm" if policy == "kvpop-mlstm" else "mlp"
+                kv = {"kvpop-mlp-int8": "int8", "kvpop-mlp-fp8": "fp8"}.get(policy)
+                kvpop.patch(model, sinks=4, window=16, budget=40, scorer=scorer, kv_dtype=kv)
+                base = policy if policy in ("streaming", "tova", "h2o") else None
+                cache = kvpop.KVpopCache(model, policy=base) if base else kvpop.KVpopCache(model)
+            logits = [model(ids[:, :70], **{key: cache}).logits[0, -1]]
+            for t in range(70, ids.shape[1]):
+                logits.append(model(ids[:, t:t + 1], **{key: cache}).logits[0, -1])
+            # the slots' priorities too: a change of a scorer's numerics that flips no eviction moves them
+            prio = [layer.slot_prio.flatten() for layer in getattr(cache, "layers", ())
+                    if isinstance(getattr(layer, "slot_prio", None), torch.Tensor)]
+            out[f"forward/{policy}"] = torch.cat([torch.stack(logits).flatten(), *prio]).tolist()
+    return out
+
+
+def _source_digest(rel: str) -> str:
+    """Digest of the code of every module under ``rel`` (its AST, docstrings dropped)."""
+    h = hashlib.sha256()
+    for f in sorted((ROOT / rel).rglob("*.py")):
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + ast.dump(tree).encode() + b"\0")
+    return h.hexdigest()
+
+
+@dataclass
+class Sentinels:
+    """Today's sentinel digests (and the forward values, for a machine of other arithmetic)."""
+
+    digests: dict[str, str]
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+
+def compute(names: Iterable[str] | None = None, progress: Callable[[str], None] = lambda s: None) -> Sentinels:
+    names = set(names) if names is not None else {s for g in GROUPS for s in g.sentinels}
+    digests: dict[str, str] = {}
+    values: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvpop-freshness-") as tmp:
+        work = Path(tmp)
+        if any(n.startswith("demo/") for n in names):
+            progress("kvpop demo --quick --task all")
+            digests.update(demo_sentinels(work))
+        if any(n.startswith("code/") for n in names):
+            progress("kvpop train / eval on the code model")
+            digests.update(code_sentinels(work))
+    if any(n.startswith("forward/") for n in names):
+        progress("forward through every cache")
+        values = forward_values()
+        import numpy as np
+
+        digests.update({k: sha(np.asarray(v, dtype=np.float32).tobytes()) for k, v in values.items()})
+    for n in names:
+        if n.startswith("source/"):
+            digests[n] = _source_digest(n.removeprefix("source/"))
+    missing = names - digests.keys()
+    if missing:
+        raise ValueError(f"unknown sentinels {sorted(missing)}")
+    return Sentinels({k: digests[k] for k in sorted(names)}, values)
+
+
+# ------------------------------------------------------------------ the manifest
+def load_manifest() -> dict:
+    if not MANIFEST.exists():
+        return {"machine": None, "values": {}, "files": {}}
+    return json.loads(MANIFEST.read_text(encoding="utf-8"))
+
+
+def save_manifest(man: dict) -> None:
+    MANIFEST.write_text(json.dumps(man, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+@dataclass
+class Finding:
+    file: str
+    problem: str
+    command: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.problem}\n    regenerate: {self.command}"
+
+
+def check(today: Sentinels, man: dict | None = None, machine: str | None = None) -> tuple[list[Finding], str]:
+    """Every shipped file whose recorded sentinels differ from today's, whose bytes changed since it was
+    stamped, or that was never stamped; and a line saying how the sentinels were compared."""
+    man = load_manifest() if man is None else man
+    machine = machine_digest() if machine is None else machine
+    same_machine = machine == man.get("machine")
+    how = ("bit for bit (this machine's arithmetic is the stamping machine's)" if same_machine else
+           f"by value to a relative {VALUE_RTOL:g} for forward/*, source/* exactly, demo/* and code/* not at all: "
+           "this machine's arithmetic differs from the stamping machine's")
+    found = []
+    for g in GROUPS:
+        for f in g.files:
+            rec = man.get("files", {}).get(f)
+            if rec is None:
+                found.append(Finding(f, "never stamped", g.command))
+                continue
+            if rec.get("known_stale"):
+                continue  # listed by known_stale(): the file says so itself
+            if sha(file_bytes(f)) != rec["sha256"]:
+                found.append(Finding(f, "changed since it was stamped (regenerated? then stamp it)", g.command))
+            moved = [s for s in g.sentinels if _moved(s, rec["sentinels"].get(s), today, man, same_machine)]
+            if moved:
+                found.append(Finding(f, f"the code it was computed with changed: sentinels {', '.join(moved)} "
+                                        "differ from the ones it was made with", g.command))
+    return found, how
+
+
+def _moved(name: str, recorded: str | None, today: Sentinels, man: dict, same_machine: bool) -> bool:
+    if recorded is None:
+        return True
+    if same_machine or name.startswith("source/"):
+        return today.digests[name] != recorded
+    if name.startswith("forward/"):
+        import numpy as np
+
+        then = man.get("values", {}).get(name)
+        return then is None or not np.allclose(today.values[name], then, rtol=VALUE_RTOL, atol=1e-5)
+    return False
+
+
+def known_stale(man: dict | None = None) -> list[tuple[str, str]]:
+    man = load_manifest() if man is None else man
+    return [(f, r["known_stale"]) for f, r in sorted(man.get("files", {}).items()) if r.get("known_stale")]
+
+
+def stamp(specs: Iterable[str], today: Sentinels, *, unchanged: bool = False, known_stale_reason: str | None = None,
+          man: dict | None = None) -> dict:
+    """Record the files' bytes and today's sentinels (the files were just regenerated with today's code)."""
+    man = load_manifest() if man is None else man
+    machine = machine_digest()
+    if man.get("machine") not in (None, machine):
+        raise ValueError("this machine's arithmetic differs from the machine that stamped tools/freshness.json "
+                         f"({man['machine'][:12]} against {machine[:12]} here): stamp from that machine, or "
+                         "regenerate every file here and stamp them all with --new-machine")
+    man["machine"] = machine
+    for spec in _expand(specs):
+        g = group_of(spec)
+        rec = man.setdefault("files", {}).get(spec)
+        now = sha(file_bytes(spec))
+        digests = {s: today.digests[s] for s in g.sentinels}
+        if (rec is not None and not unchanged and known_stale_reason is None and rec["sha256"] == now
+                and rec["sentinels"] != digests):
+            raise ValueError(f"{spec}: its sentinels moved but its bytes did not: regenerate it ({g.command}), "
+                             "or pass --unchanged if regenerating it gave the same bytes")
+        man["files"][spec] = {"sha256": now, "sentinels": digests,
+                              **({"known_stale": known_stale_reason} if known_stale_reason else {})}
+        for s in g.sentinels:
+            if s in today.values:
+                man.setdefault("values", {})[s] = today.values[s]
+    return man
+
+
+def _expand(specs: Iterable[str]) -> list[str]:
+    out = []
+    for s in specs:
+        p = s.rstrip("/")
+        listed = [f for g in GROUPS for f in g.files if f == p or f.startswith(p + "/")]
+        if not listed:
+            group_of(p)  # raises, naming the listed files
+        out += listed
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.freshness", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("check", help="name every stale shipped file and the command that regenerates it")
+    sub.add_parser("list", help="every shipped file, its sentinels and its command")
+    st = sub.add_parser("stamp", help="record regenerated files (paths, directories or path#block)")
+    st.add_argument("paths", nargs="+")
+    st.add_argument("--unchanged", action="store_true",
+                    help="the file's bytes did not change although its sentinels did (regenerated and compared)")
+    st.add_argument("--known-stale", metavar="REASON", default=None,
+                    help="record a file that is not regenerated and says so itself, with why")
+    a = ap.parse_args(argv)
+    say = lambda s: print(f"[freshness] {s}", file=sys.stderr, flush=True)  # noqa: E731
+    if a.cmd == "list":
+        for g in GROUPS:
+            print(f"{g.name}: {', '.join(g.files)}\n  sentinels: {', '.join(g.sentinels)}\n  command: {g.command}")
+        return 0
+    if a.cmd == "stamp":
+        names = {s for spec in _expand(a.paths) for s in group_of(spec).sentinels}
+        try:
+            save_manifest(stamp(a.paths, compute(names, say), unchanged=a.unchanged,
+                                known_stale_reason=a.known_stale))
+        except ValueError as e:
+            ap.exit(2, f"python -m tools.freshness stamp: {e}\n")
+        return 0
+    found, how = check(compute(progress=say))
+    print(f"sentinels compared {how}")
+    for f, why in known_stale():
+        print(f"known stale (says so itself): {f}: {why}")
+    for f in found:
+        print(f"STALE {f}")
+    print("every shipped file is fresh" if not found else f"{len(found)} stale")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
