@@ -288,7 +288,10 @@ def update_readme(readme: str | os.PathLike, evidence: dict, *, every_budget: bo
     (an empty ledger never empties the block)."""
     path = Path(readme)
     check_ledger(evidence, "the ledger")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e}); give the markdown file with the evidence block") from None
     if README_START not in text or README_END not in text:
         raise ValueError(f"{path} has no evidence block: put {README_START!r} and {README_END!r} where the "
                          f"headline table goes")

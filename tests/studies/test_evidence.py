@@ -202,6 +202,17 @@ def test_malformed_ledgers_are_refused_naming_file_and_row(case, tmp_path, capsy
     assert rc == 2 and str(rows) in msg and "Traceback" not in msg and not (tmp_path / "out.json").exists(), msg
 
 
+def test_ledger_refuses_rows_filed_under_another_instrument_and_a_readme_not_text(tmp_path, capsys):
+    (tmp_path / "runs" / "kvtrace").mkdir(parents=True)
+    rows = tmp_path / "runs" / "kvtrace" / "evidence_rows.json"
+    rows.write_text(json.dumps({"rows": [_row()]}))  # a realtext row in kvtrace's file
+    rc, msg = _cli(capsys, "ledger", "--runs", tmp_path / "runs", "--out", tmp_path / "l.json")
+    assert rc == 2 and f"{rows}: row 0 (realtext p B=128) is of instrument 'realtext', in kvtrace's rows" in msg, msg
+    (tmp_path / "R.md").write_bytes(b"\xff\xfe not text")
+    rc, msg = _cli(capsys, "readme", "--readme", tmp_path / "R.md")
+    assert rc == 2 and f"{tmp_path / 'R.md'} is not UTF-8 text" in msg, msg
+
+
 def test_readme_never_empties_the_block_or_drops_an_instrument(tmp_path, capsys):
     ev = json.loads(V.EVIDENCE_FILE.read_text())
     readme = tmp_path / "R.md"
