@@ -117,5 +117,6 @@ def _readme(a: argparse.Namespace) -> int:
     print(f"{readme}: {'updated' if changed else 'unchanged'}")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
