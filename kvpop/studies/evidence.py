@@ -100,8 +100,14 @@ def _ledger(a: argparse.Namespace) -> int:
     out = _target(a.out, EVIDENCE_FILE, a, "--out")
     dest = _target(a.archive if a.archive is not None else str(out.parent / "evidence"),
                    EVIDENCE_FILE.parent / "evidence", a, "--archive")
+    if dest.resolve() == Path(a.runs).resolve():
+        raise ValueError(f"ledger: --archive {dest} is --runs itself; the archive is a copy of the runs' records")
     led_rows = build_ledger(a.runs)  # every row checked before anything is written
-    led_rows, kept = merge_ledger(led_rows, read_ledger(out) if out.exists() else [])
+    try:
+        old = read_ledger(out) if out.exists() else []
+    except ValueError as e:
+        raise ValueError(f"{e}; the file is left as it is: move it away or give another --out") from None
+    led_rows, kept = merge_ledger(led_rows, old)
     write_json(out, led_rows)
     copied = archive(a.runs, dest)
     print(f"{out}: {len(led_rows['rows'])} rows; {len(copied)} records copied to {dest}"

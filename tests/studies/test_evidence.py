@@ -162,6 +162,11 @@ def test_ledger_from_one_instrument_keeps_the_others_rows(tmp_path, capsys):
                  {"rows": [r for r in changed if r["instrument"] == "realtext"]})
     assert _cli(capsys, "ledger", "--runs", runs, "--out", out)[0] == 0
     assert json.loads(out.read_text())["rows"] == changed
+    out.write_text("{")  # an --out that holds no ledger is left as it is
+    rc, msg = _cli(capsys, "ledger", "--runs", runs, "--out", out)
+    assert rc == 2 and f"{out}: not a JSON ledger" in msg and "move it away" in msg and out.read_text() == "{", msg
+    rc, msg = _cli(capsys, "ledger", "--runs", runs, "--out", tmp_path / "o.json", "--archive", runs)
+    assert rc == 2 and "is --runs itself" in msg and not (tmp_path / "o.json").exists(), msg
 
 
 BAD_LEDGERS = {
