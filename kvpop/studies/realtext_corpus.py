@@ -43,6 +43,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from .paths import check_out_dir
+
 __all__ = ["PACKAGES", "SUFFIXES", "BOS_ID", "EOS_ID", "PAD_ID", "VOCAB_SIZE", "SPLITS", "split_of",
            "list_files", "file_records", "build", "check_split", "file_hash", "main"]
 
@@ -278,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-records-per-file", type=int, default=2)
     p.add_argument("--valid-frac", type=float, default=0.05)
     p.add_argument("--test-frac", type=float, default=0.05)
+    p.add_argument("--write-shipped", action="store_true",
+                   help=f"allow --out to be in what the project ships (the shipped corpus is {SHIPPED_DIR})")
     a = p.parse_args(argv)
     try:
+        check_out_dir(a.out, write_shipped=a.write_shipped)
         man = build(a.out, site=a.site_packages, stdlib=a.stdlib,
                     packages=[x for x in a.packages.split(",") if x], splits=[x for x in a.splits.split(",") if x],
                     seed=a.seed, seq_len=a.seq_len, max_records=a.max_records,
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     valid_frac=a.valid_frac, test_frac=a.test_frac,
                     command="python -m kvpop.studies.realtext_corpus "
                     + " ".join(sys.argv[1:] if argv is None else argv))
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"realtext_corpus: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({s: {k: v[k] for k in ("records", "files_used")} for s, v in man["splits"].items()}))

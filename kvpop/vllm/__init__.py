@@ -36,10 +36,15 @@ def register() -> None:
 
     KVCacheSpecRegistry.register(FixedBudgetSpec, FixedBudgetManager, uniform_type_base_spec=FixedBudgetSpec)
     # our attention op is where torch.compile splits the graph (piecewise CUDA graphs), like vLLM's own
-    from .model import OP_NAME
+    from .model import OP_NAME, KVpopEngineCheck
 
     if OP_NAME not in CompilationConfig._attention_ops:
         CompilationConfig._attention_ops.append(OP_NAME)
+    # the settings, the scorer file and the engine's options checked where the engine's config is built (the
+    # caller's process), so that their error reaches the caller: see KVpopEngineCheck
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    MODELS_CONFIG_MAP[ARCHITECTURE] = KVpopEngineCheck
 
 
 def hf_overrides(scorers: str | None = None, *, policy: str = "kvpop", **config: Any) -> dict[str, Any]:
@@ -53,12 +58,14 @@ def hf_overrides(scorers: str | None = None, *, policy: str = "kvpop", **config:
     Example: ``hf_overrides("scorers.safetensors", budget=2048)``; ``hf_overrides(policy="streaming",
     sinks=4, window=256, budget=2048)``.
     """
-    from .settings import resolve
+    from .settings import check_scorer_file, resolve
 
     out: dict[str, Any] = {"architectures": [ARCHITECTURE], "kvpop_policy": policy}
     if scorers is not None:
         out["kvpop_scorers"] = str(scorers)
     if config:
         out["kvpop_config"] = dict(config)
-    resolve(out)  # a mistake fails here, in the caller's process, with the same message
+    settings = resolve(out)  # a mistake fails here, in the caller's process, with the same message
+    if settings.scorers is not None:
+        check_scorer_file(settings.scorers)  # NaN or overflowing weights too
     return out

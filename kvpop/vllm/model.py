@@ -24,6 +24,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.model_executor.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, extract_layer_index, maybe_prefix
 from vllm.platforms import current_platform
@@ -33,11 +34,12 @@ from kvpop import KVpopLayer
 from kvpop.core.priority import priority
 
 from .quantized import check_cache_dtype
-from .settings import Settings, resolve
+from .settings import Settings, check_scorer_file, resolve
 from .slots import PackedSlots
 from .spec import FixedBudgetSpec
 
-__all__ = ["KVpopQwen3ForCausalLM", "KVpopAttention", "OP_NAME", "load_scorer_file"]
+__all__ = ["KVpopQwen3ForCausalLM", "KVpopAttention", "OP_NAME", "load_scorer_file", "check_engine",
+           "KVpopEngineCheck"]
 
 OP_NAME = "vllm::kvpop_attention"
 
@@ -160,11 +162,7 @@ class KVpopQwen3Attention(Qwen3Attention):
         sa.kvpop_settings = settings
         # scorers stay float32 whatever the model's dtype (as kvpop.patch creates them)
         sa.kvpop = KVpopLayer(settings.config, sa.num_kv_heads, sa.head_dim, layer_idx).float()
-        if settings.uses_scorer and settings.config.scorer == "mlstm":
-            dtype = getattr(cache_config, "cache_dtype", "auto")
-            if dtype != "auto":
-                raise ValueError(f"kvpop serves the mLSTM scorer with unquantised KV caches only (its window values "
-                                 f"feed the scorer as the transformers cache holds them), got kv_cache_dtype={dtype!r}")
+        if settings.uses_scorer and settings.config.scorer == "mlstm":  # its cache dtype: check_engine
             sa.attn.kvpop_recurrent = (sa.kvpop,)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -208,16 +206,7 @@ class KVpopQwen3ForCausalLM(Qwen3ForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         nn.Module.__init__(self)
         config = vllm_config.model_config.hf_config
-        self.kvpop_settings = resolve(config)  # fails early, with the reason, on a bad setting
-        check_cache_dtype(vllm_config.cache_config.cache_dtype, cpu=current_platform.is_cpu())
-        if vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError("kvpop's fixed-budget cache cannot share prefix blocks (their content depends on what "
-                             "was evicted): start vLLM with enable_prefix_caching=False / --no-enable-prefix-caching")
-        if self.kvpop_settings.config.head_budgets is not None:
-            _check_packed(vllm_config, self.kvpop_settings)
-        if vllm_config.speculative_config is not None:
-            raise ValueError("kvpop's fixed-budget cache does not support speculative decoding: eviction is "
-                             "destructive, so rejected draft tokens could not be rolled back")
+        self.kvpop_settings = check_engine(vllm_config)  # already checked in the caller's process (KVpopEngineCheck)
         self.config = config
         self.vllm_config = vllm_config
         self.quant_config = vllm_config.quant_config
@@ -251,6 +240,40 @@ def kvpop_state_blocks(attn: KVpopAttention, page_bytes: int) -> int:
     return state_blocks(attn.kvpop_recurrent[0].scorer, page_bytes)
 
 
+def check_engine(vllm_config) -> Settings:
+    """The plugin's settings (:func:`resolve`) once they and the engine's config can serve them: the KV-cache dtype
+    (unquantised for the mLSTM), no prefix caching, no speculative decoding, the packed layout's needs; ValueError
+    naming the setting."""
+    settings = resolve(vllm_config.model_config.hf_config)
+    dtype = vllm_config.cache_config.cache_dtype
+    check_cache_dtype(dtype, cpu=current_platform.is_cpu())
+    if settings.uses_scorer and settings.config.scorer == "mlstm" and dtype not in (None, "auto"):
+        raise ValueError(f"kvpop serves the mLSTM scorer with unquantised KV caches only (its window values feed the "
+                         f"scorer as the transformers cache holds them), got kv_cache_dtype={dtype!r}")
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError("kvpop's fixed-budget cache cannot share prefix blocks (their content depends on what "
+                         "was evicted): start vLLM with enable_prefix_caching=False / --no-enable-prefix-caching")
+    if settings.config.head_budgets is not None:
+        _check_packed(vllm_config, settings)
+    if vllm_config.speculative_config is not None:
+        raise ValueError("kvpop's fixed-budget cache does not support speculative decoding: eviction is "
+                         "destructive, so rejected draft tokens could not be rolled back")
+    return settings
+
+
+class KVpopEngineCheck(VerifyAndUpdateConfig):
+    """vLLM's per-architecture config hook (``MODELS_CONFIG_MAP``, filled by :func:`kvpop.vllm.register`): it runs
+    where the engine's config is built, in the caller's process before the engine core starts, so a bad setting
+    or scorer file stops ``LLM(...)`` / ``vllm serve`` with its reason, not with "Engine core initialization
+    failed" (which is all the caller sees of an error raised in the engine core's process)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        settings = check_engine(vllm_config)
+        if settings.scorers is not None:
+            check_scorer_file(settings.scorers, vllm_config.model_config.hf_config)
+
+
 def _check_packed(vllm_config, settings: Settings) -> None:
     """What the packed layout of head-adaptive budgets needs of the engine (ValueError naming the setting)."""
     par = vllm_config.parallel_config
@@ -271,25 +294,15 @@ def load_scorer_file(path: str, layers: dict[str, KVpopLayer]) -> set[str]:
     """Copy a kvpop scorer file into the model's ``KVpopLayer`` modules (by name); the names it filled.
 
     ``layers`` maps a module name (``model.layers.{i}.self_attn.kvpop``) to its layer.  A file of another
-    number of layers, KV heads or head size raises ``ValueError`` naming the tensor.
+    number of layers, KV heads or head size raises ``ValueError`` naming the tensor, and so do the checks
+    ``kvpop.load_scorers`` makes of the tensors (floating point, finite, of a trained layer's magnitude).
     """
-    from safetensors.torch import load_file
+    from kvpop.core.checkpoint import SCORERS
 
-    saved = load_file(path)
-    by_idx = {m.layer_idx: (name, m) for name, m in layers.items()}
-    want = {f"layers.{i}.{p}": (f"{name}.{p}", t) for i, (name, m) in by_idx.items() for p, t in m.state_dict().items()}
-    missing, unexpected = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
-    if missing or unexpected:
-        raise ValueError(f"scorer file {path} does not fit the model: missing {missing[:6]}, unexpected "
-                         f"{unexpected[:6]} (a file for another number of layers?)")
-    filled = set()
-    params = dict((n, p) for name, m in layers.items() for n, p in
-                  ((f"{name}.{k}", v) for k, v in m.state_dict(keep_vars=True).items()))
+    saved = SCORERS.read_tensors(path)
+    want = SCORERS.fit(list(layers.values()), saved, path)  # file key -> the layer's tensor, once all fit
+    pname = {f"layers.{m.layer_idx}.{k}": f"{name}.{k}" for name, m in layers.items() for k in m.state_dict()}
     with torch.no_grad():
-        for key, (pname, t) in want.items():
-            if saved[key].shape != t.shape:
-                raise ValueError(f"scorer file {path}: {key} has shape {tuple(saved[key].shape)}, the model needs "
-                                 f"{tuple(t.shape)} (another number of KV heads or head size?)")
-            params[pname].copy_(saved[key].to(dtype=params[pname].dtype, device=params[pname].device))
-            filled.add(pname)
-    return filled
+        for key, t in want.items():
+            t.copy_(saved[key].to(dtype=t.dtype, device=t.device))
+    return {pname[k] for k in want}

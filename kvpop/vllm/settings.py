@@ -8,7 +8,7 @@ from typing import Any
 
 from kvpop import KVpopConfig, read_scorer_config
 
-__all__ = ["Settings", "resolve", "POLICIES"]
+__all__ = ["Settings", "resolve", "check_scorer_file", "POLICIES"]
 
 POLICIES = ("kvpop", "streaming")
 _KEYS = ("kvpop_scorers", "kvpop_policy", "kvpop_config")
@@ -31,6 +31,44 @@ def _get(cfg: Any, key: str) -> Any:
     if isinstance(cfg, Mapping):
         return cfg.get(key)
     return getattr(cfg, key, None)
+
+
+def _check_keys(cfg: Any) -> None:
+    """A ``kvpop*`` key the plugin does not read (``kvpop_configg``, ``kvpop-config``) is a ValueError naming it:
+    it would otherwise be ignored and the defaults served."""
+    import difflib
+
+    keys = cfg.keys() if isinstance(cfg, Mapping) else vars(cfg).keys() if hasattr(cfg, "__dict__") else ()
+    for k in keys:
+        if isinstance(k, str) and k.lower().replace("-", "_").startswith("kvpop") and k not in _KEYS:
+            near = difflib.get_close_matches(k.lower().replace("-", "_"), _KEYS, n=1)
+            raise ValueError(f"unknown kvpop setting {k!r}{f' (did you mean {near[0]!r}?)' if near else ''}: the "
+                             f"plugin reads {', '.join(_KEYS)}")
+
+
+def check_scorer_file(path: str, model_config: Any = None) -> None:
+    """What ``kvpop.load_scorers`` checks of the file's tensors (floating point, finite, of a trained layer's
+    magnitude), and, given the model's ``model_config`` (its Hugging Face config), the file's number of layers,
+    KV heads and head size against the model's: ValueError naming the file (the tensor, or the size and both
+    values).  The load checks every tensor's name and shape again."""
+    from kvpop.core.checkpoint import SCORERS
+
+    SCORERS.read_tensors(path)
+    if model_config is None:
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    heads = _get(model_config, "num_attention_heads")
+    head_dim = _get(model_config, "head_dim") or (_get(model_config, "hidden_size") // heads if heads else None)
+    for key, attr, want in (("num_layers", "num_hidden_layers", _get(model_config, "num_hidden_layers")),
+                            ("num_kv_heads", "num_key_value_heads", _get(model_config, "num_key_value_heads")),
+                            ("head_dim", "head_dim", head_dim)):
+        got = meta.get(key)
+        if want is not None and got is not None and str(got) != str(want):
+            raise ValueError(f"scorer file {path} was saved for a model of {key}={got}, this model has {attr}={want} "
+                             f"(a scorer file of another model?)")
 
 
 def _with_overrides(base: KVpopConfig, overrides: dict, scorers: Any) -> KVpopConfig:
@@ -63,7 +101,9 @@ def resolve(cfg: Any) -> Settings:
     Head-adaptive budgets (``head_budgets``, from the file or ``kvpop_config``) are served in the packed layout;
     another ``budget`` for a file with them shares the new total by the importance they were allocated from
     (``head_budgets.json`` beside the file, as ``kvpop train --allocate`` writes it), else ``ValueError``.
+    A ``kvpop*`` key other than ``kvpop_scorers``, ``kvpop_policy`` and ``kvpop_config`` is refused by name.
     """
+    _check_keys(cfg)
     policy = _get(cfg, "kvpop_policy") or "kvpop"
     if policy not in POLICIES:
         raise ValueError(f"kvpop_policy must be one of {list(POLICIES)} in vLLM, got {policy!r} (the attention-"

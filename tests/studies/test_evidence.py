@@ -1,5 +1,6 @@
 """The evidence ledger's rules (kvpop.studies.ledger): one selection rule, test splits scored once, the
-ledger refuses rows scored more than once, the README's headline block is the ledger's rendering."""
+ledger refuses rows scored more than once, the README's headline block is the ledger's rendering; its command
+writes shipped files only with --write-shipped and checks every ledger before writing anything."""
 import json
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def test_shipped_ledger_holds_the_rules_and_the_readme_is_its_rendering():
         assert r["value"] == pytest.approx(sum(r["seeds"]) / len(r["seeds"]))
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     block = text.split(V.README_START, 1)[1].split(V.README_END, 1)[0]
-    assert block == "\n" + V.render_headline(ev), "regenerate: python -m kvpop.studies.evidence readme"
+    assert block == "\n" + V.render_headline(ev), "regenerate: python -m kvpop.studies.evidence readme --write-shipped"
     for inst in {r["instrument"] for r in ev["rows"]}:  # every instrument: the control and DMS beside KVpop
         pols = {r["policy"] for r in ev["rows"] if r["instrument"] == inst}
         assert any(p.startswith("fixed-finetune[streaming]") for p in pols), inst
@@ -90,6 +91,168 @@ def test_shipped_ledger_holds_the_rules_and_the_readme_is_its_rendering():
         dms = next(r for r in ev["rows"] if r["instrument"] == inst and r["policy"].startswith("dms"))
         best_kv = max(r["trials"] for r in ev["rows"] if r["instrument"] == inst and r["policy"].startswith("kvpop"))
         assert dms["trials"] >= best_kv, inst
+
+
+def _cli(capsys, *argv):
+    from kvpop.studies import evidence as E
+
+    rc = E.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out + err
+
+
+def _shipped_state():
+    return [(f, f.read_bytes()) for f in (V.EVIDENCE_FILE, ROOT / "README.md") if f.exists()] + \
+        [(f, f.read_bytes()) for f in sorted((V.EVIDENCE_FILE.parent / "evidence").rglob("*")) if f.is_file()]
+
+
+def _runs(tmp_path, *instruments):
+    ev = json.loads(V.EVIDENCE_FILE.read_text())
+    for inst in instruments:
+        (tmp_path / "runs" / inst).mkdir(parents=True)
+        V.write_json(tmp_path / "runs" / inst / "evidence_rows.json",
+                     {"rows": [r for r in ev["rows"] if r["instrument"] == inst]})
+    return tmp_path / "runs", ev
+
+
+def test_evidence_writes_shipped_files_only_with_write_shipped(tmp_path, capsys, monkeypatch):
+    """ledger without --out, readme without --readme, or either aimed at a shipped file: refused, nothing
+    written; --write-shipped writes the shipped ledger, its archive and the README (here monkeypatched copies)."""
+    from kvpop.studies import evidence as E
+
+    runs, ev = _runs(tmp_path, "realtext")
+    before = _shipped_state()
+    for argv, says in ((["ledger", "--runs", runs], "give --out FILE, or --write-shipped"),
+                       (["ledger", "--runs", runs, "--out", V.EVIDENCE_FILE], "add --write-shipped"),
+                       (["ledger", "--runs", runs, "--out", tmp_path / "l.json", "--archive",
+                         V.EVIDENCE_FILE.parent / "evidence"], "--archive"),
+                       (["readme"], "give --readme FILE, or --write-shipped"),
+                       (["readme", "--readme", ROOT / "README.md"], "add --write-shipped"),
+                       (["readme", "--readme", V.EVIDENCE_FILE.parent / "evidence.md", "--every-budget"],
+                        "add --write-shipped")):
+        rc, msg = _cli(capsys, *argv)
+        assert rc == 2 and says in msg and "Traceback" not in msg, (argv, msg)
+    assert _shipped_state() == before
+    rc, msg = _cli(capsys, "ledger", "--runs", runs, "--out", tmp_path / "mine" / "evidence.json")
+    assert rc == 0 and (tmp_path / "mine" / "evidence" / "realtext" / "evidence_rows.json").exists(), msg
+    assert _shipped_state() == before
+    led, readme = tmp_path / "shipped" / "evidence.json", tmp_path / "README.md"
+    V.write_json(led, ev)
+    readme.write_text(f"x\n{V.README_START}\nold\n{V.README_END}\n")
+    monkeypatch.setattr(E, "EVIDENCE_FILE", led)
+    monkeypatch.setattr(E, "README_FILE", readme)
+    assert _cli(capsys, "ledger", "--runs", runs, "--write-shipped")[0] == 0
+    assert (tmp_path / "shipped" / "evidence" / "realtext" / "evidence_rows.json").exists()
+    assert _cli(capsys, "readme", "--evidence", led, "--write-shipped")[0] == 0
+    assert V.render_headline(ev) in readme.read_text() and "\nold\n" not in readme.read_text()
+    assert _shipped_state() == before
+
+
+def test_ledger_from_one_instrument_keeps_the_others_rows(tmp_path, capsys):
+    """--runs holding one instrument rebuilds its rows and keeps the other instruments' of the ledger it replaces
+    (it dropped 60 of the 90 rows)."""
+    runs, ev = _runs(tmp_path, "realtext")
+    out = tmp_path / "evidence.json"
+    V.write_json(out, ev)
+    rc, msg = _cli(capsys, "ledger", "--runs", runs, "--out", out)
+    assert rc == 0 and "kvtrace, lookahead kept" in msg, msg
+    assert json.loads(out.read_text()) == ev
+    changed = [dict(r, policy=r["policy"] + "-new") if r["instrument"] == "realtext" else r for r in ev["rows"]]
+    V.write_json(runs / "realtext" / "evidence_rows.json",
+                 {"rows": [r for r in changed if r["instrument"] == "realtext"]})
+    assert _cli(capsys, "ledger", "--runs", runs, "--out", out)[0] == 0
+    assert json.loads(out.read_text())["rows"] == changed
+    out.write_text("{")  # an --out that holds no ledger is left as it is
+    rc, msg = _cli(capsys, "ledger", "--runs", runs, "--out", out)
+    assert rc == 2 and f"{out}: not a JSON ledger" in msg and "move it away" in msg and out.read_text() == "{", msg
+    rc, msg = _cli(capsys, "ledger", "--runs", runs, "--out", tmp_path / "o.json", "--archive", runs)
+    assert rc == 2 and "is --runs itself" in msg and not (tmp_path / "o.json").exists(), msg
+
+
+BAD_LEDGERS = {
+    "only test_evaluations": ({"rows": [{"test_evaluations": 1}]}, "row 0 lacks instrument, policy"),
+    "not JSON": ("{rows: nope", "not a JSON ledger"),
+    "a list": ([], "not a ledger"),
+    "rows not a list": ({"rows": 3}, "not a ledger"),
+    "a row not an object": ({"rows": [7]}, "row 0 is int"),
+    "string mean": ({"rows": [_row(mean="0.2")]}, "row 0 (realtext p B=128): mean must be a finite number"),
+    "NaN seed": ({"rows": [_row(seeds=[float("nan")])]}, "seeds must be a non-empty list of finite numbers"),
+    "bool budget": ({"rows": [_row(budget=True)]}, "budget must be an int > 0"),
+    "unknown instrument": ({"rows": [_row(instrument="kvtrac")]}, "instrument must be one of"),
+    "unknown metric": ({"rows": [_row(metric="acc")]}, "metric must be one of"),
+    "scored twice": ({"rows": [_row(test_evaluations=2)]}, "scored on its test split 2 times"),
+    "mean not the seeds'": ({"rows": [_row(mean=0.5, value=0.5)]}, "not the mean, min and max of its seeds"),
+    "a row twice": ({"rows": [_row(), _row()]}, "row 1 (realtext p B=128) repeats row 0"),
+    "two metrics": ({"rows": [_row(), _row(policy="q", metric="accuracy")]}, "where realtext's rows have"),
+    "headline not bool": ({"rows": [_row(headline="yes")]}, "headline must be true or false"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LEDGERS))
+def test_malformed_ledgers_are_refused_naming_file_and_row(case, tmp_path, capsys):
+    """Every malformed ledger (given to readme, or a runner's evidence_rows.json given to ledger) is a usage error
+    naming the file and the row, with nothing written (it was a KeyError / TypeError traceback, or accepted)."""
+    content, says = BAD_LEDGERS[case]
+    bad = tmp_path / "bad.json"
+    bad.write_text(content if isinstance(content, str) else json.dumps(content))
+    readme = tmp_path / "R.md"
+    readme.write_text(f"{V.README_START}\nold\n{V.README_END}\n")
+    rc, msg = _cli(capsys, "readme", "--evidence", bad, "--readme", readme)
+    assert rc == 2 and str(bad) in msg and says in msg and "Traceback" not in msg, msg
+    assert readme.read_text() == f"{V.README_START}\nold\n{V.README_END}\n"
+    (tmp_path / "runs" / "realtext").mkdir(parents=True)
+    rows = tmp_path / "runs" / "realtext" / "evidence_rows.json"
+    rows.write_text(bad.read_text())
+    rc, msg = _cli(capsys, "ledger", "--runs", tmp_path / "runs", "--out", tmp_path / "out.json")
+    assert rc == 2 and str(rows) in msg and "Traceback" not in msg and not (tmp_path / "out.json").exists(), msg
+
+
+def test_ledger_refuses_rows_filed_under_another_instrument_and_a_readme_not_text(tmp_path, capsys):
+    (tmp_path / "runs" / "kvtrace").mkdir(parents=True)
+    rows = tmp_path / "runs" / "kvtrace" / "evidence_rows.json"
+    rows.write_text(json.dumps({"rows": [_row()]}))  # a realtext row in kvtrace's file
+    rc, msg = _cli(capsys, "ledger", "--runs", tmp_path / "runs", "--out", tmp_path / "l.json")
+    assert rc == 2 and f"{rows}: row 0 (realtext p B=128) is of instrument 'realtext', in kvtrace's rows" in msg, msg
+    (tmp_path / "R.md").write_bytes(b"\xff\xfe not text")
+    rc, msg = _cli(capsys, "readme", "--readme", tmp_path / "R.md")
+    assert rc == 2 and f"{tmp_path / 'R.md'} is not UTF-8 text" in msg, msg
+
+
+def test_readme_never_empties_the_block_or_drops_an_instrument(tmp_path, capsys):
+    ev = json.loads(V.EVIDENCE_FILE.read_text())
+    readme = tmp_path / "R.md"
+    readme.write_text((ROOT / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    before = readme.read_bytes()
+    for rows, says in (([], "holds no headline row, its table would be empty"),
+                       ([dict(r, headline=False) for r in ev["rows"]], "would be empty"),
+                       ([r for r in ev["rows"] if r["instrument"] == "realtext"], "would drop kvtrace, lookahead")):
+        V.write_json(tmp_path / "l.json", {"rows": rows})
+        rc, msg = _cli(capsys, "readme", "--evidence", tmp_path / "l.json", "--readme", readme)
+        assert rc == 2 and says in msg and "nothing written" in msg, msg
+        assert readme.read_bytes() == before
+    with pytest.raises(ValueError, match="would be empty"):
+        V.update_readme(readme, {"rows": []})
+
+
+def test_study_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    """realtext_corpus and the evidence runners with --out an existing file (or under one): one line naming the
+    option (was FileExistsError), before any work; --out inside the package needs --write-shipped."""
+    from kvpop.studies import realtext_corpus as C
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    for out in (f, f / "sub"):
+        assert C.main(["--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"realtext_corpus: error: --out {out}") and "not a directory" in err, err
+        for argv in (["synthetic", "--task", "kvtrace", "--out", out], ["realtext", "--out", out]):
+            rc, msg = _cli(capsys, *argv)
+            assert rc == 2 and f"--out {out}" in msg and "not a directory" in msg and len(msg.splitlines()) == 1
+    assert C.main(["--out", str(V.EVIDENCE_FILE.parent.parent / "realtext")]) == 2
+    assert "--write-shipped" in capsys.readouterr().err
+    rc, msg = _cli(capsys, "synthetic", "--task", "kvtrace", "--out", V.EVIDENCE_FILE.parent / "x")
+    assert rc == 2 and "--write-shipped" in msg and not (V.EVIDENCE_FILE.parent / "x").exists()
+    assert f.read_text() == "x"
 
 
 def test_fresh_realtext_test_split_is_reproducible_and_disjoint(tmp_path):
