@@ -51,7 +51,8 @@ TASKS = ("kvtrace", "lookahead")
 FORWARD_POLICIES = ("kvpop-mlp", "kvpop-mlstm", "streaming", "tova", "h2o", "kvpop-mlp-int8", "kvpop-mlp-fp8",
                     "dms")
 DEMO_POLICIES = ("dense", "streaming", "tova", "h2o", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlp-joint",
-                 "kvpop-mlstm-joint", "fixed-finetune", "dms", "dms-test-calibrated", "teacher-label", "decode")
+                 "kvpop-mlstm-joint", "fixed-finetune", "dms", "dms-test-calibrated", "mlp-other-label",
+                 "mlstm-other-label", "decode")
 CODE_METHODS = ("kvpop-mlp-joint", "fixed-finetune", "dms", "dense")
 VALUE_RTOL = 1e-4
 
@@ -69,13 +70,18 @@ class Group:
     note: str = ""
 
 
+def _under(rel: str) -> tuple[str, ...]:
+    """Every file under a shipped directory (its records), as repository paths."""
+    return tuple(sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / rel).rglob("*") if p.is_file()))
+
+
 def _demo(task: str, policies: Iterable[str] = DEMO_POLICIES) -> tuple[str, ...]:
     return tuple(f"demo/{task}/{p}" for p in policies)
 
 
 _FWD_ALL = tuple(f"forward/{p}" for p in FORWARD_POLICIES)
 _DEMO_FILES = ("results.json", "table.md", "dms.md", "decode.md", "accuracy_vs_budget.png")
-_SYNTH_LEDGER = ("dense", "streaming", "kvpop-mlp-joint", "teacher-label", "fixed-finetune", "dms")
+_SYNTH_LEDGER = ("dense", "streaming", "kvpop-mlp-joint", "mlp-other-label", "fixed-finetune", "dms")
 
 GROUPS: tuple[Group, ...] = (
     *(Group(f"demo {t}", tuple(f"{RESULTS}/{t}/{f}" for f in _DEMO_FILES), (*_demo(t), *_FWD_ALL),
@@ -93,12 +99,12 @@ GROUPS: tuple[Group, ...] = (
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
           "python -m kvpop.studies.evidence synthetic / realtext (hours: see evidence.md), then "
           "python -m kvpop.studies.evidence ledger and readme; python -m tools.freshness stamp the files"),
-    Group("--auto records", (f"{RESULTS}/auto.md",),
-          (*_demo("kvtrace", ("kvpop-mlp-joint", "teacher-label")), *_demo("lookahead", ("kvpop-mlp-joint",)),
+    Group("--auto records", (f"{RESULTS}/auto.md", *_under(f"{RESULTS}/auto")),
+          (*_demo("kvtrace", ("kvpop-mlp-joint", "mlp-other-label")), *_demo("lookahead", ("kvpop-mlp-joint",)),
            "code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp"),
           "the kvpop train --auto commands auto.md lists (hours); python -m tools.freshness stamp "
           f"{RESULTS}/auto.md"),
-    Group("quantised slots", (f"{RESULTS}/quantized.md",),
+    Group("quantised slots", (f"{RESULTS}/quantized.md", *_under(f"{RESULTS}/quantized")),
           ("code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp", "forward/kvpop-mlp-int8",
            "forward/kvpop-mlp-fp8", "forward/streaming", *_demo("lookahead", ("kvpop-mlp-joint",))),
           "python -m kvpop.studies.quantized (see quantized.md); python -m tools.freshness stamp "
@@ -108,7 +114,7 @@ GROUPS: tuple[Group, ...] = (
           "python -m kvpop.studies.realtext (hours: see realtext.md); python -m tools.freshness stamp "
           f"{RESULTS}/realtext.md"),
     Group("CPU benchmark figures", ("benchmarks/RESULTS.md",),
-          ("source/kvpop_kernels", "source/kvpop/core"),
+          ("source/kvpop_kernels", "source/kvpop/core/cache.py", "source/kvpop/vllm"),
           "python -m pytest benchmarks/ --benchmark-only (CPU), then update the CPU figures of "
           "benchmarks/RESULTS.md; python -m tools.freshness stamp benchmarks/RESULTS.md"),
 )
@@ -194,8 +200,10 @@ def demo_sentinels(work: Path) -> dict[str, str]:
         for p in DEMO_POLICIES:
             if p == "decode":
                 rows = res["decode"]
-            elif p == "teacher-label":
-                rows = [r for r in res["rows"] if r["policy"].endswith("-label")]
+            elif p.endswith("-other-label"):  # the joint retrofit on the other label source
+                scorer = p.split("-")[0]
+                rows = [r for r in res["rows"] if r["policy"].startswith(f"kvpop-{scorer}-joint-")
+                        and r["policy"].endswith("-label")]
             else:
                 rows = [r for r in res["rows"] if r["policy"] == p]
             if not rows:
@@ -281,7 +289,8 @@ def forward_values() -> dict[str, list[float]]:
 def _source_digest(rel: str) -> str:
     """Digest of the code of every module under ``rel`` (its AST, docstrings dropped)."""
     h = hashlib.sha256()
-    for f in sorted((ROOT / rel).rglob("*.py")):
+    base = ROOT / rel
+    for f in [base] if base.is_file() else sorted(base.rglob("*.py")):
         tree = ast.parse(f.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
