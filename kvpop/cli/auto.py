@@ -16,15 +16,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     auto.add_argument("--auto", action="store_true",
                       help="choose the label, scorer lr, training budget, decay range, head budgets, label "
                            "source and the joint run's warm start on validation data (--valid-data, or the task's "
-                           "validation sequences with --task), a --steps run per trial; writes OUT/selection.json "
-                           "and OUT as the chosen run (--resume continues a search)")
+                           "validation sequences with --task), split into fit and select parts, a --steps run per "
+                           "trial, the top two confirmed with a second seed; writes OUT/selection.json and OUT as "
+                           "the chosen run (--resume continues a search)")
     auto.add_argument("--auto-budget", default=None, metavar="STEPS|MINUTES",
                       help="--auto's budget: trained steps over all trials (e.g. 400) or minutes (e.g. 30m) "
                            "(default: 5 trials of --steps)")
     auto.add_argument("--auto-patience", type=int, default=None, metavar="N",
-                      help="--auto's early stopping: each trial validated every --auto-eval-every steps and stopped "
-                           "after N validations without a better or equal score, its best state kept (default 2; "
-                           "0: no early stopping, each trial scored once after --steps)")
+                      help="--auto's early stopping: each trial validated on the fit part of validation every "
+                           "--auto-eval-every steps and stopped after N validations without a better score, its best "
+                           "state kept and scored once on the select part (default 2; 0: no early stopping, each "
+                           "trial scored once after --steps)")
     auto.add_argument("--auto-eval-every", type=int, default=None, metavar="STEPS",
                       help="--auto's validation interval within a trial, in steps (default --steps / 4, rounded up)")
     auto.add_argument("--preset", choices=("paper",), default=None,
@@ -141,8 +143,8 @@ def _scorer(source: Path, parts: dict, budget: int):
         t, models = _served(base, d, budget)
         cfg = TE.TraceEvalConfig(budgets=[budget], sinks=t.config.sinks, window=t.config.window,
                                  policies=["dense", t.policy], progress=False)
-        return [float(next(r["delta_nll"] for r in TE.evaluate_traces(models, [s], cfg) if r["policy"] == t.policy))
-                for s in parts[part]]
+        rows = TE.evaluate_traces(models, parts[part], cfg)
+        return [float(x) for x in next(r["per_sequence"] for r in rows if r["policy"] == t.policy)]
 
     return score
 

@@ -26,7 +26,7 @@ text, the label source on one, the decay range on none; the warm start, twice a 
 
 Every trial stops early (:func:`early_stopping`): it is validated every ``--auto-eval-every`` steps (its
 ``kvpop train`` extended by ``--resume``, the one uninterrupted run), stopped after ``--auto-patience``
-validations without a better or equal score, and its outputs are its best validated state's (``validations``
+validations without a better score on the fit sequences, and its outputs are its best validated state's (``validations``
 and ``best_step`` in its record; ``steps`` the last step trained); ``--auto-patience 0`` trains every trial
 to ``--steps`` and scores it once.
 
@@ -89,7 +89,7 @@ SERVED_FILES = ("scorers.safetensors", "model", "head_budgets.json")
 """A run's served outputs: what early stopping keeps of a trial's best validated state (``best/``)."""
 PATIENCE = 2
 """``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
-better or equal score."""
+better score (of equals the earlier stays)."""
 DEFAULT_TRIALS = 5
 """The default budget: this many trained trials of ``--steps`` steps each."""
 
@@ -358,7 +358,8 @@ def summary_lines(record: dict) -> list[str]:
 def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
     """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience``: each trial validated every ``every``
     steps (default a quarter of ``--steps``, rounded up: at most four validations) and stopped after
-    ``patience`` (default :data:`PATIENCE`) validations without a better or equal score, its best state kept;
+    ``patience`` (default :data:`PATIENCE`) validations without a better score on the fit sequences, its best
+    state kept;
     ``patience`` 0: no early stopping, one validation after ``--steps``.  ValueError naming a bad value."""
     patience = PATIENCE if getattr(args, "auto_patience", None) is None else args.auto_patience
     every = getattr(args, "auto_eval_every", None)

@@ -36,6 +36,7 @@ from typing import Any
 from kvpop.core.files import write_json
 
 __all__ = ["Stage", "Search", "choose", "prefer", "paired", "resolution", "split_keys", "MARGIN_SE", "MIN_SELECT",
+           "top_two", "confirm_choice",
            "trial_tag", "auto_plan", "select_plan", "SELECT_GRID", "SELECT_STAGES", "LABEL_KEYS", "SCORER_ONLY",
            "JOINT_OF", "RETROFITS"]
 
@@ -105,6 +106,42 @@ def choose(trials: Sequence[dict], *, key: str = "score", higher_is_better: bool
         if d["adopted"]:
             best = t
     return best
+
+
+def top_two(best: dict, trials: Sequence[dict], *, higher_is_better: bool = False) -> list[dict] | None:
+    """``best`` and the runner-up (the rule's choice among the other ``trials``), in the order of ``trials``
+    (the earlier first); ``None`` when there is no other trial."""
+    others = [t for t in trials if t is not best]
+    if not others:
+        return None
+    second = choose(others, higher_is_better=higher_is_better)
+    order = {id(t): i for i, t in enumerate(trials)}
+    return sorted([best, second], key=lambda t: order.get(id(t), -1))
+
+
+def confirm_choice(best: dict, trials: Sequence[dict], retrain: Callable[[dict], dict], *, seed: tuple[str, int],
+                   higher_is_better: bool = False) -> tuple[dict, dict]:
+    """The confirmation of every search: ``best`` (the rule's choice among ``trials``) and the runner-up
+    (:func:`top_two`) each trained again with the second seed (``retrain(trial)``: its ``score`` and
+    ``per_sequence`` on the same select sequences), and :func:`prefer` deciding on each trial's per-sequence
+    scores averaged over its two seeds, the earlier trial the incumbent.  Returns ``(chosen trial, the record's
+    confirmation: "ran", the seed, "trials" with both seeds' scores, "decision", "chosen", "changed")``."""
+    pair = top_two(best, trials, higher_is_better=higher_is_better)
+    if pair is None:
+        return best, {"ran": False, "why": "one trial: no runner-up to confirm against"}
+    means = []
+    for t in pair:
+        r = retrain(t)
+        ps = None
+        if t.get("per_sequence") is not None and r.get("per_sequence") is not None:
+            ps = [(a + b) / 2 for a, b in zip(t["per_sequence"], r["per_sequence"])]
+        means.append({"settings": t["settings"], "score": (t["score"] + r["score"]) / 2, "per_sequence": ps,
+                      "seeds": [{"dir": t.get("dir"), "score": t["score"]},
+                                {"dir": r.get("dir"), "score": r["score"], seed[0]: seed[1]}]})
+    d = prefer(means[0], means[1], higher_is_better=higher_is_better, stage="confirmation")
+    chosen = pair[1] if d["adopted"] else pair[0]
+    return chosen, {"ran": True, seed[0]: seed[1], "trials": means, "decision": d, "chosen": chosen["settings"],
+                    "changed": chosen is not best}
 
 
 def resolution(n: int, spread: float | None = None, *, margin_se: float = MARGIN_SE) -> str:
@@ -320,11 +357,11 @@ class Search:
         trial, the confirmation record)``; it does not run (the record says why) when there is no runner-up or
         the budget cannot pay for both trials (``raise_hint``: what to raise, in words, with the steps
         needed)."""
-        others = [t for t in self.compared if t is not best and t["steps"] > 0]
-        if not others or best["steps"] <= 0:
+        trained = [t for t in self.compared if t["steps"] > 0]
+        pair = top_two(best, trained, higher_is_better=False)
+        if pair is None or best["steps"] <= 0:
             return best, {"ran": False, "why": "one trained trial: no runner-up to confirm against"}
-        second = choose(others, higher_is_better=False)
-        pair = sorted([best, second], key=lambda t: next(i for i, x in enumerate(self.compared) if x is t))
+        second = pair[1] if pair[0] is best else pair[0]
         cost = sum(steps_of(t["settings"]) for t in pair)
         if self._spent.unit == "steps" and self._spent.steps + cost > self._spent.value:
             need, left = int(self._spent.steps + cost), self._spent.value - self._spent.steps
@@ -335,24 +372,10 @@ class Search:
             return best, {"ran": False, "runner_up": second["settings"],
                           "why": f"the budget of {self._spent.value:g} minutes is spent"
                                  f"{raise_hint.format(need='more')}"}
-        again = []
-        for t in pair:
-            r = self.trial("confirmation", {**t["settings"], seed[0]: seed[1]}, run, steps=0, subdir=subdir,
-                           extra=extra, trained=False)
-            again.append(r)
-        means = []
-        for t, r in zip(pair, again):
-            ps = None
-            if t.get("per_sequence") is not None and r.get("per_sequence") is not None:
-                ps = [(a + b) / 2 for a, b in zip(t["per_sequence"], r["per_sequence"])]
-            means.append({"settings": t["settings"], "dir": t["dir"], "score": (t["score"] + r["score"]) / 2,
-                          "per_sequence": ps, "seeds": [{"dir": t["dir"], "score": t["score"]},
-                                                        {"dir": r["dir"], "score": r["score"], seed[0]: seed[1]}]})
-        d = prefer(means[0], means[1], stage="confirmation")
-        self.record["decisions"].append({**(extra or {}), **d})
-        chosen = pair[1] if d["adopted"] else pair[0]
-        rec = {"ran": True, seed[0]: seed[1], "trials": means, "decision": d, "chosen": chosen["settings"],
-               "changed": chosen is not best}
+        chosen, rec = confirm_choice(best, trained, lambda t: self.trial(
+            "confirmation", {**t["settings"], seed[0]: seed[1]}, run, steps=0, subdir=subdir, extra=extra,
+            trained=False), seed=seed, higher_is_better=False)
+        self.record["decisions"].append({**(extra or {}), **rec["decision"]})
         self.save()
         return chosen, rec
 
