@@ -7,7 +7,8 @@ fresh test sequences.
 Stages (``--stage all`` runs them in order; each is resumable):
 
 1. ``select``: the control's learning rate and DMS's grid (:data:`DMS_GRID`, staged), each trial trained with
-   seed 0 and scored on the demo's validation sequences by :func:`kvpop.studies.evidence.choose`; the KVpop
+   seed 0 and scored per select sequence of the demo's validation (``valid_seed(1000 + i)``) by
+   :func:`kvpop.studies.evidence.choose`, the top two confirmed with seed 1; the KVpop
    recipes are the demo's validated choice (``kvpop.demo.search.CHOSEN``, its selection records counted as
    their trials) and the paper's recipe (no selection); writes ``selection.json``.
 2. ``seeds``: every row's recipe with every seed (``RetrofitConfig.seed``: initialisation, data, noise).

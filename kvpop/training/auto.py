@@ -24,11 +24,19 @@ records (``kvpop/data/demo_results/auto.md``): the scorer lr mattered on all thr
 on two (lookahead, real text), the training budget on two (kvtrace, lookahead) but lost by 2-8x on real
 text, the label source on one, the decay range on none; the warm start, twice a trial's cost, is last.
 
-Every trial stops early (:func:`early_stopping`): it is validated every ``--auto-eval-every`` steps (its
-``kvpop train`` extended by ``--resume``, the one uninterrupted run), stopped after ``--auto-patience``
-validations without a better score on the fit sequences, and its outputs are its best validated state's (``validations``
-and ``best_step`` in its record; ``steps`` the last step trained); ``--auto-patience 0`` trains every trial
-to ``--steps`` and scores it once.
+The validation sequences are split in two disjoint parts (``split`` in the record; ``kvpop.cli.auto``): the
+*fit* part serves what learns from validation (a trial's ``--allocate ablation`` and early stopping), the
+*select* part only scores trials, per sequence (``per_sequence``), and the choice between trials is the one rule
+of :func:`kvpop.training.search.prefer` (2 paired standard errors; ``decisions``).  Every trial stops early
+(:func:`early_stopping`): it is validated on the fit part every ``--auto-eval-every`` steps (its ``kvpop train``
+extended by ``--resume``, the one uninterrupted run), stopped after ``--auto-patience`` validations without a
+better score (of equals the earlier state stays), and its outputs are its best validated state's
+(``validations`` and ``best_step`` in its record; ``steps`` the last step trained), scored once on the select
+part; ``--auto-patience 0`` trains every trial to ``--steps`` and scores it once.  The top two trials are then
+trained again with ``--seed + 1`` and chosen on the mean (``confirmation``), paid from the budget (a steps
+budget keeps ``2 x --steps`` for it when two trials fit besides; when it cannot pay, the record says why).
+The record's ``summary`` (printed on stdout) says which stages ran, which were skipped for the budget, and the
+``--auto-budget`` that runs them all.
 
 Every trained trial is an ordinary ``kvpop train`` run of ``--steps`` steps in ``OUT/auto/<tag>``, scored on
 the validation sequences as ``kvpop eval --run`` serves it (the mean next-token NLL over dense past the

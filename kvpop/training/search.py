@@ -1,11 +1,16 @@
 """The one staged search on validation sequences, behind ``kvpop train --auto`` and ``kvpop demo --select``.
 
 A search is a list of :class:`Stage`: each stage tries its variations of the best settings so far, and the best
-trial (by its validation score, lower is better; the first of equals, the earlier and cheaper one, wins) is
-what the next stage varies.  :class:`Search` runs the stages and keeps the record, ``OUT/<record file>``,
-written after every trial::
+trial is what the next stage varies.  The best is decided by the one selection rule, :func:`prefer` (through
+:func:`choose`): a trial is scored per select sequence (``per_sequence``, lower is better; ``score`` their mean),
+and a challenger replaces the incumbent only when its paired mean improvement exceeds :data:`MARGIN_SE` standard
+errors; otherwise, ties included, the incumbent (the earlier, cheaper trial) stays.  :meth:`Search.confirm`
+retrains the top two with a second seed and decides on the mean (:func:`confirm_choice`).  :class:`Search`
+runs the stages and keeps the record, ``OUT/<record file>``, written after every trial::
 
-    {..., "trials": [{"stage", "settings", "score", "steps", "seconds", "dir", ...}], "skipped": [...],
+    {..., "split": {"fit", "select"}, "trials": [{"stage", "settings", "score", "per_sequence", "steps",
+     "seconds", "dir", ...}], "skipped": [...], "stages": [...], "decisions": [{"stage", "incumbent",
+     "challenger", "mean_diff", "se", "margin", "adopted", ...}], "confirmation": ..., "summary": ...,
      "chosen": ...}
 
 Every trial runs in its own directory (``OUT/<subdir>/<tag of its settings>``, :func:`trial_tag`) and leaves
