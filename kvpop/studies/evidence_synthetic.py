@@ -173,7 +173,7 @@ def run(a: argparse.Namespace) -> int:
                 rc = replace(S.retrofit_config(E, s, "fixed-finetune", c), seed=seed)
                 R.retrofit(base, "fixed-finetune", d, rc, resume=True, progress=False, task=mod)
                 t = {"settings": c, **_score(S, E, mod, S.policy_model(E, base, "fixed-finetune", d, pm),
-                                             "fixed-finetune", vcfg, fit)}
+                                             "fixed-finetune", vcfg, fit), "dir": str(d)}
                 print(f"[evidence {a.task}] control {c} seed {seed}: validation {t['score']:.3f}", flush=True)
                 return t
 
@@ -190,7 +190,7 @@ def run(a: argparse.Namespace) -> int:
                 d = out / "dms_select" / "_".join(f"{k}{v:g}" for k, v in sorted(c.items()))
                 d = d / f"seed{seed}" if seed else d
                 train_dms(d, c, seed)
-                t = {"settings": c, **_score(S, E, mod, dms_model(d), "dms", vcfg, fit)}
+                t = {"settings": c, **_score(S, E, mod, dms_model(d), "dms", vcfg, fit), "dir": str(d)}
                 if not seed:
                     trials.append(t)
                     write_json(sel_file, record)

@@ -256,6 +256,8 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
             return {"score": mean(sel), "per_sequence": sel, "steps": args.steps}
         vfile, keep = d / "validation.jsonl", d / "best"
         done = [json.loads(x) for x in vfile.read_text().splitlines() if x.strip()] if vfile.exists() else []
+        for r in done:  # a validation written before the fit / select split: its one score
+            r.setdefault("fit_score", r.get("score"))
         vals: list[dict] = []
         best, bad = None, 0
         for target in [*range(every, args.steps, every), args.steps]:
@@ -345,6 +347,8 @@ def summary_lines(record: dict) -> list[str]:
     """What ran, in words, from a search record's ``summary``, ``split`` and ``confirmation``."""
     sm, conf = record.get("summary") or {}, record.get("confirmation") or {}
     lines = [f"stages run: {', '.join(sm.get('ran', [])) or 'none'}"]
+    if sm.get("resolution"):
+        lines.append(f"what the select part resolved: {sm['resolution']}")
     part, skipped = sm.get("partly_skipped_for_budget", []), sm.get("skipped_for_budget", [])
     if part:
         lines.append(f"stages cut short by the budget: {', '.join(part)}")

@@ -385,13 +385,19 @@ class Search:
         return chosen, rec
 
     def summary(self, *, raise_hint: str = "", confirmation: Mapping[str, Any] | None = None) -> dict:
-        """What ran: ``{"ran": [stage names], "skipped_for_budget": [...], "partly": [...], "raise": text}``
-        (``raise_hint``: what to raise, in words, with ``{need}`` the steps a budget of steps needs to run every
-        skipped trial and a ``confirmation`` that did not run for the budget; empty when nothing was skipped)."""
+        """What ran: ``{"ran": [stage names], "partly_skipped_for_budget": [...], "skipped_for_budget": [...],
+        "raise": text, "resolution": text}``; ``resolution``: :func:`resolution` at the median spread of the
+        paired differences the decisions saw; ``raise``: ``raise_hint`` (what to raise, in words) with ``{need}``
+        the steps a budget of steps needs to run every skipped trial and a ``confirmation`` that did not run for
+        the budget, absent when nothing was skipped."""
         st = self.record["stages"]
         out = {"ran": [s["stage"] for s in st if s["status"] == "ran"],
                "partly_skipped_for_budget": [s["stage"] for s in st if s["status"] == "partly skipped for budget"],
                "skipped_for_budget": [s["stage"] for s in st if s["status"] == "skipped for budget"]}
+        paired_ = [d for d in self.record["decisions"] if d.get("paired") and d.get("se") is not None]
+        if paired_:  # what the select sequences resolved, given the spread of differences the search saw
+            spread = sorted(d["se"] * math.sqrt(d["n"]) for d in paired_)[len(paired_) // 2]
+            out["resolution"] = resolution(paired_[0]["n"], spread)
         extra = (confirmation or {}).get("needs_steps") or 0
         if self.record["skipped"] or extra:
             need = int(self._spent.steps + extra + sum(x.get("steps") or 0 for x in self.record["skipped"])) \

@@ -305,3 +305,34 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
               "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="--auto-patience 1 is an option of --auto"):
         main(["train", "--task", "--steps", "4", "--auto-patience", "1", "--out", str(tmp_path / "x")])
+
+
+def test_auto_on_valid_data_splits_the_records_and_allocates_on_the_fit_part(tmp_path):
+    """--valid-data: its sequences split by a seeded hash into disjoint fit and select parts; the trials that
+    allocate measure their head budgets on the fit part alone (OUT/auto/fit.jsonl), every trial is scored per
+    select sequence, and the budget too small for the confirmation is said."""
+    import random
+
+    from kvpop.demo import task as T
+
+    rng = random.Random(0)
+    for name, n in (("train", 6), ("valid", 6)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"input_ids": [rng.randrange(640) for _ in range(96)]}) + "\n" for _ in range(n)))
+    out = tmp_path / "run"
+    assert main(["train", "--auto", "--model", str(T.SHIPPED_MODEL), "--data", str(tmp_path / "train.jsonl"),
+                 "--valid-data", str(tmp_path / "valid.jsonl"), "--valid-sequences", "3", "--seq-len", "96",
+                 "--budget", "32", "--sinks", "2", "--window", "8", "--label", "mean", "--lr-scorer", "1e-3",
+                 "--allocate", "ablation", "--decay-nats", "8", "--no-train-model", "--steps", "1",
+                 "--auto-budget", "2", "--auto-patience", "0", "--no-progress", "--out", str(out)]) == 0
+    rec = json.loads((out / "selection.json").read_text())
+    fit, sel = rec["split"]["fit"], rec["split"]["select"]
+    assert sorted(fit + sel) == list(range(6)) and len(sel) == 3 and not set(fit) & set(sel)
+    valid = [json.loads(x)["input_ids"] for x in (tmp_path / "valid.jsonl").read_text().splitlines()]
+    fitted = [json.loads(x)["input_ids"] for x in (out / "auto" / "fit.jsonl").read_text().splitlines()]
+    assert fitted == [valid[i] for i in fit]  # the allocation's file holds the fit part, in order, and only it
+    for t in rec["trials"]:
+        assert len(t["per_sequence"]) == 3 and t["score"] == pytest.approx(sum(t["per_sequence"]) / 3)
+        args = json.loads((out / t["dir"] / "args.json").read_text())
+        assert Path(args["valid_data"]).resolve() == (out / "auto" / "fit.jsonl").resolve()
+    assert not rec["confirmation"]["ran"] and "--auto-budget" in rec["confirmation"]["why"]
