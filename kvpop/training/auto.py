@@ -346,7 +346,10 @@ RULE = ("kvpop.training.search.prefer: a challenger replaces the incumbent only 
 def summary_lines(record: dict) -> list[str]:
     """What ran, in words, from a search record's ``summary``, ``split`` and ``confirmation``."""
     sm, conf = record.get("summary") or {}, record.get("confirmation") or {}
-    lines = [f"stages run: {', '.join(sm.get('ran', [])) or 'none'}"]
+    sp = record.get("split") or {}
+    lines = [f"validation split: {len(sp.get('fit', []))} fit sequences (allocation, early stopping), "
+             f"{len(sp.get('select', []))} select sequences (trial scores); {record.get('resolution', '')}"]
+    lines.append(f"stages run: {', '.join(sm.get('ran', [])) or 'none'}")
     if sm.get("resolution"):
         lines.append(f"what the select part resolved: {sm['resolution']}")
     part, skipped = sm.get("partly_skipped_for_budget", []), sm.get("skipped_for_budget", [])

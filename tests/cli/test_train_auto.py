@@ -78,7 +78,12 @@ def test_resume_continues_without_repeating_a_finished_trial(searched, tmp_path,
     with pytest.raises(SystemExit, match="already holds a search"):
         main(["train", *QUICK, "--steps", "2", "--auto-budget", "6", "--out", str(out)])
     assert main(["train", *QUICK, "--steps", "2", "--auto-budget", "6", "--out", str(out), "--resume"]) == 0
-    assert "(reused)" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "(reused)" in printed.err
+    # stdout says what ran: the split, the stages run and skipped for the budget, and what to raise
+    assert "validation split: 2 fit sequences" in printed.out and "2 select sequences" in printed.out
+    assert "stages skipped for the budget: head_budgets" in printed.out and "raise --auto-budget to" in printed.out
+    assert "confirmation not run" in printed.out
     trials = _trials(out)
     assert {t["dir"]: (out / t["dir"] / "trial.json").stat().st_mtime_ns for t in trials
             if t["dir"] in before} == before  # none trained or scored again
