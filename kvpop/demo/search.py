@@ -337,7 +337,8 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     search.record["resolution"] = resolution(vcfg.n_sequences)
     search.record["confirmation"] = {}
     chosen = search.record["chosen"] = {}
-    dense_done: dict = {}
+    dense_done: dict = {}  # the dense rows of the select seeds; early stopping's (fit seeds) apart
+    dense_fit: dict = {}
 
     def runner(policy: str):
         def run(c: dict, d: Path) -> dict:
@@ -346,7 +347,7 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
             if "seed" in c:  # the confirmation's second seed
                 rc = replace(rc, seed=int(c["seed"]))
             R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,
-                       validate=validator(E, mod, base, s, args, policy, d, dense_done) if rc.eval_every else None)
+                       validate=validator(E, mod, base, s, args, policy, d, dense_fit) if rc.eval_every else None)
             per, acc = per_seed_errors(E, mod, policy_model(E, base, policy, d, pm), policy, vcfg)
             res = E.evaluate({"dense": base}, vcfg, task=mod, done=dense_done)
             for row in res["rows"]:
