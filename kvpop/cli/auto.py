@@ -83,6 +83,9 @@ def _valid_sequences(args: argparse.Namespace, model, source: Path) -> tuple[dic
 
     n = args.valid_sequences or A.VALID_SEQUENCES
     if args.task:
+        if n > SELECT_FIRST:
+            raise ValueError(f"--valid-sequences {n}: at most {SELECT_FIRST} with --task (the select part starts at "
+                             f"valid_seed({SELECT_FIRST}))")
         T = task_of(args)
         fit, sel = [T.valid_seed(i) for i in range(n)], [T.valid_seed(SELECT_FIRST + i) for i in range(n)]
         parts = {"fit": list(T.make_batch(fit, args.seq_len)["input_ids"]),

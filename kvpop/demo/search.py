@@ -207,6 +207,9 @@ def valid_config(E, s: dict, args: argparse.Namespace, part: str = "select"):
     n = args.n_sequences or (1 if args.quick else 6)
     if part not in ("fit", "select"):
         raise ValueError(f"unknown validation part {part!r}")
+    if n > SELECT_FIRST:
+        raise ValueError(f"--n-sequences {n}: at most {SELECT_FIRST} (the select seeds start at "
+                         f"valid_seed({SELECT_FIRST}))")
     v = eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=max(2, n) if part == "select" else n,
                     split="valid", first_seed=SELECT_FIRST if part == "select" else 0)
     v.progress = False
