@@ -16,15 +16,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     auto.add_argument("--auto", action="store_true",
                       help="choose the label, scorer lr, training budget, decay range, head budgets, label "
                            "source and the joint run's warm start on validation data (--valid-data, or the task's "
-                           "validation sequences with --task), a --steps run per trial; writes OUT/selection.json "
-                           "and OUT as the chosen run (--resume continues a search)")
+                           "validation sequences with --task), split into fit and select parts, a --steps run per "
+                           "trial, the top two confirmed with a second seed; writes OUT/selection.json and OUT as "
+                           "the chosen run (--resume continues a search)")
     auto.add_argument("--auto-budget", default=None, metavar="STEPS|MINUTES",
                       help="--auto's budget: trained steps over all trials (e.g. 400) or minutes (e.g. 30m) "
                            "(default: 5 trials of --steps)")
     auto.add_argument("--auto-patience", type=int, default=None, metavar="N",
-                      help="--auto's early stopping: each trial validated every --auto-eval-every steps and stopped "
-                           "after N validations without a better or equal score, its best state kept (default 2; "
-                           "0: no early stopping, each trial scored once after --steps)")
+                      help="--auto's early stopping: each trial validated on the fit part of validation every "
+                           "--auto-eval-every steps and stopped after N validations without a better score, its best "
+                           "state kept and scored once on the select part (default 2; 0: no early stopping, each "
+                           "trial scored once after --steps)")
     auto.add_argument("--auto-eval-every", type=int, default=None, metavar="STEPS",
                       help="--auto's validation interval within a trial, in steps (default --steps / 4, rounded up)")
     auto.add_argument("--preset", choices=("paper",), default=None,
@@ -64,20 +66,59 @@ def check_auto_options(args: argparse.Namespace) -> None:
     early_stopping(args)
 
 
-def _valid_sequences(args: argparse.Namespace, model, source: Path) -> list:
+SELECT_FIRST = 1_000
+"""With ``--task``: the select sequences are ``valid_seed(SELECT_FIRST + i)``; the fit sequences are
+``valid_seed(0..n-1)``, the ones a trial's ``--allocate`` measures (``kvpop train --task``'s own)."""
+SPLIT_SEED = 0
+"""The seed of the hash that splits ``--valid-data``'s sequences into fit and select
+(:func:`kvpop.training.search.split_keys`); fixed, so that ``--seed`` does not move the split."""
+
+
+def _valid_sequences(args: argparse.Namespace, model, source: Path) -> tuple[dict, dict]:
+    """``({"fit": seqs, "select": seqs}, the record's split)``: with ``--task``, ``n`` (``--valid-sequences``,
+    default 8) of each (:data:`SELECT_FIRST`); with ``--valid-data``, its first ``2 n`` sequences split by a seeded
+    hash of their tokens (:data:`SPLIT_SEED`), about half each."""
     from kvpop.training import allocation as A
+    from kvpop.training.search import split_keys
 
     n = args.valid_sequences or A.VALID_SEQUENCES
     if args.task:
+        if n > SELECT_FIRST:
+            raise ValueError(f"--valid-sequences {n}: at most {SELECT_FIRST} with --task (the select part starts at "
+                             f"valid_seed({SELECT_FIRST}))")
         T = task_of(args)
-        return list(T.make_batch([T.valid_seed(i) for i in range(n)], args.seq_len)["input_ids"])
-    seqs, _, _ = A.validation_file(args.valid_data, args.seq_len, n, vocab_size=model.config.vocab_size,
+        fit, sel = [T.valid_seed(i) for i in range(n)], [T.valid_seed(SELECT_FIRST + i) for i in range(n)]
+        parts = {"fit": list(T.make_batch(fit, args.seq_len)["input_ids"]),
+                 "select": list(T.make_batch(sel, args.seq_len)["input_ids"])}
+        return parts, {"of": f"the task's validation seeds (valid_seed(0..{n - 1}) fit, valid_seed({SELECT_FIRST}.."
+                             f"{SELECT_FIRST + n - 1}) select)", "fit": fit, "select": sel}
+    seqs, _, _ = A.validation_file(args.valid_data, args.seq_len, 2 * n, vocab_size=model.config.vocab_size,
                                    model_dir=source, pack=args.pack,
                                    eos_token_id=getattr(model.config, "eos_token_id", None), train_digests=None,
                                    train_path=args.data)
-    if not seqs:
-        raise ValueError(f"--valid-data {args.valid_data} gives no sequence of --seq-len {args.seq_len} tokens")
-    return seqs
+    if len(seqs) < 2:
+        raise ValueError(f"--valid-data {args.valid_data} gives {len(seqs)} sequence(s) of --seq-len {args.seq_len} "
+                         f"tokens; --auto needs at least 2 (one to fit, one to select), 16 or more to resolve "
+                         f"small differences")
+    keys = [",".join(map(str, s.tolist())) for s in seqs]
+    fit, sel = split_keys(keys, SPLIT_SEED)
+    return ({"fit": [seqs[i] for i in fit], "select": [seqs[i] for i in sel]},
+            {"of": f"the first {len(seqs)} sequences of {args.seq_len} tokens of --valid-data {args.valid_data} "
+                   f"(their index in the file), split by sha256 of '{SPLIT_SEED}:' and their tokens",
+             "fit": fit, "select": sel})
+
+
+def _fit_file(out: Path, seqs: list) -> Path:
+    """``out/auto/fit.jsonl``: the fit sequences as token-id records, the ``--valid-data`` of the trials that
+    allocate (the allocation never sees the select sequences)."""
+    import json
+
+    f = out / "auto" / "fit.jsonl"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in seqs)
+    if not f.exists() or f.read_text() != text:
+        f.write_text(text)
+    return f
 
 
 def _served(base, d: Path, budget: int):
@@ -93,40 +134,41 @@ def _served(base, d: Path, budget: int):
                             window=t.config.window, budget=budget, load=TE.load_model)
 
 
-def _scorer(source: Path, seqs: list, budget: int):
-    """``score(dir)``: the run in ``dir`` served by ``kvpop eval --run`` at ``budget`` on ``seqs``: its mean
-    next-token NLL over dense past the budget."""
+def _scorer(source: Path, parts: dict, budget: int):
+    """``score(dir, part)``: the run in ``dir`` served by ``kvpop eval --run`` at ``budget`` on the ``part``
+    (``"fit"`` or ``"select"``) sequences of ``parts``: each sequence's mean next-token NLL over dense past the
+    budget."""
     from kvpop.demo import trace_eval as TE
 
     base = TE.load_model(source)
 
-    def score(d: Path) -> float:
+    def score(d: Path, part: str) -> list[float]:
         t, models = _served(base, d, budget)
         cfg = TE.TraceEvalConfig(budgets=[budget], sinks=t.config.sinks, window=t.config.window,
                                  policies=["dense", t.policy], progress=False)
-        rows = TE.evaluate_traces(models, seqs, cfg)
-        return float(next(r["delta_nll"] for r in rows if r["policy"] == t.policy))
+        rows = TE.evaluate_traces(models, parts[part], cfg)
+        return [float(x) for x in next(r["per_sequence"] for r in rows if r["policy"] == t.policy)]
 
     return score
 
 
-def _task_scorer(source: Path, task, n: int, length: int, budget: int):
-    """``score(dir)`` with ``--task``: the run in ``dir`` served at ``budget`` on the task's validation examples
-    (``valid_seed(0..n-1)`` at ``length``), its error rate at the graded positions (1 - accuracy), the task's
-    own measure (``kvpop eval --run`` on the task reports accuracy)."""
+def _task_scorer(source: Path, task, seeds: dict, length: int, budget: int):
+    """``score(dir, part)`` with ``--task``: the run in ``dir`` served at ``budget`` on the task's validation
+    examples of ``seeds[part]`` at ``length``, each one's error rate at its graded positions (1 - accuracy), the
+    task's own measure (``kvpop eval --run`` on the task reports accuracy)."""
     from kvpop.demo import evaluate as E
     from kvpop.demo import trace_eval as TE
 
     base = TE.load_model(source)
-    examples = [task.make_example(task.valid_seed(i), length) for i in range(n)]
+    examples = {part: [task.make_example(x, length) for x in xs] for part, xs in seeds.items()}
 
-    def score(d: Path) -> float:
+    def score(d: Path, part: str) -> list[float]:
         t, models = _served(base, d, budget)
-        right = graded = 0
-        for ex in examples:
+        out = []
+        for ex in examples[part]:
             c, g = E.sequence_correct(models[t.policy], ex, t.policy, budget)
-            right, graded = right + c, graded + g
-        return 1.0 - right / graded
+            out.append(1.0 - c / g)
+        return out
 
     return score
 
@@ -147,7 +189,7 @@ def run_auto(args: argparse.Namespace, train) -> int:
     import torch
 
     from kvpop.models import load_model_dir
-    from kvpop.training.auto import SEARCHED, _Stopped, oracle_excess, search
+    from kvpop.training.auto import SEARCHED, _Stopped, oracle_excess, search, summary_lines
     from kvpop.training.options import check_options, method_config
     from kvpop.training.runstate import RunDirectoryError, RunLock
     from kvpop.training.train import LEARNING_RATES
@@ -169,27 +211,34 @@ def run_auto(args: argparse.Namespace, train) -> int:
     try:
         torch.manual_seed(args.seed)
         model = load_model_dir(source, dtype=torch.float32)
-        seqs = _valid_sequences(args, model, source)
+        parts, split = _valid_sequences(args, model, source)
 
-        def oracle(settings: dict) -> float:
+        def oracle(settings: dict) -> list[float]:
             ns = copy.copy(args)
             for k, v in settings.items():
                 setattr(ns, k, v)
             ns.valid_data = ns.valid_sequences = ns.min_k = None
             check_options(ns)
-            return oracle_excess(model, seqs, method_config(ns))
+            return oracle_excess(model, parts["select"], method_config(ns), per_sequence=True)
 
         if args.task:  # the task's own measure: accuracy at its graded positions
-            score = _task_scorer(source, task_of(args), len(seqs), args.seq_len, served)
+            score = _task_scorer(source, task_of(args), {k: split[k] for k in ("fit", "select")}, args.seq_len,
+                                 served)
             criterion = (f"validation error rate at the task's graded positions (1 - accuracy; lower is better) of "
-                         f"{len(seqs)} validation sequences, served as kvpop eval --run serves the run")
+                         f"{len(parts['select'])} select sequences, served as kvpop eval --run serves the run")
+            fit_data = None  # a trial's --allocate measures valid_seed(0..n-1): the fit part
         else:
-            score = _scorer(source, seqs, served)
+            score = _scorer(source, parts, served)
             criterion = "validation NLL over dense past the budget (nats; lower is better), served as kvpop eval " \
                         "--run serves the run"
-        search(args, served=served, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
-               train_model=not args.no_train_model, train=train, score=score, oracle=oracle,
-               log=lambda s: print(s, file=sys.stderr, flush=True), criterion=criterion)
+
+            def fit_data(out: Path) -> dict:
+                return {"valid_data": str(_fit_file(out, parts["fit"])), "valid_sequences": len(parts["fit"])}
+        record = search(args, served=served, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
+                        train_model=not args.no_train_model, train=train, score=score, oracle=oracle, split=split,
+                        fit_data=fit_data, log=lambda s: print(s, file=sys.stderr, flush=True), criterion=criterion)
+        for line in summary_lines(record):
+            print(f"kvpop train --auto: {line}", flush=True)
     except _Stopped as e:
         print(f"kvpop train --auto: stopped; the finished trials are kept in {args.out}: run the same command with "
               f"--resume to continue", file=sys.stderr)

@@ -194,22 +194,72 @@ def init_file(out: Path, policy: str, c: dict, trial_of: dict | None = None) -> 
     return (out / sc if trial_of is None else trial_dir(out, sc, trial_of)) / "scorers.safetensors"
 
 
-def valid_config(E, s: dict, args: argparse.Namespace):
-    """The validation sequences every choice is made on (``--select``, early stopping): ``valid_seed``, L_train,
-    the task's budgets, ``--n-sequences`` (default 6)."""
-    v = eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=args.n_sequences or (1 if args.quick else 6),
-                     split="valid")
+SELECT_FIRST = 1_000
+"""The select part of the demo's validation seeds: ``valid_seed(SELECT_FIRST + i)``, which only score trials; the
+fit part, ``valid_seed(0..)``, serves what learns from validation (early stopping, the head-budget allocation's
+``valid_seed(0..7)``, :data:`kvpop.demo.retrofit.ABLATION_SEQUENCES`, DMS's gate threshold)."""
+
+
+def valid_config(E, s: dict, args: argparse.Namespace, part: str = "select"):
+    """The validation sequences of ``part``: ``"select"`` (every choice of ``--select``: ``valid_seed(SELECT_FIRST
+    + i)``, at least two, since one has no standard error) or ``"fit"`` (early stopping: ``valid_seed(0..)``); at
+    L_train, the task's budgets, ``--n-sequences`` (default 6) each."""
+    n = args.n_sequences or (1 if args.quick else 6)
+    if part not in ("fit", "select"):
+        raise ValueError(f"unknown validation part {part!r}")
+    if n > SELECT_FIRST:
+        raise ValueError(f"--n-sequences {n}: at most {SELECT_FIRST} (the select seeds start at "
+                         f"valid_seed({SELECT_FIRST}))")
+    v = eval_config(E, s, args, lengths=[s["train_len"]], n_sequences=max(2, n) if part == "select" else n,
+                    split="valid", first_seed=SELECT_FIRST if part == "select" else 0)
     v.progress = False
     return v
 
 
+def split_record(mod, E, s: dict, args: argparse.Namespace) -> dict:
+    """The record's ``split``: the validation seeds of each part, disjoint."""
+    from kvpop.demo.retrofit import ABLATION_SEQUENCES
+
+    sel, fit = valid_config(E, s, args, "select"), valid_config(E, s, args, "fit")
+    return {"of": "the task's validation seeds (valid_seed)",
+            "fit": [mod.valid_seed(i) for i in range(max(fit.n_sequences, ABLATION_SEQUENCES))],
+            "select": [mod.valid_seed(sel.first_seed + i) for i in range(sel.n_sequences)]}
+
+
+def per_seed_errors(E, mod, model, policy: str, vcfg, fit=None) -> tuple[list[float], dict]:
+    """``(per_sequence, accuracy by budget)``: each validation example's error rate of ``vcfg`` (1 - its accuracy
+    at the graded positions, averaged over the budgets at L_train) under ``policy``, and the pooled accuracy at
+    each budget; ``dms`` at the gate threshold calibrated on the ``fit`` config's sequences."""
+    import torch
+
+    L = vcfg.lengths[0]
+    examples = [mod.make_example(mod.valid_seed(vcfg.first_seed + i), L) for i in range(vcfg.n_sequences)]
+    per = [0.0] * len(examples)
+    acc = {}
+    for b in vcfg.budgets:
+        thr = None
+        if policy == "dms":
+            f = fit or vcfg
+            valid = torch.stack([mod.make_example(mod.valid_seed(f.first_seed + i), L)["input_ids"]
+                                 for i in range(f.n_sequences)])
+            thr = E.dms_calibrate(model, valid, b)
+        right = graded = 0
+        for i, ex in enumerate(examples):
+            c, g = E.sequence_correct(model, ex, policy, b, threshold=thr)
+            per[i] += (1.0 - c / g) / len(vcfg.budgets)
+            right, graded = right + c, graded + g
+        acc[str(b)] = right / graded
+    return per, acc
+
+
 def validator(E, mod, base, s: dict, args: argparse.Namespace, policy: str, d: Path, dense_done: dict):
-    """``validate(model)`` of ``policy``'s retrofit in ``d``: the mean validation accuracy over the budgets at
-    L_train (:func:`valid_config`) of the model in training, served as ``kvpop demo`` serves it."""
+    """``validate(model)`` of ``policy``'s retrofit in ``d``: the mean accuracy over the budgets at L_train on the
+    fit part of validation (:func:`valid_config`) of the model in training, served as ``kvpop demo`` serves
+    it (early stopping: the select part never sees it)."""
     from kvpop.core.checkpoint import save_scorers
     from kvpop.demo import retrofit as R
 
-    vcfg = valid_config(E, s, args)
+    vcfg = valid_config(E, s, args, "fit")
     pm = dict(sinks=vcfg.sinks, window=vcfg.window, budget=vcfg.budgets[0])
 
     def validate(model) -> float:
@@ -262,9 +312,11 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     :class:`kvpop.training.search.Search`, each trial a retrofit (``out/<policy>/<tag>``) scored by its error rate
     on the validation sequences (:func:`valid_config`: 1 - the mean accuracy over the budgets at L_train);
     writes ``out/selection*.json`` (:func:`selection_file`) after every trial and returns it."""
+    from dataclasses import replace
+
     from kvpop.demo import evaluate as E
     from kvpop.demo import retrofit as R
-    from kvpop.training.search import Search, select_plan
+    from kvpop.training.search import Search, resolution, select_plan
 
     mod = task_module(task)
     vcfg = valid_config(E, s, args)
@@ -276,29 +328,36 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
              "joint_init": full["joint_init"], "head_budgets": full["head_budgets"]} if args.quick else full)
     search = Search(out, selection_file(args.select_stage), prefix=f"[kvpop demo --select] {task}", header={
         "task": task, "grid": grid, "stage": args.select_stage,
-        "criterion": "validation error rate: 1 - the mean validation accuracy over the budgets at L_train "
-                     "(lower is better)",
-        "validation": {"split": "valid", "seeds": f"valid_seed(0..{vcfg.n_sequences - 1})", "length": s["train_len"],
-                       "budgets": vcfg.budgets, "sinks": vcfg.sinks, "window": vcfg.window,
+        "criterion": "validation error rate: 1 - the accuracy at the graded positions, averaged over the budgets "
+                     "at L_train, per select sequence; the trial's score their mean (lower is better)",
+        "rule": "kvpop.training.search.prefer: a challenger replaces the incumbent only when its mean "
+                "per-sequence improvement exceeds 2 paired standard errors",
+        "split": split_record(mod, E, s, args),
+        "validation": {"split": "valid",
+                       "seeds": f"valid_seed({vcfg.first_seed}..{vcfg.first_seed + vcfg.n_sequences - 1})",
+                       "length": s["train_len"], "budgets": vcfg.budgets, "sinks": vcfg.sinks, "window": vcfg.window,
                        "train_length": s["train_length"]}})
+    search.record["resolution"] = resolution(vcfg.n_sequences)
+    search.record["confirmation"] = {}
     chosen = search.record["chosen"] = {}
-    dense_done: dict = {}
+    dense_done: dict = {}  # the dense rows of the select seeds; early stopping's (fit seeds) apart
+    dense_fit: dict = {}
 
     def runner(policy: str):
         def run(c: dict, d: Path) -> dict:
             sc = JOINT_OF.get(LABEL_VARIANTS.get(policy, policy))
             rc = retrofit_config(E, s, policy, c, init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
+            if "seed" in c:  # the confirmation's second seed
+                rc = replace(rc, seed=int(c["seed"]))
             R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,
-                       validate=validator(E, mod, base, s, args, policy, d, dense_done) if rc.eval_every else None)
-            res = E.evaluate({"dense": base, policy: policy_model(E, base, policy, d, pm)}, vcfg, task=mod,
-                             done=dense_done)
+                       validate=validator(E, mod, base, s, args, policy, d, dense_fit) if rc.eval_every else None)
+            per, acc = per_seed_errors(E, mod, policy_model(E, base, policy, d, pm), policy, vcfg)
+            res = E.evaluate({"dense": base}, vcfg, task=mod, done=dense_done)
             for row in res["rows"]:
-                if row["policy"] == "dense":
-                    dense_done[f"dense|{row['budget']}|{row['length']}"] = row
-            acc = {str(row["budget"]): row["accuracy"] for row in res["rows"] if row["policy"] == policy}
+                dense_done[f"dense|{row['budget']}|{row['length']}"] = row
             mean = sum(acc.values()) / len(acc)
-            r = {"score": 1.0 - mean, "steps": rc.steps, "val_accuracy": acc, "val_mean": mean,
-                 "val_dense": res["dense_accuracy"]}
+            r = {"score": sum(per) / len(per), "per_sequence": per, "steps": rc.steps, "val_accuracy": acc,
+                 "val_mean": mean, "val_dense": res["dense_accuracy"]}
             done = json.loads((d / "done.json").read_text())
             if "best_step" in done:  # early stopping: the state kept and the validations it was chosen by
                 r["best_step"], r["validations"] = done["best_step"], done["validation"]
@@ -310,9 +369,18 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     for p in RETROFITS:
         plan = select_plan(args.select_stage, p, grid, s["retrofits"], chosen)
         if plan:
-            chosen[p] = search.run_plan(plan, runner(p), subdir=p, extra={"policy": p})["settings"]
+            best = search.run_plan(plan, runner(p), subdir=p, extra={"policy": p})
+            best, search.record["confirmation"][p] = search.confirm(best, runner(p), seed=("seed", 1), subdir=p,
+                                                                   extra={"policy": p})
+            chosen[p] = best["settings"]
         elif args.select_stage == "label" and p == "fixed-finetune":
             chosen[p] = dict(s["retrofits"][p])  # not searched by the label stage: kept as chosen before
+    search.record["summary"] = search.summary()
     search.save()
+    print(f"[kvpop demo --select] {task}: {resolution(vcfg.n_sequences)}", flush=True)
+    conf = [p + (" ran" if c.get("ran") else f" not run ({c.get('why', '')})")
+            for p, c in search.record["confirmation"].items()]
+    print(f"[kvpop demo --select] {task}: stages run: {', '.join(dict.fromkeys(search.record['summary']['ran']))}; "
+          f"confirmation (a second seed of the top two): {', '.join(conf)}", flush=True)
     print(f"[kvpop demo --select] {task}: chosen {json.dumps(chosen)}", flush=True)
     return search.record

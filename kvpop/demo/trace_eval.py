@@ -14,7 +14,9 @@ budget):
 * ``nll``: mean next-token negative log-likelihood (nats) over those positions of all traces;
 * ``dense_nll`` and ``delta_nll = nll - dense_nll``: the dense model on the same positions;
 * ``top1_agreement``: fraction of those positions where the policy's greedy prediction equals the
-  dense model's.
+  dense model's;
+* ``per_sequence``: each scored trace's own ``delta_nll``, in order (what a paired selection compares,
+  :func:`kvpop.training.search.prefer`).
 
 Results: :func:`trace_results` (``results.json``), :func:`format_trace_table`,
 :func:`plot_trace_results`.
@@ -167,6 +169,7 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                     bar.set_postfix_str(f"{p} B={b}")
                 nll = dnll = 0.0
                 agree = n = n_seq = 0
+                each = []  # per scored trace: its own mean delta NLL
                 for t, (d_nll, d_arg) in zip(traces, dense):
                     if t.numel() - 1 <= start:  # no position past the largest budget
                         if bar is not None:
@@ -176,6 +179,7 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                     p_nll, p_arg = sequence_scores(policy_logits(models[p], t, p, b, threshold=thr), t, start)
                     nll += float(p_nll.sum())
                     dnll += float(d_nll[start:].sum())
+                    each.append((float(p_nll.sum()) - float(d_nll[start:].sum())) / max(1, int(p_nll.numel())))
                     agree += int((p_arg == d_arg[start:]).sum())
                     n += int(p_nll.numel())
                     n_seq += 1
@@ -184,7 +188,8 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                 row = {"policy": p, "budget": int(b), "scored_from": start, "positions": n, "n_sequences": n_seq,
                        "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,
                        "delta_nll": (nll - dnll) / n if n else math.nan,
-                       "top1_agreement": agree / n if n else math.nan, **dms_row_stats(models[p])}
+                       "top1_agreement": agree / n if n else math.nan, "per_sequence": each,
+                       **dms_row_stats(models[p])}
                 if p in DMS_POLICIES:
                     row["dms_threshold_from"] = ("validation traces" if cfg.dms_thresholds is not None
                                                  else "each evaluated trace")

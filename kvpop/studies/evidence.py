@@ -19,9 +19,10 @@ that would be empty or drop an instrument the README block shows is refused.
 The rules every instrument's runner keeps (``docs/DESIGN.md``, section "Evidence"):
 
 * **Selection first, on validation.**  Every tuned row's settings come from :func:`choose` over validation
-  trials (the same function for KVpop and DMS); the runner writes ``selection.json`` (every trial, the chosen
-  settings, how many trials each row's selection ran) *before* any test evaluation, and the test stage
-  refuses to start without it.
+  trials (the same function for KVpop and DMS, and for ``kvpop train --auto`` and ``kvpop demo --select``:
+  :func:`kvpop.training.search.prefer`'s paired margin, then the top two confirmed with seed 1); the runner
+  writes ``selection.json`` (every trial, the chosen settings, how many trials each row's selection ran)
+  *before* any test evaluation, and the test stage refuses to start without it.
 * **Seeds.**  Each chosen recipe is trained with every seed of ``--seeds`` (default 0, 1, 2); a seed moves
   every random draw of a run (initialisation, data order, relaxation noise).
 * **Test once.**  :class:`TestLog` scores a (row, seed) on the test split at most once: a second request

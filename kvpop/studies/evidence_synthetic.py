@@ -7,7 +7,8 @@ fresh test sequences.
 Stages (``--stage all`` runs them in order; each is resumable):
 
 1. ``select``: the control's learning rate and DMS's grid (:data:`DMS_GRID`, staged), each trial trained with
-   seed 0 and scored on the demo's validation sequences by :func:`kvpop.studies.evidence.choose`; the KVpop
+   seed 0 and scored per select sequence of the demo's validation (``valid_seed(1000 + i)``) by
+   :func:`kvpop.studies.evidence.choose`, the top two confirmed with seed 1; the KVpop
    recipes are the demo's validated choice (``kvpop.demo.search.CHOSEN``, its selection records counted as
    their trials) and the paper's recipe (no selection); writes ``selection.json``.
 2. ``seeds``: every row's recipe with every seed (``RetrofitConfig.seed``: initialisation, data, noise).
@@ -21,6 +22,8 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+
+from kvpop.training.search import confirm_choice
 
 from .ledger import TestLog, choose, summarize, write_json
 
@@ -100,10 +103,12 @@ def shipped_trials(task: str, policy: str) -> int:
     return n
 
 
-def _score(E, mod, base, models: dict, vcfg) -> float:
-    res = E.evaluate({"dense": base, **models}, vcfg, task=mod)
-    acc = [r["accuracy"] for r in res["rows"] if r["policy"] != "dense"]
-    return sum(acc) / len(acc)
+def _score(S, E, mod, model, policy: str, vcfg, fit) -> dict:
+    """``{"score", "per_sequence"}``: ``policy``'s validation accuracy per select sequence (averaged over the
+    budgets at L_train; DMS's gate threshold calibrated on the ``fit`` sequences) and their mean."""
+    err, _ = S.per_seed_errors(E, mod, model, policy, vcfg, fit)
+    acc = [1.0 - e for e in err]
+    return {"score": sum(acc) / len(acc), "per_sequence": acc}
 
 
 def run(a: argparse.Namespace) -> int:
@@ -121,7 +126,7 @@ def run(a: argparse.Namespace) -> int:
     S, args, s = _demo(a.task, out, a.n_valid)
     mod = S.task_module(a.task)
     base = E.load_base_model(S.base_model_dir(args, a.task))
-    vcfg = S.valid_config(E, s, args)
+    vcfg, fit = S.valid_config(E, s, args), S.valid_config(E, s, args, "fit")
     pm = dict(sinks=s["sinks"], window=s["window"], budget=s["budgets"][0])
     stages = ("select", "seeds", "test") if a.stage == "all" else (a.stage,)
     sel_file = out / "selection.json"
@@ -153,40 +158,54 @@ def run(a: argparse.Namespace) -> int:
     if "select" in stages:
         record = json.loads(sel_file.read_text()) if sel_file.exists() else {}
         if not record.get("final"):
-            record = {"instrument": a.task, "criterion": "mean validation accuracy over the budgets at L_train "
-                      f"(valid_seed(0..{vcfg.n_sequences - 1}), budgets {vcfg.budgets}), higher is better",
+            record = {"instrument": a.task, "criterion": "validation accuracy over the budgets at L_train per select "
+                      f"sequence (valid_seed({vcfg.first_seed}..{vcfg.first_seed + vcfg.n_sequences - 1}), budgets "
+                      f"{vcfg.budgets}), their mean; higher is better",
+                      "rule": "kvpop.training.search.prefer (2 paired standard errors), confirmed with seed 1",
+                      "split": S.split_record(mod, E, s, args), "decisions": [], "confirmation": {},
                       "kvpop": {n: {"settings": r["settings"], "trials": shipped_trials(a.task, r["policy"])
                                     if r["chosen"] else 0, "from": "kvpop/data/demo_results/"
                                     f"{a.task}/selection*.json" if r["chosen"] else "the paper's recipe"}
                                 for n, r in kv_rows.items()},
                       "control": {"trials": []}, "dms": {"trials": []}, "best_kvpop_trials": best_trials}
-            for lr in CONTROL_LR:
-                c = {"steps": control_steps, "lr_model": lr}
-                d = out / "control_select" / f"lr{lr:g}"
-                rc = S.retrofit_config(E, s, "fixed-finetune", c)
+            def control(c: dict, seed: int = 0) -> dict:
+                d = out / "control_select" / f"lr{c['lr_model']:g}" / ("" if not seed else f"seed{seed}")
+                rc = replace(S.retrofit_config(E, s, "fixed-finetune", c), seed=seed)
                 R.retrofit(base, "fixed-finetune", d, rc, resume=True, progress=False, task=mod)
-                sc = _score(E, mod, base, {"fixed-finetune": S.policy_model(E, base, "fixed-finetune", d, pm)}, vcfg)
-                record["control"]["trials"].append({"settings": c, "score": sc})
-                print(f"[evidence {a.task}] control {c}: validation {sc:.3f}", flush=True)
-            record["control"]["chosen"] = choose(record["control"]["trials"])
+                t = {"settings": c, **_score(S, E, mod, S.policy_model(E, base, "fixed-finetune", d, pm),
+                                             "fixed-finetune", vcfg, fit), "dir": str(d)}
+                print(f"[evidence {a.task}] control {c} seed {seed}: validation {t['score']:.3f}", flush=True)
+                return t
+
+            ctrl = record["control"]["trials"]
+            ctrl += [control({"steps": control_steps, "lr_model": lr}) for lr in CONTROL_LR]
+            best = choose(ctrl, decisions=record["decisions"], stage="control lr_model")
+            best, record["confirmation"]["control"] = confirm_choice(best, ctrl, lambda t: control(t["settings"], 1),
+                                                                     seed=("seed", 1), higher_is_better=True)
+            record["control"]["chosen"] = best
             write_json(sel_file, record)
             trials = record["dms"]["trials"]
 
-            def trial(c: dict) -> dict:
+            def trial(c: dict, seed: int = 0) -> dict:
                 d = out / "dms_select" / "_".join(f"{k}{v:g}" for k, v in sorted(c.items()))
-                train_dms(d, c, 0)
-                t = {"settings": c, "score": _score(E, mod, base, {"dms": dms_model(d)}, vcfg)}
-                trials.append(t)
-                write_json(sel_file, record)
-                print(f"[evidence {a.task}] dms {c}: validation {t['score']:.3f}", flush=True)
+                d = d / f"seed{seed}" if seed else d
+                train_dms(d, c, seed)
+                t = {"settings": c, **_score(S, E, mod, dms_model(d), "dms", vcfg, fit), "dir": str(d)}
+                if not seed:
+                    trials.append(t)
+                    write_json(sel_file, record)
+                print(f"[evidence {a.task}] dms {c} seed {seed}: validation {t['score']:.3f}", flush=True)
                 return t
 
             g = DMS_GRID
             first = {k: v[0] for k, v in g.items()}
             best = choose([trial({**first, "lr_gate": lg, "lr_model": lm}) for lg in g["lr_gate"]
-                           for lm in g["lr_model"]])
+                           for lm in g["lr_model"]], decisions=record["decisions"], stage="dms lr_gate x lr_model")
             for key in ("steps", "target_keep", "schedule_frac"):
-                best = choose([best] + [trial({**best["settings"], key: v}) for v in g[key][1:]])
+                best = choose([best] + [trial({**best["settings"], key: v}) for v in g[key][1:]],
+                              decisions=record["decisions"], stage=f"dms {key}")
+            best, record["confirmation"]["dms"] = confirm_choice(best, trials, lambda t: trial(t["settings"], 1),
+                                                                 seed=("seed", 1), higher_is_better=True)
             record["dms"]["chosen"] = best
             record["final"] = True
             if len(trials) < best_trials:

@@ -25,7 +25,8 @@ Factors (``FACTORS``; ``DEMO`` and ``STUDY`` are the two recipes):
 Held equal in every run: the mean label, the scorer-only mLSTM (model frozen), sinks 4, window 32, tau 1, one
 training sequence of 512 tokens a step, lr 3e-3; validation every 250 steps on the *selection* sequences
 (``valid_seed(0..15)``, B = 64, L = 512), the best state kept (of equals the later, ``kvpop.demo.retrofit``'s
-rule), stop after 3 validations without a better or equal one, at most ``--max-steps`` (default 750: half the
+rule when this study ran; the earlier since the one tie rule), stop after 3 validations without a better or
+equal one, at most ``--max-steps`` (default 750: half the
 1,500 steps the demo's own run kept, for the compute of a shared 2-core machine; the label study's mean-label run
 kept step 1,000).  The kept state is then scored on the *report* sequences ``valid_seed(16..79)`` (64
 sequences, disjoint from the selection ones) at L = 512 and 1,024, B = 64 (the headline) and 48, by the

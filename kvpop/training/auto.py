@@ -24,11 +24,19 @@ records (``kvpop/data/demo_results/auto.md``): the scorer lr mattered on all thr
 on two (lookahead, real text), the training budget on two (kvtrace, lookahead) but lost by 2-8x on real
 text, the label source on one, the decay range on none; the warm start, twice a trial's cost, is last.
 
-Every trial stops early (:func:`early_stopping`): it is validated every ``--auto-eval-every`` steps (its
-``kvpop train`` extended by ``--resume``, the one uninterrupted run), stopped after ``--auto-patience``
-validations without a better or equal score, and its outputs are its best validated state's (``validations``
-and ``best_step`` in its record; ``steps`` the last step trained); ``--auto-patience 0`` trains every trial
-to ``--steps`` and scores it once.
+The validation sequences are split in two disjoint parts (``split`` in the record; ``kvpop.cli.auto``): the
+*fit* part serves what learns from validation (a trial's ``--allocate ablation`` and early stopping), the
+*select* part only scores trials, per sequence (``per_sequence``), and the choice between trials is the one rule
+of :func:`kvpop.training.search.prefer` (2 paired standard errors; ``decisions``).  Every trial stops early
+(:func:`early_stopping`): it is validated on the fit part every ``--auto-eval-every`` steps (its ``kvpop train``
+extended by ``--resume``, the one uninterrupted run), stopped after ``--auto-patience`` validations without a
+better score (of equals the earlier state stays), and its outputs are its best validated state's
+(``validations`` and ``best_step`` in its record; ``steps`` the last step trained), scored once on the select
+part; ``--auto-patience 0`` trains every trial to ``--steps`` and scores it once.  The top two trials are then
+trained again with ``--seed + 1`` and chosen on the mean (``confirmation``), paid from the budget (a steps
+budget keeps ``2 x --steps`` for it when two trials fit besides; when it cannot pay, the record says why).
+The record's ``summary`` (printed on stdout) says which stages ran, which were skipped for the budget, and the
+``--auto-budget`` that runs them all.
 
 Every trained trial is an ordinary ``kvpop train`` run of ``--steps`` steps in ``OUT/auto/<tag>``, scored on
 the validation sequences as ``kvpop eval --run`` serves it (the mean next-token NLL over dense past the
@@ -89,7 +97,7 @@ SERVED_FILES = ("scorers.safetensors", "model", "head_budgets.json")
 """A run's served outputs: what early stopping keeps of a trial's best validated state (``best/``)."""
 PATIENCE = 2
 """``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
-better or equal score."""
+better score (of equals the earlier stays)."""
 DEFAULT_TRIALS = 5
 """The default budget: this many trained trials of ``--steps`` steps each."""
 
@@ -153,11 +161,13 @@ def apply_preset(args: argparse.Namespace, preset: str | None) -> None:
             setattr(args, k, v)
 
 
-def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: Any) -> float:
+def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: Any, *,
+                  per_sequence: bool = False) -> float | list[float]:
     """The mean next-token NLL over dense (nats) of ``model`` evicting by the exact label of ``config`` (its
     label, eps and decay) computed from its own dense attention: ``mask_source`` and ``target_source``
     ``"teacher"``, the model as loaded its own teacher.  ``seqs``: int64 ``[S]`` validation sequences, ``S``
-    above ``config.budget``; no training, two forwards per sequence."""
+    above ``config.budget``; no training, two forwards per sequence.  ``per_sequence``: the list of each
+    sequence's own excess instead of the pooled mean."""
     from kvpop.core import patched, set_teacher_targets, teacher_targets
 
     cfg = config.replace(mask_source="teacher", target_source="teacher", head_budgets=None)
@@ -166,6 +176,7 @@ def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: 
     model.eval()
     total = dense = 0.0
     n = 0
+    each: list[float] = []
     try:
         with torch.no_grad():
             for s in seqs:
@@ -173,20 +184,24 @@ def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: 
                 with teacher_targets(model, cfg) as store:
                     logits = model(ids, use_cache=False).logits[:, :-1].float()
                 targets = dict(store)
-                dense += float(F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").double())
+                d = float(F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").double())
+                dense += d
                 with patched(model, cfg):
                     set_teacher_targets(model, targets)
                     logits = model(ids).logits[:, :-1].float()
-                total += float(F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").double())
+                t = float(F.cross_entropy(logits[0], ids[0, 1:], reduction="sum").double())
+                each.append((t - d) / (ids.shape[1] - 1))
+                total += t
                 n += ids.shape[1] - 1
     finally:
         model.train(was_training)
-    return (total - dense) / n
+    return each if per_sequence else (total - dense) / n
 
 
 def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: float, train_model: bool,
-           train: Callable[[argparse.Namespace], int], score: Callable[[Path], float],
-           oracle: Callable[[dict], float], log: Callable[[str], None] = print,
+           train: Callable[[argparse.Namespace], int], score: Callable[[Path, str], list[float]],
+           oracle: Callable[[dict], list[float]], split: dict, fit_data: Callable[[Path], dict] | None = None,
+           log: Callable[[str], None] = print,
            criterion: str = "validation NLL over dense past the budget (nats; lower is better), served as kvpop "
                             "eval --run serves the run") -> dict:
     """Run the staged search of this module (:func:`kvpop.training.search.auto_plan` on
@@ -197,20 +212,33 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     :func:`kvpop.training.options.check_options` fills it in); ``given``: the searched options
     (:data:`SEARCHED`) the user gave, fixed at their values; ``lr_scorer``: the
     method's default scorer learning rate; ``train_model``: whether the model is trained (the label-source
-    stage); ``train(ns)``: one ``kvpop train`` run of the namespace ``ns`` (exit status); ``score(dir)``: the
-    validation score of the run in ``dir`` (lower is better); ``oracle(settings)``: the first stage's score of
-    a label candidate; ``criterion``: what ``score`` measures, for the record."""
-    from kvpop.training.search import Search, auto_plan
+    stage); ``train(ns)``: one ``kvpop train`` run of the namespace ``ns`` (exit status); ``score(dir, part)``:
+    the per-sequence validation scores of the run in ``dir`` on the ``"fit"`` or ``"select"`` sequences (lower is
+    better); ``oracle(settings)``: the first stage's per-sequence scores of a label candidate on the select
+    sequences; ``split``: the record's ``split`` (``fit`` and ``select``, disjoint); ``fit_data(ns_dict)``: the
+    options a trial that allocates takes to measure its head budgets on the fit part alone (``valid_data``,
+    ``valid_sequences``); ``criterion``: what ``score`` measures, for the record."""
+    from kvpop.training.search import Search, auto_plan, resolution
 
     out = Path(args.out)
     if (out / "selection.json").exists() and not args.resume:
         raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
                          f"choose another --out")
+    budget = parse_budget(args.auto_budget, args.steps)
     s = Search(out, header={"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
-                            "steps_per_trial": args.steps, "served_budget": served},
-               budget=parse_budget(args.auto_budget, args.steps), log=log, prefix="[kvpop train --auto]")
-
+                            "steps_per_trial": args.steps, "served_budget": served, "split": split,
+                            "rule": RULE},
+               budget=budget, log=log, prefix="[kvpop train --auto]")
+    n_fit, n_sel = len(split["fit"]), len(split["select"])
+    log(f"[kvpop train --auto] validation split: {n_fit} fit sequences (head-budget allocation, early stopping), "
+        f"{n_sel} select sequences (trial scores only); {resolution(n_sel)}")
+    s.record["resolution"] = resolution(n_sel)
+    if budget[0] == "steps" and budget[1] - 2 * args.steps >= 2 * args.steps:
+        s.reserve(2 * args.steps)  # the confirmation's two retrained trials are paid for first
     every, patience = early_stopping(args)
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
 
     def train_to(ns: argparse.Namespace, d: Path, steps: int) -> None:
         ns = copy.copy(ns)
@@ -220,25 +248,29 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
             raise _Stopped(rc)
 
     def validated(ns: argparse.Namespace, d: Path) -> dict:
-        """The run of ``ns`` in ``d``, validated every ``every`` steps with ``patience`` (0: once, at the end)."""
+        """The run of ``ns`` in ``d``, validated on the fit sequences every ``every`` steps with ``patience`` (0:
+        never), its best fit state kept, then scored once on the select sequences."""
         if not patience:
             train_to(ns, d, args.steps)
-            return {"score": score(d), "steps": args.steps}
+            sel = score(d, "select")
+            return {"score": mean(sel), "per_sequence": sel, "steps": args.steps}
         vfile, keep = d / "validation.jsonl", d / "best"
         done = [json.loads(x) for x in vfile.read_text().splitlines() if x.strip()] if vfile.exists() else []
+        for r in done:  # a validation written before the fit / select split: its one score
+            r.setdefault("fit_score", r.get("score"))
         vals: list[dict] = []
         best, bad = None, 0
         for target in [*range(every, args.steps, every), args.steps]:
             rec = next((r for r in done if r["step"] == target), None)  # validated before an interruption
             if rec is None:
                 train_to(ns, d, target)
-                rec = {"step": target, "score": score(d)}
-                if best is None or rec["score"] <= best["score"]:  # the state first, then its record
+                rec = {"step": target, "fit_score": mean(score(d, "fit"))}
+                if best is None or rec["fit_score"] < best["fit_score"]:  # the state first, then its record
                     replace_files(d, keep, SERVED_FILES)
                 with open(vfile, "a") as f:
                     f.write(json.dumps(rec) + "\n")
             vals.append(rec)
-            if best is None or rec["score"] <= best["score"]:  # of equals the later, more trained state
+            if best is None or rec["fit_score"] < best["fit_score"]:  # of equals the earlier state stays
                 best, bad = rec, 0
             else:
                 bad += 1
@@ -246,7 +278,9 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
                     break
         if best["step"] != vals[-1]["step"]:
             replace_files(keep, d, SERVED_FILES)  # the outputs are the best state's (last.pt stays the last step's)
-        return {"score": best["score"], "steps": vals[-1]["step"], "best_step": best["step"], "validations": vals}
+        sel = score(d, "select")  # the best fit state, scored once on the select sequences
+        return {"score": mean(sel), "per_sequence": sel, "steps": vals[-1]["step"], "best_step": best["step"],
+                "validations": vals}
 
     def trained(settings: dict, d: Path) -> dict:
         ns = copy.copy(args)
@@ -258,6 +292,9 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
         warm = vars(ns).pop("warm_start", None)
         if ns.allocate is None:
             ns.valid_data = ns.valid_sequences = None
+        elif fit_data is not None:  # the allocation measured on the fit sequences alone
+            for k, v in fit_data(out).items():
+                setattr(ns, k, v)
         before = 0
         if warm == "scorer-only":  # the scorers trained alone first, then the joint run starts from them
             w = copy.copy(ns)
@@ -274,15 +311,25 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     def options(key: str, values: list) -> list:
         return [given[key]] if key in given else values
 
+    def oracle_trial(settings: dict, d: Path) -> dict:
+        sel = oracle(settings)
+        return {"score": mean(sel), "per_sequence": sel, "steps": 0}
+
     plan = auto_plan(labels=options("label", list(LABEL_CANDIDATES)),
                      lr_scorers=options("lr_scorer", [lr_scorer * f for f in LR_FACTORS]),
                      train_budgets=train_budgets(served, args.sinks, args.window), given=given,
                      decay_nats=DECAY_NATS, train_model=train_model,
                      warm_start=train_model and "init_scorers" not in given)
-    best = s.run_plan(plan, trained, oracle=lambda settings, d: {"score": oracle(settings), "steps": 0},
-                      steps_of=lambda settings: args.steps * (2 if settings.get("warm_start") else 1),
-                      subdir="auto")
+
+    def steps_of(settings: dict) -> int:
+        return args.steps * (2 if settings.get("warm_start") else 1)
+
+    hint = "; raise --auto-budget to {need} to run every stage and the confirmation"
+    best = s.run_plan(plan, trained, oracle=oracle_trial, steps_of=steps_of, subdir="auto")
+    best, s.record["confirmation"] = s.confirm(best, trained, seed=("seed", args.seed + 1), steps_of=steps_of,
+                                               subdir="auto", raise_hint="; raise --auto-budget to {need} to run it")
     s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
+    s.record["summary"] = s.summary(raise_hint=hint, confirmation=s.record["confirmation"])
     s.save()
     _adopt(out, out / best["dir"], served)
     log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
@@ -290,10 +337,44 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     return s.record
 
 
+RULE = ("kvpop.training.search.prefer: a challenger replaces the incumbent only when its mean per-sequence "
+        "improvement on the select sequences exceeds 2 paired standard errors; otherwise (ties included) the "
+        "earlier trial stays")
+"""What the record's ``rule`` says."""
+
+
+def summary_lines(record: dict) -> list[str]:
+    """What ran, in words, from a search record's ``summary``, ``split`` and ``confirmation``."""
+    sm, conf = record.get("summary") or {}, record.get("confirmation") or {}
+    sp = record.get("split") or {}
+    lines = [f"validation split: {len(sp.get('fit', []))} fit sequences (allocation, early stopping), "
+             f"{len(sp.get('select', []))} select sequences (trial scores); {record.get('resolution', '')}"]
+    lines.append(f"stages run: {', '.join(sm.get('ran', [])) or 'none'}")
+    if sm.get("resolution"):
+        lines.append(f"what the select part resolved: {sm['resolution']}")
+    part, skipped = sm.get("partly_skipped_for_budget", []), sm.get("skipped_for_budget", [])
+    if part:
+        lines.append(f"stages cut short by the budget: {', '.join(part)}")
+    if skipped:
+        lines.append(f"stages skipped for the budget: {', '.join(skipped)}")
+    if sm.get("raise"):
+        lines.append(sm["raise"].lstrip("; "))
+    if conf.get("ran"):
+        d = conf["decision"]
+        lines.append(f"confirmation with a second seed: {conf['trials'][0]['settings']} against "
+                     f"{conf['trials'][1]['settings']}, chosen {conf['chosen']}"
+                     + (f" (mean difference {d['mean_diff']:.4g}, margin {d['margin']:.4g})"
+                        if d.get("margin") is not None else ""))
+    elif conf:
+        lines.append(f"confirmation not run: {conf.get('why')}")
+    return lines
+
+
 def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
     """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience``: each trial validated every ``every``
     steps (default a quarter of ``--steps``, rounded up: at most four validations) and stopped after
-    ``patience`` (default :data:`PATIENCE`) validations without a better or equal score, its best state kept;
+    ``patience`` (default :data:`PATIENCE`) validations without a better score on the fit sequences, its best
+    state kept;
     ``patience`` 0: no early stopping, one validation after ``--steps``.  ValueError naming a bad value."""
     patience = PATIENCE if getattr(args, "auto_patience", None) is None else args.auto_patience
     every = getattr(args, "auto_eval_every", None)

@@ -1,11 +1,16 @@
 """The one staged search on validation sequences, behind ``kvpop train --auto`` and ``kvpop demo --select``.
 
 A search is a list of :class:`Stage`: each stage tries its variations of the best settings so far, and the best
-trial (by its validation score, lower is better; the first of equals, the earlier and cheaper one, wins) is
-what the next stage varies.  :class:`Search` runs the stages and keeps the record, ``OUT/<record file>``,
-written after every trial::
+trial is what the next stage varies.  The best is decided by the one selection rule, :func:`prefer` (through
+:func:`choose`): a trial is scored per select sequence (``per_sequence``, lower is better; ``score`` their mean),
+and a challenger replaces the incumbent only when its paired mean improvement exceeds :data:`MARGIN_SE` standard
+errors; otherwise, ties included, the incumbent (the earlier, cheaper trial) stays.  :meth:`Search.confirm`
+retrains the top two with a second seed and decides on the mean (:func:`confirm_choice`).  :class:`Search`
+runs the stages and keeps the record, ``OUT/<record file>``, written after every trial::
 
-    {..., "trials": [{"stage", "settings", "score", "steps", "seconds", "dir", ...}], "skipped": [...],
+    {..., "split": {"fit", "select"}, "trials": [{"stage", "settings", "score", "per_sequence", "steps",
+     "seconds", "dir", ...}], "skipped": [...], "stages": [...], "decisions": [{"stage", "incumbent",
+     "challenger", "mean_diff", "se", "margin", "adopted", ...}], "confirmation": ..., "summary": ...,
      "chosen": ...}
 
 Every trial runs in its own directory (``OUT/<subdir>/<tag of its settings>``, :func:`trial_tag`) and leaves
@@ -26,6 +31,7 @@ This module imports nothing above :mod:`kvpop.core`.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,21 +40,142 @@ from typing import Any
 
 from kvpop.core.files import write_json
 
-__all__ = ["Stage", "Search", "choose", "trial_tag", "auto_plan", "select_plan", "SELECT_GRID", "SELECT_STAGES",
-           "LABEL_KEYS", "SCORER_ONLY", "JOINT_OF", "RETROFITS"]
+__all__ = ["Stage", "Search", "choose", "prefer", "paired", "resolution", "split_keys", "MARGIN_SE", "MIN_SELECT",
+           "top_two", "confirm_choice",
+           "trial_tag", "auto_plan", "select_plan", "SELECT_GRID", "SELECT_STAGES", "LABEL_KEYS", "SCORER_ONLY",
+           "JOINT_OF", "RETROFITS"]
 
 
-def choose(trials: Sequence[dict], *, key: str = "score", higher_is_better: bool = True) -> dict:
-    """The best of ``trials`` by ``trial[key]`` (the first of equals: the earlier, cheaper candidate).  The one
-    selection rule of every search (:class:`Search` compares with it, lower is better) and of every evidence row,
-    KVpop's and DMS's alike (:mod:`kvpop.studies.ledger`)."""
+MARGIN_SE = 2.0
+"""The selection rule's margin in paired standard errors: a challenger replaces the incumbent only when its mean
+improvement over the same select sequences exceeds ``MARGIN_SE`` times the standard error of that mean
+(docs/DESIGN.md section 7, "Selection")."""
+MIN_SELECT = 8
+"""Fewer select sequences than this get a warning: their standard error is itself too noisy to trust."""
+
+
+def paired(incumbent: Sequence[float], challenger: Sequence[float], *, higher_is_better: bool = False
+           ) -> tuple[float, float | None]:
+    """``(mean_diff, se)``: the mean of the per-sequence improvements of ``challenger`` over ``incumbent`` (the
+    same sequences in the same order; positive: the challenger is better) and its standard error (the sample
+    standard deviation of the differences, ``n - 1`` in the denominator, over ``sqrt(n)``; ``None`` for one
+    sequence).  ValueError when the lengths differ."""
+    if len(incumbent) != len(challenger) or not incumbent:
+        raise ValueError(f"paired scores need the same sequences: {len(incumbent)} against {len(challenger)}")
+    sign = 1.0 if higher_is_better else -1.0
+    d = [sign * (float(c) - float(i)) for i, c in zip(incumbent, challenger)]
+    n = len(d)
+    mean = sum(d) / n
+    if n < 2:
+        return mean, None
+    var = sum((x - mean) ** 2 for x in d) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def prefer(incumbent: dict, challenger: dict, *, key: str = "score", higher_is_better: bool = False,
+           stage: str | None = None, margin_se: float = MARGIN_SE) -> dict:
+    """The one selection rule: does ``challenger`` replace ``incumbent``?  Returns the decision
+    ``{"stage", "incumbent", "challenger", "mean_diff", "se", "margin", "adopted", "n", "paired"}``
+    (``incumbent`` / ``challenger``: the trials' settings).
+
+    Both trials' ``per_sequence`` (scores on the same select sequences, in order): adopted only when the mean
+    improvement exceeds ``margin_se`` paired standard errors (:func:`paired`), strictly; otherwise, a tie
+    included, the incumbent (the earlier, simpler trial) stays; one sequence has no standard error and never
+    replaces the incumbent.  A trial without ``per_sequence`` (a record written before the rule) is compared by
+    ``key`` alone (``paired`` false, no margin: strictly better replaces)."""
+    a, b = incumbent.get("per_sequence"), challenger.get("per_sequence")
+    out: dict = {"stage": stage if stage is not None else challenger.get("stage"),
+                 "incumbent": incumbent.get("settings"), "challenger": challenger.get("settings")}
+    if a is not None and b is not None and len(a) == len(b) and a:
+        mean, se = paired(a, b, higher_is_better=higher_is_better)
+        margin = None if se is None else margin_se * se
+        return {**out, "mean_diff": mean, "se": se, "margin": margin, "adopted": margin is not None and mean > margin,
+                "n": len(a), "paired": True}
+    mean = (challenger[key] - incumbent[key]) * (1.0 if higher_is_better else -1.0)
+    return {**out, "mean_diff": mean, "se": None, "margin": 0.0, "adopted": mean > 0, "n": None, "paired": False}
+
+
+def choose(trials: Sequence[dict], *, key: str = "score", higher_is_better: bool = True,
+           decisions: list | None = None, stage: str | None = None) -> dict:
+    """The choice among ``trials`` in their order: the first is the incumbent, and each later trial replaces it
+    only when :func:`prefer` (the one selection rule) adopts it.  The selection of every search (:class:`Search`,
+    lower is better) and of every evidence row, KVpop's and DMS's alike (:mod:`kvpop.studies.ledger`); each
+    decision is appended to ``decisions`` when given."""
     if not trials:
         raise ValueError("choose needs at least one trial")
     best = trials[0]
     for t in trials[1:]:
-        if (t[key] > best[key]) if higher_is_better else (t[key] < best[key]):
+        d = prefer(best, t, key=key, higher_is_better=higher_is_better, stage=stage)
+        if decisions is not None:
+            decisions.append(d)
+        if d["adopted"]:
             best = t
     return best
+
+
+def top_two(best: dict, trials: Sequence[dict], *, higher_is_better: bool = False) -> list[dict] | None:
+    """``best`` and the runner-up (the rule's choice among the other ``trials``), in the order of ``trials``
+    (the earlier first); ``None`` when there is no other trial."""
+    others = [t for t in trials if t is not best]
+    if not others:
+        return None
+    second = choose(others, higher_is_better=higher_is_better)
+    order = {id(t): i for i, t in enumerate(trials)}
+    return sorted([best, second], key=lambda t: order.get(id(t), -1))
+
+
+def confirm_choice(best: dict, trials: Sequence[dict], retrain: Callable[[dict], dict], *, seed: tuple[str, int],
+                   higher_is_better: bool = False) -> tuple[dict, dict]:
+    """The confirmation of every search: ``best`` (the rule's choice among ``trials``) and the runner-up
+    (:func:`top_two`) each trained again with the second seed (``retrain(trial)``: its ``score`` and
+    ``per_sequence`` on the same select sequences), and :func:`prefer` deciding on each trial's per-sequence
+    scores averaged over its two seeds, the earlier trial the incumbent.  Returns ``(chosen trial, the record's
+    confirmation: "ran", the seed, "trials" with both seeds' scores, "decision", "chosen", "changed")``."""
+    pair = top_two(best, trials, higher_is_better=higher_is_better)
+    if pair is None:
+        return best, {"ran": False, "why": "one trial: no runner-up to confirm against"}
+    means = []
+    for t in pair:
+        r = retrain(t)
+        ps = None
+        if t.get("per_sequence") is not None and r.get("per_sequence") is not None:
+            ps = [(a + b) / 2 for a, b in zip(t["per_sequence"], r["per_sequence"])]
+        means.append({"settings": t["settings"], "score": (t["score"] + r["score"]) / 2, "per_sequence": ps,
+                      "seeds": [{"dir": t.get("dir"), "score": t["score"]},
+                                {"dir": r.get("dir"), "score": r["score"], seed[0]: seed[1]}]})
+    d = prefer(means[0], means[1], higher_is_better=higher_is_better, stage="confirmation")
+    chosen = pair[1] if d["adopted"] else pair[0]
+    return chosen, {"ran": True, seed[0]: seed[1], "trials": means, "decision": d, "chosen": chosen["settings"],
+                    "changed": chosen is not best}
+
+
+def resolution(n: int, spread: float | None = None, *, margin_se: float = MARGIN_SE) -> str:
+    """What ``n`` select sequences can resolve, in words: the smallest mean difference the rule adopts given the
+    per-sequence spread of differences ``spread`` (a standard deviation; unknown before two trials), and a
+    warning below :data:`MIN_SELECT`."""
+    if n < 2:
+        text = f"{n} select sequence: no standard error, so no challenger can replace the first trial"
+    elif spread is None:
+        text = (f"{n} select sequences: a challenger must beat the incumbent by {margin_se:g} paired standard "
+                f"errors (the per-sequence spread / sqrt({n}))")
+    else:
+        text = (f"{n} select sequences: with a per-sequence spread of differences of {spread:.3g}, a challenger "
+                f"must improve the mean by more than {margin_se * spread / math.sqrt(n):.3g}")
+    if n < MIN_SELECT:
+        text += f"; warning: fewer than {MIN_SELECT} select sequences resolve only large differences"
+    return text
+
+
+def split_keys(keys: Sequence[str], seed: int) -> tuple[list[int], list[int]]:
+    """``(fit, select)``: the indices of ``keys`` (one per validation record) split by a seeded hash: ordered by
+    ``sha256(f"{seed}:{key}")``, the first half (rounded up) to *select* and the rest to *fit*, disjoint, each
+    part in its original order; equal keys (duplicate records) go to the same part."""
+    import hashlib
+
+    uniq = list(dict.fromkeys(keys))
+    order = sorted(uniq, key=lambda k: hashlib.sha256(f"{seed}:{k}".encode()).hexdigest())
+    sel = set(order[:(len(order) + 1) // 2])
+    return ([i for i, k in enumerate(keys) if k not in sel], [i for i, k in enumerate(keys) if k in sel])
 
 
 @dataclass(frozen=True)
@@ -82,16 +209,19 @@ class _Budget:
         self.steps = 0
         self.minutes = 0.0
         self.trained = 0
+        self.reserve = 0  # steps kept for the confirmation (a steps budget only)
 
     def add(self, r: dict) -> None:
         self.steps += r["steps"]
         self.minutes += (r["seconds"] or 0.0) / 60
         self.trained += r["steps"] > 0
 
-    def spent_before(self, steps: int) -> bool:
+    def spent_before(self, steps: int, *, reserve: bool = True) -> bool:
         if self.unit is None or not self.trained:
             return False
-        return self.steps + steps > self.value if self.unit == "steps" else self.minutes >= self.value
+        if self.unit == "steps":
+            return self.steps + steps > self.value - (self.reserve if reserve else 0)
+        return self.minutes >= self.value
 
 
 @dataclass
@@ -111,10 +241,16 @@ class Search:
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.record: dict = {**self.header, "trials": [], "skipped": [], "chosen": None}
+        self.record: dict = {**self.header, "trials": [], "skipped": [], "decisions": [], "stages": [],
+                             "chosen": None}
         if self.budget is not None:
             self.record["budget"] = {"unit": self.budget[0], "value": self.budget[1]}
         self._spent = _Budget(self.budget)
+        self.compared: list[dict] = []
+
+    def reserve(self, steps: int) -> None:
+        """Keep ``steps`` of a steps budget for :meth:`confirm`: :meth:`run_plan`'s trials stop short of them."""
+        self._spent.reserve = steps
 
     @property
     def spent(self) -> dict:
@@ -145,7 +281,7 @@ class Search:
                 self.log(f"{self.prefix} {stage} {settings}: finished before, score {r['score']:.5f} (reused)")
                 return self._keep(r)
         if trained and self._spent.spent_before(steps):
-            self.record["skipped"].append({**(extra or {}), "stage": stage, "settings": settings,
+            self.record["skipped"].append({**(extra or {}), "stage": stage, "settings": settings, "steps": steps,
                                            "why": f"the budget of {self.budget[1]:g} {self.budget[0]} is spent"})
             self.save()
             return None
@@ -156,7 +292,9 @@ class Search:
              "steps": int(res.pop("steps", 0)), "seconds": round(time.time() - t0, 1),
              "dir": rel, **res}
         write_json(f, r)
-        self.log(f"{self.prefix} {stage} {settings}: validation score {r['score']:.5f} ({r['seconds']:.0f} s)")
+        n = len(r.get("per_sequence") or [])
+        self.log(f"{self.prefix} {stage} {settings}: validation score {r['score']:.5f}"
+                 f"{f' over {n} select sequences' if n else ''} ({r['seconds']:.0f} s)")
         return self._keep(r)
 
     def _keep(self, r: dict) -> dict:
@@ -173,13 +311,15 @@ class Search:
         ``steps_of(settings)``: the steps a trial of ``settings`` trains (for the budget)."""
         best: dict | None = None
         prev: dict = {}
+        group: list[dict] = []
         for st in plan:
             if st.start is not None:
-                base, best = {**prev, **st.start}, None
+                base, best, group = {**prev, **st.start}, None, []
             elif best is None:
                 raise ValueError(f"stage {st.name!r} varies the best settings so far, but no trial ran before it")
             else:
                 base = best["settings"]
+            ran = skipped = 0
             for v in st.variations:
                 s = {**base, **v}
                 if best is not None and s == best["settings"]:
@@ -188,14 +328,82 @@ class Search:
                     raise ValueError(f"stage {st.name!r} is untrained: run_plan needs an oracle")
                 r = self.trial(st.name, s, run if st.trained else oracle, trained=st.trained,
                                steps=steps_of(s) if st.trained else 0, subdir=subdir, extra=extra)
-                if r is not None:
-                    best = r if best is None else choose([best, r], higher_is_better=False)
+                if r is None:
+                    skipped += 1
+                    continue
+                ran += 1
+                if all(g is not r for g in group):
+                    group.append(r)
+                if best is None:
+                    best = r
+                else:
+                    d = prefer(best, r, stage=st.name)
+                    self.record["decisions"].append({**(extra or {}), **d})
+                    best = r if d["adopted"] else best
+            self.record["stages"].append({**(extra or {}), "stage": st.name, "trained": st.trained, "ran": ran,
+                                          "skipped": skipped, "status": "ran" if not skipped else
+                                          "skipped for budget" if not ran else "partly skipped for budget"})
             if best is None:
                 raise ValueError(f"stage {st.name!r} ran no trial (its variations: {list(st.variations)})")
             prev = best["settings"]
         if best is None:
             raise ValueError("an empty plan")
+        self.compared = group
+        self.save()
         return best
+
+    def confirm(self, best: dict, run: Callable[[dict, Path], dict], *, seed: tuple[str, int],
+                steps_of: Callable[[dict], int] = lambda s: 0, subdir: str = "",
+                extra: Mapping[str, Any] | None = None, raise_hint: str = "") -> tuple[dict, dict]:
+        """The confirmation of :meth:`run_plan`'s choice ``best``: it and the runner-up (the choice by the rule
+        among the other trials :meth:`run_plan` compared last) trained again with ``settings[seed[0]] =
+        seed[1]`` (stage ``confirmation``), and the choice made by :func:`prefer` on each trial's per-sequence
+        scores averaged over its two seeds, the earlier of the two trials the incumbent.  Returns ``(chosen
+        trial, the confirmation record)``; it does not run (the record says why) when there is no runner-up or
+        the budget cannot pay for both trials (``raise_hint``: what to raise, in words, with the steps
+        needed)."""
+        trained = [t for t in self.compared if t["steps"] > 0]
+        pair = top_two(best, trained, higher_is_better=False)
+        if pair is None or best["steps"] <= 0:
+            return best, {"ran": False, "why": "one trained trial: no runner-up to confirm against"}
+        second = pair[1] if pair[0] is best else pair[0]
+        cost = sum(steps_of(t["settings"]) for t in pair)
+        if self._spent.unit == "steps" and self._spent.steps + cost > self._spent.value:
+            need, left = int(self._spent.steps + cost), self._spent.value - self._spent.steps
+            return best, {"ran": False, "runner_up": second["settings"], "needs_steps": cost,
+                          "why": f"the budget of {self._spent.value:g} steps has {left:g} left, the confirmation "
+                                 f"needs {cost}{raise_hint.format(need=need)}"}
+        if self._spent.unit == "minutes" and self._spent.minutes >= self._spent.value:
+            return best, {"ran": False, "runner_up": second["settings"],
+                          "why": f"the budget of {self._spent.value:g} minutes is spent"
+                                 f"{raise_hint.format(need='more')}"}
+        chosen, rec = confirm_choice(best, trained, lambda t: self.trial(
+            "confirmation", {**t["settings"], seed[0]: seed[1]}, run, steps=0, subdir=subdir, extra=extra,
+            trained=False), seed=seed, higher_is_better=False)
+        self.record["decisions"].append({**(extra or {}), **rec["decision"]})
+        self.save()
+        return chosen, rec
+
+    def summary(self, *, raise_hint: str = "", confirmation: Mapping[str, Any] | None = None) -> dict:
+        """What ran: ``{"ran": [stage names], "partly_skipped_for_budget": [...], "skipped_for_budget": [...],
+        "raise": text, "resolution": text}``; ``resolution``: :func:`resolution` at the median spread of the
+        paired differences the decisions saw; ``raise``: ``raise_hint`` (what to raise, in words) with ``{need}``
+        the steps a budget of steps needs to run every skipped trial and a ``confirmation`` that did not run for
+        the budget, absent when nothing was skipped."""
+        st = self.record["stages"]
+        out = {"ran": [s["stage"] for s in st if s["status"] == "ran"],
+               "partly_skipped_for_budget": [s["stage"] for s in st if s["status"] == "partly skipped for budget"],
+               "skipped_for_budget": [s["stage"] for s in st if s["status"] == "skipped for budget"]}
+        paired_ = [d for d in self.record["decisions"] if d.get("paired") and d.get("se") is not None]
+        if paired_:  # what the select sequences resolved, given the spread of differences the search saw
+            spread = sorted(d["se"] * math.sqrt(d["n"]) for d in paired_)[len(paired_) // 2]
+            out["resolution"] = resolution(paired_[0]["n"], spread)
+        extra = (confirmation or {}).get("needs_steps") or 0
+        if self.record["skipped"] or extra:
+            need = int(self._spent.steps + extra + sum(x.get("steps") or 0 for x in self.record["skipped"])) \
+                if self._spent.unit == "steps" else "more"
+            out["raise"] = raise_hint.format(need=need)
+        return out
 
 
 # --------------------------------------------------------------------------------------- kvpop train --auto

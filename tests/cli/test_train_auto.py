@@ -35,7 +35,7 @@ def searched(tmp_path_factory):
 
 def test_auto_writes_a_selection_and_a_run_kvpop_eval_serves(searched, tmp_path):
     rec = json.loads((searched / "selection.json").read_text())
-    trained = [t for t in rec["trials"] if t["steps"]]
+    trained = [t for t in rec["trials"] if t["steps"] and t["stage"] != "confirmation"]
     assert [t["stage"] for t in rec["trials"] if not t["steps"]] == ["label", "label"]  # the oracle: no training
     assert len(trained) == 2 and all(t["steps"] == 2 for t in trained)  # the budget: 4 steps of 2-step trials
     assert {t["settings"]["lr_scorer"] for t in trained} == {1e-3, 3e-3}
@@ -44,8 +44,18 @@ def test_auto_writes_a_selection_and_a_run_kvpop_eval_serves(searched, tmp_path)
     # with --task the trained trials are scored by the task's own measure: the error rate at its graded positions
     assert rec["criterion"].startswith("validation error rate at the task's graded positions")
     assert all(0.0 <= t["score"] <= 1.0 for t in trained)
-    best = min(trained, key=lambda t: t["score"])
+    # the rule: the second lr replaces the first only when the paired decision adopts it
+    sel = rec["split"]["select"]
+    assert set(sel).isdisjoint(rec["split"]["fit"]) and len(sel) == len(rec["split"]["fit"]) == 2
+    assert all(len(t["per_sequence"]) == len(sel) for t in rec["trials"])
+    (d,) = [d for d in rec["decisions"] if d["stage"] == "lr_scorer"]
+    assert set(d) >= {"stage", "incumbent", "challenger", "mean_diff", "se", "margin", "adopted"}
+    best = trained[1] if d["adopted"] else trained[0]
     assert rec["chosen"]["settings"] == best["settings"] and rec["chosen"]["score"] == best["score"]
+    # the confirmation's two trials of 2 steps do not fit the budget of 4: said, with what to raise
+    assert not rec["confirmation"]["ran"] and "raise --auto-budget to" in rec["confirmation"]["why"]
+    assert rec["summary"]["ran"] == ["label"] and rec["summary"]["partly_skipped_for_budget"] == ["lr_scorer"]
+    assert "head_budgets" in rec["summary"]["skipped_for_budget"] and "--auto-budget" in rec["summary"]["raise"]
     assert [s["stage"] for s in rec["skipped"]][:1] == ["lr_scorer"]  # the budget was spent before the third trial
     assert rec["skipped"][0]["settings"]["lr_scorer"] == 1e-2 and rec["served_budget"] == 32
     # OUT is the chosen trial's run: its scorers, and kvpop eval --run takes it with no other flag
@@ -68,7 +78,12 @@ def test_resume_continues_without_repeating_a_finished_trial(searched, tmp_path,
     with pytest.raises(SystemExit, match="already holds a search"):
         main(["train", *QUICK, "--steps", "2", "--auto-budget", "6", "--out", str(out)])
     assert main(["train", *QUICK, "--steps", "2", "--auto-budget", "6", "--out", str(out), "--resume"]) == 0
-    assert "(reused)" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "(reused)" in printed.err
+    # stdout says what ran: the split, the stages run and skipped for the budget, and what to raise
+    assert "validation split: 2 fit sequences" in printed.out and "2 select sequences" in printed.out
+    assert "stages skipped for the budget: head_budgets" in printed.out and "raise --auto-budget to" in printed.out
+    assert "confirmation not run" in printed.out
     trials = _trials(out)
     assert {t["dir"]: (out / t["dir"] / "trial.json").stat().st_mtime_ns for t in trials
             if t["dir"] in before} == before  # none trained or scored again
@@ -250,22 +265,34 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
     from kvpop.training.runstate import output_step
 
     seq = iter([0.5, 0.4, 0.45] * 50)  # per trial: better, then worse -> stops after 2 of 4 validations
+    parts = []
 
-    def fake_scorer(source, seqs, budget):
-        return lambda d: next(seq)
+    def score(d, part):
+        parts.append(part)
+        return [next(seq)] * 2 if part == "fit" else [0.3, 0.2]  # the select part scores every trial alike
 
-    monkeypatch.setattr(A, "_task_scorer", lambda source, task, n, length, budget: fake_scorer(source, n, budget))
+    monkeypatch.setattr(A, "_task_scorer", lambda source, task, seeds, length, budget: score)
     out = tmp_path / "run"
     assert main(["train", *QUICK, "--steps", "4", "--auto-patience", "1", "--auto-eval-every", "1", "--label", "mean",
                  "--lr-scorer", "1e-3", "--decay-nats", "8", "--allocate", "ablation", "--target-source", "student",
                  "--auto-budget", "40", "--out", str(out)]) == 0
     rec = json.loads((out / "selection.json").read_text())
-    assert [t["stage"] for t in rec["trials"]] == ["lr_scorer", "train_budget", "train_budget", "warm_start"]
+    assert [t["stage"] for t in rec["trials"]] == ["lr_scorer", "train_budget", "train_budget", "warm_start",
+                                                   "confirmation", "confirmation"]
     for t in rec["trials"][:3]:
         assert [v["step"] for v in t["validations"]] == [1, 2, 3] and t["best_step"] == 2 and t["steps"] == 3
-        assert t["score"] == 0.4
+        assert [v["fit_score"] for v in t["validations"]] == [0.5, 0.4, 0.45]  # early stopping on the fit part
+        assert t["per_sequence"] == [0.3, 0.2] and t["score"] == 0.25  # the best fit state scored once on select
         assert output_step(out / t["dir"] / "scorers.safetensors") == 2  # the best state, not the last
         assert output_step(out / t["dir"] / "model") == 2
+    assert parts[:4] == ["fit", "fit", "fit", "select"]
+    # equal select scores: no challenger adopted, the first trial stays, confirmed against the runner-up
+    assert not any(d["adopted"] for d in rec["decisions"])
+    conf = rec["confirmation"]
+    assert conf["ran"] and conf["seed"] == 1 and [t["settings"] for t in conf["trials"]] == \
+        [rec["trials"][0]["settings"], rec["trials"][1]["settings"]]
+    assert [t["settings"]["seed"] for t in rec["trials"][4:]] == [1, 1]
+    assert conf["chosen"] == rec["trials"][0]["settings"]
     warm = rec["trials"][3]
     assert warm["settings"]["warm_start"] == "scorer-only" and warm["steps"] == 6  # 3 scorer-only + 3 joint
     assert warm["scorer_only"]["best_step"] == 2
@@ -283,3 +310,34 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
               "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="--auto-patience 1 is an option of --auto"):
         main(["train", "--task", "--steps", "4", "--auto-patience", "1", "--out", str(tmp_path / "x")])
+
+
+def test_auto_on_valid_data_splits_the_records_and_allocates_on_the_fit_part(tmp_path):
+    """--valid-data: its sequences split by a seeded hash into disjoint fit and select parts; the trials that
+    allocate measure their head budgets on the fit part alone (OUT/auto/fit.jsonl), every trial is scored per
+    select sequence, and the budget too small for the confirmation is said."""
+    import random
+
+    from kvpop.demo import task as T
+
+    rng = random.Random(0)
+    for name, n in (("train", 6), ("valid", 6)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"input_ids": [rng.randrange(640) for _ in range(96)]}) + "\n" for _ in range(n)))
+    out = tmp_path / "run"
+    assert main(["train", "--auto", "--model", str(T.SHIPPED_MODEL), "--data", str(tmp_path / "train.jsonl"),
+                 "--valid-data", str(tmp_path / "valid.jsonl"), "--valid-sequences", "3", "--seq-len", "96",
+                 "--budget", "32", "--sinks", "2", "--window", "8", "--label", "mean", "--lr-scorer", "1e-3",
+                 "--allocate", "ablation", "--decay-nats", "8", "--no-train-model", "--steps", "1",
+                 "--auto-budget", "2", "--auto-patience", "0", "--no-progress", "--out", str(out)]) == 0
+    rec = json.loads((out / "selection.json").read_text())
+    fit, sel = rec["split"]["fit"], rec["split"]["select"]
+    assert sorted(fit + sel) == list(range(6)) and len(sel) == 3 and not set(fit) & set(sel)
+    valid = [json.loads(x)["input_ids"] for x in (tmp_path / "valid.jsonl").read_text().splitlines()]
+    fitted = [json.loads(x)["input_ids"] for x in (out / "auto" / "fit.jsonl").read_text().splitlines()]
+    assert fitted == [valid[i] for i in fit]  # the allocation's file holds the fit part, in order, and only it
+    for t in rec["trials"]:
+        assert len(t["per_sequence"]) == 3 and t["score"] == pytest.approx(sum(t["per_sequence"]) / 3)
+        args = json.loads((out / t["dir"] / "args.json").read_text())
+        assert Path(args["valid_data"]).resolve() == (out / "auto" / "fit.jsonl").resolve()
+    assert not rec["confirmation"]["ran"] and "--auto-budget" in rec["confirmation"]["why"]

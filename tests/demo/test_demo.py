@@ -75,8 +75,18 @@ def test_select_quick_chooses_on_validation_sequences(tmp_path, capsys):
         by_policy.setdefault(c["policy"], []).append(c)
         assert set(c["val_accuracy"]) == {"8", "16", "32"}
         assert c["val_mean"] == pytest.approx(sum(c["val_accuracy"].values()) / 3)
-    for p, cs in by_policy.items():  # the choice is the best validation mean
-        assert sel["chosen"][p] == max(cs, key=lambda c: c["val_mean"])["settings"]
+    assert set(sel["split"]["fit"]).isdisjoint(sel["split"]["select"]) and len(sel["split"]["select"]) == 2
+    for p, cs in by_policy.items():  # the choice is the rule's: the last decision, then the confirmation's
+        assert all(len(c["per_sequence"]) == 2 for c in cs)
+        ds = [d for d in sel["decisions"] if d["policy"] == p and d["stage"] != "confirmation"]
+        conf = sel["confirmation"][p]
+        if not ds:
+            assert not conf["ran"] and sel["chosen"][p] == cs[0]["settings"]
+            continue
+        assert all(set(d) >= {"stage", "incumbent", "challenger", "mean_diff", "se", "margin", "adopted"} for d in ds)
+        kept = ds[-1]["challenger"] if ds[-1]["adopted"] else ds[-1]["incumbent"]
+        assert conf["ran"] and kept in [t["settings"] for t in conf["trials"]] and sel["chosen"][p] == conf["chosen"]
+        assert [c["settings"].get("seed") for c in cs if c["stage"] == "confirmation"] == [1, 1]
     assert "chosen" in capsys.readouterr().out
 
 
@@ -91,7 +101,8 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
     sel = json.loads((out / "kvtrace" / "selection-label.json").read_text())
     by = {}
     for c in sel["trials"]:
-        by.setdefault(c["policy"], []).append(c["settings"])
+        if c["stage"] != "confirmation":  # the second seed of the top two, after each retrofit's stages
+            by.setdefault(c["policy"], []).append(c["settings"])
     for p in ("kvpop-mlp", "kvpop-mlstm"):
         assert sorted(c["label"] for c in by[p][:2]) == ["max", "mean"]
         assert all(c["eval_every"] == 50 for c in by[p])  # the kvtrace task's DEMO_GRID
@@ -103,11 +114,10 @@ def test_select_label_stage_then_the_demo_reuses_the_chosen_trials(tmp_path, cap
         assert sorted(c["joint_init"] for c in by[j]) == ["fresh", "scorer-only"]
         assert all(c.get("head_budgets") == sel["chosen"][sc].get("head_budgets") for c in by[j])
         assert all(c["label"] == sel["chosen"][sc]["label"] for c in by[j])
-    cand = {(c["policy"], json.dumps(c["settings"], sort_keys=True)): c for c in sel["trials"]}
-    for p, c in sel["chosen"].items():
+    for p, c in sel["chosen"].items():  # the confirmation's choice of the top two by the rule
         if p != "fixed-finetune":
-            assert cand[(p, json.dumps(c, sort_keys=True))]["val_mean"] == max(
-                x["val_mean"] for x in sel["trials"] if x["policy"] == p)
+            conf = sel["confirmation"][p]
+            assert conf["ran"] and c == conf["chosen"] and c in [t["settings"] for t in conf["trials"]]
     warm = S.trial_dir(out / "kvtrace", "kvpop-mlp-joint",
                         next(c for c in by["kvpop-mlp-joint"] if c["joint_init"] == "scorer-only"))
     assert "sha256" in json.loads((warm / "done.json").read_text())["settings"]["init_scorers"]

@@ -313,3 +313,32 @@ def test_dms_extension_one_factor_at_a_time_longer_only_while_it_helps_and_resum
     assert 800 not in [c["steps"] for c in made]
     with pytest.raises(ValueError, match="final"):
         R._extend_dms(a, tmp_path, tmp_path / "elsewhere", tmp_path / "log")
+
+
+def test_realtext_select_writes_split_decisions_and_confirmation(tmp_path, monkeypatch):
+    """The real-text study's DMS grid on the one rule (made-up per-sequence scores): a trial inside the margin is
+    kept out, the top two are retrained with seed 1 and chosen on the mean, the record has every field."""
+    import argparse
+
+    from kvpop.studies import evidence_realtext as R
+
+    monkeypatch.setattr(R, "DMS_GRID", {"lr_gate": (0.02, 0.05, 0.1), "lr_model": (1e-4,), "steps": (150,),
+                                        "target_keep": (0.125,)})
+    per = {0.02: [0.05, 0.06, 0.04, 0.05], 0.05: [0.049, 0.061, 0.041, 0.048], 0.1: [0.03, 0.031, 0.029, 0.03]}
+    made = []
+
+    def fake_trial(corpus, out, log, c, seed=0):
+        made.append((c["lr_gate"], seed))
+        ps = [x + 0.001 * seed for x in per[c["lr_gate"]]]
+        return {"settings": c, "score": sum(ps) / 4, "per_sequence": ps, "dir": f"{c['lr_gate']}/{seed}"}
+
+    monkeypatch.setattr(R, "_dms_trial", fake_trial)
+    (tmp_path / "dms_select").mkdir()
+    rec = R._select(argparse.Namespace(), tmp_path, tmp_path, tmp_path / "log")
+    assert rec["split"]["select"] == list(range(R.VALID_SEQUENCES)) and rec["split"]["fit"] == []
+    dms = [d for d in rec["decisions"] if d["stage"] == "dms lr_gate"]
+    assert [d["adopted"] for d in dms] == [False, True]  # 0.05 better on the mean by less than 2 SE: kept out
+    assert 0 < dms[0]["mean_diff"] < dms[0]["margin"]
+    assert rec["dms"]["chosen"]["settings"]["lr_gate"] == 0.1 and rec["confirmation"]["ran"]
+    assert sorted(made[-2:]) == [(0.02, 1), (0.1, 1)]  # the top two by the rule, retrained with seed 1
+    assert not any(d["paired"] for d in rec["decisions"] if d["stage"].startswith("kvpop"))  # shipped, old format

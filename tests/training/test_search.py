@@ -156,3 +156,153 @@ def test_the_demo_select_plans_reach_every_grid_value():
         select_plan("labels", "kvpop-mlp", SELECT_GRID, {}, {})
     with pytest.raises(ValueError, match="unknown demo retrofit"):
         select_plan("all", "dense", SELECT_GRID, {}, {})
+
+
+# --------------------------------------------------------------------- the selection rule (issue 42)
+
+
+def _brute_decision(inc, ch, higher_is_better=False):
+    """The rule read independently: numpy's paired differences, their sample sd (ddof 1) over sqrt(n), the
+    challenger adopted only when its mean improvement exceeds 2 of them."""
+    import numpy as np
+
+    d = np.asarray(ch, float) - np.asarray(inc, float)
+    d = d if higher_is_better else -d
+    if d.size < 2:
+        return float(d.mean()), None, False
+    se = float(np.std(d, ddof=1) / np.sqrt(d.size))
+    return float(d.mean()), se, bool(d.mean() > 2 * se)
+
+
+def test_the_rule_against_a_brute_force_paired_reading():
+    import random
+    import statistics
+
+    from kvpop.training.search import MARGIN_SE, choose, paired, prefer
+
+    assert MARGIN_SE == 2.0
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(2, 12)
+        inc = [rng.gauss(1.0, 0.3) for _ in range(n)]
+        ch = [x + rng.gauss(rng.choice([-0.2, -0.05, 0.0, 0.1]), rng.choice([0.01, 0.1, 0.3])) for x in inc]
+        for hib in (False, True):
+            mean, se, adopted = _brute_decision(inc, ch, hib)
+            d = prefer({"settings": {"i": 0}, "score": 0, "per_sequence": inc},
+                       {"settings": {"i": 1}, "score": 0, "per_sequence": ch}, higher_is_better=hib)
+            assert d["mean_diff"] == pytest.approx(mean) and d["se"] == pytest.approx(se)
+            assert d["margin"] == pytest.approx(2 * se) and d["adopted"] == adopted and d["paired"]
+            diffs = [(c - i) if hib else (i - c) for i, c in zip(inc, ch)]
+            assert d["se"] == pytest.approx(statistics.stdev(diffs) / n ** 0.5)
+    # a challenger lower on the mean by less than the margin is kept out; the earlier trial stays
+    inc = {"settings": {"lr": 1}, "score": 1.0, "per_sequence": [1.0, 1.0, 1.0, 1.0]}
+    near = {"settings": {"lr": 2}, "score": 0.98, "per_sequence": [0.9, 1.05, 0.95, 1.02]}
+    d = prefer(inc, near)
+    assert d["mean_diff"] == pytest.approx(0.02) and 0 < d["mean_diff"] < d["margin"] and not d["adopted"]
+    assert choose([inc, near], higher_is_better=False) is inc
+    far = {"settings": {"lr": 3}, "score": 0.5, "per_sequence": [0.5, 0.45, 0.55, 0.5]}
+    log = []
+    assert choose([inc, near, far], higher_is_better=False, decisions=log, stage="s") is far
+    assert [x["adopted"] for x in log] == [False, True] and [x["challenger"] for x in log] == [{"lr": 2}, {"lr": 3}]
+    assert all(x["stage"] == "s" for x in log)
+    # the one tie rule: equal scores keep the incumbent; one sequence has no standard error and never replaces
+    assert not prefer(inc, {**inc, "settings": {"lr": 4}})["adopted"]
+    one = prefer({"score": 1, "per_sequence": [1.0]}, {"score": 0, "per_sequence": [0.0]})
+    assert one["se"] is None and not one["adopted"]
+    assert paired([1.0, 2.0], [1.0, 2.0]) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="same sequences"):
+        paired([1.0], [1.0, 2.0])
+    # a record written before the rule (no per-sequence scores) is compared by its score, no margin
+    old = prefer({"score": 0.3}, {"score": 0.2})
+    assert old["adopted"] and not old["paired"] and old["se"] is None
+
+
+def test_the_split_is_disjoint_seeded_and_stable():
+    from kvpop.training.search import resolution, split_keys
+
+    keys = [f"rec{i}" for i in range(17)]
+    fit, sel = split_keys(keys, 0)
+    assert sorted(fit + sel) == list(range(17)) and not set(fit) & set(sel) and len(sel) == 9
+    assert split_keys(keys, 0) == (fit, sel) and split_keys(keys, 1) != (fit, sel)
+    fit, sel = split_keys(["a", "b", "a", "c"], 0)  # a duplicate record never lands in both parts
+    assert not ({0, 2} <= set(fit) and {0, 2} & set(sel)) and not ({0, 2} & set(fit) and {0, 2} & set(sel))
+    assert "warning" in resolution(3) and "no standard error" in resolution(1) and "warning" not in resolution(8)
+    assert "0.0707" in resolution(8, 0.1)  # 2 * 0.1 / sqrt(8)
+
+
+def test_confirmation_chooses_on_the_mean_of_two_seeds(tmp_path):
+    from kvpop.training.search import confirm_choice
+
+    a = {"settings": {"x": 1}, "score": 0.5, "per_sequence": [0.5, 0.5, 0.5]}
+    b = {"settings": {"x": 2}, "score": 0.3, "per_sequence": [0.3, 0.31, 0.29]}
+    c = {"settings": {"x": 3}, "score": 0.9, "per_sequence": [0.9, 0.9, 0.9]}
+    again = {1: [0.5, 0.5, 0.5], 2: [0.7, 0.72, 0.68]}  # b's second seed is worse than a's: the mean keeps a
+    chosen, rec = confirm_choice(b, [a, b, c], lambda t: {"score": sum(again[t["settings"]["x"]]) / 3,
+                                                          "per_sequence": again[t["settings"]["x"]]},
+                                 seed=("seed", 1))
+    assert chosen is a and rec["ran"] and rec["changed"] and [t["settings"] for t in rec["trials"]] == [{"x": 1},
+                                                                                                       {"x": 2}]
+    assert rec["trials"][1]["per_sequence"] == pytest.approx([0.5, 0.515, 0.485])
+    assert confirm_choice(a, [a], lambda t: t, seed=("seed", 1))[1]["ran"] is False
+    # in a Search: the retrained trials carry the seed, and a budget too small says what to raise
+    s = Search(tmp_path, budget=("steps", 4.0), log=lambda line: None)
+    run = lambda st, d: {"score": st["x"], "per_sequence": [st["x"] + e for e in (0, .1, -.1)], "steps": 2}  # noqa: E731
+    best = s.run_plan([Stage("x", [{"x": 1}, {"x": 2}], start={})], run, steps_of=lambda st: 2)
+    _, rec = s.confirm(best, run, seed=("seed", 1), steps_of=lambda st: 2, raise_hint="; raise it to {need}")
+    assert not rec["ran"] and "raise it to 8" in rec["why"]
+
+
+def test_every_search_goes_through_the_one_rule(tmp_path, monkeypatch):
+    """``kvpop train --auto`` (its library side, with made-up training and scores), ``kvpop demo --select`` (its
+    search up to the first stage) and the evidence studies call :func:`kvpop.training.search.prefer`."""
+    import argparse
+
+    import kvpop.training.search as S
+
+    calls = []
+    real = S.prefer
+
+    def spy(*a, **k):
+        calls.append(k.get("stage"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(S, "prefer", spy)
+    # the studies: their choose and confirmation are the search module's
+    from kvpop.studies import evidence_realtext, evidence_synthetic, ledger
+
+    for mod in (ledger, evidence_realtext, evidence_synthetic):
+        assert mod.choose is S.choose
+    assert evidence_realtext.confirm_choice is evidence_synthetic.confirm_choice is S.confirm_choice
+    ledger.choose([{"score": 1}, {"score": 0}], stage="study")
+    assert calls == ["study"]
+    # kvpop train --auto
+    from kvpop.training import auto
+
+    calls.clear()
+    args = argparse.Namespace(out=str(tmp_path / "auto"), resume=False, steps=2, auto_budget="8", auto_patience=0,
+                              auto_eval_every=None, seed=0, sinks=2, window=8, allocate=None, valid_data=None,
+                              valid_sequences=None, init_scorers=None, no_train_model=True, budget=32, auto=True,
+                              preset=None, label=None, lr_scorer=None, decay_nats=None, target_source=None)
+    scores = iter(range(100))
+    rec = auto.search(args, served=32, given={"label": "mean"}, lr_scorer=1e-3, train_model=False,
+                      train=lambda ns: 0, score=lambda d, part: [float(next(scores) % 3), 1.0, 2.0],
+                      oracle=lambda st: [0.0, 0.0, 0.0], split={"fit": [1, 2], "select": [3, 4, 5]},
+                      log=lambda line: None)
+    assert calls and calls == [d["stage"] for d in rec["decisions"]] and "confirmation" in calls
+    assert rec["split"] == {"fit": [1, 2], "select": [3, 4, 5]} and all("per_sequence" in t for t in rec["trials"])
+    # kvpop demo --select: its search is Search.run_plan, which decides by prefer (the tests above)
+    from kvpop.cli import demo as D
+    from kvpop.demo import search as DS
+
+    class Reached(Exception):
+        pass
+
+    def stop(self, *a, **k):
+        raise Reached
+
+    monkeypatch.setattr(S.Search, "run_plan", stop)
+    p = argparse.ArgumentParser()
+    D.add_arguments(p)
+    a = p.parse_args(["--quick", "--select", "--task", "kvtrace", "--out", str(tmp_path / "demo"), "--no-progress"])
+    with pytest.raises(Reached):
+        DS.select(a, "kvtrace", tmp_path / "demo" / "kvtrace", DS.settings(a, "kvtrace"))
