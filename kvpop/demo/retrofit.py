@@ -62,8 +62,8 @@ class RetrofitConfig:
             records the SHA-256 of its content (metadata and tensors), not its path.
         eval_every: with a ``validate`` callback (:func:`retrofit`), validate every this many steps and at
             the last, and keep the best state (early stopping by selection); 0: no validation.
-        patience: stop after this many validations without a better one, of equals the earlier (0: train every
-            step).
+        patience: stop after this many validations without a better or equal one (a tie goes to the later state,
+            the default; 0: train every step).
         head_allocation: ``None`` (uniform budgets) or ``"ablation"``: head-adaptive budgets fixed before
             training (the same total), shared by :func:`kvpop.core.budgets.allocate` in proportion to
             :func:`~kvpop.core.budgets.ablation_importance` on ``ABLATION_SEQUENCES`` validation sequences of
@@ -315,8 +315,9 @@ def _train_validated(model: nn.Module, data: list, tc: TrainConfig, teacher: nn.
                      cfg: RetrofitConfig, validate: Callable[[nn.Module], float], ckpt: Path) -> tuple[list, dict]:
     """Train to ``cfg.steps`` in segments of ``cfg.eval_every`` steps (each resumes the last checkpoint, so the
     run is the one uninterrupted run), validate after each, keep the best state in ``ckpt/best.pt`` (of equal
-    scores the earlier stays: the one tie rule of every choice, :func:`kvpop.training.search.prefer`) and stop
-    after ``cfg.patience`` validations without a better one; then load the best state.  Validations survive an
+    scores the later: a tie goes to the default, here the run as long as asked, the one tie rule of every choice,
+    docs/DESIGN.md section 7 "Selection") and stop after ``cfg.patience`` validations without a better or equal
+    one; then load the best state.  Validations survive an
     interruption (``ckpt/validation.jsonl``).  Returns the loss history and ``{"validation", "best_step"}``."""
     from dataclasses import replace
 
@@ -335,12 +336,12 @@ def _train_validated(model: nn.Module, data: list, tc: TrainConfig, teacher: nn.
             model.eval()
             rec = {"step": target, "score": float(validate(model))}
             model.train()
-            better = best is None or rec["score"] > best["score"]  # of equals the earlier state stays
+            better = best is None or rec["score"] >= best["score"]  # a tie goes to the default: the later state
             if better:  # the state first: a record never names a best state that was not saved
                 atomic_save({k: v.detach().clone() for k, v in model.state_dict().items()}, best_file)
             append_jsonl(vfile, rec)
             done.append(rec)
-        better = better or best is None or rec["score"] > best["score"]
+        better = better or best is None or rec["score"] >= best["score"]
         if better:
             best, bad = rec, 0
         else:

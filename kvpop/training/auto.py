@@ -30,7 +30,7 @@ The validation sequences are split in two disjoint parts (``split`` in the recor
 of :func:`kvpop.training.search.prefer` (2 paired standard errors; ``decisions``).  Every trial stops early
 (:func:`early_stopping`): it is validated on the fit part every ``--auto-eval-every`` steps (its ``kvpop train``
 extended by ``--resume``, the one uninterrupted run), stopped after ``--auto-patience`` validations without a
-better score (of equals the earlier state stays), and its outputs are its best validated state's
+better score (a tie goes to the later state, the run as long as asked), and its outputs are its best validated state's
 (``validations`` and ``best_step`` in its record; ``steps`` the last step trained), scored once on the select
 part; ``--auto-patience 0`` trains every trial to ``--steps`` and scores it once.  The top two trials are then
 trained again with ``--seed + 1`` and chosen on the mean (``confirmation``), paid from the budget (a steps
@@ -97,7 +97,7 @@ SERVED_FILES = ("scorers.safetensors", "model", "head_budgets.json")
 """A run's served outputs: what early stopping keeps of a trial's best validated state (``best/``)."""
 PATIENCE = 2
 """``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
-better score (of equals the earlier stays)."""
+better or equal score (a tie goes to the later state)."""
 DEFAULT_TRIALS = 5
 """The default budget: this many trained trials of ``--steps`` steps each."""
 
@@ -270,7 +270,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
                 with open(vfile, "a") as f:
                     f.write(json.dumps(rec) + "\n")
             vals.append(rec)
-            if best is None or rec["fit_score"] < best["fit_score"]:  # of equals the earlier state stays
+            if best is None or rec["fit_score"] <= best["fit_score"]:  # a tie goes to the default: the later state
                 best, bad = rec, 0
             else:
                 bad += 1

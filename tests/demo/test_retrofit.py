@@ -83,10 +83,10 @@ def test_without_patience_every_step_runs_and_the_best_is_kept(base, tmp_path):
     done = json.loads((d / "done.json").read_text())
     assert [r["step"] for r in done["validation"]] == [2, 4, 5] and done["best_step"] == 2
     assert done["last"]["step"] == 5  # trained to the end; the state saved is step 2's
-    ties = iter([1.0, 1.0, 0.9])  # a saturated validation: of equals the earlier state stays (one tie rule)
+    ties = iter([1.0, 1.0, 0.9])  # a saturated validation: a tie goes to the later state (the run as asked)
     R.retrofit(base, "kvpop-mlp", tmp_path / "t", _cfg(steps=5, eval_every=2), progress=False,
                validate=lambda m: next(ties))
-    assert json.loads((tmp_path / "t" / "done.json").read_text())["best_step"] == 2
+    assert json.loads((tmp_path / "t" / "done.json").read_text())["best_step"] == 4
 
 
 def test_an_interrupted_validated_run_resumes_to_the_same_result(base, tmp_path):
