@@ -90,6 +90,8 @@ SERVED_FILES = ("scorers.safetensors", "model", "head_budgets.json")
 PATIENCE = 2
 """``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
 better or equal score."""
+MAX_BUDGET = 1e15
+"""The largest ``--auto-budget`` taken (steps or minutes): more than any search spends, and exact as a float."""
 DEFAULT_TRIALS = 5
 """The default budget: this many trained trials of ``--steps`` steps each."""
 
@@ -117,6 +119,9 @@ def parse_budget(text: str | None, steps: int) -> tuple[str, float]:
         raise ValueError(f"--auto-budget {text!r}: give trained steps (an integer, e.g. 400) or minutes (e.g. 30m, "
                          f"30min)")
     value, unit = float(m.group(1)), "minutes" if m.group(2) else "steps"
+    if not math.isfinite(value) or value > MAX_BUDGET:
+        raise ValueError(f"--auto-budget {text[:40]}{'...' if len(text) > 40 else ''} ({len(m.group(1))} digits): "
+                         f"too large; give at most {MAX_BUDGET:.0e} {unit}")
     if unit == "steps":
         if value != int(value):
             raise ValueError(f"--auto-budget {text!r}: a number of steps must be an integer (or say minutes: 30m)")
@@ -188,7 +193,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
            train: Callable[[argparse.Namespace], int], score: Callable[[Path], float],
            oracle: Callable[[dict], float], log: Callable[[str], None] = print,
            criterion: str = "validation NLL over dense past the budget (nats; lower is better), served as kvpop "
-                            "eval --run serves the run") -> dict:
+                            "eval --run serves the run", inputs: dict | None = None) -> dict:
     """Run the staged search of this module (:func:`kvpop.training.search.auto_plan` on
     :class:`kvpop.training.search.Search`, the one search of ``kvpop demo --select`` too) for the ``kvpop train``
     arguments ``args`` (``args.out``: OUT) and return the record written to ``OUT/selection.json``.
@@ -199,22 +204,32 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     method's default scorer learning rate; ``train_model``: whether the model is trained (the label-source
     stage); ``train(ns)``: one ``kvpop train`` run of the namespace ``ns`` (exit status); ``score(dir)``: the
     validation score of the run in ``dir`` (lower is better); ``oracle(settings)``: the first stage's score of
-    a label candidate; ``criterion``: what ``score`` measures, for the record."""
+    a label candidate; ``criterion``: what ``score`` measures, for the record; ``inputs``: what the trials run
+    under (:func:`kvpop.training.trial_records.search_inputs`; recorded in every trial, and a trial of other
+    inputs is refused, never reused or continued)."""
     from kvpop.training.search import Search, auto_plan
+    from kvpop.training.trial_records import check_score, check_trial_dirs, read_validations
 
     out = Path(args.out)
     if (out / "selection.json").exists() and not args.resume:
         raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
                          f"choose another --out")
-    s = Search(out, header={"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
-                            "steps_per_trial": args.steps, "served_budget": served},
-               budget=parse_budget(args.auto_budget, args.steps), log=log, prefix="[kvpop train --auto]")
+    if inputs is not None:
+        check_trial_dirs(out, "auto", inputs)  # every trial of an earlier start, before any work
+    header = {"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
+              "steps_per_trial": args.steps, "served_budget": served}
+    if inputs is not None:
+        header["search_inputs"] = inputs
+    s = Search(out, header=header, budget=parse_budget(args.auto_budget, args.steps), log=log,
+               prefix="[kvpop train --auto]", inputs=inputs)
+    progress = not getattr(args, "no_progress", False)
 
     every, patience = early_stopping(args)
 
     def train_to(ns: argparse.Namespace, d: Path, steps: int) -> None:
         ns = copy.copy(ns)
         ns.out, ns.steps, ns.resume = str(d), steps, (d / "last.pt").exists()
+        ns._auto_trial = True  # a trial of this search (not in its args.json): the search says how to resume
         rc = train(ns)
         if rc != 0:
             raise _Stopped(rc)
@@ -225,18 +240,23 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
             train_to(ns, d, args.steps)
             return {"score": score(d), "steps": args.steps}
         vfile, keep = d / "validation.jsonl", d / "best"
-        done = [json.loads(x) for x in vfile.read_text().splitlines() if x.strip()] if vfile.exists() else []
+        done = read_validations(vfile) if vfile.exists() else []
         vals: list[dict] = []
         best, bad = None, 0
         for target in [*range(every, args.steps, every), args.steps]:
             rec = next((r for r in done if r["step"] == target), None)  # validated before an interruption
+            before = rec is not None
             if rec is None:
                 train_to(ns, d, target)
-                rec = {"step": target, "score": score(d)}
+                rec = {"step": target, "score": check_score(score(d), d)}
                 if best is None or rec["score"] <= best["score"]:  # the state first, then its record
                     replace_files(d, keep, SERVED_FILES)
                 with open(vfile, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+            if progress:
+                log(f"[kvpop train --auto]   validation at step {target}/{args.steps}: score {rec['score']:.5f}"
+                    f"{' (best so far)' if best is None or rec['score'] <= best['score'] else ''}"
+                    f"{' (recorded before)' if before else ''}")
             vals.append(rec)
             if best is None or rec["score"] <= best["score"]:  # of equals the later, more trained state
                 best, bad = rec, 0
