@@ -242,7 +242,7 @@ def run_auto(args: argparse.Namespace, train) -> int:
     from kvpop.training.rundir import check_model
     from kvpop.training.runstate import RunDirectoryError, RunLock
     from kvpop.training.train import LEARNING_RATES
-    from kvpop.training.trial_records import search_inputs
+    from kvpop.training.trial_records import check_trial_dirs, search_inputs
 
     given = {k: getattr(args, k) for k in SEARCHED if getattr(args, k, None) is not None}
     first = copy.copy(args)
@@ -268,6 +268,7 @@ def run_auto(args: argparse.Namespace, train) -> int:
         resolved = copy.copy(first)
         resolved.allocate = args.allocate  # as given (first's "ablation" only let its options be checked)
         inputs = search_inputs(resolved, model_dir=source)
+        check_trial_dirs(Path(args.out), "auto", inputs)  # an earlier start's trials, before any work
         torch.manual_seed(args.seed)
         model = load_model_dir(source, dtype=torch.float32)
         seqs = _valid_sequences(args, model, source)
