@@ -59,6 +59,10 @@ def check_auto_options(args: argparse.Namespace) -> None:
     if args.data is not None and args.valid_data is None:
         raise ValueError("--auto chooses on validation data, never on the training data: give --valid-data "
                          "FILE.jsonl (records held out from --data)")
+    if args.task and args.valid_data is not None:
+        raise ValueError(f"--auto --task scores every trial on the task's validation sequences (--valid-sequences of "
+                         f"them); --valid-data {args.valid_data} would not be what the search scores on: leave it "
+                         f"out")
     if args.data is not None:
         _check_valid_file(args.valid_data, args.data)
     _check_out(Path(args.out), args.resume)
@@ -90,6 +94,9 @@ def _check_out(out: Path, resume: bool) -> None:
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
+    if (out / "auto").exists() and not (out / "auto").is_dir():
+        raise ValueError(f"--out {out}: {out / 'auto'} is not a directory, where the search keeps its trials; move "
+                         f"it away")
     searched = (out / "selection.json").exists() or (out / "auto").is_dir()
     run = [n for n in RUN_FILES if (out / n).exists()]
     if run and not searched:

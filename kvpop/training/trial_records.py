@@ -213,13 +213,21 @@ def check_trial_dirs(out: Path, subdir: str, inputs: Mapping[str, Any]) -> int:
 
 def read_validations(f: Path) -> list[dict]:
     """The validations of an early-stopped trial recorded so far (``validation.jsonl``: one ``{"step", "score"}``
-    per line), checked; ValueError naming ``f`` and the line."""
+    per line, each appended with its newline), checked; ValueError naming ``f`` and the line.  A last line without
+    its newline (a process killed while appending it) is not a record: it is cut from the file (that validation
+    runs again)."""
+    from kvpop.core.files import atomic_write
+
     out = []
     try:
-        lines = Path(f).read_text(encoding="utf-8").splitlines()
+        text = Path(f).read_text(encoding="utf-8")
     except (OSError, ValueError) as e:
         raise ValueError(f"{f}: cannot read it ({type(e).__name__}: {str(e)[:200]}); delete it to validate the trial "
                          f"again") from None
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+        atomic_write(f, lambda fh: fh.write(text), binary=False)
+    lines = text.splitlines()
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue

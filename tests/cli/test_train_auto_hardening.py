@@ -280,3 +280,15 @@ def test_kill_9_mid_trial_then_resume_gives_the_uninterrupted_choice(searched, t
 
     x, y = load_file(str(out / "scorers.safetensors")), load_file(str(searched[0] / "scorers.safetensors"))
     assert x.keys() == y.keys() and all((x[k].float() - y[k].float()).abs().max() <= 1e-5 for k in x)
+
+
+def test_auto_refuses_valid_data_with_task_and_an_out_whose_auto_is_a_file(tmp_path):
+    valid = tmp_path / "v.jsonl"
+    _write(valid, _ids(2, 100, 0))
+    with pytest.raises(SystemExit, match="--auto --task scores every trial on the task's validation sequences"):
+        main(["train", *QUICK, *SEARCH, "--valid-data", str(valid), "--out", str(tmp_path / "o")])
+    out = tmp_path / "o2"
+    out.mkdir()
+    (out / "auto").write_text("")
+    with pytest.raises(SystemExit, match="auto is not a directory, where the search keeps its trials"):
+        main(["train", *QUICK, *SEARCH, "--out", str(out)])

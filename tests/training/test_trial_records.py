@@ -126,6 +126,12 @@ def test_validation_lines_are_checked(tmp_path):
     f.write_text('{"step": 1, "score": 0.5}\n{"step": 2, "score": NaN}\n')
     with pytest.raises(ValueError, match=r"validation.jsonl:2: a validation\[\"score\"\] is nan"):
         read_validations(f)
-    f.write_text('{"step": 1, "sc')
+    f.write_text('{"step": 1, "sc}\n')
     with pytest.raises(ValueError, match=r"validation.jsonl:1: not a JSON record"):
         read_validations(f)
+    # a process killed while appending a line leaves it without its newline: cut, that validation runs again
+    f.write_text('{"step": 1, "score": 0.5}\n{"step": 2, "sc')
+    assert read_validations(f) == [{"step": 1, "score": 0.5}]
+    assert f.read_text() == '{"step": 1, "score": 0.5}\n'
+    f.write_text('{"step": 1, "sc')
+    assert read_validations(f) == [] and f.read_text() == ""
