@@ -40,7 +40,8 @@ record is ``OUT/selection.json`` (``trials``: settings, validation score, steps,
 after every trial; the chosen trial's files are then copied into ``OUT``, so ``OUT`` is a run that
 ``kvpop eval --run OUT`` and the vLLM plugin take as it is.  A finished trial (``OUT/auto/<tag>/trial.json``)
 is never trained again: ``--resume`` continues an interrupted search where it stopped (the record, the budget
-and the reuse are :class:`~kvpop.training.search.Search`'s).
+and the reuse are :class:`~kvpop.training.search.Search`'s), once every trial's record is checked and found to
+be of the same options and data (:mod:`kvpop.training.trial_records`; only ``--auto-budget`` may change).
 
 The library's side takes its collaborators as functions (train one run, score one run), so that it imports
 nothing above :mod:`kvpop.training`; ``kvpop.cli.auto`` gives them.
@@ -248,7 +249,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
             before = rec is not None
             if rec is None:
                 train_to(ns, d, target)
-                rec = {"step": target, "score": check_score(score(d), d)}
+                rec = {"step": target, "score": check_score(float(score(d)), d)}
                 if best is None or rec["score"] <= best["score"]:  # the state first, then its record
                     replace_files(d, keep, SERVED_FILES)
                 with open(vfile, "a") as f:

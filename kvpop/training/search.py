@@ -160,9 +160,9 @@ class Search:
         self.log(f"{self.prefix} {stage} {settings}: started in {d}")
         t0 = time.time()
         res = dict(run(settings, d))
-        r = {**(extra or {}), "stage": stage, "settings": settings, "score": check_score(res.pop("score"), d),
-             "steps": int(res.pop("steps", 0)), "seconds": round(time.time() - t0, 1),
-             "dir": rel, **res}
+        score = check_score(float(res.pop("score")), d)  # a NaN would never be beaten: refused, naming the trial
+        r = {**(extra or {}), "stage": stage, "settings": settings, "score": score,
+             "steps": int(res.pop("steps", 0)), "seconds": round(time.time() - t0, 1), "dir": rel, **res}
         write_json(f, file_record(r, self.inputs))
         self.log(f"{self.prefix} {stage} {settings}: validation score {r['score']:.5f} ({r['seconds']:.0f} s)")
         return self._keep(r)
