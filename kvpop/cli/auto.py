@@ -325,7 +325,9 @@ class _StopOnSignal:
     """SIGINT and SIGTERM stop the search at once with :class:`_Signalled` (its finished trials, and the
     interrupted one's checkpoints and validations, are kept for ``--resume``), so that the search says what
     happened instead of dying silently; a trial's ``kvpop train`` installs its own handlers over these while it
-    trains (stopping after the step in flight), and they come back after it.  Outside the main thread: nothing."""
+    trains (stopping after the step in flight), and they come back after it.  Outside the main thread: nothing; a
+    signal the caller ignores (``SIG_IGN``, e.g. SIGINT of a job started in the background by a script) stays
+    ignored."""
 
     def __init__(self) -> None:
         self._old: dict = {}
@@ -336,8 +338,9 @@ class _StopOnSignal:
     def install(self) -> _StopOnSignal:
         import threading
 
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread():  # a signal ignored by the caller stays ignored
+            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)
+                         if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def restore(self) -> None:
