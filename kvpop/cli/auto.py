@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import signal
 import sys
 from pathlib import Path
 
@@ -60,8 +61,13 @@ def check_auto_options(args: argparse.Namespace) -> None:
     if args.data is not None and args.valid_data is None:
         raise ValueError("--auto chooses on validation data, never on the training data: give --valid-data "
                          "FILE.jsonl (records held out from --data)")
-    if args.resume and not (Path(args.out) / "selection.json").exists() and Path(args.out, "last.pt").exists():
-        raise ValueError(f"--out {args.out} holds a run of kvpop train without --auto; choose another --out")
+    if args.task and args.valid_data is not None:
+        raise ValueError(f"--auto --task scores every trial on the task's validation sequences (--valid-sequences of "
+                         f"them); --valid-data {args.valid_data} would not be what the search scores on: leave it "
+                         f"out")
+    if args.data is not None:
+        _check_valid_file(args.valid_data, args.data)
+    _check_out(Path(args.out), args.resume)
     parse_budget(args.auto_budget, args.steps)
     early_stopping(args)
 
@@ -72,6 +78,46 @@ SELECT_FIRST = 1_000
 SPLIT_SEED = 0
 """The seed of the hash that splits ``--valid-data``'s sequences into fit and select
 (:func:`kvpop.training.search.split_keys`); fixed, so that ``--seed`` does not move the split."""
+
+
+def _check_valid_file(valid: str, data: str) -> None:
+    """``--valid-data`` is not the training file ``--data`` (the path, or a copy of its content): the search's
+    trials must be scored on held-out records (:func:`_held_out` compares the records themselves)."""
+    from kvpop.training.data import data_fingerprint
+
+    if Path(valid).resolve() == Path(data).resolve():
+        raise ValueError(f"--valid-data {valid} is the training file --data: --auto's search must score its trials "
+                         f"on held-out records, never on what they trained on")
+    try:
+        same = data_fingerprint(valid) == data_fingerprint(data)
+    except OSError:
+        return  # unreadable: said when the file is read
+    if same:
+        raise ValueError(f"--valid-data {valid} has the same content as the training file --data {data} (a copy): "
+                         f"--auto's search must score its trials on held-out records")
+
+
+def _check_out(out: Path, resume: bool) -> None:
+    """``--out`` holds nothing a search would replace or mix with: a plain run of ``kvpop train`` (its files would
+    be replaced by the chosen trial's), or without ``--resume`` an earlier search (finished or interrupted)."""
+    from kvpop.training.auto import RUN_FILES
+
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if (out / "auto").exists() and not (out / "auto").is_dir():
+        raise ValueError(f"--out {out}: {out / 'auto'} is not a directory, where the search keeps its trials; move "
+                         f"it away")
+    searched = (out / "selection.json").exists() or (out / "auto").is_dir()
+    run = [n for n in RUN_FILES if (out / n).exists()]
+    if run and not searched:
+        raise ValueError(f"--out {out} holds a run of kvpop train without --auto ({', '.join(run)}), which the "
+                         f"search's chosen run would replace: choose another --out")
+    if not resume and (out / "selection.json").exists():
+        raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
+                         f"choose another --out")
+    if not resume and (out / "auto").is_dir() and any(p.is_dir() for p in (out / "auto").iterdir()):
+        raise ValueError(f"--out {out} holds the trials of an earlier --auto search ({out / 'auto'}): add --resume to "
+                         f"continue it (the same options), or choose another --out")
 
 
 def _valid_sequences(args: argparse.Namespace, model, source: Path) -> tuple[dict, dict]:
@@ -96,6 +142,9 @@ def _valid_sequences(args: argparse.Namespace, model, source: Path) -> tuple[dic
                                    model_dir=source, pack=args.pack,
                                    eos_token_id=getattr(model.config, "eos_token_id", None), train_digests=None,
                                    train_path=args.data)
+    if not seqs:
+        raise ValueError(f"--valid-data {args.valid_data} gives no sequence of --seq-len {args.seq_len} tokens")
+    _held_out(args, model, source, seqs)
     if len(seqs) < 2:
         raise ValueError(f"--valid-data {args.valid_data} gives {len(seqs)} sequence(s) of --seq-len {args.seq_len} "
                          f"tokens; --auto needs at least 2 (one to fit, one to select), 16 or more to resolve "
@@ -119,6 +168,56 @@ def _fit_file(out: Path, seqs: list) -> Path:
     if not f.exists() or f.read_text() != text:
         f.write_text(text)
     return f
+
+
+def _held_out(args: argparse.Namespace, model, source: Path, seqs: list) -> None:
+    """The validation sequences the search scores on are held out from ``--data``: refused when every record of
+    ``--valid-data`` is a training record (in any order, so with ``--pack`` too), or every sequence measured is a
+    training sequence; a warning when some are."""
+    import hashlib
+
+    from kvpop.training import data as D
+
+    tok: dict = {}
+
+    def tokenizer():
+        tok.setdefault("t", D.load_tokenizer(source))
+        return tok["t"]
+
+    def records(path: str) -> list[list[int]]:
+        return D.read_jsonl(path, vocab_size=model.config.vocab_size, tokenizer=tokenizer,
+                            tokenizer_source=str(source))
+
+    def digest(ids: list[int]) -> bytes:
+        return hashlib.blake2b(repr(ids).encode(), digest_size=16).digest()
+
+    try:
+        train = records(args.data)
+    except ValueError as e:
+        raise ValueError(f"--data: {e}") from None
+    valid = records(args.valid_data)
+    train_records = {digest(r) for r in train}
+    shared = sum(digest(r) in train_records for r in valid)
+    why = ("--auto's search must score its trials on held-out records, never on what they trained on: give "
+           "--valid-data records that are not in --data")
+    if shared == len(valid):
+        raise ValueError(f"--valid-data {args.valid_data}: all {len(valid)} of its records are training records of "
+                         f"--data {args.data} too (in any order): {why}")
+    eos = getattr(model.config, "eos_token_id", None)
+    sep = getattr(tok.get("t"), "eos_token_id", None) if tok else eos
+    sep = (sep[0] if sep else None) if isinstance(sep, list) else sep
+    try:
+        cut = D.digests(D.chunk(train, args.seq_len, pack=args.pack, sep_id=sep, source=args.data))
+    except ValueError:
+        cut = set()  # no training sequence of this length: each trial says so
+    both = sum(bool(D.digests([x]) & cut) for x in seqs)
+    if both == len(seqs):
+        raise ValueError(f"--valid-data {args.valid_data}: all {len(seqs)} of its sequences measured are training "
+                         f"sequences of --data {args.data} too: {why}")
+    if both or shared:
+        print(f"kvpop train --auto: warning: --valid-data {args.valid_data}: {shared} of its {len(valid)} records "
+              f"({both} of the {len(seqs)} sequences measured) are training records of --data {args.data} too: the "
+              f"trials' scores are partly measured on training data", file=sys.stderr)
 
 
 def _served(base, d: Path, budget: int):
@@ -191,8 +290,10 @@ def run_auto(args: argparse.Namespace, train) -> int:
     from kvpop.models import load_model_dir
     from kvpop.training.auto import SEARCHED, _Stopped, oracle_excess, search, summary_lines
     from kvpop.training.options import check_options, method_config
+    from kvpop.training.rundir import check_model
     from kvpop.training.runstate import RunDirectoryError, RunLock
     from kvpop.training.train import LEARNING_RATES
+    from kvpop.training.trial_records import check_trial_dirs, search_inputs
 
     given = {k: getattr(args, k) for k in SEARCHED if getattr(args, k, None) is not None}
     first = copy.copy(args)
@@ -203,12 +304,22 @@ def run_auto(args: argparse.Namespace, train) -> int:
         raise SystemExit(f"kvpop train: {e}") from None
     served = first.budget  # --budget, or the default check_options filled in: every trial is scored at it
     source = Path(args.model) if args.model else default_model(args)
+    if args.model is not None:
+        try:
+            check_model(args.model)
+        except ValueError as e:
+            raise SystemExit(f"kvpop train: {e}") from None
     lock = RunLock(Path(args.out), "kvpop train --auto")
     try:
         lock.acquire()
     except RunDirectoryError as e:
         raise SystemExit(f"kvpop train: {e}") from None
+    signals = _StopOnSignal().install()
     try:
+        resolved = copy.copy(first)
+        resolved.allocate = args.allocate  # as given (first's "ablation" only let its options be checked)
+        inputs = search_inputs(resolved, model_dir=source)
+        check_trial_dirs(Path(args.out), "auto", inputs)  # an earlier start's trials, before any work
         torch.manual_seed(args.seed)
         model = load_model_dir(source, dtype=torch.float32)
         parts, split = _valid_sequences(args, model, source)
@@ -236,15 +347,55 @@ def run_auto(args: argparse.Namespace, train) -> int:
                 return {"valid_data": str(_fit_file(out, parts["fit"])), "valid_sequences": len(parts["fit"])}
         record = search(args, served=served, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
                         train_model=not args.no_train_model, train=train, score=score, oracle=oracle, split=split,
-                        fit_data=fit_data, log=lambda s: print(s, file=sys.stderr, flush=True), criterion=criterion)
+                        fit_data=fit_data, log=lambda s: print(s, file=sys.stderr, flush=True), criterion=criterion,
+                        inputs=inputs)
         for line in summary_lines(record):
             print(f"kvpop train --auto: {line}", flush=True)
-    except _Stopped as e:
-        print(f"kvpop train --auto: stopped; the finished trials are kept in {args.out}: run the same command with "
-              f"--resume to continue", file=sys.stderr)
+    except (_Stopped, _Signalled) as e:
+        what = f"stopped by {signal.Signals(e.rc - 128).name}" if e.rc > 128 else f"stopped (exit status {e.rc})"
+        print(f"kvpop train --auto: {what}; the finished trials and the interrupted one's last checkpoint are kept in "
+              f"{args.out}: run the same kvpop train --auto command with --resume to continue the search where it "
+              f"stopped", file=sys.stderr, flush=True)
         return e.rc
     except (ValueError, OSError) as e:
         raise SystemExit(f"kvpop train: {e}") from None
     finally:
+        signals.restore()
         lock.release()
     return 0
+
+
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM outside a trial's training steps (which stop after the step in flight themselves)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.rc = 128 + signum
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM stop the search at once with :class:`_Signalled` (its finished trials, and the
+    interrupted one's checkpoints and validations, are kept for ``--resume``), so that the search says what
+    happened instead of dying silently; a trial's ``kvpop train`` installs its own handlers over these while it
+    trains (stopping after the step in flight), and they come back after it.  Outside the main thread: nothing; a
+    signal the caller ignores (``SIG_IGN``, e.g. SIGINT of a job started in the background by a script) stays
+    ignored."""
+
+    def __init__(self) -> None:
+        self._old: dict = {}
+
+    def _handler(self, signum: int, frame) -> None:
+        raise _Signalled(signum)
+
+    def install(self) -> _StopOnSignal:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # a signal ignored by the caller stays ignored
+            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)
+                         if signal.getsignal(s) is not signal.SIG_IGN}
+        return self
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}

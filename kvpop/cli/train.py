@@ -150,11 +150,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="with --allocate: the fewest long-range slots a head gets (default 0: a head may keep only "
                          "its sinks and window)")
     kv.add_argument("--valid-data", type=str, default=None, metavar="FILE.jsonl",
-                    help="with --allocate: validation records (same format as --data, cut at --seq-len), not the "
-                         "training file")
+                    help="with --allocate or --auto: validation records (same format as --data, cut at --seq-len), "
+                         "held out from the training file: --allocate measures each head's importance on them, "
+                         "--auto scores every trial on them (with --task: the task's validation sequences)")
     kv.add_argument("--valid-sequences", type=int, default=None,
-                    help=f"with --allocate: validation sequences measured (default {VALID_SEQUENCES}; each head costs "
-                         f"one forward over them)")
+                    help=f"with --allocate or --auto: validation sequences measured (default {VALID_SEQUENCES}; with "
+                         f"--allocate each head costs one forward over them, with --auto every validation of a trial "
+                         f"scores them)")
     kv.add_argument("--no-balance", action="store_true",
                     help="do not balance keep/drop decisions in L_score (then several processes take "
                          "exactly the steps of one)")
@@ -327,6 +329,10 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
 
     _checked(rundir.check_outputs, out, layer_file="gates.safetensors" if args.method == "dms" else
              "scorers.safetensors", train_model=not args.no_train_model)
+    if (out / "selection.json").exists() and not getattr(args, "_auto_trial", False):
+        _fail(f"--out {out} holds a kvpop train --auto search (selection.json) and its chosen run: continue the "
+              f"search with the same kvpop train --auto command and --resume; a run without --auto would replace "
+              f"the chosen run's files: choose another --out")
     if args.resume:
         _checked(rundir.check_resume_args, out, rundir.arg_dict(args))
     elif (out / "last.pt").exists():
@@ -386,7 +392,7 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
         try:
             hist = train(model, data, tcfg, resume=args.resume, method=method)  # writes last.pt, history.jsonl
         except TrainingInterrupted as e:
-            if rank == 0:
+            if rank == 0 and not getattr(args, "_auto_trial", False):  # --auto says it for the whole search
                 print(f"kvpop train: {e}: run the same command with --resume to continue", file=sys.stderr)
             return 128 + e.signum
         except RunMismatch as e:

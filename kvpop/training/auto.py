@@ -48,7 +48,8 @@ record is ``OUT/selection.json`` (``trials``: settings, validation score, steps,
 after every trial; the chosen trial's files are then copied into ``OUT``, so ``OUT`` is a run that
 ``kvpop eval --run OUT`` and the vLLM plugin take as it is.  A finished trial (``OUT/auto/<tag>/trial.json``)
 is never trained again: ``--resume`` continues an interrupted search where it stopped (the record, the budget
-and the reuse are :class:`~kvpop.training.search.Search`'s).
+and the reuse are :class:`~kvpop.training.search.Search`'s), once every trial's record is checked and found to
+be of the same options and data (:mod:`kvpop.training.trial_records`; only ``--auto-budget`` may change).
 
 The library's side takes its collaborators as functions (train one run, score one run), so that it imports
 nothing above :mod:`kvpop.training`; ``kvpop.cli.auto`` gives them.
@@ -98,6 +99,8 @@ SERVED_FILES = ("scorers.safetensors", "model", "head_budgets.json")
 PATIENCE = 2
 """``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
 better or equal score (a tie goes to the later state)."""
+MAX_BUDGET = 1e15
+"""The largest ``--auto-budget`` taken (steps or minutes): more than any search spends, and exact as a float."""
 DEFAULT_TRIALS = 5
 """The default budget: this many trained trials of ``--steps`` steps each."""
 
@@ -125,6 +128,9 @@ def parse_budget(text: str | None, steps: int) -> tuple[str, float]:
         raise ValueError(f"--auto-budget {text!r}: give trained steps (an integer, e.g. 400) or minutes (e.g. 30m, "
                          f"30min)")
     value, unit = float(m.group(1)), "minutes" if m.group(2) else "steps"
+    if not math.isfinite(value) or value > MAX_BUDGET:
+        raise ValueError(f"--auto-budget {text[:40]}{'...' if len(text) > 40 else ''} ({len(m.group(1))} digits): "
+                         f"too large; give at most {MAX_BUDGET:.0e} {unit}")
     if unit == "steps":
         if value != int(value):
             raise ValueError(f"--auto-budget {text!r}: a number of steps must be an integer (or say minutes: 30m)")
@@ -203,7 +209,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
            oracle: Callable[[dict], list[float]], split: dict, fit_data: Callable[[Path], dict] | None = None,
            log: Callable[[str], None] = print,
            criterion: str = "validation NLL over dense past the budget (nats; lower is better), served as kvpop "
-                            "eval --run serves the run") -> dict:
+                            "eval --run serves the run", inputs: dict | None = None) -> dict:
     """Run the staged search of this module (:func:`kvpop.training.search.auto_plan` on
     :class:`kvpop.training.search.Search`, the one search of ``kvpop demo --select`` too) for the ``kvpop train``
     arguments ``args`` (``args.out``: OUT) and return the record written to ``OUT/selection.json``.
@@ -217,18 +223,25 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     better); ``oracle(settings)``: the first stage's per-sequence scores of a label candidate on the select
     sequences; ``split``: the record's ``split`` (``fit`` and ``select``, disjoint); ``fit_data(ns_dict)``: the
     options a trial that allocates takes to measure its head budgets on the fit part alone (``valid_data``,
-    ``valid_sequences``); ``criterion``: what ``score`` measures, for the record."""
+    ``valid_sequences``); ``criterion``: what ``score`` measures, for the record; ``inputs``: what the trials run
+    under (:func:`kvpop.training.trial_records.search_inputs`; recorded in every trial, and a trial of other
+    inputs is refused, never reused or continued)."""
     from kvpop.training.search import Search, auto_plan, resolution
+    from kvpop.training.trial_records import check_score, check_trial_dirs, read_validations
 
     out = Path(args.out)
     if (out / "selection.json").exists() and not args.resume:
         raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
                          f"choose another --out")
+    if inputs is not None:
+        check_trial_dirs(out, "auto", inputs)  # every trial of an earlier start, before any work
     budget = parse_budget(args.auto_budget, args.steps)
-    s = Search(out, header={"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
-                            "steps_per_trial": args.steps, "served_budget": served, "split": split,
-                            "rule": RULE},
-               budget=budget, log=log, prefix="[kvpop train --auto]")
+    header = {"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
+              "steps_per_trial": args.steps, "served_budget": served, "split": split, "rule": RULE}
+    if inputs is not None:
+        header["search_inputs"] = inputs
+    s = Search(out, header=header, budget=budget, log=log, prefix="[kvpop train --auto]", inputs=inputs)
+    progress = not getattr(args, "no_progress", False)
     n_fit, n_sel = len(split["fit"]), len(split["select"])
     log(f"[kvpop train --auto] validation split: {n_fit} fit sequences (head-budget allocation, early stopping), "
         f"{n_sel} select sequences (trial scores only); {resolution(n_sel)}")
@@ -243,6 +256,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     def train_to(ns: argparse.Namespace, d: Path, steps: int) -> None:
         ns = copy.copy(ns)
         ns.out, ns.steps, ns.resume = str(d), steps, (d / "last.pt").exists()
+        ns._auto_trial = True  # a trial of this search (not in its args.json): the search says how to resume
         rc = train(ns)
         if rc != 0:
             raise _Stopped(rc)
@@ -255,20 +269,25 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
             sel = score(d, "select")
             return {"score": mean(sel), "per_sequence": sel, "steps": args.steps}
         vfile, keep = d / "validation.jsonl", d / "best"
-        done = [json.loads(x) for x in vfile.read_text().splitlines() if x.strip()] if vfile.exists() else []
+        done = read_validations(vfile) if vfile.exists() else []
         for r in done:  # a validation written before the fit / select split: its one score
             r.setdefault("fit_score", r.get("score"))
         vals: list[dict] = []
         best, bad = None, 0
         for target in [*range(every, args.steps, every), args.steps]:
             rec = next((r for r in done if r["step"] == target), None)  # validated before an interruption
+            before = rec is not None
             if rec is None:
                 train_to(ns, d, target)
-                rec = {"step": target, "fit_score": mean(score(d, "fit"))}
-                if best is None or rec["fit_score"] < best["fit_score"]:  # the state first, then its record
+                rec = {"step": target, "fit_score": check_score(mean(score(d, "fit")), d, '"fit_score"')}
+                if best is None or rec["fit_score"] <= best["fit_score"]:  # the state first, then its record
                     replace_files(d, keep, SERVED_FILES)
                 with open(vfile, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+            if progress:
+                log(f"[kvpop train --auto]   validation at step {target}/{args.steps}: fit score {rec['fit_score']:.5f}"
+                    f"{' (best so far)' if best is None or rec['fit_score'] <= best['fit_score'] else ''}"
+                    f"{' (recorded before)' if before else ''}")
             vals.append(rec)
             if best is None or rec["fit_score"] <= best["fit_score"]:  # a tie goes to the default: the later state
                 best, bad = rec, 0

@@ -30,7 +30,6 @@ This module imports nothing above :mod:`kvpop.core`.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from kvpop.core.files import write_json
+
+from .trial_records import check_score, file_record, read_trial, start_trial
 
 __all__ = ["Stage", "Search", "choose", "prefer", "paired", "resolution", "split_keys", "MARGIN_SE", "MIN_SELECT",
            "top_two", "confirm_choice",
@@ -237,6 +238,10 @@ class Search:
     budget: tuple[str, float] | None = None
     log: Callable[[str], None] = print
     prefix: str = "[kvpop search]"
+    inputs: Mapping[str, Any] | None = None
+    """What the trials run under (:func:`kvpop.training.trial_records.search_inputs`), recorded in each trial and
+    checked before one is reused or continued; ``None``: not recorded (the records' schema is checked all the
+    same, :func:`kvpop.training.trial_records.read_trial`)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -276,8 +281,8 @@ class Search:
         if seen is not None:  # tried before in this search (a later stage came back to it): the same trial
             return seen
         if f.exists():
-            r = json.loads(f.read_text())
-            if r.get("settings") == settings:
+            r = read_trial(f, out=self.out, settings=settings, inputs=self.inputs)  # None: another trial's
+            if r is not None:
                 self.log(f"{self.prefix} {stage} {settings}: finished before, score {r['score']:.5f} (reused)")
                 return self._keep(r)
         if trained and self._spent.spent_before(steps):
@@ -286,12 +291,15 @@ class Search:
             self.save()
             return None
         d.mkdir(parents=True, exist_ok=True)
+        if self.inputs is not None:
+            start_trial(d, self.inputs)
+        self.log(f"{self.prefix} {stage} {settings}: started in {d}")
         t0 = time.time()
         res = dict(run(settings, d))
-        r = {**(extra or {}), "stage": stage, "settings": settings, "score": float(res.pop("score")),
-             "steps": int(res.pop("steps", 0)), "seconds": round(time.time() - t0, 1),
-             "dir": rel, **res}
-        write_json(f, r)
+        score = check_score(float(res.pop("score")), d)  # a NaN would never be beaten: refused, naming the trial
+        r = {**(extra or {}), "stage": stage, "settings": settings, "score": score,
+             "steps": int(res.pop("steps", 0)), "seconds": round(time.time() - t0, 1), "dir": rel, **res}
+        write_json(f, file_record(r, self.inputs))
         n = len(r.get("per_sequence") or [])
         self.log(f"{self.prefix} {stage} {settings}: validation score {r['score']:.5f}"
                  f"{f' over {n} select sequences' if n else ''} ({r['seconds']:.0f} s)")
