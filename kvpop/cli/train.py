@@ -193,9 +193,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="device (default: cuda[:LOCAL_RANK] when available, else cpu)")
     run.add_argument("--no-progress", action="store_true",
                      help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: torch's own, one per core); may change on --resume")
     from .auto import add_arguments as add_auto
 
     add_auto(p)
+
+
+def interpreter_warning() -> str | None:
+    """The warning for a CPU run under ``TRITON_INTERPRET=1`` outside the tests (which set it to test the kernels):
+    the Triton kernels then run in Triton's CPU interpreter, far slower than the PyTorch path; None otherwise."""
+    value = os.environ.get("TRITON_INTERPRET", "")
+    if value.strip().lower() not in ("1", "true", "yes", "on") or "PYTEST_CURRENT_TEST" in os.environ:
+        return None
+    return (f"kvpop train: warning: TRITON_INTERPRET={value} is set, so on the CPU the Triton kernels run in Triton's "
+            f"interpreter, hundreds of times slower than the PyTorch path (one step of a small model can take "
+            f"minutes); unset it (or set TRITON_INTERPRET=0) unless you are testing the kernels")
 
 
 class _UserError(Exception):
@@ -350,6 +363,10 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
 
     rank, world, device, started = _checked(setup_process, args.device)
     try:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        if device.type == "cpu" and rank == 0 and interpreter_warning() is not None:
+            print(interpreter_warning(), file=sys.stderr)
         if args.bf16 and device.type != "cuda":
             _fail(f"--bf16 needs a CUDA device (this run is on {device}); leave it out on the CPU")
         torch.manual_seed(args.seed)

@@ -77,8 +77,9 @@ def check_options(args: Any) -> None:
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "top_k"):
         if getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.loss_chunk is not None and args.loss_chunk < 1:
-        _fail(f"--loss-chunk must be >= 1, got {args.loss_chunk}")
+    for name in ("loss_chunk", "threads"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup_steps", "checkpoint_every"):
         if getattr(args, name) < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")

@@ -47,7 +47,7 @@ __all__ = ["RESUMABLE", "PATHS", "arg_dict", "comparable", "check_outputs", "che
            "write_args", "write_head_budgets", "data_print", "model_print", "mismatch_message", "KEEP_MARGIN",
            "KEEP_STEPS", "keep_miss", "closing_report"]
 
-RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume", "out", "device"}
+RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume", "out", "device", "threads"}
 """Arguments that may change between a run and its ``--resume`` (``--out`` is where the run is)."""
 PATHS = ("data", "model", "head_budgets", "valid_data", "init_scorers")
 """Arguments that name files: compared resolved."""

@@ -54,3 +54,77 @@ def test_demo_help_says_lookahead_has_a_shipped_model(capsys):
 def test_docs_name_model_directories_not_bare_hub_names():
     bare = [(p.name, m) for p in PAGES for m in re.findall(r"--model (Qwen[\w.-]*)", p.read_text(encoding="utf-8"))]
     assert not bare, bare
+
+
+# ---------------------------------------------------------------------------- --model as a hub id, --threads
+TRAIN_FAST = ["--task", "--seq-len", "64", "--budget", "24", "--sinks", "2", "--window", "8", "--steps", "1",
+              "--no-progress", "--no-train-model", "--checkpoint-every", "0"]
+
+
+def _fake_hub_cache(tmp_path, repo="kvpop-test/tiny-qwen3", rev="0123456789abcdef0123456789abcdef01234567"):
+    import shutil
+
+    root = tmp_path / "hub"
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snap = repo_dir / "snapshots" / rev
+    shutil.copytree(ROOT / "kvpop" / "data" / "tiny_qwen3", snap)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(rev)
+    return root, snap
+
+
+def test_train_resolves_a_hub_id_from_the_local_cache_and_says_how_to_get_one_that_is_not(
+        tmp_path, monkeypatch, capsys):
+    import json
+
+    import huggingface_hub.constants as C
+
+    from kvpop.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cache, snap = _fake_hub_cache(tmp_path)
+    monkeypatch.setattr(C, "HF_HUB_CACHE", str(cache))
+    out = tmp_path / "run"
+    assert main(["train", "--model", "kvpop-test/tiny-qwen3", *TRAIN_FAST, "--threads", "1", "--out", str(out)]) == 0
+    assert "local Hugging Face cache's snapshot" in capsys.readouterr().err
+    assert json.loads((out / "args.json").read_text())["model"] == str(snap.resolve())
+    assert main(["train", "--model", "kvpop-test/not-cached", *TRAIN_FAST, "--out", str(tmp_path / "r2")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "no snapshot of the Hugging Face model 'kvpop-test/not-cached' in the local cache" in err
+    assert "hf download kvpop-test/not-cached --local-dir" in err
+    assert main(["eval", "--model", str(tmp_path / "nodir"), "--policies", "dense"]) == 2
+    assert "no model directory there (no such directory)" in capsys.readouterr().err
+
+
+def test_train_threads_option_is_checked_and_resumable(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from kvpop.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with __import__("pytest").raises(SystemExit, match="--threads must be >= 1"):
+        main(["train", *TRAIN_FAST, "--threads", "0", "--out", str(tmp_path / "r0")])
+    before = torch.get_num_threads()
+    try:
+        out = tmp_path / "run"
+        assert main(["train", *TRAIN_FAST, "--threads", "1", "--out", str(out)]) == 0
+        assert torch.get_num_threads() == 1
+        steps2 = [*TRAIN_FAST]
+        steps2[steps2.index("--steps") + 1] = "2"
+        assert main(["train", *steps2, "--threads", "2", "--resume", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_train_warns_about_the_triton_interpreter_outside_the_tests(monkeypatch):
+    from kvpop.cli.train import interpreter_warning
+
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    msg = interpreter_warning()
+    assert msg is not None and "TRITON_INTERPRET=1" in msg and "interpreter" in msg and "unset it" in msg
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert interpreter_warning() is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "x")  # the tests set it on purpose
+    assert interpreter_warning() is None
