@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         try:  # a hub id: its snapshot in the local Hugging Face cache, as transformers finds it offline
             args.model = str(resolve_model_dir(args.model))
         except FileNotFoundError as e:
+            if args.command == "train":  # kvpop train's own way of refusing (exit status 1)
+                raise SystemExit(f"kvpop train: {e}") from None
             print(f"kvpop {args.command}: error: {e}", file=sys.stderr)
             return 2
         print(f"kvpop {args.command}: --model: the local Hugging Face cache's snapshot {args.model}", file=sys.stderr)

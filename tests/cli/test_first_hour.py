@@ -3,6 +3,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -88,8 +90,9 @@ def test_train_resolves_a_hub_id_from_the_local_cache_and_says_how_to_get_one_th
     assert main(["train", "--model", "kvpop-test/tiny-qwen3", *TRAIN_FAST, "--threads", "1", "--out", str(out)]) == 0
     assert "local Hugging Face cache's snapshot" in capsys.readouterr().err
     assert json.loads((out / "args.json").read_text())["model"] == str(snap.resolve())
-    assert main(["train", "--model", "kvpop-test/not-cached", *TRAIN_FAST, "--out", str(tmp_path / "r2")]) == 2
-    err = " ".join(capsys.readouterr().err.split())
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--model", "kvpop-test/not-cached", *TRAIN_FAST, "--out", str(tmp_path / "r2")])
+    err = " ".join(str(e.value.code).split())
     assert "no snapshot of the Hugging Face model 'kvpop-test/not-cached' in the local cache" in err
     assert "hf download kvpop-test/not-cached --local-dir" in err
     assert main(["eval", "--model", str(tmp_path / "nodir"), "--policies", "dense"]) == 2
@@ -102,7 +105,7 @@ def test_train_threads_option_is_checked_and_resumable(tmp_path, monkeypatch, ca
     from kvpop.cli import main
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with __import__("pytest").raises(SystemExit, match="--threads must be >= 1"):
+    with pytest.raises(SystemExit, match="--threads must be >= 1"):
         main(["train", *TRAIN_FAST, "--threads", "0", "--out", str(tmp_path / "r0")])
     before = torch.get_num_threads()
     try:
