@@ -458,10 +458,12 @@ def format_table(results: dict) -> str:
     train_len = results.get("train_len")
     with_trained = bool(results.get("trained"))
     head = ["policy"] + (["trained at"] if with_trained else [])
+    if not budgets:  # dense alone: one column per length, the full cache
+        budgets = [None]
     for L in lengths:
         for b in budgets:
-            frac = f" ({100 * b / train_len:g}%)" if train_len else ""
-            head.append(f"L={L} B={b}{frac}")
+            frac = f" ({100 * b / train_len:g}%)" if train_len and b else ""
+            head.append(f"L={L} B={b}{frac}" if b else f"L={L} (full cache)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     pols = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
     for p in pols:

@@ -191,6 +191,17 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
+        if not policies:  # dense alone: its NLL over the positions every budget's row would score
+            for b in cfg.budgets:
+                scored = [d_nll[start:] for t, (d_nll, _) in zip(traces, dense) if t.numel() - 1 > start]
+                n = sum(int(x.numel()) for x in scored)
+                dn = sum(float(x.sum()) for x in scored) / n if n else math.nan
+                row = {"policy": "dense", "budget": int(b), "scored_from": start, "positions": n,
+                       "n_sequences": len(scored), "nll": dn, "dense_nll": dn, "delta_nll": 0.0 if n else math.nan,
+                       "top1_agreement": 1.0 if n else math.nan}
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
     finally:
         if bar is not None:
             bar.close()
@@ -228,7 +239,7 @@ def format_trace_table(results: dict) -> str:
     lines = [caption, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dn = [cell.get((rows[0]["policy"], b), {}).get("dense_nll", math.nan) for b in budgets] if rows else []
     lines.append("| dense (NLL) | " + ("- | " if with_trained else "") + " | ".join(f"{x:.4f}" for x in dn) + " |")
-    for p in [p for p in POLICIES if any(r["policy"] == p for r in rows)]:
+    for p in [p for p in POLICIES if p != "dense" and any(r["policy"] == p for r in rows)]:
         line = [p] + ([trained_label(results, p)] if with_trained else [])
         for b in budgets:
             r = cell.get((p, b))

@@ -131,3 +131,35 @@ def test_train_warns_about_the_triton_interpreter_outside_the_tests(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "x")  # the tests set it on purpose
     assert interpreter_warning() is None
+
+
+# ---------------------------------------------------------------------------- kvpop eval --policies dense alone
+def _traces(path, n=2, length=160):
+    import json
+
+    import kvpop.demo.task as T
+
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"input_ids": T.make_example(T.valid_seed(i), length)["input_ids"].tolist()}) + "\n")
+    return path
+
+
+def test_eval_dense_alone_measures_the_dense_row(tmp_path, monkeypatch, capsys):
+    import json
+
+    from kvpop.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = str(ROOT / "kvpop" / "data" / "tiny_qwen3")
+    assert main(["eval", "--model", model, "--policies", "dense", "--lengths", "96", "--n-sequences", "1",
+                 "--budgets", "48", "--no-progress", "--no-plot"]) == 0
+    table = capsys.readouterr().out
+    assert "| policy | L=96 (full cache) |" in table and re.search(r"\| dense \| \d\.\d{3} \|", table), table
+    out = tmp_path / "e"
+    assert main(["eval", "--model", model, "--data", str(_traces(tmp_path / "t.jsonl")), "--policies", "dense",
+                 "--budgets", "48", "--no-progress", "--no-plot", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"\| dense \(NLL\) \| \d+\.\d{4} \|", table), table
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["dense"] and rows[0]["positions"] > 0
