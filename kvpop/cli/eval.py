@@ -41,8 +41,11 @@ import sys
 import time
 from pathlib import Path
 
+from .trained import models_line
 from .trained import parse_ints as _ints
 from .trained import policy_models as _policy_models
+from .trained import row_models as _row_models
+from .trained import rows_ran as _ran
 from .trained import run_settings as _settings
 
 
@@ -277,9 +280,11 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
         "trained": {p: summary[p] for p in summary if p in models},
         "dms_thresholds": None if cfg.dms_thresholds is None else {str(b): t for b, t in cfg.dms_thresholds.items()},
         "dms_valid_data": args.dms_valid_data,
-        "threads": torch.get_num_threads(), "eval_seconds": round(time.time() - t0, 1)})
+        "threads": torch.get_num_threads(), "eval_seconds": round(time.time() - t0, 1),
+        "row_models": _ran(args._row_models, models)})
     table = TE.format_trace_table(results)
     print(table)
+    print(models_line(results["row_models"]))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -315,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
             if t.extra.get("given_as") == "streaming":
                 print(f"kvpop eval: {t.source} is evaluated as the fixed-finetune row (a fine-tuned model under the "
                       f"streaming cache); the streaming row stays the base model", file=sys.stderr)
+        if args.model is not None or args.data is None:  # --data without --model is refused below
+            args._row_models = _row_models(trained, Path(args.model) if args.model else E.SHIPPED_MODEL, wanted)
         torch.set_num_threads(args.threads)
     except (ValueError, FileNotFoundError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
@@ -340,8 +347,10 @@ def run(args: argparse.Namespace) -> int:
         results = E.evaluate(models, cfg)
         results["eval_seconds"] = round(time.time() - t0, 1)
         results["trained"] = {p: summary[p] for p in summary if p in models}
+        results["row_models"] = _ran(args._row_models, models)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
     E.write_outputs(results, Path(args.out) if args.out else None, not args.no_plot)
+    print(models_line(results["row_models"]))
     return 0

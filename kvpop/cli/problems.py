@@ -178,12 +178,20 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
                                       engine=engine)
         if engine is not None:
             engine.close()
+        if getattr(args, "_row_models", None):
+            from .trained import rows_ran
+
+            results["row_models"] = rows_ran(args._row_models, [r["policy"] for r in results.get("rows", [])])
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else None
     table = P.finish_problems(results, out, not args.no_plot)
     print(table)
+    if results.get("row_models"):
+        from .trained import models_line
+
+        print(models_line(results["row_models"]))
     if out is not None:
         (out / "run.json").write_text(json.dumps({"eval_seconds": round(time.time() - t0, 1),
                                                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

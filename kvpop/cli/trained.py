@@ -297,3 +297,69 @@ def run_settings(args: argparse.Namespace, trained: dict, wanted) -> tuple[int, 
     sinks, window = trained_window(runs, args.sinks, args.window, default_sinks=DEFAULT_SINKS,
                                    default_window=DEFAULT_WINDOW)
     return sinks, window, {t.policy: t.summary() for t in runs}
+
+
+def run_base(d: Path) -> Path | None:
+    """The base model directory the ``kvpop train`` run in ``d`` started from (its ``args.json``: ``--model``, or the
+    shipped model of its ``--task`` without one); None when ``d`` does not say or started from ``--tiny``'s random
+    weights."""
+    from kvpop.demo.search import default_model
+
+    saved = _json_object(d / "args.json")
+    if saved is None or saved.get("tiny") is True:
+        return None
+    if isinstance(saved.get("model"), str):
+        return Path(saved["model"])
+    if "model" not in saved:
+        return None
+    task = saved.get("task") if saved.get("task") in (None, "kvtrace", "lookahead") else None
+    return default_model(argparse.Namespace(task=task))
+
+
+def row_models(trained: dict, model_dir: Path, wanted) -> dict[str, str]:
+    """Which model each row runs (``results['row_models']``): a run's own fine-tuned ``model/``, else ``model_dir``
+    (``--model``, the dense row's); ``ValueError`` before any work when a run was trained from another base model
+    than ``model_dir`` (different files, :func:`kvpop.training.data.model_fingerprint`): its row and the dense row
+    would then be two different models, and "rel. to dense" would compare them."""
+    from kvpop.training.data import model_fingerprint
+
+    def prints(d: Path) -> dict | None:
+        try:
+            return model_fingerprint(d)
+        except OSError:
+            return None
+
+    out = {"dense": str(model_dir)}
+    mine = None
+    for p, t in trained.items():
+        if wanted is not None and p not in wanted:
+            continue
+        layer_file = t.gates if t.gates is not None else t.scorers
+        run_dir = layer_file.parent if layer_file is not None else t.model.parent if t.model is not None else None
+        base = run_base(run_dir) if run_dir is not None else None
+        if base is not None and base.resolve() != model_dir.resolve():
+            mine = mine if mine is not None else prints(model_dir)
+            theirs = prints(base) if base.is_dir() else None
+            if theirs is None or theirs != mine:
+                why = "" if base.is_dir() else " (no longer there, so it cannot be compared)"
+                raise ValueError(f"{t.policy} ({t.source}) was trained from the base model {base}{why}, and --model is "
+                                 f"{model_dir}: its row would run a model trained from {base} while dense and the "
+                                 f"fixed rules run {model_dir}, and the comparison with dense would compare two "
+                                 f"different models; give --model {base} (the run's base), or evaluate the run in a "
+                                 f"kvpop eval of its own")
+        out[p] = str(t.model) if t.model is not None else str(model_dir)
+    return out
+
+
+def rows_ran(models: dict[str, str], policies) -> dict[str, str]:
+    """:func:`row_models` for the rows that ran (``policies``; the fixed rules run the dense row's model)."""
+    return {p: models.get(p, models["dense"]) for p in dict.fromkeys(policies)}
+
+
+def models_line(models: dict[str, str]) -> str:
+    """``row_models`` in words: which model each row ran."""
+    by: dict[str, list[str]] = {}
+    for p, m in models.items():
+        by.setdefault(m, []).append(p)
+    return "Models run: " + "; ".join(f"{', '.join(ps)}: {m}" for m, ps in by.items())
+

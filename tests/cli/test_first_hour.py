@@ -163,3 +163,35 @@ def test_eval_dense_alone_measures_the_dense_row(tmp_path, monkeypatch, capsys):
     assert re.search(r"\| dense \(NLL\) \| \d+\.\d{4} \|", table), table
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [r["policy"] for r in rows] == ["dense"] and rows[0]["positions"] > 0
+
+
+# ---------------------------------------------------------------------------- a run trained from another base model
+def test_eval_refuses_a_run_trained_from_another_base_model_and_says_which_model_each_row_ran(
+        tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+
+    from kvpop.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "kvpop" / "data" / "tiny_qwen3", base)
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(base), *TRAIN_FAST, "--out", str(run)]) == 0
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(json.dumps({"prompt_ids": [5, 6, 7], "answer_ids": [8]}) + "\n")
+    other = str(ROOT / "kvpop" / "data" / "tiny_qwen3_lookahead")
+    capsys.readouterr()
+    assert main(["eval", "--problems", str(problems), "--run", str(run), "--model", other, "--budgets", "40"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"was trained from the base model {base.resolve()}" in err and f"give --model {base.resolve()}" in err
+    # the same model at another path (a copy: same files) is the run's base
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy)
+    out = tmp_path / "e"
+    assert main(["eval", "--run", str(run), "--model", str(copy), "--lengths", "96", "--n-sequences", "1",
+                 "--budgets", "40", "--no-progress", "--no-plot", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    ran = json.loads((out / "results.json").read_text())["row_models"]
+    assert ran["dense"] == ran["kvpop-mlp"] == str(copy) and ran["streaming"] == str(copy)
+    assert f"Models run: dense, streaming, tova, h2o, kvpop-mlp: {copy}" in said, said
