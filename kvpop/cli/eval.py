@@ -75,7 +75,7 @@ def check_common(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
     for name in ("lengths", "budgets"):
         given = getattr(args, name, None)
-        values = _ints(given)
+        values = _ints(given, f"--{name}")
         if values is None:
             continue
         if not values:
@@ -224,6 +224,20 @@ def _trained(args: argparse.Namespace) -> dict:
 
 
 
+def _traces(data_io, records: list, seq_len: int | None, option: str, path: str) -> list:
+    """The traces of a JSONL file's ``records``: cut at ``seq_len``, else whole (a record of fewer than 2 tokens has no
+    token to score, and is skipped); ValueError naming the option and file when none is left."""
+    import torch
+
+    if seq_len is not None:
+        return data_io.chunk(records, seq_len, source=f"{option} {path}")
+    out = [torch.tensor(r, dtype=torch.int64) for r in records if len(r) >= 2]
+    if not out:
+        raise ValueError(f"{option} {path}: no trace to evaluate: each of its {len(records)} record(s) has fewer than "
+                         f"2 tokens (a trace needs a token to predict from and one to score)")
+    return out
+
+
 def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
     import torch
 
@@ -244,10 +258,7 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
         records = data_io.read_jsonl(args.data, vocab_size=base.config.vocab_size,
                                      tokenizer=lambda: data_io.load_tokenizer(args.model),
                                      tokenizer_source=str(args.model))
-        if args.seq_len is not None:
-            traces = data_io.chunk(records, args.seq_len, source=str(args.data))
-        else:
-            traces = [torch.tensor(r, dtype=torch.int64) for r in records if len(r) >= 2]
+        traces = _traces(data_io, records, args.seq_len, "--data", args.data)
         if args.n_sequences is not None:
             traces = traces[:args.n_sequences]
         cfg = TE.TraceEvalConfig(budgets=_ints(args.budgets), sinks=sinks, window=window,
@@ -266,8 +277,7 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
             vrec = data_io.read_jsonl(args.dms_valid_data, vocab_size=base.config.vocab_size,
                                       tokenizer=lambda: data_io.load_tokenizer(args.model),
                                       tokenizer_source=str(args.model))
-            vtr = (data_io.chunk(vrec, args.seq_len, source=str(args.dms_valid_data)) if args.seq_len is not None
-                   else [torch.tensor(r, dtype=torch.int64) for r in vrec if len(r) >= 2])
+            vtr = _traces(data_io, vrec, args.seq_len, "--dms-valid-data", args.dms_valid_data)
             if args.n_sequences is not None:
                 vtr = vtr[:args.n_sequences]
             cfg.dms_thresholds = TE.dms_thresholds_on(models["dms"], vtr, cfg.budgets)

@@ -236,13 +236,14 @@ def trained_window(runs: list[Trained], sinks: int | None, window: int | None, *
     return s, w
 
 
-def parse_ints(s: str | None) -> list[int] | None:
+def parse_ints(s: str | None, option: str | None = None) -> list[int] | None:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (None -> None); ValueError naming ``option`` (e.g. ``--seeds``) when given."""
     if s is None:
         return None
     try:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {s!r}") from None
+        raise ValueError((f"{option}: " if option else "") + f"expected comma-separated integers, got {s!r}") from None
 
 
 def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, window: int, budget: int,

@@ -195,3 +195,21 @@ def test_eval_refuses_a_run_trained_from_another_base_model_and_says_which_model
     ran = json.loads((out / "results.json").read_text())["row_models"]
     assert ran["dense"] == ran["kvpop-mlp"] == str(copy) and ran["streaming"] == str(copy)
     assert f"Models run: dense, streaming, tova, h2o, kvpop-mlp: {copy}" in said, said
+
+
+# ---------------------------------------------------------------------------- messages that name their option / file
+def test_seeds_and_lists_of_numbers_name_their_option_and_empty_traces_name_their_file(tmp_path, monkeypatch, capsys):
+    from kvpop.cli import main
+    from kvpop.studies import evidence
+
+    assert evidence.main(["synthetic", "--task", "kvtrace", "--seeds", "abc", "--out", str(tmp_path / "ev")]) == 2
+    assert "--seeds: expected comma-separated integers, got 'abc'" in capsys.readouterr().err
+    assert main(["eval", "--budgets", "4x", "--policies", "dense"]) == 2
+    assert "--budgets: expected comma-separated integers, got '4x'" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"input_ids": [5]}\n{"input_ids": [7]}\n')
+    model = str(ROOT / "kvpop" / "data" / "tiny_qwen3")
+    assert main(["eval", "--model", model, "--data", str(short), "--no-progress"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--data {short}: no trace to evaluate: each of its 2 record(s) has fewer than 2 tokens" in err
