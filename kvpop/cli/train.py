@@ -211,6 +211,25 @@ def interpreter_warning() -> str | None:
             f"minutes); unset it (or set TRITON_INTERPRET=0) unless you are testing the kernels")
 
 
+def _allocation_notes(args: argparse.Namespace, kv_cfg, chosen) -> str:
+    """What the user should know of ``--allocate``'s budgets: heads left without a long-range slot (and why), and
+    heads held at --seq-len (a sequence fills no more)."""
+    rows, doc = chosen
+    flat = [b for r in rows for b in r]
+    imp = [x for r in (doc or {}).get("importance") or [] for x in r]
+    notes = []
+    bare = [i for i, b in enumerate(flat) if b <= kv_cfg.sinks + kv_cfg.window]
+    if bare:
+        most = (f": their ablation raised the validation NLL by at most {max(imp[i] for i in bare):.4g} nats"
+                if imp else "")
+        notes.append(f"{len(bare)} of {len(flat)} heads keep no long-range slot (sinks + window only){most}; --min-k K "
+                     f"gives every head at least K")
+    full = sum(b >= args.seq_len for b in flat)
+    if full:
+        notes.append(f"{full} head(s) at --seq-len {args.seq_len}, what a sequence fills (more would never be used)")
+    return "".join(f"; {n}" for n in notes)
+
+
 class _UserError(Exception):
     pass
 
@@ -399,7 +418,8 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                 written = rundir.write_head_budgets(out, *chosen)
                 if args.allocate is not None:
                     print(f"kvpop train: --allocate {args.allocate}: per-head budgets {[list(r) for r in chosen[0]]} "
-                          f"(mean {args.budget}); wrote {written}", file=sys.stderr)
+                          f"(mean {args.budget}){_allocation_notes(args, kv_cfg, chosen)}; wrote {written}",
+                          file=sys.stderr)
         try:
             hist = train(model, data, tcfg, resume=args.resume, method=method)  # writes last.pt, history.jsonl
         except TrainingInterrupted as e:

@@ -188,8 +188,10 @@ def closing_report(out: Path, history: list[dict], *, method: str, steps: int, s
                 f"rewrote {layer}{' and model/' if train_model else ''} from it (step {step})"), None
     h = history[-1]
     if method != "dms":
+        acc = ("- (no token was ranked in this step: nothing competed for a long-range slot)"
+               if h.get("decisions") == 0 else f"{h.get('accuracy', float('nan')):.3f}")
         return (f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, score {h['score']:.4f}, "
-                f"accuracy {h.get('accuracy', float('nan')):.3f}; wrote {out}"), None
+                f"accuracy {acc}; wrote {out}"), None
     line = (f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, compression loss {h['score']:.4f}, "
             f"keep {h['keep_frac']:.3f} (target {h['target_keep']:.3f}); wrote {out}")
     whole = out / "history.jsonl"

@@ -213,3 +213,55 @@ def test_seeds_and_lists_of_numbers_name_their_option_and_empty_traces_name_thei
     assert main(["eval", "--model", model, "--data", str(short), "--no-progress"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"--data {short}: no trace to evaluate: each of its 2 record(s) has fewer than 2 tokens" in err
+
+
+# ---------------------------------------------------------------------------- head-adaptive budgets on a small model
+def test_allocation_holds_no_head_above_what_a_sequence_fills(monkeypatch):
+    import torch
+
+    from kvpop.core import budgets as B
+    from kvpop.core.config import KVpopConfig
+
+    scores = [[0.0, 1.0], [0.0, 0.0]]  # the case: one head holds all the importance
+    assert B.allocate(scores, total=4 * 48, sinks=4, window=16) == ((20, 132), (20, 20))
+    rows = B.allocate(scores, total=4 * 48, sinks=4, window=16, max_budget=128)
+    assert max(map(max, rows)) == 128 and sum(map(sum, rows)) == 4 * 48, rows
+    assert B.allocate([[3.0, 1.0], [0.0, 0.0]], total=4 * 48, sinks=4, window=16, max_budget=128) == (
+        B.allocate([[3.0, 1.0], [0.0, 0.0]], total=4 * 48, sinks=4, window=16))  # nothing over the cap: unchanged
+    # a total that does not fit under the cap (every head holds the whole sequence anyway): no cap
+    assert sum(map(sum, B.allocate(scores, total=4 * 200, sinks=4, window=16, max_budget=128))) == 800
+    monkeypatch.setattr(B, "ablation_importance", lambda *a, **k: torch.tensor(scores))
+    rows, _ = B.ablation_budgets(None, [torch.zeros(2, 128, dtype=torch.long)],
+                                 config=KVpopConfig(sinks=4, window=16, budget=48))
+    assert max(map(max, rows)) <= 128
+
+
+def test_a_step_with_nothing_to_rank_says_why_instead_of_printing_nan(tmp_path, monkeypatch, capsys):
+    import json
+    import math
+
+    from kvpop.cli import main
+    from kvpop.cli.train import _allocation_notes
+    from kvpop.core.config import KVpopConfig
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    hb = tmp_path / "hb.json"
+    hb.write_text(json.dumps([[10, 70], [10, 10]]))  # mean 25: one head over --seq-len 64, three with no slot
+    out = tmp_path / "run"
+    argv = ["train", "--task", "--seq-len", "64", "--budget", "25", "--sinks", "2", "--window", "8", "--steps", "2",
+            "--no-train-model", "--head-budgets", str(hb), "--out", str(out)]
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    said = cap.out + cap.err
+    assert "nan" not in said.replace("NaN in history.jsonl", ""), said
+    assert "acc=-" in said and "accuracy - (no token was ranked" in said
+    assert said.count("note: step 1: no token competed for a long-range slot") == 1
+    assert "1 head(s) hold the whole sequence of 64 tokens" in said and "3 head(s) keep no long-range slot" in said
+    hist = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
+    assert all(h["decisions"] == 0 and math.isnan(h["accuracy"]) for h in hist)
+    import argparse
+
+    notes = _allocation_notes(argparse.Namespace(seq_len=64), KVpopConfig(sinks=2, window=8, budget=25),
+                              (((10, 64), (10, 16)), {"importance": [[0.0, 2.0], [0.001, 0.5]]}))
+    assert "2 of 4 heads keep no long-range slot" in notes and "at most 0.001 nats" in notes
+    assert "1 head(s) at --seq-len 64" in notes
