@@ -191,7 +191,8 @@ def train_config(args: Any, out: Path, *, data_fingerprint: str | None, model_fi
                        warmup_steps=args.warmup_steps, top_k=args.top_k, score_weight=args.score_weight,
                        train_model=not args.no_train_model, activation_checkpointing=args.activation_checkpointing,
                        checkpoint_dir=str(out), checkpoint_every=args.checkpoint_every,
-                       progress=not args.no_progress, seed=args.seed, dist=args.dist, bf16=args.bf16,
+                       progress=not args.no_progress, progress_total=getattr(args, "_progress_total", None),
+                       seed=args.seed, dist=args.dist, bf16=args.bf16,
                        loss_chunk=args.loss_chunk, data_fingerprint=data_fingerprint,
                        model_fingerprint=model_fingerprint)
 

@@ -96,6 +96,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     progress: bool = True
+    progress_total: int | None = None  # the bar's total when this call trains one segment of a longer run
     seed: int = 0
     dist: str = "ddp"
     bf16: bool = False
@@ -521,7 +522,7 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     if cfg.progress and rank == 0:
         from kvpop.progress import progress
 
-        bar = progress(cfg.steps, initial=step, desc="kvpop train")
+        bar = progress(max(cfg.steps, cfg.progress_total or 0), initial=step, desc="kvpop train")
     noted = False
     stop = StopSignals(enabled=ckpt_dir is not None, name="kvpop train").install()
     method.enter(model)

@@ -265,3 +265,29 @@ def test_a_step_with_nothing_to_rank_says_why_instead_of_printing_nan(tmp_path, 
                               (((10, 64), (10, 16)), {"importance": [[0.0, 2.0], [0.001, 0.5]]}))
     assert "2 of 4 heads keep no long-range slot" in notes and "at most 0.001 nats" in notes
     assert "1 head(s) at --seq-len 64" in notes
+
+
+# ---------------------------------------------------------------------------- one count per run over its segments
+def test_training_in_segments_counts_the_runs_steps_on_one_scale(tmp_path, monkeypatch, capsys):
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny import SMALL, tiny_model
+
+    import kvpop
+    from kvpop.training.train import TrainConfig, train
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    m = tiny_model()
+    teacher = kvpop.make_teacher(m)
+    kvpop.patch(m, **SMALL)
+    data = [torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    cfg = dict(lr_model=1e-3, lr_scorer=1e-2, checkpoint_dir=str(tmp_path), progress_total=4)
+    for i, target in enumerate((2, 4)):  # two validation segments of one 4-step run (as kvpop demo trains)
+        train(m, data, TrainConfig(steps=target, **cfg), teacher=teacher, resume=i > 0)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("kvpop train:")]
+    counts = [x.split(",")[0].split(": ")[1].split(" ")[0] for x in lines]
+    assert counts and all(c.endswith("/4") for c in counts), lines
+    assert counts[-1] == "4/4" and "2/4" in counts and "2/2" not in counts
