@@ -96,6 +96,7 @@ __all__ = [
     "sequence_correct",
     "batch_correct",
     "BATCHED",
+    "cost_kind",
     "evaluate",
     "results_dict",
     "format_table",
@@ -123,6 +124,13 @@ def _check_policies(policies: Iterable[str]) -> list[str]:
         if p not in out:
             out.append(p)
     return out
+
+
+def cost_kind(policy: str) -> str:
+    """What a policy's sequence costs per token, for the ETA (:class:`kvpop.progress.CostETA`): ``decode`` for the
+    attention-scored policies (:data:`BATCHED`: token by token, tens of small ops per token and layer), ``forward``
+    for the rest (one pass over the sequence)."""
+    return "decode" if policy in BATCHED else "forward"
 
 
 def budgets_for(train_len: int, fractions: Sequence[float] = BUDGET_FRACTIONS) -> list[int]:
@@ -370,11 +378,13 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
             for b in ([L] if p == "dense" else cfg.budgets):
                 if _row_key(p, b, L) not in done:
                     jobs.append((p, b, L))
-    bar = None
+    bar = eta = None
     if cfg.progress and jobs:
-        from kvpop.progress import progress
+        from kvpop.progress import CostETA, progress
 
-        bar = progress(len(jobs) * cfg.n_sequences, desc="kvpop eval")
+        bar = progress(len(jobs) * cfg.n_sequences, desc="kvpop eval", eta=False)
+        eta = CostETA([(cost_kind(p), L * cfg.n_sequences) for p, _, L in jobs])  # tokens, by kind
+        eta.start()
     rows = dict(done)
     examples: dict[int, list[dict]] = {}
     try:
@@ -391,17 +401,21 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
                 examples[L] = [task.make_example(seed_of(cfg.first_seed + i), L, task_cfg)
                                for i in range(cfg.n_sequences)]
             if bar is not None:
-                bar.set_postfix_str(f"{p} B={b} L={L}")
+                bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
             correct = graded = 0
             if p in BATCHED:
                 correct, graded = batch_correct(models[p], examples[L], p, b)
                 if bar is not None:
+                    eta.done(cost_kind(p), L * len(examples[L]))
+                    bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
                     bar.update(len(examples[L]))
             else:
                 for ex in examples[L]:
                     c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b, threshold=thr)
                     correct, graded = correct + c, graded + g
                     if bar is not None:
+                        eta.done(cost_kind(p), L)
+                        bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
                         bar.update(1)
             row = {"policy": p, "budget": int(b), "length": int(L), "accuracy": correct / graded,
                    "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences,

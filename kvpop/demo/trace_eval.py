@@ -39,6 +39,7 @@ from .evaluate import (
     DMS_POLICIES,
     POLICIES,
     _check_policies,
+    cost_kind,
     policy_logits,
     save_figure,
     trained_label,
@@ -147,11 +148,14 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
     cfg.resolve([int(t.numel()) for t in traces])
     policies = [p for p in cfg.policies if p in models and p != "dense"]
     start = max(cfg.budgets)  # every policy and budget over the same positions (module docstring)
-    bar = None
+    bar = eta = None
     if cfg.progress:
-        from kvpop.progress import progress
+        from kvpop.progress import CostETA, progress
 
-        bar = progress(len(traces) * (1 + len(policies) * len(cfg.budgets)), desc="kvpop eval --data")
+        bar = progress(len(traces) * (1 + len(policies) * len(cfg.budgets)), desc="kvpop eval --data", eta=False)
+        size = sum(int(t.numel()) for t in traces)
+        eta = CostETA([("forward", size)] + [(cost_kind(p), size) for p in policies for _ in cfg.budgets])
+        eta.start()
     dense = []  # per trace: (nll [L-1], argmax [L-1]) from position 0
     rows = []
     try:
@@ -160,6 +164,8 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                 bar.set_postfix_str("dense")
             dense.append(sequence_scores(policy_logits(models["dense"], t, "dense"), t, 0))
             if bar is not None:
+                eta.done("forward", int(t.numel()))
+                bar.set_postfix_str(f"dense, {eta.text()}")
                 bar.update(1)
         for p in policies:
             for b in cfg.budgets:
@@ -170,6 +176,8 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                 for t, (d_nll, d_arg) in zip(traces, dense):
                     if t.numel() - 1 <= start:  # no position past the largest budget
                         if bar is not None:
+                            eta.done(cost_kind(p), 0)
+                            eta.left[cost_kind(p)] -= int(t.numel())  # skipped: not run
                             bar.update(1)
                         continue
                     thr = None if p not in DMS_POLICIES or cfg.dms_thresholds is None else cfg.dms_thresholds[b]
@@ -180,6 +188,8 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                     n += int(p_nll.numel())
                     n_seq += 1
                     if bar is not None:
+                        eta.done(cost_kind(p), int(t.numel()))
+                        bar.set_postfix_str(f"{p} B={b}, {eta.text()}")
                         bar.update(1)
                 row = {"policy": p, "budget": int(b), "scored_from": start, "positions": n, "n_sequences": n_seq,
                        "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,

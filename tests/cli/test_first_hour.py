@@ -291,3 +291,33 @@ def test_training_in_segments_counts_the_runs_steps_on_one_scale(tmp_path, monke
     counts = [x.split(",")[0].split(": ")[1].split(" ")[0] for x in lines]
     assert counts and all(c.endswith("/4") for c in counts), lines
     assert counts[-1] == "4/4" and "2/4" in counts and "2/2" not in counts
+
+
+def test_eval_eta_weighs_jobs_by_their_cost_and_says_when_it_is_a_lower_bound(monkeypatch):
+    import kvpop.progress as P
+    from kvpop.demo.evaluate import cost_kind
+
+    assert cost_kind("tova") == cost_kind("h2o") == "decode" and cost_kind("kvpop-mlp") == "forward"
+    clock = [0.0]
+    monkeypatch.setattr(P.time, "monotonic", lambda: clock[0])
+    # the run: cheap one-pass rows first, two token-by-token policies last
+    eta = P.CostETA([("forward", 1000)] * 6 + [("decode", 1000)] * 2)
+    eta.start()
+    for _ in range(3):
+        clock[0] += 1.0
+        eta.done("forward", 1000)
+    assert eta.text() == "ETA >= 3s (decode not timed yet)"  # not a confident 3 s
+    for _ in range(3):
+        clock[0] += 1.0
+        eta.done("forward", 1000)
+    clock[0] += 60.0
+    eta.done("decode", 1000)
+    assert eta.text() == "ETA 60s"  # the decode rate, not the average over kinds (about 10 s)
+    line = P.LineProgress(10, desc="x", eta=False)
+    line.n, line._start = 4, 0
+    import io
+
+    buf = io.StringIO()
+    line.file = buf
+    line._write()
+    assert "ETA" not in buf.getvalue()
