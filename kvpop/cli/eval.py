@@ -47,6 +47,7 @@ from .trained import policy_models as _policy_models
 from .trained import row_models as _row_models
 from .trained import rows_ran as _ran
 from .trained import run_settings as _settings
+from .trained import with_named as _with_named
 
 
 def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
@@ -126,13 +127,15 @@ def add_common(p: argparse.ArgumentParser, *, of_runs: bool = False) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p, of_runs=True)
-    p.add_argument("--run", action="append", metavar="[POLICY=]DIR",
+    p.add_argument("--run", action="append", metavar="[POLICY=|NAME=]DIR",
                    help="a kvpop train --out directory (or a kvpop demo OUT/<task>/<policy>), whatever the method: its "
                         "scorers, fine-tuned model, DMS gates and the settings they were trained with; the policy is "
                         "read from what DIR holds (scorers alone: kvpop-mlp / kvpop-mlstm; scorers + model/: "
                         "kvpop-mlp-joint / kvpop-mlstm-joint; gates: dms; model alone: name it, fixed-finetune=DIR); "
                         "POLICY= overrides it (e.g. kvpop-mlp=DIR serves a joint run's scorers as kvpop-mlp); "
-                        "repeatable, one run per policy")
+                        "NAME= (a name that is no policy) names the run: its row is POLICY[NAME], so two runs of one "
+                        "policy compare in one table (--run auto=r/auto --run paper=r/paper; POLICY[NAME]=DIR does "
+                        "both); repeatable, one unnamed run per policy")
     p.add_argument("--scorers", action="append", metavar="POLICY=FILE",
                    help="special case of --run: a scorer file alone, for kvpop-mlp, kvpop-mlstm, kvpop-mlp-joint or "
                         "kvpop-mlstm-joint (the joint ones with --finetuned POLICY=DIR, the model trained with them; "
@@ -171,9 +174,12 @@ def _trained(args: argparse.Namespace) -> dict:
     out: dict[str, Trained] = {}
 
     def add(t: Trained) -> None:
-        if t.policy in out:
-            raise ValueError(f"policy {t.policy!r} is given twice: {out[t.policy].source} and {t.source}")
-        out[t.policy] = t
+        if t.key in out:
+            hint = ("" if t.name is not None else f"; to compare two runs of one policy, name them: --run NAME=DIR "
+                    f"(e.g. --run a={out[t.key].source.split('=')[-1]} --run b={t.source.split('=')[-1]}), each shown "
+                    f"as its row {t.policy}[NAME]")
+            raise ValueError(f"policy {t.key!r} is given twice: {out[t.key].source} and {t.source}{hint}")
+        out[t.key] = t
 
     for spec in args.run or []:
         add(read_run(spec))
@@ -262,7 +268,8 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
         if args.n_sequences is not None:
             traces = traces[:args.n_sequences]
         cfg = TE.TraceEvalConfig(budgets=_ints(args.budgets), sinks=sinks, window=window,
-                                 policies=wanted or E.POLICIES, progress=not args.no_progress)
+                                 policies=_with_named(wanted or E.POLICIES, trained, wanted),
+                                 progress=not args.no_progress)
         lengths = [int(t.numel()) for t in traces]
         cfg.resolve(lengths)
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
@@ -349,7 +356,8 @@ def run(args: argparse.Namespace) -> int:
         sinks, window, summary = _settings(args, trained, wanted)
         cfg = E.EvalConfig(train_len=args.train_len or 2048, lengths=_ints(args.lengths),
                            budgets=_ints(args.budgets), n_sequences=4 if args.n_sequences is None else args.n_sequences,
-                           sinks=sinks, window=window, policies=wanted or E.POLICIES, progress=not args.no_progress)
+                           sinks=sinks, window=window, policies=_with_named(wanted or E.POLICIES, trained, wanted),
+                           progress=not args.no_progress)
         base = E.load_base_model(args.model)
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
                                 budget=cfg.budgets[0], load=E.load_base_model, budgets=cfg.budgets)

@@ -99,6 +99,7 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
     from .trained import parse_ints as _ints
     from .trained import policy_models as _policy_models
     from .trained import run_settings as _settings
+    from .trained import with_named
 
     t0 = time.time()
     try:
@@ -155,7 +156,10 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
         elif max_new < 1:
             raise ValueError(f"--max-new-tokens must be an int >= 1, got {max_new}")
         P.check_lengths(problems, max_new, context, model=f"the model {model_dir}")
-        cfg = P.ProblemsConfig(budgets=budgets, policies=wanted or list(POLICIES), samples=args.samples,
+        if engine is not None and any(t.name is not None for t in trained.values()):
+            raise ValueError("--engine vllm serves one run per policy: named runs (--run NAME=DIR) are for --engine hf")
+        cfg = P.ProblemsConfig(budgets=budgets, policies=with_named(wanted or list(POLICIES), trained, wanted),
+                               samples=args.samples,
                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=max_new,
                                extract=args.extract, batch_size=args.batch_size, sinks=sinks, window=window,
                                progress=not args.no_progress, problems_file=str(path),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpop.policies import DEFAULT_SINKS, DEFAULT_WINDOW, JOINT, POLICIES, SCORER_OF
+from kvpop.policies import DEFAULT_SINKS, DEFAULT_WINDOW, JOINT, POLICIES, SCORER_OF, policy_of
 
 SCORERS_FILE = "scorers.safetensors"
 GATES_FILE = "gates.safetensors"
@@ -47,6 +47,12 @@ class Trained:
     config: Any = None  # KVpopConfig or DMSConfig
     extra: dict = field(default_factory=dict)
     head_plan: dict | None = None  # the run's head_budgets.json (kvpop.core.budgets.read_head_budgets)
+    name: str | None = None  # the user's name of the run (--run NAME=DIR): its row is POLICY[NAME]
+
+    @property
+    def key(self) -> str:
+        """The run's table row: its policy, or ``POLICY[NAME]`` for a named run."""
+        return self.policy if self.name is None else f"{self.policy}[{self.name}]"
 
     def summary(self) -> dict:
         """What ``results.json`` records of the training (``trained``)."""
@@ -186,13 +192,36 @@ def check_head_budgets_at(trained: dict, budgets: list[int] | None) -> None:
 
 def read_run(spec: str) -> Trained:
     """``[POLICY=]DIR`` -> the :class:`Trained` policy in ``DIR`` (module docstring); with ``POLICY`` the
-    directory must be able to serve that policy (e.g. ``kvpop-mlp`` from a joint run uses its model)."""
+    directory must be able to serve that policy (e.g. ``kvpop-mlp`` from a joint run uses its model).
+    ``NAME=DIR`` (a name that is no policy, :data:`kvpop.policies.NAME_RULE`) or ``POLICY[NAME]=DIR`` names the
+    run: its row is ``POLICY[NAME]``, so that two runs of one policy are compared in one table."""
+    import re
+
+    from kvpop.policies import NAME_RULE
+
     name, path = (spec.split("=", 1) if "=" in spec else (None, spec))
     if name is not None and name not in POLICIES and Path(spec).is_dir():
         name, path = None, spec  # a directory whose name holds '='
+    label = None
+    if name is not None and name not in POLICIES:
+        m = re.fullmatch(rf"([\w.-]+)\[({NAME_RULE})\]", name)
+        if m is not None and m.group(1) in POLICIES:
+            name, label = m.group(1), m.group(2)
+        elif re.fullmatch(NAME_RULE, name):
+            name, label = None, name
+        else:
+            allowed = ", ".join(p for p in POLICIES if p != "dense")
+            raise ValueError(f"--run {spec}: {name!r} is neither a policy ({allowed}) nor a name of the run (letters, "
+                             f"digits and . _ + -, e.g. --run auto=DIR)")
     if name is not None and (name not in POLICIES or name == "dense"):
         raise ValueError(f"--run: unknown policy {name!r}; allowed: {[p for p in POLICIES if p != 'dense']} "
                          f"(or --run DIR alone: the policy is read from the run)")
+    run = _read_run(spec, name, path)
+    run.name = label
+    return run
+
+
+def _read_run(spec: str, name: str | None, path: str) -> Trained:
     d = Path(path)
     if not d.is_dir():
         raise ValueError(f"--run {spec}: {d} is not a directory (give a kvpop train --out directory)")
@@ -258,6 +287,13 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
         if p == "dense":
             continue
         t = trained.get(p)
+        if p != policy_of(p):  # a named run's row (with_named: it is in trained)
+            kind = policy_of(p)
+            ft = load(t.model) if t.model is not None else None
+            models[p] = E.policy_model(base, kind, scorers=t.gates if kind == "dms" else t.scorers,
+                                       finetuned=ft if ft is not None or kind != "dms" else base, sinks=sinks,
+                                       window=window, budget=budget, head_plan=t.head_plan)
+            continue
         if p in ("dms", "dms-test-calibrated"):  # the second only when asked for (--policies)
             t = trained.get("dms")
             if t is None or (p != "dms" and p not in (wanted or ())):
@@ -292,12 +328,21 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
     return models
 
 
+def with_named(policies, trained: dict, wanted) -> list[str]:
+    """``policies`` and the rows of the named runs (``POLICY[NAME]``, :func:`read_run`) whose policy (or row) is
+    wanted (``wanted`` None: every one)."""
+    named = [t.key for t in trained.values() if t.name is not None
+             and (wanted is None or t.policy in wanted or t.key in wanted)]
+    only_named = {t.policy for t in trained.values() if t.name is not None} - set(trained)
+    return [*[p for p in policies if p not in named and p not in only_named], *named]
+
+
 def run_settings(args: argparse.Namespace, trained: dict, wanted) -> tuple[int, int, dict]:
     """Sinks and window (the runs' own; a contradicting --sinks / --window raises) and ``results['trained']``."""
-    runs = [t for p, t in trained.items() if wanted is None or p in wanted]
+    runs = [t for t in trained.values() if wanted is None or t.policy in wanted or t.key in wanted]
     sinks, window = trained_window(runs, args.sinks, args.window, default_sinks=DEFAULT_SINKS,
                                    default_window=DEFAULT_WINDOW)
-    return sinks, window, {t.policy: t.summary() for t in runs}
+    return sinks, window, {t.key: t.summary() for t in runs}
 
 
 def run_base(d: Path) -> Path | None:

@@ -32,6 +32,7 @@ from torch import nn
 
 from kvpop.baselines.dms.budget import RANGES
 from kvpop.baselines.dms.budget import row_stats as dms_row_stats
+from kvpop.policies import policy_of, row_order
 
 from .evaluate import (
     DEFAULT_SINKS,
@@ -180,8 +181,10 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                             eta.left[cost_kind(p)] -= int(t.numel())  # skipped: not run
                             bar.update(1)
                         continue
-                    thr = None if p not in DMS_POLICIES or cfg.dms_thresholds is None else cfg.dms_thresholds[b]
-                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, p, b, threshold=thr), t, start)
+                    thr = (None if policy_of(p) not in DMS_POLICIES or cfg.dms_thresholds is None
+                           else cfg.dms_thresholds[b])
+                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, policy_of(p), b, threshold=thr), t,
+                                                   start)
                     nll += float(p_nll.sum())
                     dnll += float(d_nll[start:].sum())
                     agree += int((p_arg == d_arg[start:]).sum())
@@ -195,7 +198,7 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                        "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,
                        "delta_nll": (nll - dnll) / n if n else math.nan,
                        "top1_agreement": agree / n if n else math.nan, **dms_row_stats(models[p])}
-                if p in DMS_POLICIES:
+                if policy_of(p) in DMS_POLICIES:
                     row["dms_threshold_from"] = ("validation traces" if cfg.dms_thresholds is not None
                                                  else "each evaluated trace")
                 rows.append(row)
@@ -221,13 +224,12 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
 def trace_results(rows: list[dict], cfg: TraceEvalConfig, *, lengths: Sequence[int],
                   extra: Mapping[str, Any] | None = None) -> dict:
     """The ``results.json`` object of ``kvpop eval --data``."""
-    order = {p: i for i, p in enumerate(POLICIES)}
     res = {"kind": "traces",
            "metric": "teacher-forced next-token NLL (nats) at positions >= the largest budget, the same for all",
            "scored_from": max(cfg.budgets), "budgets": list(cfg.budgets), "sinks": cfg.sinks, "window": cfg.window,
            "n_traces": len(lengths), "trace_lengths": {"min": min(lengths), "max": max(lengths),
                                                        "total": int(sum(lengths))},
-           "rows": sorted(rows, key=lambda r: (order.get(r["policy"], 99), r["budget"]))}
+           "rows": sorted(rows, key=lambda r: (row_order(r["policy"]), r["budget"]))}
     if extra:
         res.update(extra)
     return res
@@ -249,7 +251,7 @@ def format_trace_table(results: dict) -> str:
     lines = [caption, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dn = [cell.get((rows[0]["policy"], b), {}).get("dense_nll", math.nan) for b in budgets] if rows else []
     lines.append("| dense (NLL) | " + ("- | " if with_trained else "") + " | ".join(f"{x:.4f}" for x in dn) + " |")
-    for p in [p for p in POLICIES if p != "dense" and any(r["policy"] == p for r in rows)]:
+    for p in sorted({r["policy"] for r in rows} - {"dense"}, key=row_order):
         line = [p] + ([trained_label(results, p)] if with_trained else [])
         for b in budgets:
             r = cell.get((p, b))
@@ -282,11 +284,11 @@ def plot_trace_results(results: dict, path: str | os.PathLike) -> None:
 
     rows = results["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for p in POLICIES:
+    for p in sorted({r["policy"] for r in rows}, key=row_order):
         pts = sorted((r["budget"], r["delta_nll"], r["top1_agreement"]) for r in rows if r["policy"] == p)
         if not pts:
             continue
-        style = "-" if p.startswith("kvpop") else ":" if p in ("tova", "h2o") else "-."
+        style = "-" if p.startswith("kvpop") else ":" if policy_of(p) in ("tova", "h2o") else "-."
         axes[0].plot([b for b, _, _ in pts], [d for _, d, _ in pts], style, marker="o", label=p)
         axes[1].plot([b for b, _, _ in pts], [a for _, _, a in pts], style, marker="o", label=p)
     bs = sorted({r["budget"] for r in rows})

@@ -321,3 +321,43 @@ def test_eval_eta_weighs_jobs_by_their_cost_and_says_when_it_is_a_lower_bound(mo
     line.file = buf
     line._write()
     assert "ETA" not in buf.getvalue()
+
+
+# ---------------------------------------------------------------------------- two runs of one policy, named
+def test_eval_compares_two_named_runs_of_one_policy_in_every_mode(tmp_path, monkeypatch, capsys):
+    import json
+
+    from kvpop.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    runs = {}
+    for name, seed in (("auto", "0"), ("paper", "1")):
+        runs[name] = tmp_path / name
+        assert main(["train", *TRAIN_FAST, "--seed", seed, "--out", str(runs[name])]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run", str(runs["auto"]), "--run", str(runs["paper"]), "--policies", "dense,kvpop-mlp"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "policy 'kvpop-mlp' is given twice" in err and "name them: --run NAME=DIR" in err
+    named = ["--run", f"auto={runs['auto']}", "--run", f"kvpop-mlp[paper]={runs['paper']}"]
+    out = tmp_path / "e"
+    assert main(["eval", *named, "--policies", "dense,streaming,kvpop-mlp", "--lengths", "96", "--n-sequences", "1",
+                 "--budgets", "40", "--no-progress", "--no-plot", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    res = json.loads((out / "results.json").read_text())
+    assert {r["policy"] for r in res["rows"]} == {"dense", "streaming", "kvpop-mlp[auto]", "kvpop-mlp[paper]"}
+    assert "| kvpop-mlp[auto] | B=24 |" in table and "| kvpop-mlp[paper] | B=24 |" in table, table
+    assert res["trained"]["kvpop-mlp[auto]"]["source"].startswith("auto=")
+    traces = _traces(tmp_path / "t.jsonl")
+    model = str(ROOT / "kvpop" / "data" / "tiny_qwen3")
+    assert main(["eval", "--model", model, "--data", str(traces), *named, "--budgets", "40", "--no-progress",
+                 "--no-plot"]) == 0
+    table = capsys.readouterr().out
+    assert "| kvpop-mlp[auto] | B=24 |" in table and "| kvpop-mlp[paper] | B=24 |" in table, table
+    problems = tmp_path / "p.jsonl"
+    problems.write_text(json.dumps({"prompt_ids": [5, 6, 7, 8, 9], "answer_ids": [8, 9]}) + "\n")
+    assert main(["eval", "--problems", str(problems), *named, "--policies", "dense,kvpop-mlp", "--budgets", "40",
+                 "--no-progress", "--no-plot"]) == 0
+    table = capsys.readouterr().out
+    assert "| kvpop-mlp[auto] | 40 |" in table and "| kvpop-mlp[paper] | 40 |" in table, table
+    assert main(["eval", "--run", f"bad/name={runs['auto']}"]) == 2
+    assert "neither a policy" in capsys.readouterr().err
