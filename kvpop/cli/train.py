@@ -396,6 +396,11 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
         if args.method == "kvpop" and (args.head_budgets is not None or args.allocate is not None):
             kv_cfg, chosen = _checked(_head_budgets, args, kv_cfg, model, source, out)
             method = KVpopMethod(kv_cfg)
+            over = [b for r in kv_cfg.head_budgets for b in r if b > args.seq_len]
+            if over and args.head_budgets is not None and rank == 0:
+                print(f"kvpop train: warning: --head-budgets {args.head_budgets}: {len(over)} head(s) hold more than "
+                      f"--seq-len {args.seq_len} entries (up to {max(over)}): a training sequence never fills them, "
+                      f"and a head whose budget holds the whole sequence evicts nothing to learn from", file=sys.stderr)
         torch.manual_seed(args.seed)  # the scorers' initialisation
         try:
             method.attach(model)

@@ -208,11 +208,17 @@ def read_run(spec: str) -> Trained:
         if m is not None and m.group(1) in POLICIES:
             name, label = m.group(1), m.group(2)
         elif re.fullmatch(NAME_RULE, name):
+            import difflib
+
+            near = difflib.get_close_matches(name, POLICIES, n=1, cutoff=0.8)
+            if near:  # a misspelt policy, not a name
+                raise ValueError(f"--run {spec}: unknown policy {name!r}; did you mean {near[0]}? (a name of the run "
+                                 f"must not look like a policy)")
             name, label = None, name
         else:
             allowed = ", ".join(p for p in POLICIES if p != "dense")
-            raise ValueError(f"--run {spec}: {name!r} is neither a policy ({allowed}) nor a name of the run (letters, "
-                             f"digits and . _ + -, e.g. --run auto=DIR)")
+            raise ValueError(f"--run {spec}: {name!r} is neither a policy ({allowed}) nor a name of the run (1 to 64 "
+                             f"letters, digits and . _ + -, e.g. --run auto=DIR)")
     if name is not None and (name not in POLICIES or name == "dense"):
         raise ValueError(f"--run: unknown policy {name!r}; allowed: {[p for p in POLICIES if p != 'dense']} "
                          f"(or --run DIR alone: the policy is read from the run)")
@@ -331,6 +337,11 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
 def with_named(policies, trained: dict, wanted) -> list[str]:
     """``policies`` and the rows of the named runs (``POLICY[NAME]``, :func:`read_run`) whose policy (or row) is
     wanted (``wanted`` None: every one)."""
+    keys = {t.key for t in trained.values()}
+    for w in wanted or ():
+        if w != policy_of(w) and w not in keys:
+            raise ValueError(f"--policies names the row {w!r}, but no run is named {w[len(policy_of(w)) + 1:-1]!r} "
+                             f"(--run NAME=DIR names one); named rows: {sorted(k for k in keys if k != policy_of(k))}")
     named = [t.key for t in trained.values() if t.name is not None
              and (wanted is None or t.policy in wanted or t.key in wanted)]
     only_named = {t.policy for t in trained.values() if t.name is not None} - set(trained)

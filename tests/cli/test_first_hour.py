@@ -257,6 +257,7 @@ def test_a_step_with_nothing_to_rank_says_why_instead_of_printing_nan(tmp_path, 
     assert "acc=-" in said and "accuracy - (no token was ranked" in said
     assert said.count("note: step 1: no token competed for a long-range slot") == 1
     assert "1 head(s) hold the whole sequence of 64 tokens" in said and "3 head(s) keep no long-range slot" in said
+    assert f"warning: --head-budgets {hb}: 1 head(s) hold more than --seq-len 64 entries (up to 70)" in said
     hist = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
     assert all(h["decisions"] == 0 and math.isnan(h["accuracy"]) for h in hist)
     import argparse
@@ -361,3 +362,5 @@ def test_eval_compares_two_named_runs_of_one_policy_in_every_mode(tmp_path, monk
     assert "| kvpop-mlp[auto] | 40 |" in table and "| kvpop-mlp[paper] | 40 |" in table, table
     assert main(["eval", "--run", f"bad/name={runs['auto']}"]) == 2
     assert "neither a policy" in capsys.readouterr().err
+    assert main(["eval", *named, "--policies", "kvpop-mlp[zz]", "--lengths", "96", "--n-sequences", "1"]) == 2
+    assert "--policies names the row 'kvpop-mlp[zz]', but no run is named 'zz'" in capsys.readouterr().err
