@@ -221,7 +221,8 @@ def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | N
     shared anew from ``head_plan`` (``kvpop.core.budgets.read_head_budgets``'s dict with an ``importance``,
     e.g. the run's ``head_budgets.json``; :func:`kvpop.core.budgets.rebudget`), else ``ValueError``.
     """
-    _check_policies([policy])
+    if policy not in POLICIES:  # a policy, not a named run's row
+        raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
     if policy == "dense":
         return base
     if policy in DMS_POLICIES:
