@@ -45,6 +45,7 @@ from .core import (
                    teacher_topk,
                    unpatch,
 )
+from .models import cache_kwargs
 
 __all__ = [
     "KVpopConfig", "KVpopCache", "patch", "unpatch", "patched", "is_patched", "get_config", "kvpop_layers",
@@ -52,5 +53,5 @@ __all__ = [
     "TeacherTopK", "fused_distill_loss", "fused_teacher_topk", "fused_output_head", "teacher_targets",
     "set_teacher_targets",
     "save_scorers", "load_scorers", "read_scorer_config", "KVpopLayer", "MLPScorer", "MLSTMScorer",
-    "build_scorer", "SUPPORTED_MODEL_TYPES", "decay_range_for_context",
+    "build_scorer", "SUPPORTED_MODEL_TYPES", "decay_range_for_context", "cache_kwargs",
 ]

@@ -7,7 +7,8 @@ library, the demo and the commands read one table.
 """
 from __future__ import annotations
 
-__all__ = ["POLICIES", "DMS_POLICIES", "CACHE_POLICY", "SCORER_OF", "JOINT", "LABEL_SOURCES", "LABEL_VARIANTS",
+__all__ = ["POLICIES", "DMS_POLICIES", "policy_of", "row_order", "NAME_RULE",
+           "CACHE_POLICY", "SCORER_OF", "JOINT", "LABEL_SOURCES", "LABEL_VARIANTS",
            "DEFAULT_SINKS", "DEFAULT_WINDOW"]
 
 LABEL_SOURCES = ("student", "teacher")
@@ -32,3 +33,20 @@ DMS_POLICIES = ("dms", "dms-test-calibrated")
 CACHE_POLICY = {"streaming": "streaming", "tova": "tova", "h2o": "h2o", "fixed-finetune": "streaming",
                 **{p: "kvpop" for p in SCORER_OF}}
 """The ``KVpopCache`` policy that serves each non-dense policy."""
+
+NAME_RULE = r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}"
+"""A user's name of a run (``kvpop eval --run NAME=DIR``): its row is ``POLICY[NAME]``, e.g.
+``kvpop-mlp-joint[auto]`` beside ``kvpop-mlp-joint[paper]``."""
+
+
+def policy_of(row: str) -> str:
+    """The policy a table row serves: ``kvpop-mlp-joint[auto]`` -> ``kvpop-mlp-joint`` (a named run's row); a
+    policy name is its own row."""
+    return row.split("[", 1)[0] if row.endswith("]") and "[" in row else row
+
+
+def row_order(row: str) -> tuple[int, str]:
+    """Sort key of a table row: its policy's place in :data:`POLICIES`, then its name."""
+    p = policy_of(row)
+    return (POLICIES.index(p) if p in POLICIES else len(POLICIES), row)
+

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["progress", "LineProgress", "NullProgress", "LINES", "is_terminal", "quiet_library_bars"]
+__all__ = ["progress", "LineProgress", "NullProgress", "CostETA", "LINES", "is_terminal", "quiet_library_bars"]
 
 LINES = 20
 """Lines a :class:`LineProgress` writes over a run by default (``every = ceil(total / LINES)``)."""
@@ -51,7 +51,7 @@ class LineProgress(NullProgress):
     """One line ``desc: n/total (pct%), elapsed, ETA, postfix`` every ``every`` steps and at :meth:`close`."""
 
     def __init__(self, total: int | None, *, desc: str = "", initial: int = 0, every: int | None = None,
-                 file: TextIO | None = None) -> None:
+                 file: TextIO | None = None, eta: bool = True) -> None:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"every must be an int >= 1, got {every!r}")
         self.total = total
@@ -63,6 +63,7 @@ class LineProgress(NullProgress):
         self._t0 = time.monotonic()
         self._last = initial  # n at the last line written
         self._closed = False
+        self.eta = eta  # False: the caller says the ETA (in the postfix, e.g. CostETA's)
 
     def set_postfix(self, **kwargs: Any) -> None:
         self.postfix = ", ".join(f"{k}={v}" for k, v in kwargs.items())
@@ -83,7 +84,7 @@ class LineProgress(NullProgress):
             parts[0] += f" ({100 * self.n / self.total:.0f}%)"
         parts.append(f"{dt:.0f}s")
         done = self.n - self._start
-        if self.total and 0 < done and self.n < self.total:
+        if self.eta and self.total and 0 < done and self.n < self.total:
             parts.append(f"ETA {dt / done * (self.total - self.n):.0f}s")
         if self.postfix:
             parts.append(self.postfix)
@@ -95,6 +96,50 @@ class LineProgress(NullProgress):
             self._closed = True
             if self.n != self._last:
                 self._write()
+
+
+class CostETA:
+    """An ETA over jobs of unequal cost: each job has a kind (e.g. ``"decode"``: token by token, ``"forward"``: one
+    pass) and a size in units (e.g. tokens); the seconds per unit are measured per kind as jobs finish, and the
+    ETA is the remaining units of each kind at that kind's rate.  While a kind with work left has not been timed
+    yet, the ETA is a lower bound that names it (a plain bar's rate, averaged over kinds, can be off by hours when
+    a token-by-token policy comes last)."""
+
+    def __init__(self, jobs: list[tuple[str, float]]) -> None:
+        self.left: dict[str, float] = {}
+        for kind, units in jobs:
+            self.left[kind] = self.left.get(kind, 0.0) + float(units)
+        self.spent: dict[str, list[float]] = {}  # kind -> [seconds, units] measured
+        self._t: float | None = None
+
+    def start(self) -> None:
+        """A job starts now."""
+        self._t = time.monotonic()
+
+    def done(self, kind: str, units: float) -> None:
+        """``units`` of a job of ``kind`` finished since :meth:`start` (or the last ``done``)."""
+        now = time.monotonic()
+        dt = now - (self._t if self._t is not None else now)
+        self._t = now
+        sec_units = self.spent.setdefault(kind, [0.0, 0.0])
+        sec_units[0] += dt
+        sec_units[1] += float(units)
+        self.left[kind] = max(0.0, self.left.get(kind, 0.0) - float(units))
+
+    def text(self) -> str:
+        """``ETA 123s``, or ``ETA >= 45s (decode not timed yet)``; empty when nothing is left."""
+        eta, untimed = 0.0, []
+        for kind, units in self.left.items():
+            if units <= 0:
+                continue
+            sec, done = self.spent.get(kind, (0.0, 0.0))
+            if done > 0:
+                eta += sec / done * units
+            else:
+                untimed.append(kind)
+        if not untimed and eta <= 0:
+            return ""
+        return f"ETA {eta:.0f}s" if not untimed else f"ETA >= {eta:.0f}s ({', '.join(untimed)} not timed yet)"
 
 
 def is_terminal(stream: Any = None) -> bool:
@@ -116,17 +161,21 @@ def quiet_library_bars() -> None:
 
 
 def progress(total: int | None, *, desc: str = "", initial: int = 0, enabled: bool = True,
-             every: int | None = None, file: TextIO | None = None, **tqdm_kwargs: Any) -> Any:
+             every: int | None = None, file: TextIO | None = None, eta: bool = True, **tqdm_kwargs: Any) -> Any:
     """A progress reporter for ``total`` steps (module docstring).
 
     ``file``: the stream (default ``sys.stderr``); a tqdm bar when it is a terminal, else a
     :class:`LineProgress` writing a line every ``every`` steps (default: about :data:`LINES` lines in all).
-    ``tqdm_kwargs`` go to tqdm only.  ``enabled=False``: a :class:`NullProgress`.
+    ``tqdm_kwargs`` go to tqdm only.  ``enabled=False``: a :class:`NullProgress`.  ``eta=False``: no ETA from the
+    bar's own rate (the caller gives one in the postfix, e.g. :class:`CostETA`'s).
     """
     if not enabled:
         return NullProgress()
     if not is_terminal(file):
-        return LineProgress(total, desc=desc, initial=initial, every=every, file=file)
+        return LineProgress(total, desc=desc, initial=initial, every=every, file=file, eta=eta)
     from tqdm.auto import tqdm
+
+    if not eta:
+        tqdm_kwargs.setdefault("bar_format", "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
 
     return tqdm(total=total, initial=initial, desc=desc or None, dynamic_ncols=True, file=file, **tqdm_kwargs)

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from kvpop.policies import POLICIES
+from kvpop.policies import policy_of, row_order
 
 from . import generation
 from .records import Problem
@@ -138,7 +138,7 @@ def evaluate_problems(models: Mapping[str, nn.Module], problems: Sequence[Proble
                 if bar is not None:
                     bar.set_postfix_str(f"{p}" + ("" if b is None else f" B={b}"))
                 gens = (engine or generation.generate_rows)(
-                    models[p], p, b, [pr.prompt_ids for pr, _ in chunk],
+                    models[p], policy_of(p), b, [pr.prompt_ids for pr, _ in chunk],
                     [generation.row_seed(cfg.seed, pr.index, s) for pr, s in chunk], max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
                 for (pr, _), g in zip(chunk, gens):
@@ -172,8 +172,7 @@ def results_dict(rows: Mapping[str, dict], problems: Sequence[Problem], combos, 
                       f"pass@{cfg.samples}": sum(r["pass@N"] for r in rs) / n,
                       "mean_length": sum(r["mean_length"] for r in rs) / n,
                       "peak_cache_bytes_per_sequence": max(r["peak_cache_bytes"] for r in rs)})
-    order = {p: i for i, p in enumerate(POLICIES)}
-    table.sort(key=lambda r: (order.get(r["policy"], 99), r["budget"] or 0))
+    table.sort(key=lambda r: (row_order(r["policy"]), r["budget"] or 0))
     dense = next((r["pass@1"] for r in table if r["policy"] == "dense"), None)
     for r in table:
         r["relative_pass@1"] = (r["pass@1"] / dense) if dense else None

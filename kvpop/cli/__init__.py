@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -46,6 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         from kvpop.progress import quiet_library_bars
 
         quiet_library_bars()
+    if isinstance(getattr(args, "model", None), str) and not os.path.exists(args.model):
+        from kvpop.models.directory import resolve_model_dir
+
+        try:  # a hub id: its snapshot in the local Hugging Face cache, as transformers finds it offline
+            args.model = str(resolve_model_dir(args.model))
+        except FileNotFoundError as e:
+            if args.command == "train":  # kvpop train's own way of refusing (exit status 1)
+                raise SystemExit(f"kvpop train: {e}") from None
+            print(f"kvpop {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        print(f"kvpop {args.command}: --model: the local Hugging Face cache's snapshot {args.model}", file=sys.stderr)
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

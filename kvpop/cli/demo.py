@@ -33,8 +33,8 @@ from .eval import _ints, add_common, check_common, check_out
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (one subdirectory per task)")
     p.add_argument("--task", default="kvtrace", choices=[*TASKS, "all"],
-                   help="which task's model to retrofit and evaluate (default: kvtrace; lookahead needs --model "
-                        "until a pre-trained model is shipped; all: one after the other)")
+                   help="which task's model to retrofit and evaluate (default: kvtrace; lookahead: the shipped "
+                        "kvpop/data/tiny_qwen3_lookahead, or --model DIR; all: one after the other)")
     p.add_argument("--select", action="store_true",
                    help="choose the training settings on validation sequences (kvpop.training.search.SELECT_GRID) "
                         "instead of running the demo; writes OUT/<task>/selection.json")

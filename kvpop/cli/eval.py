@@ -41,9 +41,13 @@ import sys
 import time
 from pathlib import Path
 
+from .trained import models_line
 from .trained import parse_ints as _ints
 from .trained import policy_models as _policy_models
+from .trained import row_models as _row_models
+from .trained import rows_ran as _ran
 from .trained import run_settings as _settings
+from .trained import with_named as _with_named
 
 
 def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
@@ -72,7 +76,7 @@ def check_common(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {v}")
     for name in ("lengths", "budgets"):
         given = getattr(args, name, None)
-        values = _ints(given)
+        values = _ints(given, f"--{name}")
         if values is None:
             continue
         if not values:
@@ -123,13 +127,15 @@ def add_common(p: argparse.ArgumentParser, *, of_runs: bool = False) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common(p, of_runs=True)
-    p.add_argument("--run", action="append", metavar="[POLICY=]DIR",
+    p.add_argument("--run", action="append", metavar="[POLICY=|NAME=]DIR",
                    help="a kvpop train --out directory (or a kvpop demo OUT/<task>/<policy>), whatever the method: its "
                         "scorers, fine-tuned model, DMS gates and the settings they were trained with; the policy is "
                         "read from what DIR holds (scorers alone: kvpop-mlp / kvpop-mlstm; scorers + model/: "
                         "kvpop-mlp-joint / kvpop-mlstm-joint; gates: dms; model alone: name it, fixed-finetune=DIR); "
                         "POLICY= overrides it (e.g. kvpop-mlp=DIR serves a joint run's scorers as kvpop-mlp); "
-                        "repeatable, one run per policy")
+                        "NAME= (a name that is no policy) names the run: its row is POLICY[NAME], so two runs of one "
+                        "policy compare in one table (--run auto=r/auto --run paper=r/paper; POLICY[NAME]=DIR does "
+                        "both); repeatable, one unnamed run per policy")
     p.add_argument("--scorers", action="append", metavar="POLICY=FILE",
                    help="special case of --run: a scorer file alone, for kvpop-mlp, kvpop-mlstm, kvpop-mlp-joint or "
                         "kvpop-mlstm-joint (the joint ones with --finetuned POLICY=DIR, the model trained with them; "
@@ -168,9 +174,12 @@ def _trained(args: argparse.Namespace) -> dict:
     out: dict[str, Trained] = {}
 
     def add(t: Trained) -> None:
-        if t.policy in out:
-            raise ValueError(f"policy {t.policy!r} is given twice: {out[t.policy].source} and {t.source}")
-        out[t.policy] = t
+        if t.key in out:
+            hint = ("" if t.name is not None else f"; to compare two runs of one policy, name them: --run NAME=DIR "
+                    f"(e.g. --run a={out[t.key].source.split('=')[-1]} --run b={t.source.split('=')[-1]}), each shown "
+                    f"as its row {t.policy}[NAME]")
+            raise ValueError(f"policy {t.key!r} is given twice: {out[t.key].source} and {t.source}{hint}")
+        out[t.key] = t
 
     for spec in args.run or []:
         add(read_run(spec))
@@ -221,6 +230,20 @@ def _trained(args: argparse.Namespace) -> dict:
 
 
 
+def _traces(data_io, records: list, seq_len: int | None, option: str, path: str) -> list:
+    """The traces of a JSONL file's ``records``: cut at ``seq_len``, else whole (a record of fewer than 2 tokens has no
+    token to score, and is skipped); ValueError naming the option and file when none is left."""
+    import torch
+
+    if seq_len is not None:
+        return data_io.chunk(records, seq_len, source=f"{option} {path}")
+    out = [torch.tensor(r, dtype=torch.int64) for r in records if len(r) >= 2]
+    if not out:
+        raise ValueError(f"{option} {path}: no trace to evaluate: each of its {len(records)} record(s) has fewer than "
+                         f"2 tokens (a trace needs a token to predict from and one to score)")
+    return out
+
+
 def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
     import torch
 
@@ -241,14 +264,12 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
         records = data_io.read_jsonl(args.data, vocab_size=base.config.vocab_size,
                                      tokenizer=lambda: data_io.load_tokenizer(args.model),
                                      tokenizer_source=str(args.model))
-        if args.seq_len is not None:
-            traces = data_io.chunk(records, args.seq_len, source=str(args.data))
-        else:
-            traces = [torch.tensor(r, dtype=torch.int64) for r in records if len(r) >= 2]
+        traces = _traces(data_io, records, args.seq_len, "--data", args.data)
         if args.n_sequences is not None:
             traces = traces[:args.n_sequences]
         cfg = TE.TraceEvalConfig(budgets=_ints(args.budgets), sinks=sinks, window=window,
-                                 policies=wanted or E.POLICIES, progress=not args.no_progress)
+                                 policies=_with_named(wanted or E.POLICIES, trained, wanted),
+                                 progress=not args.no_progress)
         lengths = [int(t.numel()) for t in traces]
         cfg.resolve(lengths)
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
@@ -263,8 +284,7 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
             vrec = data_io.read_jsonl(args.dms_valid_data, vocab_size=base.config.vocab_size,
                                       tokenizer=lambda: data_io.load_tokenizer(args.model),
                                       tokenizer_source=str(args.model))
-            vtr = (data_io.chunk(vrec, args.seq_len, source=str(args.dms_valid_data)) if args.seq_len is not None
-                   else [torch.tensor(r, dtype=torch.int64) for r in vrec if len(r) >= 2])
+            vtr = _traces(data_io, vrec, args.seq_len, "--dms-valid-data", args.dms_valid_data)
             if args.n_sequences is not None:
                 vtr = vtr[:args.n_sequences]
             cfg.dms_thresholds = TE.dms_thresholds_on(models["dms"], vtr, cfg.budgets)
@@ -277,9 +297,11 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
         "trained": {p: summary[p] for p in summary if p in models},
         "dms_thresholds": None if cfg.dms_thresholds is None else {str(b): t for b, t in cfg.dms_thresholds.items()},
         "dms_valid_data": args.dms_valid_data,
-        "threads": torch.get_num_threads(), "eval_seconds": round(time.time() - t0, 1)})
+        "threads": torch.get_num_threads(), "eval_seconds": round(time.time() - t0, 1),
+        "row_models": _ran(args._row_models, models)})
     table = TE.format_trace_table(results)
     print(table)
+    print(models_line(results["row_models"]))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -315,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
             if t.extra.get("given_as") == "streaming":
                 print(f"kvpop eval: {t.source} is evaluated as the fixed-finetune row (a fine-tuned model under the "
                       f"streaming cache); the streaming row stays the base model", file=sys.stderr)
+        if args.model is not None or args.data is None:  # --data without --model is refused below
+            args._row_models = _row_models(trained, Path(args.model) if args.model else E.SHIPPED_MODEL, wanted)
         torch.set_num_threads(args.threads)
     except (ValueError, FileNotFoundError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
@@ -332,7 +356,8 @@ def run(args: argparse.Namespace) -> int:
         sinks, window, summary = _settings(args, trained, wanted)
         cfg = E.EvalConfig(train_len=args.train_len or 2048, lengths=_ints(args.lengths),
                            budgets=_ints(args.budgets), n_sequences=4 if args.n_sequences is None else args.n_sequences,
-                           sinks=sinks, window=window, policies=wanted or E.POLICIES, progress=not args.no_progress)
+                           sinks=sinks, window=window, policies=_with_named(wanted or E.POLICIES, trained, wanted),
+                           progress=not args.no_progress)
         base = E.load_base_model(args.model)
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
                                 budget=cfg.budgets[0], load=E.load_base_model, budgets=cfg.budgets)
@@ -340,8 +365,10 @@ def run(args: argparse.Namespace) -> int:
         results = E.evaluate(models, cfg)
         results["eval_seconds"] = round(time.time() - t0, 1)
         results["trained"] = {p: summary[p] for p in summary if p in models}
+        results["row_models"] = _ran(args._row_models, models)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
     E.write_outputs(results, Path(args.out) if args.out else None, not args.no_plot)
+    print(models_line(results["row_models"]))
     return 0

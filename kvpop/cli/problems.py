@@ -99,6 +99,7 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
     from .trained import parse_ints as _ints
     from .trained import policy_models as _policy_models
     from .trained import run_settings as _settings
+    from .trained import with_named
 
     t0 = time.time()
     try:
@@ -155,7 +156,10 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
         elif max_new < 1:
             raise ValueError(f"--max-new-tokens must be an int >= 1, got {max_new}")
         P.check_lengths(problems, max_new, context, model=f"the model {model_dir}")
-        cfg = P.ProblemsConfig(budgets=budgets, policies=wanted or list(POLICIES), samples=args.samples,
+        if engine is not None and any(t.name is not None for t in trained.values()):
+            raise ValueError("--engine vllm serves one run per policy: named runs (--run NAME=DIR) are for --engine hf")
+        cfg = P.ProblemsConfig(budgets=budgets, policies=with_named(wanted or list(POLICIES), trained, wanted),
+                               samples=args.samples,
                                temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_new_tokens=max_new,
                                extract=args.extract, batch_size=args.batch_size, sinks=sinks, window=window,
                                progress=not args.no_progress, problems_file=str(path),
@@ -178,12 +182,20 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
                                       engine=engine)
         if engine is not None:
             engine.close()
+        if getattr(args, "_row_models", None):
+            from .trained import rows_ran
+
+            results["row_models"] = rows_ran(args._row_models, [r["policy"] for r in results.get("rows", [])])
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop eval: error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else None
     table = P.finish_problems(results, out, not args.no_plot)
     print(table)
+    if results.get("row_models"):
+        from .trained import models_line
+
+        print(models_line(results["row_models"]))
     if out is not None:
         (out / "run.json").write_text(json.dumps({"eval_seconds": round(time.time() - t0, 1),
                                                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

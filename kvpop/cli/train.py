@@ -195,9 +195,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="device (default: cuda[:LOCAL_RANK] when available, else cpu)")
     run.add_argument("--no-progress", action="store_true",
                      help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: torch's own, one per core); may change on --resume")
     from .auto import add_arguments as add_auto
 
     add_auto(p)
+
+
+def interpreter_warning() -> str | None:
+    """The warning for a CPU run under ``TRITON_INTERPRET=1`` outside the tests (which set it to test the kernels):
+    the Triton kernels then run in Triton's CPU interpreter, far slower than the PyTorch path; None otherwise."""
+    value = os.environ.get("TRITON_INTERPRET", "")
+    if value.strip().lower() not in ("1", "true", "yes", "on") or "PYTEST_CURRENT_TEST" in os.environ:
+        return None
+    return (f"kvpop train: warning: TRITON_INTERPRET={value} is set, so on the CPU the Triton kernels run in Triton's "
+            f"interpreter, hundreds of times slower than the PyTorch path (one step of a small model can take "
+            f"minutes); unset it (or set TRITON_INTERPRET=0) unless you are testing the kernels")
+
+
+def _allocation_notes(args: argparse.Namespace, kv_cfg, chosen) -> str:
+    """What the user should know of ``--allocate``'s budgets: heads left without a long-range slot (and why), and
+    heads held at --seq-len (a sequence fills no more)."""
+    rows, doc = chosen
+    flat = [b for r in rows for b in r]
+    imp = [x for r in (doc or {}).get("importance") or [] for x in r]
+    notes = []
+    bare = [i for i, b in enumerate(flat) if b <= kv_cfg.sinks + kv_cfg.window]
+    if bare:
+        most = (f": their ablation raised the validation NLL by at most {max(imp[i] for i in bare):.4g} nats"
+                if imp else "")
+        notes.append(f"{len(bare)} of {len(flat)} heads keep no long-range slot (sinks + window only){most}; --min-k K "
+                     f"gives every head at least K")
+    full = sum(b >= args.seq_len for b in flat)
+    if full:
+        notes.append(f"{full} head(s) at --seq-len {args.seq_len}, what a sequence fills (more would never be used)")
+    return "".join(f"; {n}" for n in notes)
 
 
 class _UserError(Exception):
@@ -356,6 +388,10 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
 
     rank, world, device, started = _checked(setup_process, args.device)
     try:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        if device.type == "cpu" and rank == 0 and interpreter_warning() is not None:
+            print(interpreter_warning(), file=sys.stderr)
         if args.bf16 and device.type != "cuda":
             _fail(f"--bf16 needs a CUDA device (this run is on {device}); leave it out on the CPU")
         torch.manual_seed(args.seed)
@@ -366,6 +402,11 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
         if args.method == "kvpop" and (args.head_budgets is not None or args.allocate is not None):
             kv_cfg, chosen = _checked(_head_budgets, args, kv_cfg, model, source, out)
             method = KVpopMethod(kv_cfg)
+            over = [b for r in kv_cfg.head_budgets for b in r if b > args.seq_len]
+            if over and args.head_budgets is not None and rank == 0:
+                print(f"kvpop train: warning: --head-budgets {args.head_budgets}: {len(over)} head(s) hold more than "
+                      f"--seq-len {args.seq_len} entries (up to {max(over)}): a training sequence never fills them, "
+                      f"and a head whose budget holds the whole sequence evicts nothing to learn from", file=sys.stderr)
         torch.manual_seed(args.seed)  # the scorers' initialisation
         try:
             method.attach(model)
@@ -388,7 +429,8 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
                 written = rundir.write_head_budgets(out, *chosen)
                 if args.allocate is not None:
                     print(f"kvpop train: --allocate {args.allocate}: per-head budgets {[list(r) for r in chosen[0]]} "
-                          f"(mean {args.budget}); wrote {written}", file=sys.stderr)
+                          f"(mean {args.budget}){_allocation_notes(args, kv_cfg, chosen)}; wrote {written}",
+                          file=sys.stderr)
         try:
             hist = train(model, data, tcfg, resume=args.resume, method=method)  # writes last.pt, history.jsonl
         except TrainingInterrupted as e:

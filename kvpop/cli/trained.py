@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpop.policies import DEFAULT_SINKS, DEFAULT_WINDOW, JOINT, POLICIES, SCORER_OF
+from kvpop.policies import DEFAULT_SINKS, DEFAULT_WINDOW, JOINT, POLICIES, SCORER_OF, policy_of
 
 SCORERS_FILE = "scorers.safetensors"
 GATES_FILE = "gates.safetensors"
@@ -47,6 +47,12 @@ class Trained:
     config: Any = None  # KVpopConfig or DMSConfig
     extra: dict = field(default_factory=dict)
     head_plan: dict | None = None  # the run's head_budgets.json (kvpop.core.budgets.read_head_budgets)
+    name: str | None = None  # the user's name of the run (--run NAME=DIR): its row is POLICY[NAME]
+
+    @property
+    def key(self) -> str:
+        """The run's table row: its policy, or ``POLICY[NAME]`` for a named run."""
+        return self.policy if self.name is None else f"{self.policy}[{self.name}]"
 
     def summary(self) -> dict:
         """What ``results.json`` records of the training (``trained``)."""
@@ -186,13 +192,42 @@ def check_head_budgets_at(trained: dict, budgets: list[int] | None) -> None:
 
 def read_run(spec: str) -> Trained:
     """``[POLICY=]DIR`` -> the :class:`Trained` policy in ``DIR`` (module docstring); with ``POLICY`` the
-    directory must be able to serve that policy (e.g. ``kvpop-mlp`` from a joint run uses its model)."""
+    directory must be able to serve that policy (e.g. ``kvpop-mlp`` from a joint run uses its model).
+    ``NAME=DIR`` (a name that is no policy, :data:`kvpop.policies.NAME_RULE`) or ``POLICY[NAME]=DIR`` names the
+    run: its row is ``POLICY[NAME]``, so that two runs of one policy are compared in one table."""
+    import re
+
+    from kvpop.policies import NAME_RULE
+
     name, path = (spec.split("=", 1) if "=" in spec else (None, spec))
     if name is not None and name not in POLICIES and Path(spec).is_dir():
         name, path = None, spec  # a directory whose name holds '='
+    label = None
+    if name is not None and name not in POLICIES:
+        m = re.fullmatch(rf"([\w.-]+)\[({NAME_RULE})\]", name)
+        if m is not None and m.group(1) in POLICIES:
+            name, label = m.group(1), m.group(2)
+        elif re.fullmatch(NAME_RULE, name):
+            import difflib
+
+            near = difflib.get_close_matches(name, POLICIES, n=1, cutoff=0.8)
+            if near:  # a misspelt policy, not a name
+                raise ValueError(f"--run {spec}: unknown policy {name!r}; did you mean {near[0]}? (a name of the run "
+                                 f"must not look like a policy)")
+            name, label = None, name
+        else:
+            allowed = ", ".join(p for p in POLICIES if p != "dense")
+            raise ValueError(f"--run {spec}: {name!r} is neither a policy ({allowed}) nor a name of the run (1 to 64 "
+                             f"letters, digits and . _ + -, e.g. --run auto=DIR)")
     if name is not None and (name not in POLICIES or name == "dense"):
         raise ValueError(f"--run: unknown policy {name!r}; allowed: {[p for p in POLICIES if p != 'dense']} "
                          f"(or --run DIR alone: the policy is read from the run)")
+    run = _read_run(spec, name, path)
+    run.name = label
+    return run
+
+
+def _read_run(spec: str, name: str | None, path: str) -> Trained:
     d = Path(path)
     if not d.is_dir():
         raise ValueError(f"--run {spec}: {d} is not a directory (give a kvpop train --out directory)")
@@ -236,13 +271,14 @@ def trained_window(runs: list[Trained], sinks: int | None, window: int | None, *
     return s, w
 
 
-def parse_ints(s: str | None) -> list[int] | None:
+def parse_ints(s: str | None, option: str | None = None) -> list[int] | None:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (None -> None); ValueError naming ``option`` (e.g. ``--seeds``) when given."""
     if s is None:
         return None
     try:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {s!r}") from None
+        raise ValueError((f"{option}: " if option else "") + f"expected comma-separated integers, got {s!r}") from None
 
 
 def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, window: int, budget: int,
@@ -257,6 +293,13 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
         if p == "dense":
             continue
         t = trained.get(p)
+        if p != policy_of(p):  # a named run's row (with_named: it is in trained)
+            kind = policy_of(p)
+            ft = load(t.model) if t.model is not None else None
+            models[p] = E.policy_model(base, kind, scorers=t.gates if kind == "dms" else t.scorers,
+                                       finetuned=ft if ft is not None or kind != "dms" else base, sinks=sinks,
+                                       window=window, budget=budget, head_plan=t.head_plan)
+            continue
         if p in ("dms", "dms-test-calibrated"):  # the second only when asked for (--policies)
             t = trained.get("dms")
             if t is None or (p != "dms" and p not in (wanted or ())):
@@ -291,9 +334,89 @@ def policy_models(E, base, cfg_policies, wanted, trained: dict, *, sinks: int, w
     return models
 
 
+def with_named(policies, trained: dict, wanted) -> list[str]:
+    """``policies`` and the rows of the named runs (``POLICY[NAME]``, :func:`read_run`) whose policy (or row) is
+    wanted (``wanted`` None: every one)."""
+    keys = {t.key for t in trained.values()}
+    for w in wanted or ():
+        if w != policy_of(w) and w not in keys:
+            raise ValueError(f"--policies names the row {w!r}, but no run is named {w[len(policy_of(w)) + 1:-1]!r} "
+                             f"(--run NAME=DIR names one); named rows: {sorted(k for k in keys if k != policy_of(k))}")
+    named = [t.key for t in trained.values() if t.name is not None
+             and (wanted is None or t.policy in wanted or t.key in wanted)]
+    only_named = {t.policy for t in trained.values() if t.name is not None} - set(trained)
+    return [*[p for p in policies if p not in named and p not in only_named], *named]
+
+
 def run_settings(args: argparse.Namespace, trained: dict, wanted) -> tuple[int, int, dict]:
     """Sinks and window (the runs' own; a contradicting --sinks / --window raises) and ``results['trained']``."""
-    runs = [t for p, t in trained.items() if wanted is None or p in wanted]
+    runs = [t for t in trained.values() if wanted is None or t.policy in wanted or t.key in wanted]
     sinks, window = trained_window(runs, args.sinks, args.window, default_sinks=DEFAULT_SINKS,
                                    default_window=DEFAULT_WINDOW)
-    return sinks, window, {t.policy: t.summary() for t in runs}
+    return sinks, window, {t.key: t.summary() for t in runs}
+
+
+def run_base(d: Path) -> Path | None:
+    """The base model directory the ``kvpop train`` run in ``d`` started from (its ``args.json``: ``--model``, or the
+    shipped model of its ``--task`` without one); None when ``d`` does not say or started from ``--tiny``'s random
+    weights."""
+    from kvpop.demo.search import default_model
+
+    saved = _json_object(d / "args.json")
+    if saved is None or saved.get("tiny") is True:
+        return None
+    if isinstance(saved.get("model"), str):
+        return Path(saved["model"])
+    if "model" not in saved:
+        return None
+    task = saved.get("task") if saved.get("task") in (None, "kvtrace", "lookahead") else None
+    return default_model(argparse.Namespace(task=task))
+
+
+def row_models(trained: dict, model_dir: Path, wanted) -> dict[str, str]:
+    """Which model each row runs (``results['row_models']``): a run's own fine-tuned ``model/``, else ``model_dir``
+    (``--model``, the dense row's); ``ValueError`` before any work when a run was trained from another base model
+    than ``model_dir`` (different files, :func:`kvpop.training.data.model_fingerprint`): its row and the dense row
+    would then be two different models, and "rel. to dense" would compare them."""
+    from kvpop.training.data import model_fingerprint
+
+    def prints(d: Path) -> dict | None:
+        try:
+            return model_fingerprint(d)
+        except OSError:
+            return None
+
+    out = {"dense": str(model_dir)}
+    mine = None
+    for p, t in trained.items():
+        if wanted is not None and p not in wanted:
+            continue
+        layer_file = t.gates if t.gates is not None else t.scorers
+        run_dir = layer_file.parent if layer_file is not None else t.model.parent if t.model is not None else None
+        base = run_base(run_dir) if run_dir is not None else None
+        if base is not None and base.resolve() != model_dir.resolve():
+            mine = mine if mine is not None else prints(model_dir)
+            theirs = prints(base) if base.is_dir() else None
+            if theirs is None or theirs != mine:
+                why = "" if base.is_dir() else " (no longer there, so it cannot be compared)"
+                raise ValueError(f"{t.policy} ({t.source}) was trained from the base model {base}{why}, and --model is "
+                                 f"{model_dir}: its row would run a model trained from {base} while dense and the "
+                                 f"fixed rules run {model_dir}, and the comparison with dense would compare two "
+                                 f"different models; give --model {base} (the run's base), or evaluate the run in a "
+                                 f"kvpop eval of its own")
+        out[p] = str(t.model) if t.model is not None else str(model_dir)
+    return out
+
+
+def rows_ran(models: dict[str, str], policies) -> dict[str, str]:
+    """:func:`row_models` for the rows that ran (``policies``; the fixed rules run the dense row's model)."""
+    return {p: models.get(p, models["dense"]) for p in dict.fromkeys(policies)}
+
+
+def models_line(models: dict[str, str]) -> str:
+    """``row_models`` in words: which model each row ran."""
+    by: dict[str, list[str]] = {}
+    for p, m in models.items():
+        by.setdefault(m, []).append(p)
+    return "Models run: " + "; ".join(f"{', '.join(ps)}: {m}" for m, ps in by.items())
+

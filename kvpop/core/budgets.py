@@ -90,8 +90,24 @@ def _largest_remainder(x: list[Fraction], units: int) -> list[int]:
     return base
 
 
+def _capped_fill(s: list[Fraction], units: int, floor: int, cap: int | None) -> list[Fraction]:
+    """:func:`_water_fill` with every share at most ``cap`` (None: no cap): a head whose share passes it is fixed at
+    ``cap`` and the rest is shared again among the others (needs ``units <= len(s) * cap``)."""
+    capped: set[int] = set()
+    while True:
+        free = [i for i in range(len(s)) if i not in capped]
+        shares = _water_fill([s[i] for i in free], units - len(capped) * (cap or 0), floor)
+        over = {i for i, x in zip(free, shares) if cap is not None and x > cap}
+        if not over:
+            out = [Fraction(cap or 0)] * len(s)
+            for i, x in zip(free, shares):
+                out[i] = x
+            return out
+        capped |= over
+
+
 def allocate(scores: Any, *, total: int, sinks: int, window: int, min_k: int = 0,
-             granularity: int = 1) -> tuple[tuple[int, ...], ...]:
+             granularity: int = 1, max_budget: int | None = None) -> tuple[tuple[int, ...], ...]:
     """``head_budgets`` with exactly ``total`` entries, long-range slots in proportion to ``scores``.
 
     Args:
@@ -101,6 +117,10 @@ def allocate(scores: Any, *, total: int, sinks: int, window: int, min_k: int = 0
         min_k: the fewest long-range slots a head gets (default 0: a head may keep sinks and window only).
         granularity: every ``k[l][h]`` is a multiple of it (default 1); ``min_k`` and the slots to share,
             ``total - L*H*(s + w)``, must be multiples too.
+        max_budget: no head gets more than this (e.g. the sequence length: entries past it are never filled, so a
+            head's slots beyond it would be lost to the heads that can use them); what a capped head would have
+            held is shared among the others by the same rule.  Ignored when the total does not fit under it
+            (``total > L * H * max_budget``: every sequence then fits every head's budget whole).
 
     Rule: the ``K = total - L*H*(s + w)`` slots, in units of ``granularity``, are shared as
     ``x[l][h] = max(min_k, c * scores[l][h])`` with ``c`` such that they sum to ``K`` (so heads above
@@ -130,7 +150,13 @@ def allocate(scores: Any, *, total: int, sinks: int, window: int, min_k: int = 0
         raise ValueError(f"granularity={granularity} must divide min_k={min_k} and the slots to share, "
                          f"total - L*H*(sinks + window) = {K}")
     units = K // granularity
-    shares = _water_fill([Fraction(float(v)) for v in arr.flat], units, min_k // granularity)
+    cap = None
+    if max_budget is not None:
+        _int("max_budget", max_budget, 1)
+        cap_k = max(0, max_budget - sinks - window) // granularity
+        if n * cap_k >= units and cap_k >= min_k // granularity:
+            cap = cap_k
+    shares = _capped_fill([Fraction(float(v)) for v in arr.flat], units, min_k // granularity, cap)
     ks = _largest_remainder(shares, units)
     return tuple(tuple(sinks + window + ks[li * H + h] * granularity for h in range(H)) for li in range(L))
 
@@ -246,9 +272,12 @@ def ablation_budgets(model: nn.Module, batches: Iterable[torch.Tensor], *, confi
     the frozen dense model whose attention makes the label (default ``model`` itself, which must then be the
     original)."""
     measure = config.replace(mask_source="teacher", target_source="teacher")
+    batches = _check_batches(batches)
     imp = ablation_importance(model, batches, config=measure, teacher=model if teacher is None else teacher)
     L, H = imp.shape
-    rows = allocate(imp, total=L * H * config.budget, sinks=config.sinks, window=config.window, min_k=min_k)
+    longest = max(int(b.shape[-1]) for b in batches)  # no head holds more than a sequence can fill
+    rows = allocate(imp, total=L * H * config.budget, sinks=config.sinks, window=config.window, min_k=min_k,
+                    max_budget=longest)
     return rows, imp
 
 

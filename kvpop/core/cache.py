@@ -373,7 +373,7 @@ class KVpopCache(ServedCache, Cache):
     (see the module docstring).  Example::
 
         cache = kvpop.KVpopCache(model)
-        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
+        out = model.generate(input_ids, attention_mask=mask, **kvpop.cache_kwargs(cache), max_new_tokens=32)
     """
 
     def __init__(self, model: Any = None, *, config: Any = None, num_layers: int | None = None,

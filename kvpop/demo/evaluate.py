@@ -71,8 +71,11 @@ from kvpop.policies import (
     JOINT,
     LABEL_SOURCES,
     LABEL_VARIANTS,
+    NAME_RULE,
     POLICIES,
     SCORER_OF,
+    policy_of,
+    row_order,
 )
 
 from . import task as T
@@ -96,6 +99,7 @@ __all__ = [
     "sequence_correct",
     "batch_correct",
     "BATCHED",
+    "cost_kind",
     "evaluate",
     "results_dict",
     "format_table",
@@ -116,13 +120,25 @@ SHIPPED_MODEL = T.SHIPPED_MODEL
 
 
 def _check_policies(policies: Iterable[str]) -> list[str]:
+    """The policies (or named runs' rows, ``POLICY[NAME]``, :func:`kvpop.policies.policy_of`) once each, in order;
+    ValueError for an unknown one."""
+    import re
+
     out = []
     for p in policies:
-        if p not in POLICIES:
+        named = p != policy_of(p) and re.fullmatch(NAME_RULE, p[len(policy_of(p)) + 1:-1]) is not None
+        if policy_of(p) not in POLICIES or (p != policy_of(p) and not named):
             raise ValueError(f"unknown policy {p!r}; allowed: {list(POLICIES)}")
         if p not in out:
             out.append(p)
     return out
+
+
+def cost_kind(policy: str) -> str:
+    """What a policy's sequence costs per token, for the ETA (:class:`kvpop.progress.CostETA`): ``decode`` for the
+    attention-scored policies (:data:`BATCHED`: token by token, tens of small ops per token and layer), ``forward``
+    for the rest (one pass over the sequence)."""
+    return "decode" if policy_of(policy) in BATCHED else "forward"
 
 
 def budgets_for(train_len: int, fractions: Sequence[float] = BUDGET_FRACTIONS) -> list[int]:
@@ -205,7 +221,8 @@ def policy_model(base: nn.Module, policy: str, *, scorers: str | os.PathLike | N
     shared anew from ``head_plan`` (``kvpop.core.budgets.read_head_budgets``'s dict with an ``importance``,
     e.g. the run's ``head_budgets.json``; :func:`kvpop.core.budgets.rebudget`), else ``ValueError``.
     """
-    _check_policies([policy])
+    if policy not in POLICIES:  # a policy, not a named run's row
+        raise ValueError(f"unknown policy {policy!r}; allowed: {list(POLICIES)}")
     if policy == "dense":
         return base
     if policy in DMS_POLICIES:
@@ -370,18 +387,20 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
             for b in ([L] if p == "dense" else cfg.budgets):
                 if _row_key(p, b, L) not in done:
                     jobs.append((p, b, L))
-    bar = None
+    bar = eta = None
     if cfg.progress and jobs:
-        from kvpop.progress import progress
+        from kvpop.progress import CostETA, progress
 
-        bar = progress(len(jobs) * cfg.n_sequences, desc="kvpop eval")
+        bar = progress(len(jobs) * cfg.n_sequences, desc="kvpop eval", eta=False)
+        eta = CostETA([(cost_kind(p), L * cfg.n_sequences) for p, _, L in jobs])  # tokens, by kind
+        eta.start()
     rows = dict(done)
     examples: dict[int, list[dict]] = {}
     try:
         for p, b, L in jobs:
             extra: dict = {}
             thr = None
-            if p == "dms":  # its memory knob, set on validation sequences and fixed for the test ones
+            if policy_of(p) == "dms":  # its memory knob, set on validation sequences and fixed for the test ones
                 valid = torch.stack([task.make_example(task.valid_seed(cfg.first_seed + i), L, task_cfg)["input_ids"]
                                      for i in range(cfg.n_sequences)])
                 thr = dms_calibrate(models[p], valid, b)
@@ -391,17 +410,21 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
                 examples[L] = [task.make_example(seed_of(cfg.first_seed + i), L, task_cfg)
                                for i in range(cfg.n_sequences)]
             if bar is not None:
-                bar.set_postfix_str(f"{p} B={b} L={L}")
+                bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
             correct = graded = 0
-            if p in BATCHED:
-                correct, graded = batch_correct(models[p], examples[L], p, b)
+            if policy_of(p) in BATCHED:
+                correct, graded = batch_correct(models[p], examples[L], policy_of(p), b)
                 if bar is not None:
+                    eta.done(cost_kind(p), L * len(examples[L]))
+                    bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
                     bar.update(len(examples[L]))
             else:
                 for ex in examples[L]:
-                    c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b, threshold=thr)
+                    c, g = sequence_correct(models[p], ex, policy_of(p), None if p == "dense" else b, threshold=thr)
                     correct, graded = correct + c, graded + g
                     if bar is not None:
+                        eta.done(cost_kind(p), L)
+                        bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
                         bar.update(1)
             row = {"policy": p, "budget": int(b), "length": int(L), "accuracy": correct / graded,
                    "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences,
@@ -422,9 +445,8 @@ def results_dict(rows: list[dict], cfg: EvalConfig, task_cfg: Any = None,
     ``relative_accuracy`` = accuracy / dense accuracy at the same length), plus settings."""
     task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
     dense = {r["length"]: r["accuracy"] for r in rows if r["policy"] == "dense"}
-    order = {p: i for i, p in enumerate(POLICIES)}
     out_rows = []
-    for r in sorted(rows, key=lambda r: (r["length"], order[r["policy"]], r["budget"])):
+    for r in sorted(rows, key=lambda r: (r["length"], row_order(r["policy"]), r["budget"])):
         r = dict(r)
         d = dense.get(r["length"])
         r["relative_accuracy"] = (r["accuracy"] / d) if d else None
@@ -458,12 +480,14 @@ def format_table(results: dict) -> str:
     train_len = results.get("train_len")
     with_trained = bool(results.get("trained"))
     head = ["policy"] + (["trained at"] if with_trained else [])
+    if not budgets:  # dense alone: one column per length, the full cache
+        budgets = [None]
     for L in lengths:
         for b in budgets:
-            frac = f" ({100 * b / train_len:g}%)" if train_len else ""
-            head.append(f"L={L} B={b}{frac}")
+            frac = f" ({100 * b / train_len:g}%)" if train_len and b else ""
+            head.append(f"L={L} B={b}{frac}" if b else f"L={L} (full cache)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    pols = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    pols = sorted({r["policy"] for r in rows}, key=row_order)
     for p in pols:
         line = [p] + ([trained_label(results, p)] if with_trained else [])
         for L in lengths:
@@ -524,16 +548,17 @@ def plot_results(results: dict, path: str | os.PathLike) -> None:
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.6 * len(lengths), 4.6), squeeze=False)
     train_len = results.get("train_len") or 1
     for ax, L in zip(axes[0], lengths):
-        for p in POLICIES:
+        for p in sorted({r["policy"] for r in rows}, key=row_order):
             pts = sorted((r["budget"], r["accuracy"]) for r in rows if r["policy"] == p and r["length"] == L)
             if not pts:
                 continue
             if p == "dense":
                 ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label="dense")
                 continue
-            style = ("--" if p in JOINT else "-" if p.startswith("kvpop") else ":" if p in ("tova", "h2o")
+            k = policy_of(p)
+            style = ("--" if k in JOINT else "-" if k.startswith("kvpop") else ":" if k in ("tova", "h2o")
                      else "-.")
-            ax.plot([b for b, _ in pts], [a for _, a in pts], style, marker="s" if p in JOINT else "o", label=p)
+            ax.plot([b for b, _ in pts], [a for _, a in pts], style, marker="s" if k in JOINT else "o", label=p)
         bs = sorted({r["budget"] for r in rows if r["policy"] != "dense"})
         ax.set_xscale("log", base=2)
         ax.set_xticks(bs)

@@ -329,7 +329,8 @@ def _train_validated(model: nn.Module, data: list, tc: TrainConfig, teacher: nn.
     hist: list[dict] = []
     best, bad = None, 0
     for i, target in enumerate(stops):
-        hist += train(model, data, replace(tc, steps=target), teacher=teacher, resume=resume or i > 0)
+        hist += train(model, data, replace(tc, steps=target, progress_total=tc.steps), teacher=teacher,
+                      resume=resume or i > 0)  # one count of the run's steps over its segments
         rec = next((r for r in done if r["step"] == target), None)  # validated before an interruption
         better = False
         if rec is None:

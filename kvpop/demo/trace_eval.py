@@ -34,6 +34,7 @@ from torch import nn
 
 from kvpop.baselines.dms.budget import RANGES
 from kvpop.baselines.dms.budget import row_stats as dms_row_stats
+from kvpop.policies import policy_of, row_order
 
 from .evaluate import (
     DEFAULT_SINKS,
@@ -41,6 +42,7 @@ from .evaluate import (
     DMS_POLICIES,
     POLICIES,
     _check_policies,
+    cost_kind,
     policy_logits,
     save_figure,
     trained_label,
@@ -149,11 +151,14 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
     cfg.resolve([int(t.numel()) for t in traces])
     policies = [p for p in cfg.policies if p in models and p != "dense"]
     start = max(cfg.budgets)  # every policy and budget over the same positions (module docstring)
-    bar = None
+    bar = eta = None
     if cfg.progress:
-        from kvpop.progress import progress
+        from kvpop.progress import CostETA, progress
 
-        bar = progress(len(traces) * (1 + len(policies) * len(cfg.budgets)), desc="kvpop eval --data")
+        bar = progress(len(traces) * (1 + len(policies) * len(cfg.budgets)), desc="kvpop eval --data", eta=False)
+        size = sum(int(t.numel()) for t in traces)
+        eta = CostETA([("forward", size)] + [(cost_kind(p), size) for p in policies for _ in cfg.budgets])
+        eta.start()
     dense = []  # per trace: (nll [L-1], argmax [L-1]) from position 0
     rows = []
     try:
@@ -162,6 +167,8 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                 bar.set_postfix_str("dense")
             dense.append(sequence_scores(policy_logits(models["dense"], t, "dense"), t, 0))
             if bar is not None:
+                eta.done("forward", int(t.numel()))
+                bar.set_postfix_str(f"dense, {eta.text()}")
                 bar.update(1)
         for p in policies:
             for b in cfg.budgets:
@@ -173,10 +180,14 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                 for t, (d_nll, d_arg) in zip(traces, dense):
                     if t.numel() - 1 <= start:  # no position past the largest budget
                         if bar is not None:
+                            eta.done(cost_kind(p), 0)
+                            eta.left[cost_kind(p)] -= int(t.numel())  # skipped: not run
                             bar.update(1)
                         continue
-                    thr = None if p not in DMS_POLICIES or cfg.dms_thresholds is None else cfg.dms_thresholds[b]
-                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, p, b, threshold=thr), t, start)
+                    thr = (None if policy_of(p) not in DMS_POLICIES or cfg.dms_thresholds is None
+                           else cfg.dms_thresholds[b])
+                    p_nll, p_arg = sequence_scores(policy_logits(models[p], t, policy_of(p), b, threshold=thr), t,
+                                                   start)
                     nll += float(p_nll.sum())
                     dnll += float(d_nll[start:].sum())
                     each.append((float(p_nll.sum()) - float(d_nll[start:].sum())) / max(1, int(p_nll.numel())))
@@ -184,15 +195,28 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                     n += int(p_nll.numel())
                     n_seq += 1
                     if bar is not None:
+                        eta.done(cost_kind(p), int(t.numel()))
+                        bar.set_postfix_str(f"{p} B={b}, {eta.text()}")
                         bar.update(1)
                 row = {"policy": p, "budget": int(b), "scored_from": start, "positions": n, "n_sequences": n_seq,
                        "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,
                        "delta_nll": (nll - dnll) / n if n else math.nan,
                        "top1_agreement": agree / n if n else math.nan, "per_sequence": each,
                        **dms_row_stats(models[p])}
-                if p in DMS_POLICIES:
+                if policy_of(p) in DMS_POLICIES:
                     row["dms_threshold_from"] = ("validation traces" if cfg.dms_thresholds is not None
                                                  else "each evaluated trace")
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+        if not policies:  # dense alone: its NLL over the positions every budget's row would score
+            for b in cfg.budgets:
+                scored = [d_nll[start:] for t, (d_nll, _) in zip(traces, dense) if t.numel() - 1 > start]
+                n = sum(int(x.numel()) for x in scored)
+                dn = sum(float(x.sum()) for x in scored) / n if n else math.nan
+                row = {"policy": "dense", "budget": int(b), "scored_from": start, "positions": n,
+                       "n_sequences": len(scored), "nll": dn, "dense_nll": dn, "delta_nll": 0.0 if n else math.nan,
+                       "top1_agreement": 1.0 if n else math.nan}
                 rows.append(row)
                 if on_row is not None:
                     on_row(row)
@@ -205,13 +229,12 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
 def trace_results(rows: list[dict], cfg: TraceEvalConfig, *, lengths: Sequence[int],
                   extra: Mapping[str, Any] | None = None) -> dict:
     """The ``results.json`` object of ``kvpop eval --data``."""
-    order = {p: i for i, p in enumerate(POLICIES)}
     res = {"kind": "traces",
            "metric": "teacher-forced next-token NLL (nats) at positions >= the largest budget, the same for all",
            "scored_from": max(cfg.budgets), "budgets": list(cfg.budgets), "sinks": cfg.sinks, "window": cfg.window,
            "n_traces": len(lengths), "trace_lengths": {"min": min(lengths), "max": max(lengths),
                                                        "total": int(sum(lengths))},
-           "rows": sorted(rows, key=lambda r: (order.get(r["policy"], 99), r["budget"]))}
+           "rows": sorted(rows, key=lambda r: (row_order(r["policy"]), r["budget"]))}
     if extra:
         res.update(extra)
     return res
@@ -233,7 +256,7 @@ def format_trace_table(results: dict) -> str:
     lines = [caption, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     dn = [cell.get((rows[0]["policy"], b), {}).get("dense_nll", math.nan) for b in budgets] if rows else []
     lines.append("| dense (NLL) | " + ("- | " if with_trained else "") + " | ".join(f"{x:.4f}" for x in dn) + " |")
-    for p in [p for p in POLICIES if any(r["policy"] == p for r in rows)]:
+    for p in sorted({r["policy"] for r in rows} - {"dense"}, key=row_order):
         line = [p] + ([trained_label(results, p)] if with_trained else [])
         for b in budgets:
             r = cell.get((p, b))
@@ -266,11 +289,11 @@ def plot_trace_results(results: dict, path: str | os.PathLike) -> None:
 
     rows = results["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for p in POLICIES:
+    for p in sorted({r["policy"] for r in rows}, key=row_order):
         pts = sorted((r["budget"], r["delta_nll"], r["top1_agreement"]) for r in rows if r["policy"] == p)
         if not pts:
             continue
-        style = "-" if p.startswith("kvpop") else ":" if p in ("tova", "h2o") else "-."
+        style = "-" if p.startswith("kvpop") else ":" if policy_of(p) in ("tova", "h2o") else "-."
         axes[0].plot([b for b, _, _ in pts], [d for _, d, _ in pts], style, marker="o", label=p)
         axes[1].plot([b for b, _, _ in pts], [a for _, _, a in pts], style, marker="o", label=p)
     bs = sorted({r["budget"] for r in rows})

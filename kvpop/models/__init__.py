@@ -10,7 +10,8 @@ from .base import FamilyAdapter
 from .directory import check_model_dir, load_model_dir
 from .families import ADAPTERS, SUPPORTED_MODEL_TYPES
 
-__all__ = ["FamilyAdapter", "ADAPTERS", "SUPPORTED_MODEL_TYPES", "adapter_for", "cache_kwarg_name", "check_model_dir",
+__all__ = ["FamilyAdapter", "ADAPTERS", "SUPPORTED_MODEL_TYPES", "adapter_for", "cache_kwarg_name", "cache_kwargs",
+           "check_model_dir",
            "load_model_dir"]
 
 
@@ -37,3 +38,10 @@ def cache_kwarg_name() -> str:
 
     names = getattr(gen_utils, "ALL_CACHE_NAMES", None)
     return "cache" if names and "cache" in names else "past_key_values"
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """``{keyword: cache}`` for ``model.generate(...)`` / ``model(...)`` under the installed transformers: ``cache=``
+    where it takes it (>= 5.24; ``past_key_values=`` warns there), else ``past_key_values=``; e.g.
+    ``model.generate(ids, **kvpop.cache_kwargs(cache), max_new_tokens=20)``."""
+    return {cache_kwarg_name(): cache}

@@ -14,13 +14,44 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_model_dir", "load_model_dir", "WEIGHT_FILES"]
+__all__ = ["check_model_dir", "load_model_dir", "resolve_model_dir", "WEIGHT_FILES"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 """What ``from_pretrained`` reads the weights from (``.bin`` files are read with ``weights_only``)."""
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
+
+
+def resolve_model_dir(spec: str | os.PathLike, *, option: str = "--model") -> Path:
+    """The model directory ``spec`` names: ``spec`` itself when it exists, else, for a Hugging Face hub id
+    (``Qwen/Qwen3-0.6B``), its snapshot in the local Hugging Face cache (``HF_HUB_CACHE``), found as transformers
+    finds it offline (``huggingface_hub.snapshot_download(local_files_only=True)``: no network).
+    ``FileNotFoundError`` saying how to get a model directory when neither is there."""
+    d = Path(spec)
+    if d.exists():
+        return d
+    text = str(spec)
+    if not _HUB_ID.match(text) or text.startswith(".") or ".." in text:
+        raise FileNotFoundError(f"{option} {text}: no model directory there (no such directory); give a local "
+                                f"directory saved with save_pretrained (config.json and the weights)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        snap = Path(snapshot_download(text, local_files_only=True))
+    except Exception as e:  # not cached (LocalEntryNotFoundError), a bad id (HFValidationError), no hub installed
+        from huggingface_hub import constants
+
+        raise FileNotFoundError(
+            f"{option} {text}: no such directory, and no snapshot of the Hugging Face model {text!r} in the local "
+            f"cache ({constants.HF_HUB_CACHE}; kvpop never downloads): download it first, e.g. "
+            f"`hf download {text} --local-dir models/{text.split('/')[-1]}` (huggingface_hub's CLI), then give "
+            f"{option} models/{text.split('/')[-1]} ({type(e).__name__})") from None
+    if not (snap / "config.json").is_file():
+        raise FileNotFoundError(f"{option} {text}: the local Hugging Face cache's snapshot {snap} holds no config.json "
+                                f"(an incomplete download?): download it again, or give a local model directory")
+    return snap
 
 
 def _supported() -> tuple[str, ...]:

@@ -317,7 +317,9 @@ def run(a: argparse.Namespace) -> int:
     out, corpus = Path(a.out), Path(a.corpus)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "commands.log"
-    seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    from kvpop.cli.trained import parse_ints
+
+    seeds = parse_ints(a.seeds, "--seeds")
     if len(seeds) < 1:
         raise ValueError(f"--seeds lists no seed: {a.seeds!r}")
     if not (corpus / "train.jsonl").exists():

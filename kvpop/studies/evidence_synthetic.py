@@ -120,7 +120,9 @@ def run(a: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    from kvpop.cli.trained import parse_ints
+
+    seeds = parse_ints(a.seeds, "--seeds")
     if not seeds:
         raise ValueError(f"--seeds lists no seed: {a.seeds!r}")
     S, args, s = _demo(a.task, out, a.n_valid)

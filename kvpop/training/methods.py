@@ -173,6 +173,11 @@ class TrainingMethod:
     def postfix(self, rec: dict[str, float]) -> dict[str, str]:
         return {"kl": f"{rec['kl']:.4f}", "score": f"{rec['score']:.4f}"}
 
+    def note(self, rec: dict[str, float], seq_len: int) -> str | None:
+        """A line to print once, the first time a step's record ``rec`` needs explaining (None: nothing to say);
+        ``seq_len``: the step's sequence length."""
+        return None
+
 
 @register_method
 class KVpopMethod(TrainingMethod):
@@ -217,8 +222,14 @@ class KVpopMethod(TrainingMethod):
     write = staticmethod(save_scorers)
 
     def postfix(self, rec: dict[str, float]) -> dict[str, str]:
-        return {**super().postfix(rec), "acc": f"{rec.get('accuracy', float('nan')):.3f}",
+        none = rec.get("decisions") == 0  # nothing ranked: L_score 0 and no accuracy (note())
+        return {**super().postfix(rec), "acc": "-" if none else f"{rec.get('accuracy', float('nan')):.3f}",
                 "gamma": f"{rec['gamma_min']:.6f}..{rec['gamma_max']:.6f}"}
+
+    def note(self, rec: dict[str, float], seq_len: int) -> str | None:
+        if rec.get("decisions") != 0:
+            return None
+        return f"kvpop train: note: step {rec['step']}: {no_decision_reason(self.config, seq_len)}"
 
 
 @register_method
@@ -277,3 +288,25 @@ class DMSMethod(TrainingMethod):
     def postfix(self, rec: dict[str, float]) -> dict[str, str]:
         return {"kl": f"{rec['kl']:.4f}", "aux": f"{rec['score']:.4f}", "keep": f"{rec['keep_frac']:.3f}",
                 "target": f"{rec['target_keep']:.3f}"}
+
+
+def no_decision_reason(config: Any, seq_len: int) -> str:
+    """Why a step of ``seq_len`` tokens under ``config`` ranked no token (its L_score is 0 and its accuracy, the
+    share of decisions the scorer got right, is undefined: shown as ``-``, recorded as NaN)."""
+    s, w = config.sinks, config.window
+    rows = config.head_budgets or ((config.budget,),)
+    flat = [b for r in rows for b in r]
+    whole = sum(b >= seq_len for b in flat)
+    none = sum(b - s - w <= 0 for b in flat)
+    parts = []
+    if whole:
+        parts.append(f"{whole} head(s) hold the whole sequence of {seq_len} tokens (budget >= --seq-len: nothing is "
+                     f"evicted)")
+    if none:
+        parts.append(f"{none} head(s) keep no long-range slot (budget {s + w} = sinks + window: a token leaving "
+                     f"the window is evicted with no choice)")
+    why = "; ".join(parts) if parts else "no token left the window while another competed for its slot"
+    return (f"no token competed for a long-range slot ({why}), so L_score is 0 and its accuracy undefined "
+            f"(shown as '-', NaN in history.jsonl); the scorers learn nothing from such a step: lower the budget "
+            f"below --seq-len, or give every head long-range slots (--min-k with --allocate)")
+

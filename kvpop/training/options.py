@@ -77,8 +77,9 @@ def check_options(args: Any) -> None:
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "top_k"):
         if getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.loss_chunk is not None and args.loss_chunk < 1:
-        _fail(f"--loss-chunk must be >= 1, got {args.loss_chunk}")
+    for name in ("loss_chunk", "threads"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup_steps", "checkpoint_every"):
         if getattr(args, name) < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -190,7 +191,8 @@ def train_config(args: Any, out: Path, *, data_fingerprint: str | None, model_fi
                        warmup_steps=args.warmup_steps, top_k=args.top_k, score_weight=args.score_weight,
                        train_model=not args.no_train_model, activation_checkpointing=args.activation_checkpointing,
                        checkpoint_dir=str(out), checkpoint_every=args.checkpoint_every,
-                       progress=not args.no_progress, seed=args.seed, dist=args.dist, bf16=args.bf16,
+                       progress=not args.no_progress, progress_total=getattr(args, "_progress_total", None),
+                       seed=args.seed, dist=args.dist, bf16=args.bf16,
                        loss_chunk=args.loss_chunk, data_fingerprint=data_fingerprint,
                        model_fingerprint=model_fingerprint)
 

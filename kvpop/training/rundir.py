@@ -47,7 +47,7 @@ __all__ = ["RESUMABLE", "PATHS", "arg_dict", "comparable", "check_outputs", "che
            "write_args", "write_head_budgets", "data_print", "model_print", "mismatch_message", "KEEP_MARGIN",
            "KEEP_STEPS", "keep_miss", "closing_report"]
 
-RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume", "out", "device"}
+RESUMABLE = {"steps", "checkpoint_every", "no_progress", "resume", "out", "device", "threads"}
 """Arguments that may change between a run and its ``--resume`` (``--out`` is where the run is)."""
 PATHS = ("data", "model", "head_budgets", "valid_data", "init_scorers")
 """Arguments that name files: compared resolved."""
@@ -188,8 +188,10 @@ def closing_report(out: Path, history: list[dict], *, method: str, steps: int, s
                 f"rewrote {layer}{' and model/' if train_model else ''} from it (step {step})"), None
     h = history[-1]
     if method != "dms":
+        acc = ("- (no token was ranked in this step: nothing competed for a long-range slot)"
+               if h.get("decisions") == 0 else f"{h.get('accuracy', float('nan')):.3f}")
         return (f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, score {h['score']:.4f}, "
-                f"accuracy {h.get('accuracy', float('nan')):.3f}; wrote {out}"), None
+                f"accuracy {acc}; wrote {out}"), None
     line = (f"kvpop train: step {h['step']}: kl {h['kl']:.4f}, compression loss {h['score']:.4f}, "
             f"keep {h['keep_frac']:.3f} (target {h['target_keep']:.3f}); wrote {out}")
     whole = out / "history.jsonl"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -95,6 +96,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     progress: bool = True
+    progress_total: int | None = None  # the bar's total when this call trains one segment of a longer run
     seed: int = 0
     dist: str = "ddp"
     bf16: bool = False
@@ -520,7 +522,8 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     if cfg.progress and rank == 0:
         from kvpop.progress import progress
 
-        bar = progress(cfg.steps, initial=step, desc="kvpop train")
+        bar = progress(max(cfg.steps, cfg.progress_total or 0), initial=step, desc="kvpop train")
+    noted = False
     stop = StopSignals(enabled=ckpt_dir is not None, name="kvpop train").install()
     method.enter(model)
     try:
@@ -577,6 +580,11 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             if bar is not None:  # the step's figures first: a line-per-N-steps report prints them at update
                 bar.set_postfix(**method.postfix(rec))
                 bar.update(1)
+            if rank == 0 and not noted:
+                note = method.note(rec, int(ids.shape[-1]))
+                if note is not None:  # once per run: a step that needs explaining (e.g. nothing to rank)
+                    noted = True
+                    print(note, file=sys.stderr, flush=True)
             saved = bool(ckpt_dir is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
             if saved:
                 save()

@@ -66,8 +66,12 @@ def test_the_policy_is_read_from_the_run(runs, tmp_path):
         read_run(f"kvpop-mlp-joint={runs / 'mlp'}")
     with pytest.raises(ValueError, match="holds a dms run, not kvpop-mlp"):
         read_run(f"kvpop-mlp={runs / 'dms'}")
-    with pytest.raises(ValueError, match="unknown policy 'lru'"):
-        read_run(f"lru={runs / 'dms'}")
+    named = read_run(f"lru={runs / 'dms'}")  # a name that is no policy names the run (issue 40 item 12)
+    assert (named.policy, named.name, named.key) == ("dms", "lru", "dms[lru]")
+    with pytest.raises(ValueError, match="unknown policy 'kvpop-mpl'; did you mean kvpop-mlp"):
+        read_run(f"kvpop-mpl={runs / 'mlp'}")
+    with pytest.raises(ValueError, match="neither a policy"):
+        read_run(f"lru[x]={runs / 'dms'}")
     with pytest.raises(ValueError, match="holds no trained run"):
         read_run(str(tmp_path))
     shutil.copytree(runs / "fixed" / "model", tmp_path / "only" / "model")
