@@ -486,7 +486,8 @@ def trained_label(results: dict, policy: str) -> str:
     ``keep 0.125`` for DMS, ``-`` when unknown or untrained."""
     t = (results.get("trained") or {}).get(policy) or {}
     if "budget" in t:
-        return f"B={t['budget']}" + (" adaptive" if t.get("head_budgets") else "")
+        src = f" priority {t['priority_source']}" if t.get("priority_source") else ""  # a non-learned control
+        return f"B={t['budget']}" + (" adaptive" if t.get("head_budgets") else "") + src
     if "target_keep" in t:
         return f"keep {t['target_keep']:g}"
     return "-"

@@ -1,0 +1,64 @@
+"""``kvpop train --priority-source`` then ``kvpop eval --run``: the same-structure controls (docs/DESIGN.md
+section 12) train the model with no L_score, record their source, and are served with it."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvpop.cli import main
+from kvpop.core.checkpoint import read_scorer_config
+from kvpop.demo import evaluate as E
+from kvpop.demo import task as T
+
+TRAIN = ["--seq-len", "64", "--sinks", "2", "--window", "8", "--budget", "24", "--no-progress"]
+SOURCES = ("random", "keynorm+", "keynorm-", "window-attention", "oracle-label")
+
+
+@pytest.fixture(autouse=True)
+def cpu_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.set_num_threads(1)
+
+
+def _write(path, n, length, seed):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"input_ids": T.make_example(seed(i), length)["input_ids"].tolist()}) + "\n")
+    return path
+
+
+def test_each_control_trains_and_is_served_with_its_priority(tmp_path):
+    data = _write(tmp_path / "train.jsonl", 2, 64, T.train_seed)
+    traces = _write(tmp_path / "test.jsonl", 1, 64, T.test_seed)
+    for src in SOURCES:
+        run = tmp_path / src
+        assert main(["train", "--data", str(data), *TRAIN, "--steps", "2", "--priority-source", src,
+                     "--out", str(run)]) == 0
+        assert read_scorer_config(run / "scorers.safetensors").priority_source == src
+        hist = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
+        assert all(h["score"] == 0.0 for h in hist), src  # no L_score
+        assert (run / "model" / "config.json").is_file()  # the model was fine-tuned
+        out = tmp_path / f"eval-{src}"
+        assert main(["eval", "--model", str(E.SHIPPED_MODEL), "--no-progress", "--no-plot", "--data", str(traces),
+                     "--budgets", "24", "--policies", "kvpop-mlp-joint", "--run", str(run), "--out", str(out)]) == 0
+        res = json.loads((out / "results.json").read_text())
+        assert res["trained"]["kvpop-mlp-joint"]["priority_source"] == src
+        assert "priority " + src in (out / "table.md").read_text()
+    # the random scorer is its seeded init, never updated: one step or two, the same weights
+    one = tmp_path / "random-1"
+    assert main(["train", "--data", str(data), *TRAIN, "--steps", "1", "--priority-source", "random",
+                 "--out", str(one)]) == 0
+    a, b = load_file(str(one / "scorers.safetensors")), load_file(str(tmp_path / "random" / "scorers.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_options_that_contradict_a_control_are_refused(tmp_path):
+    data = _write(tmp_path / "train.jsonl", 1, 64, T.train_seed)
+    for extra, msg in ((["--no-train-model"], "nothing would be trained"),
+                       (["--mask-source", "streaming"], "leave --mask-source out")):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--data", str(data), *TRAIN, "--steps", "1", "--priority-source", "keynorm+", *extra,
+                  "--out", str(tmp_path / "x")])
+        assert msg in str(e.value.code)
+    assert not (tmp_path / "x").exists()
