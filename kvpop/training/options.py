@@ -72,6 +72,9 @@ def check_combinations(args: Any, given: set[str]) -> None:
                   f"{args.mask_source} would replace it: leave --mask-source out")
         if getattr(args, "init_scorers", None) is not None:
             _fail(f"--init-scorers: --priority-source {args.priority_source} trains no scorer")
+        if getattr(args, "auto", False):
+            _fail(f"--auto searches the learned scorer's settings; --priority-source {args.priority_source} trains no "
+                  f"scorer: leave --auto out (tune the control's --lr-model by runs of their own)")
     if "target_lse" in given and args.target_source == "teacher":
         _fail(f"--target-lse {args.target_lse} is the normaliser of the student's target; --target-source teacher "
               f"uses the teacher's exact dense one: leave --target-lse out")
