@@ -184,3 +184,56 @@ def test_controls_train_no_scorer():
         m(ids).logits.sum().backward()
         assert all(layer.loss_terms is None for layer in kvpop_layers(m))
         assert all(p.grad is None for n, p in m.named_parameters() if ".kvpop." in n), source
+
+
+@pytest.mark.parametrize("source", ["keynorm+", "window-attention"])
+def test_left_padded_batch_keeps_what_each_rows_schedule_keeps(source):
+    """Rows of different prompt lengths, left-padded, decoded together: each row's long-range slots follow
+    the schedule of that row's own teacher-forced sequence (the hooks' ``rows`` take each group's columns)."""
+    m = _model(source)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(1, 128, (L,), generator=g) for L in (21, 9, 30)]
+    N, L = len(prompts), 30
+    ids = torch.zeros(N, L, dtype=torch.long)
+    mask = torch.zeros(N, L, dtype=torch.long)
+    for n, p in enumerate(prompts):
+        ids[n, L - len(p):], mask[n, L - len(p):] = p, 1
+    seqs = [p.tolist() for p in prompts]
+    cache = kvpop.KVpopCache(m)
+    steps = []
+    with torch.no_grad():
+        out = m(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **{CACHE: cache},
+                use_cache=True).logits
+        for _ in range(15):
+            nxt = out[:, -1].argmax(-1)
+            for n in range(N):
+                seqs[n].append(int(nxt[n]))
+            mask = torch.cat([mask, torch.ones(N, 1, dtype=torch.long)], 1)
+            out = m(nxt[:, None], attention_mask=mask, position_ids=torch.tensor([[len(s) - 1] for s in seqs]),
+                    **{CACHE: cache}, use_cache=True).logits
+            steps.append([[layer.long_range_positions(n) for n in range(N)] for layer in cache.layers])
+        for n in range(N):
+            m(torch.tensor([seqs[n]]))
+            evs = [layer.last_evict_at[0] for layer in kvpop_layers(m)]
+            for j, per_layer in enumerate(steps):
+                q = len(prompts[n]) + j
+                for li, ev in enumerate(evs):
+                    assert per_layer[li][n] == _kept(ev, q), f"{source} row {n} layer {li} q={q}"
+
+
+def test_oracle_with_the_teachers_label_trains_the_model_only():
+    """``oracle-label`` with ``target_source="teacher"``: the training loop runs the teacher for the mask's label
+    (no L_score), the model moves, the scorer and the decay do not."""
+    from kvpop.training.methods import KVpopMethod
+    from kvpop.training.train import TrainConfig, train
+
+    m = kvpop.patch(tiny_model(seed=0), sinks=SINKS, window=WINDOW, budget=BUDGET, priority_source="oracle-label",
+                    target_source="teacher")
+    assert KVpopMethod(m.kvpop_config).needs_targets()
+    assert not KVpopMethod(m.kvpop_config.replace(priority_source="keynorm+")).needs_targets()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    g = torch.Generator().manual_seed(9)
+    train(m, [torch.randint(0, 128, (1, 40), generator=g) for _ in range(2)],
+          TrainConfig(steps=2, progress=False, lr_model=1e-2))
+    moved = {n for n, p in m.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and not any(".kvpop." in n for n in moved)
