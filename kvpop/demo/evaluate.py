@@ -354,7 +354,8 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
 
     Returns:
         :func:`results_dict`'s dict (``rows`` with ``accuracy``, ``relative_accuracy``, ``correct``,
-        ``graded``, ``n_sequences``).
+        ``graded``, ``n_sequences``; the policies scored sequence by sequence, every one but ``BATCHED``'s,
+        also ``per_sequence_accuracy``, each sequence's own, for :func:`kvpop.studies.paired.paired_interval`).
     """
     cfg = config or EvalConfig()
     task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
@@ -393,19 +394,24 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
             if bar is not None:
                 bar.set_postfix_str(f"{p} B={b} L={L}")
             correct = graded = 0
+            per_seq = None  # each sequence's own accuracy, for paired intervals (the per-sequence path)
             if p in BATCHED:
                 correct, graded = batch_correct(models[p], examples[L], p, b)
                 if bar is not None:
                     bar.update(len(examples[L]))
             else:
+                per_seq = []
                 for ex in examples[L]:
                     c, g = sequence_correct(models[p], ex, p, None if p == "dense" else b, threshold=thr)
                     correct, graded = correct + c, graded + g
+                    per_seq.append(c / g if g else None)
                     if bar is not None:
                         bar.update(1)
             row = {"policy": p, "budget": int(b), "length": int(L), "accuracy": correct / graded,
                    "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences,
                    **dms_row_stats(models[p]), **extra}
+            if per_seq is not None:
+                row["per_sequence_accuracy"] = per_seq
             rows[_row_key(p, b, L)] = row
             if on_row is not None:
                 on_row(row)

@@ -15,6 +15,8 @@ budget):
 * ``dense_nll`` and ``delta_nll = nll - dense_nll``: the dense model on the same positions;
 * ``top1_agreement``: fraction of those positions where the policy's greedy prediction equals the
   dense model's.
+* ``per_sequence_delta_nll``: each trace's own ``delta_nll`` over its positions, in the order of the traces
+  (``None`` for a trace too short to score), what :func:`kvpop.studies.paired.paired_interval` pairs.
 
 Results: :func:`trace_results` (``results.json``), :func:`format_trace_table`,
 :func:`plot_trace_results`.
@@ -167,8 +169,10 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                     bar.set_postfix_str(f"{p} B={b}")
                 nll = dnll = 0.0
                 agree = n = n_seq = 0
+                per_seq: list[float | None] = []  # each trace's own delta NLL, for paired intervals
                 for t, (d_nll, d_arg) in zip(traces, dense):
                     if t.numel() - 1 <= start:  # no position past the largest budget
+                        per_seq.append(None)
                         if bar is not None:
                             bar.update(1)
                         continue
@@ -179,12 +183,14 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                     agree += int((p_arg == d_arg[start:]).sum())
                     n += int(p_nll.numel())
                     n_seq += 1
+                    per_seq.append((float(p_nll.sum()) - float(d_nll[start:].sum())) / p_nll.numel())
                     if bar is not None:
                         bar.update(1)
                 row = {"policy": p, "budget": int(b), "scored_from": start, "positions": n, "n_sequences": n_seq,
                        "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,
                        "delta_nll": (nll - dnll) / n if n else math.nan,
-                       "top1_agreement": agree / n if n else math.nan, **dms_row_stats(models[p])}
+                       "top1_agreement": agree / n if n else math.nan, "per_sequence_delta_nll": per_seq,
+                       **dms_row_stats(models[p])}
                 if p in DMS_POLICIES:
                     row["dms_threshold_from"] = ("validation traces" if cfg.dms_thresholds is not None
                                                  else "each evaluated trace")

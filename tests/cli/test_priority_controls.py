@@ -10,6 +10,7 @@ from kvpop.cli import main
 from kvpop.core.checkpoint import read_scorer_config
 from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
+from kvpop.studies.paired import paired_interval
 
 TRAIN = ["--seq-len", "64", "--sinks", "2", "--window", "8", "--budget", "24", "--no-progress"]
 SOURCES = ("random", "keynorm+", "keynorm-", "window-attention", "oracle-label")
@@ -30,7 +31,8 @@ def _write(path, n, length, seed):
 
 def test_each_control_trains_and_is_served_with_its_priority(tmp_path):
     data = _write(tmp_path / "train.jsonl", 2, 64, T.train_seed)
-    traces = _write(tmp_path / "test.jsonl", 1, 64, T.test_seed)
+    traces = _write(tmp_path / "test.jsonl", 2, 64, T.test_seed)
+    per_seq = {}
     for src in SOURCES:
         run = tmp_path / src
         assert main(["train", "--data", str(data), *TRAIN, "--steps", "2", "--priority-source", src,
@@ -45,6 +47,12 @@ def test_each_control_trains_and_is_served_with_its_priority(tmp_path):
         res = json.loads((out / "results.json").read_text())
         assert res["trained"]["kvpop-mlp-joint"]["priority_source"] == src
         assert "priority " + src in (out / "table.md").read_text()
+        (row,) = res["rows"]
+        per_seq[src] = row["per_sequence_delta_nll"]
+        assert len(per_seq[src]) == 2 and sum(per_seq[src]) / 2 == pytest.approx(row["delta_nll"])
+    # the per-sequence values pair: the oracle against a causal control
+    r = paired_interval(per_seq["oracle-label"], per_seq["keynorm+"], n_boot=200)
+    assert r.ci95[0] <= r.mean_diff <= r.ci95[1]
     # the random scorer is its seeded init, never updated: one step or two, the same weights
     one = tmp_path / "random-1"
     assert main(["train", "--data", str(data), *TRAIN, "--steps", "1", "--priority-source", "random",
