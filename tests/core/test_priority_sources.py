@@ -1,6 +1,7 @@
 """Priorities that are not learned (docs/DESIGN.md section 12): each source against a brute force of its
 definition on odd shapes, and decoding through KVpopCache keeps what the teacher-forced schedule keeps."""
 import math
+import re
 
 import pytest
 import torch
@@ -237,3 +238,16 @@ def test_oracle_with_the_teachers_label_trains_the_model_only():
           TrainConfig(steps=2, progress=False, lr_model=1e-2))
     moved = {n for n, p in m.named_parameters() if not torch.equal(p, before[n])}
     assert moved and not any(".kvpop." in n for n in moved)
+
+
+def test_vllm_plugin_refuses_a_source_it_cannot_serve(tmp_path):
+    from kvpop.vllm.settings import resolve
+
+    for src, ok in (("random", True), ("keynorm+", False), ("window-attention", False), ("oracle-label", False)):
+        path = tmp_path / f"{src}.safetensors"
+        kvpop.save_scorers(_model(src), path)
+        if ok:
+            assert resolve({"kvpop_scorers": str(path)}).config.priority_source == src
+        else:
+            with pytest.raises(ValueError, match=re.escape(f"priority_source='{src}'") + ".*KVpopCache"):
+                resolve({"kvpop_scorers": str(path)})
