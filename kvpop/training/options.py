@@ -72,6 +72,9 @@ def check_combinations(args: Any, given: set[str]) -> None:
                   f"{args.mask_source} would replace it: leave --mask-source out")
         if getattr(args, "init_scorers", None) is not None:
             _fail(f"--init-scorers: --priority-source {args.priority_source} trains no scorer")
+        if args.priority_source == "window-attention" and (args.head_budgets is not None or args.allocate is not None):
+            _fail("--priority-source window-attention is served with uniform budgets only (its sums sit in the "
+                  "window's slots of the uniform cache): leave --head-budgets / --allocate out")
         if getattr(args, "auto", False):
             _fail(f"--auto searches the learned scorer's settings; --priority-source {args.priority_source} trains no "
                   f"scorer: leave --auto out (tune the control's --lr-model by runs of their own)")
