@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PairedInterval", "paired_interval", "bootstrap_draws"]
+__all__ = ["PairedInterval", "paired_interval", "bootstrap_draws", "comparison", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,24 @@ def paired_interval(a: Any, b: Any, *, clusters: Sequence[Any] | None = None, n_
         raise ValueError("the bootstrap produced a non-finite interval")
     return PairedInterval(mean_diff=point, ci95=(float(lo), float(hi)), n_sequences=n, n_clusters=n_cl,
                           seeds_a=A.shape[0], seeds_b=B.shape[0], n_boot=n_boot, seed=seed, pair_seeds=pair_seeds)
+
+
+def verdict(result: PairedInterval | dict, *, lower_is_better: bool) -> str:
+    """``"a better"`` / ``"b better"`` where the interval excludes 0, else ``"no difference shown"`` (the
+    difference is ``a - b``; ``lower_is_better`` for an NLL increase, not for an accuracy)."""
+    lo, hi = result.ci95 if isinstance(result, PairedInterval) else result["ci95"]
+    if lo <= 0 <= hi:
+        return "no difference shown"
+    a_lower = hi < 0
+    return "a better" if a_lower == lower_is_better else "b better"
+
+
+def comparison(*, instrument: str, budget: int, a: str, b: str, values_a: Any, values_b: Any,
+               lower_is_better: bool, clusters: Sequence[Any] | None = None, n_boot: int = 10_000,
+               seed: int = 0) -> dict[str, Any]:
+    """One entry of a ledger's ``comparisons``: ``instrument``, ``budget``, the rows ``a`` and ``b`` (names), and
+    :func:`paired_interval`'s ``mean_diff`` / ``ci95`` (a minus b in the instrument's metric) with its settings
+    and the :func:`verdict`."""
+    r = paired_interval(values_a, values_b, clusters=clusters, n_boot=n_boot, seed=seed)
+    return {"instrument": instrument, "budget": budget, "a": a, "b": b, **r.to_dict(),
+            "lower_is_better": lower_is_better, "verdict": verdict(r, lower_is_better=lower_is_better)}

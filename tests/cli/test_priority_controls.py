@@ -50,6 +50,13 @@ def test_each_control_trains_and_is_served_with_its_priority(tmp_path):
         (row,) = res["rows"]
         per_seq[src] = row["per_sequence_delta_nll"]
         assert len(per_seq[src]) == 2 and sum(per_seq[src]) / 2 == pytest.approx(row["delta_nll"])
+    # the synthetic task serves the oracle too (a teacher-forced prefill), with per-sequence accuracies
+    out = tmp_path / "task-oracle"
+    assert main(["eval", "--model", str(E.SHIPPED_MODEL), "--no-progress", "--no-plot", "--run",
+                 str(tmp_path / "oracle-label"), "--policies", "kvpop-mlp-joint", "--train-len", "64", "--lengths",
+                 "64", "--budgets", "24", "--n-sequences", "2", "--out", str(out)]) == 0
+    (row,) = [r for r in json.loads((out / "results.json").read_text())["rows"] if r["policy"] == "kvpop-mlp-joint"]
+    assert len(row["per_sequence_accuracy"]) == 2
     # the per-sequence values pair: the oracle against a causal control
     r = paired_interval(per_seq["oracle-label"], per_seq["keynorm+"], n_boot=200)
     assert r.ci95[0] <= r.mean_diff <= r.ci95[1]

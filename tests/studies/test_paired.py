@@ -3,7 +3,7 @@ brute-force computation of the same replicates by explicit loops."""
 import numpy as np
 import pytest
 
-from kvpop.studies.paired import bootstrap_draws, paired_interval
+from kvpop.studies.paired import bootstrap_draws, comparison, paired_interval, verdict
 
 
 def test_identical_rows_give_zero():
@@ -70,3 +70,14 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="n_boot"):
         paired_interval([1.0], [1.0], n_boot=0)
     assert paired_interval([1.0, 2.0], [0.0, 0.0]).to_dict()["ci95"][0] >= 1.0
+
+
+def test_comparison_entry_and_verdict():
+    b = np.linspace(0.0, 1.0, 12)
+    c = comparison(instrument="realtext", budget=128, a="kvpop", b="control", values_a=b - 0.1, values_b=b,
+                   lower_is_better=True, clusters=[i // 3 for i in range(12)], n_boot=200)
+    assert (c["instrument"], c["budget"], c["a"], c["b"]) == ("realtext", 128, "kvpop", "control")
+    assert c["mean_diff"] == pytest.approx(-0.1) and c["verdict"] == "a better" and c["n_clusters"] == 4
+    assert verdict({"ci95": [-0.2, -0.1]}, lower_is_better=False) == "b better"
+    assert verdict({"ci95": [0.1, 0.2]}, lower_is_better=False) == "a better"
+    assert verdict({"ci95": [-0.1, 0.2]}, lower_is_better=True) == "no difference shown"
