@@ -246,7 +246,8 @@ def _scorer(source: Path, parts: dict, budget: int):
         cfg = TE.TraceEvalConfig(budgets=[budget], sinks=t.config.sinks, window=t.config.window,
                                  policies=["dense", t.policy], progress=False)
         rows = TE.evaluate_traces(models, parts[part], cfg)
-        return [float(x) for x in next(r["per_sequence"] for r in rows if r["policy"] == t.policy)]
+        each = next(r["per_sequence"] for r in rows if r["policy"] == t.policy)
+        return [float(x) for x in each if x is not None]  # a trace too short to score is None in every row
 
     return score
 

@@ -36,6 +36,7 @@ from kvpop.demo.search import default_model, task_of
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvpop.baselines.dms import DMSConfig
     from kvpop.core.config import LABELS, MASK_SOURCES, SCORERS, TARGET_LSES, TARGET_SOURCES, KVpopConfig
+    from kvpop.core.config import PRIORITY_SOURCES as PRIORITIES
     from kvpop.training.allocation import VALID_SEQUENCES
     from kvpop.training.rundir import KEEP_MARGIN
     from kvpop.training.train import DIST_MODES, LEARNING_RATES
@@ -99,6 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="priorities of the training mask: scorer (the learned policy), teacher (the oracle: the "
                          "exact label itself, from the --target-source model's queries), streaming (the fixed "
                          f"sinks + window pattern) (default {d.mask_source})")
+    kv.add_argument("--priority-source", choices=PRIORITIES, default=None,
+                    help="where the priority comes from, in the training mask and when served: scorer (the learned "
+                         "scorer) or a control that is not learned, trained with no L_score (the model fine-tuned as "
+                         "under --mask-source streaming): random (the scorer at its --seed init, frozen), keynorm+ / "
+                         "keynorm- (the pre-RoPE key norm), window-attention (the attention the token got while in "
+                         "the window), oracle-label (the exact label: not causal, refused when decoding) "
+                         f"(default {d.priority_source}; docs/DESIGN.md section 12)")
     kv.add_argument("--target-lse", choices=TARGET_LSES, default=None,
                     help=f"normaliser of the target (default {d.target_lse})")
     kv.add_argument("--target-source", choices=TARGET_SOURCES, default=None,

@@ -64,6 +64,8 @@ class Trained:
                 out["target_keep"] = c.target_keep
             else:
                 out["budget"] = c.budget
+                if getattr(c, "priority_source", "scorer") != "scorer":  # a control served with its own priority
+                    out["priority_source"] = c.priority_source
                 if getattr(c, "head_budgets", None) is not None:
                     out["head_budgets"] = [list(r) for r in c.head_budgets]
                     if self.head_plan is not None and self.head_plan.get("rule"):

@@ -27,10 +27,10 @@ from kvpop_kernels import NEVER
 
 from .cache import KVpopCache, cache_attention
 from .config import KVpopConfig
-from .hooks import ScorerHooks
 from .layer import ATTN_NAME, KVpopLayer, kvpop_layers
 from .loss import score_loss_terms
 from .priority import priority
+from .priority_sources import LEARNED_FORM, priority_hooks, source_scores
 
 __all__ = ["ATTN_NAME", "TARGET_ATTN_NAME", "register", "kvpop_mask", "kvpop_attention_forward", "sequence_attention",
            "streaming_policy", "target_attention_forward", "teacher_targets", "set_teacher_targets"]
@@ -101,8 +101,9 @@ def kvpop_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     # a KVpopCache passed to this attention module takes the call (prefill or decode step)
     cache, layer.active_cache = layer.active_cache, None
     if isinstance(cache, KVpopCache):
-        out = cache_attention(cache, module, query, key, value, scaling=scaling, hooks=ScorerHooks(layer, k_pre),
-                              attention_mask=attention_mask, position_ids=kwargs.get("position_ids"))
+        out = cache_attention(cache, module, query, key, value, scaling=scaling,
+                              hooks=priority_hooks(layer, k_pre, query, scaling), attention_mask=attention_mask,
+                              position_ids=kwargs.get("position_ids"))
         if out is not None:
             return out, None
     if attention_mask is not None:
@@ -152,12 +153,14 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     # the smallest budget of the layer's heads: a head evicts (and decides) once S exceeds its budget
     min_budget = cfg.sinks + cfg.window + (k_long if isinstance(k_long, int) else min(k_long))
     streaming = streaming_policy(cfg)
-    need_loss = training and cfg.compute_loss and cfg.policy == "kvpop" and S > min_budget
+    # a priority that is not learned (docs/DESIGN.md section 12) trains nothing: no L_score
+    learned = cfg.priority_source == "scorer"
+    need_loss = training and cfg.compute_loss and cfg.policy == "kvpop" and learned and S > min_budget
     log_gamma = layer.log_gamma()
     tpos = torch.arange(S, device=query.device)
 
     r_hat = None
-    if need_loss or (cfg.mask_source == "scorer" and not streaming):
+    if need_loss or (cfg.mask_source == "scorer" and not streaming and cfg.priority_source in LEARNED_FORM):
         with torch.set_grad_enabled(need_loss):
             r_hat = layer.scorer(k_pre.detach(), value.detach())
 
@@ -168,7 +171,8 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
                                                   sinks=cfg.sinks, window=cfg.window, scale=scaling)[1]
 
     r_tgt = None
-    if cfg.target_source == "teacher" and (need_loss or (cfg.mask_source == "teacher" and not streaming)):
+    oracle = cfg.mask_source == "teacher" or cfg.priority_source == "oracle-label"
+    if cfg.target_source == "teacher" and (need_loss or (oracle and not streaming)):
         r_tgt = layer.teacher_target
         if r_tgt is None or tuple(r_tgt.shape) != (B, Hkv, S):
             raise RuntimeError(
@@ -181,11 +185,13 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     with torch.no_grad():
         if streaming:
             prio = torch.zeros(B, Hkv, S, device=query.device, dtype=torch.float32)
-        elif cfg.mask_source == "teacher":
+        elif oracle:
             if r_tgt is None:
                 r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), dense_lse(),
                                                               scale=scaling, **cfg.target_kwargs())
             prio = priority(r_tgt, tpos, log_gamma.detach())
+        elif r_hat is None:  # keynorm, window-attention
+            prio = priority(source_scores(cfg, query, key, value, k_pre, scaling), tpos, log_gamma.detach())
         else:
             prio = priority(r_hat.detach(), tpos, log_gamma.detach())
         if S <= min_budget:  # at most s + w + k[h] tokens on every head: nothing can be evicted

@@ -18,13 +18,15 @@ from kvpop_kernels.layout import KV_DTYPES, check_kv_dtype
 
 __all__ = ["KVpopConfig", "MAX_SLOTS", "MAX_WIDTH", "BUDGET_PER_POSITION", "check_budget_for", "SCORERS",
            "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS", "STRUCTURAL_FIELDS",
-           "decay_range_for_context", "EPS_RANGE", "LABEL_POWER_RANGE", "KV_DTYPES"]
+           "decay_range_for_context", "EPS_RANGE", "LABEL_POWER_RANGE", "KV_DTYPES", "PRIORITY_SOURCES"]
 
 SCORERS = ("mlp", "mlstm")
 MASK_SOURCES = ("scorer", "teacher", "streaming")
 TARGET_LSES = ("sparse", "dense")
 TARGET_SOURCES = ("student", "teacher")
 POLICIES = ("kvpop", "streaming", "tova", "h2o")
+PRIORITY_SOURCES = ("scorer", "random", "keynorm+", "keynorm-", "window-attention", "oracle-label")
+"""Where a token's score ``r`` comes from (``KVpopConfig.priority_source``; docs/DESIGN.md section 12)."""
 
 STRUCTURAL_FIELDS = ("scorer", "scorer_hidden", "mlstm_dim", "gamma_min", "gamma_max")
 """Fields that fix the scorer's parameter shapes or meaning: they must agree between a
@@ -179,6 +181,13 @@ class KVpopConfig(ConfigFields):
             teacher's only with ``target_source="teacher"``).
         compute_loss: compute ``L_score`` in training forwards (default True).  Off, a training
             forward only runs sparse attention (fine-tune the model with a fixed scorer).
+        priority_source: where the score ``r`` of the priority comes from, in the training mask
+            (``mask_source="scorer"``) and in ``KVpopCache`` alike (docs/DESIGN.md section 12):
+            ``"scorer"`` (default, the learned scorer) or a control whose priority is not learned (no
+            ``L_score``, the scorer never updated): ``"random"`` (the scorer at its seeded init, frozen),
+            ``"keynorm+"`` / ``"keynorm-"`` (plus / minus the pre-RoPE key norm), ``"window-attention"``
+            (the attention the token received while in the window) or ``"oracle-label"`` (the exact label:
+            not causal, full-sequence forwards and prefills only; a decode step refuses it).
 
     Decoding
         policy: ``"kvpop"`` (default); ``"streaming"``, ``"tova"``, ``"h2o"`` are baselines served by
@@ -223,6 +232,7 @@ class KVpopConfig(ConfigFields):
     policy: str = "kvpop"
     head_budgets: tuple[tuple[int, ...], ...] | None = None
     kv_dtype: str | None = None
+    priority_source: str = "scorer"
 
     def __post_init__(self) -> None:
         _int("sinks", self.sinks, 0)
@@ -239,6 +249,10 @@ class KVpopConfig(ConfigFields):
         _choice("target_lse", self.target_lse, TARGET_LSES)
         _choice("target_source", self.target_source, TARGET_SOURCES)
         _choice("policy", self.policy, POLICIES)
+        _choice("priority_source", self.priority_source, PRIORITY_SOURCES)
+        if self.priority_source != "scorer" and self.mask_source != "scorer":
+            raise ValueError(f"priority_source={self.priority_source!r} sets the priority of the mask; with "
+                             f"mask_source={self.mask_source!r} it would do nothing: use mask_source='scorer'")
         if check_kv_dtype(self.kv_dtype) is not None:
             if self.policy not in ("kvpop", "streaming"):
                 raise ValueError(f"kv_dtype={self.kv_dtype!r} works with the policies kvpop and streaming (tova and "

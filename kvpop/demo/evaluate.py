@@ -371,7 +371,8 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
 
     Returns:
         :func:`results_dict`'s dict (``rows`` with ``accuracy``, ``relative_accuracy``, ``correct``,
-        ``graded``, ``n_sequences``).
+        ``graded``, ``n_sequences``; the policies scored sequence by sequence, every one but ``BATCHED``'s,
+        also ``per_sequence_accuracy``, each sequence's own, for :func:`kvpop.studies.paired.paired_interval`).
     """
     cfg = config or EvalConfig()
     task_cfg = task_cfg if task_cfg is not None else task.DEFAULT
@@ -412,6 +413,7 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
             if bar is not None:
                 bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
             correct = graded = 0
+            per_seq = None  # each sequence's own accuracy, for paired intervals (the per-sequence path)
             if policy_of(p) in BATCHED:
                 correct, graded = batch_correct(models[p], examples[L], policy_of(p), b)
                 if bar is not None:
@@ -419,9 +421,11 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
                     bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
                     bar.update(len(examples[L]))
             else:
+                per_seq = []
                 for ex in examples[L]:
                     c, g = sequence_correct(models[p], ex, policy_of(p), None if p == "dense" else b, threshold=thr)
                     correct, graded = correct + c, graded + g
+                    per_seq.append(c / g if g else None)
                     if bar is not None:
                         eta.done(cost_kind(p), L)
                         bar.set_postfix_str(f"{p} B={b} L={L}, {eta.text()}")
@@ -429,6 +433,8 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
             row = {"policy": p, "budget": int(b), "length": int(L), "accuracy": correct / graded,
                    "correct": correct, "graded": graded, "n_sequences": cfg.n_sequences,
                    **dms_row_stats(models[p]), **extra}
+            if per_seq is not None:
+                row["per_sequence_accuracy"] = per_seq
             rows[_row_key(p, b, L)] = row
             if on_row is not None:
                 on_row(row)
@@ -510,7 +516,8 @@ def trained_label(results: dict, policy: str) -> str:
     ``keep 0.125`` for DMS, ``-`` when unknown or untrained."""
     t = (results.get("trained") or {}).get(policy) or {}
     if "budget" in t:
-        return f"B={t['budget']}" + (" adaptive" if t.get("head_budgets") else "")
+        src = f" priority {t['priority_source']}" if t.get("priority_source") else ""  # a non-learned control
+        return f"B={t['budget']}" + (" adaptive" if t.get("head_budgets") else "") + src
     if "target_keep" in t:
         return f"keep {t['target_keep']:g}"
     return "-"

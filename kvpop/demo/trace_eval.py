@@ -14,9 +14,10 @@ budget):
 * ``nll``: mean next-token negative log-likelihood (nats) over those positions of all traces;
 * ``dense_nll`` and ``delta_nll = nll - dense_nll``: the dense model on the same positions;
 * ``top1_agreement``: fraction of those positions where the policy's greedy prediction equals the
-  dense model's;
-* ``per_sequence``: each scored trace's own ``delta_nll``, in order (what a paired selection compares,
-  :func:`kvpop.training.search.prefer`).
+  dense model's.
+* ``per_sequence``: each trace's own ``delta_nll`` over its positions, in the order of the traces (``None`` for a
+  trace too short to score): what a paired selection (:func:`kvpop.training.search.prefer`) and a paired
+  interval (:func:`kvpop.studies.paired.paired_interval`) compare.
 
 Results: :func:`trace_results` (``results.json``), :func:`format_trace_table`,
 :func:`plot_trace_results`.
@@ -176,9 +177,10 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                     bar.set_postfix_str(f"{p} B={b}")
                 nll = dnll = 0.0
                 agree = n = n_seq = 0
-                each = []  # per scored trace: its own mean delta NLL
+                per_seq: list[float | None] = []  # each trace's own delta NLL, for paired comparisons
                 for t, (d_nll, d_arg) in zip(traces, dense):
                     if t.numel() - 1 <= start:  # no position past the largest budget
+                        per_seq.append(None)
                         if bar is not None:
                             eta.done(cost_kind(p), 0)
                             eta.left[cost_kind(p)] -= int(t.numel())  # skipped: not run
@@ -190,10 +192,10 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                                                    start)
                     nll += float(p_nll.sum())
                     dnll += float(d_nll[start:].sum())
-                    each.append((float(p_nll.sum()) - float(d_nll[start:].sum())) / max(1, int(p_nll.numel())))
                     agree += int((p_arg == d_arg[start:]).sum())
                     n += int(p_nll.numel())
                     n_seq += 1
+                    per_seq.append((float(p_nll.sum()) - float(d_nll[start:].sum())) / p_nll.numel())
                     if bar is not None:
                         eta.done(cost_kind(p), int(t.numel()))
                         bar.set_postfix_str(f"{p} B={b}, {eta.text()}")
@@ -201,7 +203,7 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
                 row = {"policy": p, "budget": int(b), "scored_from": start, "positions": n, "n_sequences": n_seq,
                        "nll": nll / n if n else math.nan, "dense_nll": dnll / n if n else math.nan,
                        "delta_nll": (nll - dnll) / n if n else math.nan,
-                       "top1_agreement": agree / n if n else math.nan, "per_sequence": each,
+                       "top1_agreement": agree / n if n else math.nan, "per_sequence": per_seq,
                        **dms_row_stats(models[p])}
                 if policy_of(p) in DMS_POLICIES:
                     row["dms_threshold_from"] = ("validation traces" if cfg.dms_thresholds is not None

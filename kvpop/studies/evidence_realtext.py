@@ -132,7 +132,8 @@ def _delta(results: dict, policy: str, budget: int) -> float:
 
 def _per_sequence(results: dict, policy: str, budget: int) -> list[float] | None:
     """Each validation sequence's delta NLL (``None`` in a ``results.json`` written before rows carried it)."""
-    return next(r.get("per_sequence") for r in results["rows"] if r["policy"] == policy and r["budget"] == budget)
+    each = next(r.get("per_sequence") for r in results["rows"] if r["policy"] == policy and r["budget"] == budget)
+    return None if each is None else [x for x in each if x is not None]  # None: a trace too short to score
 
 
 def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: int = 2) -> Path:

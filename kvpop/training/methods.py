@@ -201,7 +201,9 @@ class KVpopMethod(TrainingMethod):
         return score_loss(model), stats
 
     def needs_targets(self) -> bool:
-        return self.config.target_source == "teacher" and self.config.compute_loss
+        c = self.config  # the label for L_score, or for the oracle's mask (docs/DESIGN.md section 12)
+        return c.target_source == "teacher" and ((c.compute_loss and c.priority_source == "scorer")
+                                                 or c.mask_source == "teacher" or c.priority_source == "oracle-label")
 
     @contextlib.contextmanager
     def teacher_forward(self, teacher: nn.Module) -> Iterator[Any]:

@@ -18,7 +18,7 @@ __all__ = ["KVPOP_ONLY", "DMS_ONLY", "fill_defaults", "check_combinations", "che
 # (--no-balance is a flag: given when True)
 KVPOP_ONLY = ("budget", "scorer", "scorer_hidden", "mlstm_dim", "mask_source", "target_lse", "target_source", "tau",
                "tie_margin", "eps", "label", "label_power", "decay_nats", "gamma_min", "gamma_max", "gamma_init",
-               "no_balance", "init_scorers")
+               "no_balance", "init_scorers", "priority_source")
 DMS_ONLY = ("target_keep", "schedule_steps", "gate_tau", "gate_offset", "aux_weight")
 DMS_FIELDS = {"gate_tau": "tau"}  # option -> DMSConfig field where the names differ
 
@@ -63,6 +63,21 @@ def check_combinations(args: Any, given: set[str]) -> None:
     if "mlstm_dim" in given and args.scorer != "mlstm":
         _fail(f"--mlstm-dim {args.mlstm_dim} is the feature width of --scorer mlstm; --scorer {args.scorer} does not "
               f"use it: give --scorer mlstm, or leave --mlstm-dim out")
+    if args.method == "kvpop" and args.priority_source not in (None, "scorer"):
+        if getattr(args, "no_train_model", False):
+            _fail(f"--priority-source {args.priority_source} trains no scorer, so with --no-train-model nothing would "
+                  f"be trained: leave --no-train-model out (the control fine-tunes the model)")
+        if "mask_source" in given and args.mask_source != "scorer":
+            _fail(f"--priority-source {args.priority_source} is the priority of the mask; --mask-source "
+                  f"{args.mask_source} would replace it: leave --mask-source out")
+        if getattr(args, "init_scorers", None) is not None:
+            _fail(f"--init-scorers: --priority-source {args.priority_source} trains no scorer")
+        if args.priority_source == "window-attention" and (args.head_budgets is not None or args.allocate is not None):
+            _fail("--priority-source window-attention is served with uniform budgets only (its sums sit in the "
+                  "window's slots of the uniform cache): leave --head-budgets / --allocate out")
+        if getattr(args, "auto", False):
+            _fail(f"--auto searches the learned scorer's settings; --priority-source {args.priority_source} trains no "
+                  f"scorer: leave --auto out (tune the control's --lr-model by runs of their own)")
     if "target_lse" in given and args.target_source == "teacher":
         _fail(f"--target-lse {args.target_lse} is the normaliser of the student's target; --target-source teacher "
               f"uses the teacher's exact dense one: leave --target-lse out")
@@ -172,7 +187,8 @@ def method_config(args: Any) -> Any:
                            scorer_hidden=args.scorer_hidden, mlstm_dim=args.mlstm_dim, mask_source=args.mask_source,
                            target_lse=args.target_lse, tau=args.tau, balance=not args.no_balance,
                            target_source=args.target_source, tie_margin=args.tie_margin, eps=args.eps,
-                           label=args.label, label_power=args.label_power, **decay_range(args))
+                           label=args.label, label_power=args.label_power, priority_source=args.priority_source,
+                           **decay_range(args))
     return DMSConfig(sinks=args.sinks, window=args.window, tau=args.gate_tau, gate_offset=args.gate_offset,
                      target_keep=args.target_keep,
                      schedule_steps=args.steps if args.schedule_steps is None else args.schedule_steps,

@@ -129,4 +129,8 @@ def resolve(cfg: Any) -> Settings:
             f"the vLLM plugin serves the mLSTM scorer with uniform budgets only; {scorers} holds an 'mlstm' scorer "
             f"with head_budgets (its state pages would sit in the packed block that every layer shares: not built); "
             f"serve it with kvpop.KVpopCache in transformers")
+    if policy == "kvpop" and config.priority_source not in ("scorer", "random"):
+        raise ValueError(f"{scorers} was trained with priority_source={config.priority_source!r} (a control whose "
+                         f"priority is not the scorer's); the vLLM plugin serves scorer priorities only: serve it with "
+                         f"kvpop.KVpopCache in transformers")
     return Settings(config=config, policy=policy, scorers=None if scorers is None else str(scorers))
