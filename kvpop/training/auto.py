@@ -257,6 +257,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
         ns = copy.copy(ns)
         ns.out, ns.steps, ns.resume = str(d), steps, (d / "last.pt").exists()
         ns._auto_trial = True  # a trial of this search (not in its args.json): the search says how to resume
+        ns._progress_total = args.steps  # one count over the trial's validation segments
         rc = train(ns)
         if rc != 0:
             raise _Stopped(rc)

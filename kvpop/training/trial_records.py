@@ -35,7 +35,7 @@ INPUTS_KEY = "search_inputs"
 STARTED_FILE = "search.json"
 """Written in a trial's directory when it starts (``{INPUTS_KEY: ...}``): what its partial state (``last.pt``,
 ``validation.jsonl``) was made under."""
-AUTO_RESUMABLE = frozenset({"checkpoint_every", "no_progress", "resume", "out", "device", "auto_budget"})
+AUTO_RESUMABLE = frozenset({"checkpoint_every", "no_progress", "resume", "out", "device", "auto_budget", "threads"})
 """Options of ``kvpop train --auto`` that may differ between a search and its ``--resume``: those of a plain run's
 resume (:data:`kvpop.training.rundir.RESUMABLE`) but ``--steps`` (each trial's length), and the search's own
 budget ``--auto-budget``."""
