@@ -70,10 +70,11 @@ def test_each_control_trains_and_is_served_with_its_priority(tmp_path):
 
 def test_options_that_contradict_a_control_are_refused(tmp_path):
     data = _write(tmp_path / "train.jsonl", 1, 64, T.train_seed)
+    valid = _write(tmp_path / "valid.jsonl", 1, 64, T.valid_seed)
     for src, extra, msg in (("keynorm+", ["--no-train-model"], "nothing would be trained"),
                             ("random", ["--mask-source", "streaming"], "leave --mask-source out"),
                             ("window-attention", ["--head-budgets", "24,24"], "uniform budgets only"),
-                            ("oracle-label", ["--auto", "--valid-data", str(data)], "leave --auto out")):
+                            ("oracle-label", ["--auto", "--valid-data", str(valid)], "leave --auto out")):
         with pytest.raises(SystemExit) as e:
             main(["train", "--data", str(data), *TRAIN, "--steps", "1", "--priority-source", src, *extra,
                   "--out", str(tmp_path / "x")])

@@ -41,7 +41,7 @@ def _record(out):
 def _outcome(out):
     """What a search chose and measured (not its wall times)."""
     rec = _record(out)
-    keep = ("stage", "settings", "score", "steps", "dir", "best_step", "validations")
+    keep = ("stage", "settings", "score", "steps", "dir", "best_step", "validations", "per_sequence")
     return [{k: t.get(k) for k in keep} for t in rec["trials"]], rec["skipped"], rec["chosen"]
 
 
@@ -226,7 +226,7 @@ def test_a_signal_during_scoring_says_how_to_resume_and_the_search_resumes(tmp_p
     real = A._task_scorer
 
     def stopping(*a, **kw):
-        def score(d):
+        def score(d, part):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises before this ends
             raise AssertionError("not stopped")
@@ -272,10 +272,11 @@ def test_kill_9_mid_trial_then_resume_gives_the_uninterrupted_choice(searched, t
     for a, b in zip(got, want):
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)
         assert [v["step"] for v in a["validations"] or []] == [v["step"] for v in b["validations"] or []]
-        assert [v["score"] for v in a["validations"] or []] == \
-            pytest.approx([v["score"] for v in b["validations"] or []], abs=1e-5)
-        assert {k: a[k] for k in a if k not in ("score", "validations")} == \
-            {k: b[k] for k in b if k not in ("score", "validations")}
+        assert [v["fit_score"] for v in a["validations"] or []] == \
+            pytest.approx([v["fit_score"] for v in b["validations"] or []], abs=1e-5)
+        assert a.get("per_sequence") == pytest.approx(b.get("per_sequence"), abs=1e-5)
+        noisy = ("score", "validations", "per_sequence")
+        assert {k: a[k] for k in a if k not in noisy} == {k: b[k] for k in b if k not in noisy}
     from safetensors.torch import load_file
 
     x, y = load_file(str(out / "scorers.safetensors")), load_file(str(searched[0] / "scorers.safetensors"))
