@@ -1,10 +1,10 @@
-"""Every shipped figure is true to today's code (tools/freshness.py): the sentinels each shipped result file
+"""Every shipped figure is true to today's code (freshness/__init__.py): the sentinels each shipped result file
 was made with are today's, and the mechanism names exactly the files a numerics change makes stale."""
 import json
 
 import pytest
 
-from tools import freshness as fr
+import freshness as fr
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def test_every_file_a_group_lists_exists_and_is_listed_once():
     for f in files:
         assert fr.file_bytes(f), f
     man = fr.load_manifest()
-    assert set(man["files"]) == set(files), "stamp every listed file (python -m tools.freshness stamp PATH)"
+    assert set(man["files"]) == set(files), "stamp every listed file (python -m freshness stamp PATH)"
 
 
 def test_known_stale_files_say_so_themselves():

@@ -133,7 +133,7 @@ def test_readme_own_model_walkthrough_runs(monkeypatch, tmp_path, capsys):
     assert shown, "README.md needs the walkthrough's tables between <!-- walkthrough:start --> and :end markers"
     assert shown.group(1).strip() == table.strip(), (
         "README.md's walkthrough tables differ from what the block prints today; paste eval-out/table.md "
-        f"between the markers (then python -m tools.freshness stamp README.md#walkthrough):\n{table}")
+        f"between the markers (then python -m freshness stamp README.md#walkthrough):\n{table}")
     res = json.loads((tmp_path / "eval-out" / "results.json").read_text())
     assert {"kvpop-mlp", "kvpop-mlstm-joint", "dms"} <= {r["policy"] for r in res["rows"]}
     assert res["trained"]["kvpop-mlp"]["window"] == res["window"]

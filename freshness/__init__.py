@@ -12,10 +12,10 @@ a cheap canonical computation through the same code the file was made with:
 - ``forward/<policy>``: logits of a seeded tiny Qwen3 decoding through ``KVpopCache`` or ``DMSCache``
   (prefill past the budget, then token by token), for every policy, scorer and slot storage.
 
-``tools/freshness.json`` records, per file, the bytes it held (sha256) and the digest of every sentinel
-it depends on at the time it was made. ``python -m tools.freshness check`` (and the fast test
+``freshness/manifest.json`` records, per file, the bytes it held (sha256) and the digest of every sentinel
+it depends on at the time it was made. ``python -m freshness check`` (and the fast test
 ``tests/test_freshness.py``) recomputes the sentinels and names every file whose sentinels moved, with
-the command that regenerates it. After regenerating, ``python -m tools.freshness stamp PATH...`` records
+the command that regenerates it. After regenerating, ``python -m freshness stamp PATH...`` records
 the new state; it refuses a file whose sentinels moved but whose bytes did not (it was not regenerated)
 unless ``--unchanged`` says that the new code gives the same bytes (checked by regenerating, by hand).
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MANIFEST = ROOT / "tools" / "freshness.json"
+MANIFEST = ROOT / "freshness" / "manifest.json"
 RESULTS = "kvpop/data/demo_results"
 TASKS = ("kvtrace", "lookahead")
 FORWARD_POLICIES = ("kvpop-mlp", "kvpop-mlstm", "streaming", "tova", "h2o", "kvpop-mlp-int8", "kvpop-mlp-fp8",
@@ -86,37 +86,37 @@ _SYNTH_LEDGER = ("dense", "streaming", "kvpop-mlp-joint", "mlp-other-label", "fi
 GROUPS: tuple[Group, ...] = (
     *(Group(f"demo {t}", tuple(f"{RESULTS}/{t}/{f}" for f in _DEMO_FILES), (*_demo(t), *_FWD_ALL),
             f"kvpop demo --task {t} --out OUT --threads 1 --no-progress; cp OUT/{t}/{{{','.join(_DEMO_FILES)}}} "
-            f"{RESULTS}/{t}/; python -m tools.freshness stamp {RESULTS}/{t}") for t in TASKS),
+            f"{RESULTS}/{t}/; python -m freshness stamp {RESULTS}/{t}") for t in TASKS),
     Group("README walkthrough", ("README.md#walkthrough",),
           (*_demo("kvtrace", ("dense", "streaming", "kvpop-mlp", "kvpop-mlstm-joint", "dms")),
            "forward/kvpop-mlp", "forward/kvpop-mlstm", "forward/streaming", "forward/dms"),
           "python -m pytest -q tests/test_readme.py -k walkthrough (it prints the tables the block makes; paste "
-          "them between the README's walkthrough markers); python -m tools.freshness stamp README.md#walkthrough"),
+          "them between the README's walkthrough markers); python -m freshness stamp README.md#walkthrough"),
     Group("evidence ledger", (f"{RESULTS}/evidence.json", f"{RESULTS}/evidence.md", "README.md#evidence",
                               *(f"{RESULTS}/evidence/{i}/evidence_rows.json" for i in ("kvtrace", "lookahead",
                                                                                        "realtext"))),
           (*_demo("kvtrace", _SYNTH_LEDGER), *_demo("lookahead", _SYNTH_LEDGER),
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
           "python -m kvpop.studies.evidence synthetic / realtext (hours: see evidence.md), then "
-          "python -m kvpop.studies.evidence ledger and readme; python -m tools.freshness stamp the files"),
+          "python -m kvpop.studies.evidence ledger and readme; python -m freshness stamp the files"),
     Group("--auto records", (f"{RESULTS}/auto.md", *_under(f"{RESULTS}/auto")),
           (*_demo("kvtrace", ("kvpop-mlp-joint", "mlp-other-label")), *_demo("lookahead", ("kvpop-mlp-joint",)),
            "code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp"),
-          "the kvpop train --auto commands auto.md lists (hours); python -m tools.freshness stamp "
+          "the kvpop train --auto commands auto.md lists (hours); python -m freshness stamp "
           f"{RESULTS}/auto.md"),
     Group("quantised slots", (f"{RESULTS}/quantized.md", *_under(f"{RESULTS}/quantized")),
           ("code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp", "forward/kvpop-mlp-int8",
            "forward/kvpop-mlp-fp8", "forward/streaming", *_demo("lookahead", ("kvpop-mlp-joint",))),
-          "python -m kvpop.studies.quantized (see quantized.md); python -m tools.freshness stamp "
+          "python -m kvpop.studies.quantized (see quantized.md); python -m freshness stamp "
           f"{RESULTS}/quantized.md"),
     Group("real-text study", (f"{RESULTS}/realtext.md",),
           (*(f"code/{m}" for m in CODE_METHODS), *_FWD_ALL),
-          "python -m kvpop.studies.realtext (hours: see realtext.md); python -m tools.freshness stamp "
+          "python -m kvpop.studies.realtext (hours: see realtext.md); python -m freshness stamp "
           f"{RESULTS}/realtext.md"),
     Group("CPU benchmark figures", ("benchmarks/RESULTS.md",),
           ("source/kvpop_kernels", "source/kvpop/core/cache.py", "source/kvpop/vllm"),
           "python -m pytest benchmarks/ --benchmark-only (CPU), then update the CPU figures of "
-          "benchmarks/RESULTS.md; python -m tools.freshness stamp benchmarks/RESULTS.md"),
+          "benchmarks/RESULTS.md; python -m freshness stamp benchmarks/RESULTS.md"),
 )
 
 
@@ -124,7 +124,7 @@ def group_of(path: str) -> Group:
     for g in GROUPS:
         if path in g.files:
             return g
-    raise ValueError(f"{path!r} is not a shipped result file listed in tools/freshness.py's GROUPS; "
+    raise ValueError(f"{path!r} is not a shipped result file listed in freshness/__init__.py's GROUPS; "
                      f"listed: {', '.join(f for g in GROUPS for f in g.files)}")
 
 
@@ -408,7 +408,7 @@ def stamp(specs: Iterable[str], today: Sentinels, *, unchanged: bool = False, kn
     man = load_manifest() if man is None else man
     machine = machine_digest()
     if man.get("machine") not in (None, machine):
-        raise ValueError("this machine's arithmetic differs from the machine that stamped tools/freshness.json "
+        raise ValueError("this machine's arithmetic differs from the machine that stamped freshness/manifest.json "
                          f"({man['machine'][:12]} against {machine[:12]} here): stamp from that machine, or "
                          "regenerate every file here and stamp them all with --new-machine")
     man["machine"] = machine
@@ -441,7 +441,7 @@ def _expand(specs: Iterable[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.freshness", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m freshness", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="name every stale shipped file and the command that regenerates it")
     sub.add_parser("list", help="every shipped file, its sentinels and its command")
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             save_manifest(stamp(a.paths, compute(names, say), unchanged=a.unchanged,
                                 known_stale_reason=a.known_stale))
         except ValueError as e:
-            ap.exit(2, f"python -m tools.freshness stamp: {e}\n")
+            ap.exit(2, f"python -m freshness stamp: {e}\n")
         return 0
     found, how = check(compute(progress=say))
     print(f"sentinels compared {how}")
@@ -473,7 +473,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"STALE {f}")
     print("every shipped file is fresh" if not found else f"{len(found)} stale")
     return 1 if found else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
