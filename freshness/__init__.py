@@ -55,6 +55,8 @@ DEMO_POLICIES = ("dense", "streaming", "tova", "h2o", "kvpop-mlp", "kvpop-mlstm"
                  "mlstm-other-label", "decode")
 CODE_METHODS = ("kvpop-mlp-joint", "fixed-finetune", "dms", "dense")
 VALUE_RTOL = 1e-4
+VALUE_STRIDE = 7
+"""The manifest keeps every 7th forward value (logits and slot priorities) for the by-value comparison."""
 
 
 # ------------------------------------------------------------------ what each shipped file depends on
@@ -161,6 +163,21 @@ def machine_digest() -> str:
 
 
 @contextlib.contextmanager
+def _pytorch_path():
+    """CPU tensors take the PyTorch path a user's run takes, not Triton's interpreter (which the tests switch on:
+    the kernels read ``TRITON_INTERPRET`` at each call)."""
+    was = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        if was is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = was
+
+
+@contextlib.contextmanager
 def _one_thread():
     import torch
 
@@ -258,7 +275,7 @@ def forward_values() -> dict[str, list[float]]:
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     key = cache_kwarg_name()  # cache= where transformers takes it, past_key_values= before
     out = {}
-    with _one_thread(), torch.no_grad():
+    with _one_thread(), _pytorch_path(), torch.no_grad():
         for policy in FORWARD_POLICIES:
             torch.manual_seed(0)
             model = Qwen3ForCausalLM(cfg).eval()
@@ -344,7 +361,12 @@ def load_manifest() -> dict:
 
 
 def save_manifest(man: dict) -> None:
-    MANIFEST.write_text(json.dumps(man, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    """The manifest, readable: the files' records indented, each forward sentinel's values on one line (to 7
+    significant digits: they are compared to a relative 1e-4)."""
+    values = {k: "[" + ", ".join(f"{x:.7g}" for x in v) + "]" for k, v in sorted(man.get("values", {}).items())}
+    head = json.dumps({k: v for k, v in man.items() if k != "values"}, indent=1, sort_keys=True)
+    body = ",\n".join(f"  {json.dumps(k)}: {v}" for k, v in values.items())
+    MANIFEST.write_text(head[:-2] + ',\n "values": {\n' + body + "\n }\n}\n", encoding="utf-8")
 
 
 @dataclass
@@ -393,7 +415,8 @@ def _moved(name: str, recorded: str | None, today: Sentinels, man: dict, same_ma
         import numpy as np
 
         then = man.get("values", {}).get(name)
-        return then is None or not np.allclose(today.values[name], then, rtol=VALUE_RTOL, atol=1e-5)
+        now = today.values[name][::VALUE_STRIDE]
+        return then is None or len(then) != len(now) or not np.allclose(now, then, rtol=VALUE_RTOL, atol=1e-5)
     return False
 
 
@@ -425,7 +448,7 @@ def stamp(specs: Iterable[str], today: Sentinels, *, unchanged: bool = False, kn
                               **({"known_stale": known_stale_reason} if known_stale_reason else {})}
         for s in g.sentinels:
             if s in today.values:
-                man.setdefault("values", {})[s] = today.values[s]
+                man.setdefault("values", {})[s] = today.values[s][::VALUE_STRIDE]
     return man
 
 

@@ -45,7 +45,8 @@ def _moved(today, *names):
 
 def _fresh_manifest(today):
     """A manifest stamped with today's sentinels for every file (as after regenerating them all)."""
-    man = {"machine": fr.machine_digest(), "values": dict(today.values), "files": {}}
+    man = {"machine": fr.machine_digest(), "values": {k: v[::fr.VALUE_STRIDE] for k, v in today.values.items()},
+           "files": {}}
     for g in fr.GROUPS:
         for f in g.files:
             man["files"][f] = {"sha256": fr.sha(fr.file_bytes(f)), "sentinels": {s: today.digests[s]
