@@ -207,6 +207,13 @@ def _canon(obj) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
 
 
+def _rows_digest(rows: list, command: str, what: str) -> str:
+    """The digest of a sentinel's rows; RuntimeError when the command wrote none (the registry is out of date)."""
+    if not rows:
+        raise RuntimeError(f"{command} wrote no row of {what!r}: update freshness's sentinel lists")
+    return sha(_canon(rows))
+
+
 def demo_sentinels(work: Path) -> dict[str, str]:
     """``demo/<task>/<policy>``: each policy's rows (and the decode check's) of ``kvpop demo --quick``."""
     _kvpop("demo", "--quick", "--task", "all", "--out", str(work / "demo"), "--threads", "1", "--no-progress",
@@ -223,9 +230,7 @@ def demo_sentinels(work: Path) -> dict[str, str]:
                         and r["policy"].endswith("-label")]
             else:
                 rows = [r for r in res["rows"] if r["policy"] == p]
-            if not rows:
-                raise RuntimeError(f"kvpop demo --quick --task {task} wrote no row of {p!r}: update DEMO_POLICIES")
-            out[f"demo/{task}/{p}"] = sha(_canon(rows))
+            out[f"demo/{task}/{p}"] = _rows_digest(rows, f"kvpop demo --quick --task {task}", p)
     return out
 
 
@@ -255,9 +260,7 @@ def code_sentinels(work: Path) -> dict[str, str]:
             rows = [r for r in res["rows"] if r["policy"] in ("streaming", "tova", "h2o")]
         else:
             rows = [r for r in res["rows"] if r["policy"] == m]
-        if not rows:
-            raise RuntimeError(f"kvpop eval wrote no row of {m!r}: update code_sentinels")
-        out[f"code/{m}"] = sha(_canon(rows))
+        out[f"code/{m}"] = _rows_digest(rows, "kvpop eval --data", m)
     return out
 
 
