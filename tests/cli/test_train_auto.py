@@ -256,6 +256,24 @@ def test_a_run_extended_by_resume_equals_the_uninterrupted_run(tmp_path):
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
+def test_early_stopping_gives_a_tie_to_the_later_state(tmp_path, monkeypatch):
+    """The one tie rule (a tie goes to the default): between trials the incumbent, in early stopping the run as
+    long as asked, so an equal later fit score replaces the kept state."""
+    import kvpop.cli.auto as A
+    from kvpop.training.runstate import output_step
+
+    seq = iter([0.5, 0.5, 0.6, 0.6] * 50)  # per trial: equal at steps 1 and 2, then worse twice
+    monkeypatch.setattr(A, "_task_scorer", lambda source, task, seeds, length, budget:
+                        lambda d, part: [next(seq)] * 2 if part == "fit" else [0.3, 0.2])
+    out = tmp_path / "run"
+    assert main(["train", *QUICK, "--steps", "4", "--auto-patience", "2", "--auto-eval-every", "1", "--label", "mean",
+                 "--lr-scorer", "1e-3", "--decay-nats", "8", "--allocate", "ablation", "--target-source", "student",
+                 "--auto-budget", "4", "--out", str(out)]) == 0
+    t = json.loads((out / "selection.json").read_text())["trials"][0]
+    assert [v["fit_score"] for v in t["validations"]] == [0.5, 0.5, 0.6, 0.6] and t["best_step"] == 2
+    assert output_step(out / t["dir"] / "scorers.safetensors") == 2
+
+
 def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(tmp_path, monkeypatch):
     """Early stopping: each trial validated every --auto-eval-every steps, stopped after a validation without a
     better or equal score, its outputs the best step's; the last stage trains a scorer-only run first and starts
