@@ -30,7 +30,7 @@ from .config import KVpopConfig
 from .layer import ATTN_NAME, KVpopLayer, kvpop_layers
 from .loss import score_loss_terms
 from .priority import priority
-from .priority_sources import LEARNED_FORM, priority_hooks, source_scores
+from .priority_sources import LEARNED_FORM, dense_lse, oracle_scores, priority_hooks, source_scores
 
 __all__ = ["ATTN_NAME", "TARGET_ATTN_NAME", "register", "kvpop_mask", "kvpop_attention_forward", "sequence_attention",
            "streaming_policy", "target_attention_forward", "teacher_targets", "set_teacher_targets"]
@@ -164,12 +164,6 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
         with torch.set_grad_enabled(need_loss):
             r_hat = layer.scorer(k_pre.detach(), value.detach())
 
-    def dense_lse() -> torch.Tensor:
-        with torch.no_grad():
-            never = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=query.device)
-            return kvpop_kernels.sparse_attention(query.detach(), key.detach(), value.detach(), never,
-                                                  sinks=cfg.sinks, window=cfg.window, scale=scaling)[1]
-
     r_tgt = None
     oracle = cfg.mask_source == "teacher" or cfg.priority_source == "oracle-label"
     if cfg.target_source == "teacher" and (need_loss or (oracle and not streaming)):
@@ -187,8 +181,7 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
             prio = torch.zeros(B, Hkv, S, device=query.device, dtype=torch.float32)
         elif oracle:
             if r_tgt is None:
-                r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), dense_lse(),
-                                                              scale=scaling, **cfg.target_kwargs())
+                r_tgt = oracle_scores(query, key, value, cfg, scaling)
             prio = priority(r_tgt, tpos, log_gamma.detach())
         elif r_hat is None:  # keynorm, window-attention
             prio = priority(source_scores(cfg, query, key, value, k_pre, scaling), tpos, log_gamma.detach())
@@ -205,7 +198,7 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     if need_loss:
         with torch.no_grad():
             if r_tgt is None:
-                lse_t = dense_lse() if cfg.target_lse == "dense" else lse.detach()
+                lse_t = dense_lse(query, key, value, cfg, scaling) if cfg.target_lse == "dense" else lse.detach()
                 r_tgt = kvpop_kernels.future_attention_target(query.detach(), key.detach(), lse_t,
                                                               scale=scaling, **cfg.target_kwargs())
         layer.loss_terms = score_loss_terms(r_hat, r_tgt, log_gamma, sinks=cfg.sinks, window=cfg.window, k=k_long,

@@ -31,7 +31,7 @@ from .hooks import ScorerHooks
 from .layer import KVpopLayer
 from .priority import priority
 
-__all__ = ["LEARNED_FORM", "keynorm_scores", "window_attention_sums", "oracle_scores", "source_scores",
+__all__ = ["LEARNED_FORM", "dense_lse", "keynorm_scores", "window_attention_sums", "oracle_scores", "source_scores",
            "priority_hooks", "KeyNormHooks", "WindowAttentionHooks", "OracleHooks"]
 
 LEARNED_FORM = ("scorer", "random")
@@ -73,23 +73,27 @@ def _log_eps(sums: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.log(sums + eps).float()
 
 
-def _dense_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any, scale: float | None) -> torch.Tensor:
+def dense_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any, scale: float | None) -> torch.Tensor:
+    """The dense attention's LSE ``[B, Hq, S]`` of these queries, keys and values (nothing evicted; no grad): the
+    normaliser of the exact label."""
     B, Hkv, S = k.shape[:3]
-    never = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=q.device)
-    return kvpop_kernels.sparse_attention(q.detach(), k.detach(), v.detach(), never, sinks=cfg.sinks,
-                                          window=cfg.window, scale=scale)[1]
+    with torch.no_grad():
+        never = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=q.device)
+        return kvpop_kernels.sparse_attention(q.detach(), k.detach(), v.detach(), never, sinks=cfg.sinks,
+                                              window=cfg.window, scale=scale)[1]
 
 
 def oracle_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any, scale: float | None) -> torch.Tensor:
     """The exact label ``[B, Hkv, S]`` of these queries and keys over their dense normaliser (``cfg``'s label)."""
     with torch.no_grad():
-        return kvpop_kernels.future_attention_target(q.detach(), k.detach(), _dense_lse(q, k, v, cfg, scale),
+        return kvpop_kernels.future_attention_target(q.detach(), k.detach(), dense_lse(q, k, v, cfg, scale),
                                                      scale=scale, **cfg.target_kwargs())
 
 
 def source_scores(cfg: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pre: torch.Tensor,
                   scale: float | None) -> torch.Tensor:
-    """The score ``r [B, Hkv, S]`` (float32) of a non-scorer source in a full-sequence forward (no grad)."""
+    """The score ``r [B, Hkv, S]`` (float32) of a source computed from the call's own tensors in a full-sequence
+    forward (no grad): the key norm or the window's attention (the oracle: :func:`oracle_scores`)."""
     src = cfg.priority_source
     with torch.no_grad():
         if src in ("keynorm+", "keynorm-"):
@@ -97,9 +101,7 @@ def source_scores(cfg: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         if src == "window-attention":
             return _log_eps(window_attention_sums(query, key, sinks=cfg.sinks, window=cfg.window, scale=scale),
                             cfg.eps)
-        if src == "oracle-label":
-            return oracle_scores(query, key, value, cfg, scale)
-    raise ValueError(f"source_scores: priority_source {src!r} is the scorer's")
+    raise ValueError(f"source_scores: priority_source {src!r} is not the key norm or the window's attention")
 
 
 def priority_hooks(layer: KVpopLayer, k_pre: torch.Tensor | None, query: torch.Tensor, scaling: float | None) -> Any:
