@@ -102,6 +102,12 @@ def check_record(r: Any, where: Path | str, *, rel: str | None = None, nested: b
         _fail(where, f'"best_step" must be a whole number, got {r["best_step"]!r}')
     if "validations" in r:
         _check_validations(r["validations"], where)
+    ps = r.get("per_sequence")
+    if ps is not None:  # what the selection rule pairs: finite numbers, one per select sequence
+        if not isinstance(ps, list) or not ps:
+            _fail(where, f'"per_sequence" must be a non-empty list of numbers or null, got {str(ps)[:60]!r}')
+        for i, x in enumerate(ps):
+            check_score(x, where, f'"per_sequence"[{i}]')
     if "scorer_only" in r:
         check_record(r["scorer_only"], where, nested=True)
     if rel is not None and r.get("dir") != rel:

@@ -50,6 +50,9 @@ def test_a_good_record_is_read_with_extra_entries_kept_and_its_inputs_left_out(t
     ({"stage": 3}, '"stage" must be a string'),
     ({"validations": [{"step": 1, "score": float("nan")}]}, r'"validations"\[0\]\["score"\] is nan'),
     ({"validations": {"step": 1}}, '"validations" must be a list'),
+    ({"per_sequence": [0.1, float("nan")]}, r'"per_sequence"\[1\] is nan'),
+    ({"per_sequence": ["0.1"]}, r'"per_sequence"\[0\] must be a number'),
+    ({"per_sequence": []}, '"per_sequence" must be a non-empty list'),
     ({"scorer_only": {"score": "bad", "steps": 1}}, '"score" must be a number'),
     ({"best_step": "2"}, '"best_step" must be a whole number'),
 ])
