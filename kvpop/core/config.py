@@ -330,14 +330,6 @@ class KVpopConfig(ConfigFields):
             return self.k
         return tuple(b - self.sinks - self.window for b in self.layer_budgets(layer_idx, num_heads))
 
-    def layer_max_budget(self, layer_idx: int) -> int:
-        """The largest budget of a KV head of layer ``layer_idx`` (what a cache holds per head at most).  Not the
-        no-eviction bound: a head evicts once ``S > B[l][h]``, so a layer evicts nothing only while ``S`` is at most
-        its *smallest* budget (``min(layer_budgets(l, H))``, what the full-sequence forward checks)."""
-        if self.head_budgets is None:
-            return self.budget
-        return max(self.head_budgets[layer_idx])
-
     def target_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``kvpop_kernels.future_attention_target`` that this config sets."""
         return {"window": self.window, "eps": self.eps, "label": self.label, "power": float(self.label_power)}
