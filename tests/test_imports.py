@@ -13,13 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The rooms, lowest first: a module may import its own room and the rooms below it, never one above.
 # A room is a module and everything below it; "=kvpop" is the module kvpop itself (its __init__, the
-# public names, all re-exported from kvpop.core).
+# public names, all re-exported from kvpop.core; it imports kvpop.baselines.attention_scores, which registers
+# the TOVA and H2O cache policies).
 LAYERS = [
     ("kvpop_kernels", "kvpop.progress", "kvpop.policies"),  # Triton kernels and their references; the progress
                                                             # report; the evaluation's policy names
     ("kvpop.models",),                  # one adapter per model family
-    ("kvpop.core", "=kvpop"),           # KVpop itself, the patch lifecycle, the layer files; the public names
-    ("kvpop.baselines",),               # methods KVpop is measured against (DMS), built on the core
+    ("kvpop.core",),                    # KVpop itself, the patch lifecycle, the layer files
+    ("kvpop.baselines",),               # methods KVpop is measured against (DMS, TOVA, H2O), built on the core
+    ("=kvpop",),                        # the public names (the core's), the baselines' cache policies registered
     ("kvpop.training",),                # the loop and its method interface (KVpop, DMS); reading training data
     ("kvpop.answers",),                 # kvpop eval --problems: generated answers per policy and budget
     ("kvpop.demo",),                    # the synthetic tasks, retrofits, the evaluation harness
