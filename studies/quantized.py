@@ -181,8 +181,61 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+MODELS = {"kvtrace": "tiny_qwen3", "lookahead": "tiny_qwen3_lookahead", "realtext": "tiny_qwen3_code"}
+"""Each instrument's shipped model (under the package's data)."""
+
+
+@torch.no_grad()
+def cache_bytes(instrument: str, policy: str, budget: int, slot_dtype: str, sinks: int, window: int) -> float:
+    """``KVpopCache.nbytes()`` per sequence of one row, with today's code: the instrument's model in bfloat16,
+    patched at ``budget``, one sequence decoded past ``sinks + window + budget`` tokens.  What the cache holds
+    depends on the shapes, the policy and the slot dtype only, never on the tokens or the scorer's weights."""
+    import kvpop
+    from kvpop.core.cache import KVpopCache
+    from kvpop.demo.evaluate import load_base_model
+    from kvpop.models import cache_kwarg_name
+
+    model = load_base_model(SHIPPED / MODELS[instrument]).to(torch.bfloat16)
+    kvpop.patch(model, sinks=sinks, window=window, budget=budget, policy="streaming" if policy == "streaming"
+                else "kvpop")
+    cache = KVpopCache(model, kv_dtype=None if slot_dtype == "bf16" else slot_dtype)
+    kw = {cache_kwarg_name(): cache, "use_cache": True}
+    ids = torch.randint(0, model.config.vocab_size, (1, sinks + window + budget + 2),
+                        generator=torch.Generator().manual_seed(0))
+    model(ids[:, :-1], **kw)
+    model(ids[:, -1:], **kw)
+    return float(cache.nbytes())
+
+
+def recount_bytes(out: Path) -> list[dict]:
+    """``--recount-bytes``: every ``<instrument>.json`` in ``out`` with its ``bytes_per_sequence`` recomputed by
+    :func:`cache_bytes` (the figures and timings kept as measured), each row's earlier count kept as
+    ``bytes_per_sequence_before``."""
+    results = []
+    for name in INSTRUMENTS:
+        f = out / f"{name}.json"
+        if not f.exists():
+            continue
+        res = json.loads(f.read_text())
+        for r in res["rows"]:
+            now = cache_bytes(name, res["policy"], r["budget"], r["slot_dtype"], res["sinks"], res["window"])
+            if now != r["bytes_per_sequence"]:
+                r.setdefault("bytes_per_sequence_before", r["bytes_per_sequence"])
+            r["bytes_per_sequence"] = now
+        write_json(f, res)
+        results.append(res)
+    if not results:
+        raise ValueError(f"--recount-bytes: no {', '.join(f'{n}.json' for n in INSTRUMENTS)} in --out {out}")
+    return results
+
+
 def run(a: argparse.Namespace) -> int:
     out = Path(a.out)
+    if a.recount_bytes:
+        md = table(recount_bytes(out))
+        (out / "quantized.md").write_text(md)
+        print(md)
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     names = [x.strip() for x in a.instruments.split(",") if x.strip()]
     bad = [x for x in names if x not in INSTRUMENTS]
@@ -219,6 +272,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on the steps of the tasks' MLP scorers (the demo's chosen steps otherwise; default 200)")
     p.add_argument("--length", type=int, default=REALTEXT["seq_len"],
                    help=f"realtext: tokens of each record decoded (default {REALTEXT['seq_len']}, the whole record)")
+    p.add_argument("--recount-bytes", action="store_true",
+                   help="recompute only the bytes per sequence of the JSON files already in --out (today's "
+                        "KVpopCache.nbytes()), keeping their measured figures and timings")
     p.add_argument("--realtext-scorers", default=None,
                    help="a scorer file for the tiny code model (kvpop train --data ...): realtext decodes policy "
                         "kvpop with it instead of streaming")

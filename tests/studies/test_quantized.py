@@ -28,6 +28,18 @@ def test_realtext_rows_bytes_and_figures(tmp_path, capsys):
     for r in (i8, f8):
         assert abs(r["delta_nll"] - full["delta_nll"]) < 0.05, (r, full)
     assert all(r["nll"] > 0 and r["ms_per_token"] > 0 for r in rows.values())
+    # --recount-bytes: the counts equal a fresh decode's, whatever the file said; figures and timings kept
+    counted = [r["bytes_per_sequence"] for r in res["rows"]]
+    nll = [r["delta_nll"] for r in res["rows"]]
+    res["rows"][1]["bytes_per_sequence"] = 1.0
+    (out / "realtext.json").write_text(json.dumps(res))
+    assert Q.main(["--out", str(out), "--recount-bytes"]) == 0
+    again = json.loads((out / "realtext.json").read_text())["rows"]
+    assert [r["bytes_per_sequence"] for r in again] == counted
+    assert again[1]["bytes_per_sequence_before"] == 1.0 and "bytes_per_sequence_before" not in again[0]
+    assert [r["delta_nll"] for r in again] == nll
+    with pytest.raises(ValueError, match="--recount-bytes: no kvtrace.json"):
+        Q.main(["--out", str(tmp_path / "empty"), "--recount-bytes"])
     md = (out / "quantized.md").read_text()
     assert md.count("| realtext (streaming) |") == 4 and "| 1.000 |" in md
     # a second run reuses the finished instrument (nothing decoded again)
