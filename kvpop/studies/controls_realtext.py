@@ -178,12 +178,13 @@ def clusters_of(valid: Path, n: int = VALID_SEQUENCES) -> list[int]:
     return ids
 
 
-def same_weights_eval(run: Path, valid: Path, out: Path, *, n: int = VALID_SEQUENCES, budgets=EVAL_BUDGETS) -> dict:
+def same_weights_eval(run: Path, valid: Path, out: Path, *, n: int = VALID_SEQUENCES, budgets=EVAL_BUDGETS,
+                      seq_len: int = SEQ_LEN) -> dict:
     """``out/results.json`` of the run in ``run`` served as ``kvpop eval --data valid --run run`` serves it, but
     against the run's own weights served densely (``run/model`` as the dense row) instead of the base model
     (``kvpop eval`` refuses a ``--model`` other than the run's base, as the comparison with its dense row would
     mix two models: here that is the point, issue 43 item 5).  The same code scores it (``policy_models``,
-    ``evaluate_traces``, ``trace_results``) on the first ``n`` records cut at :data:`SEQ_LEN`; returns the
+    ``evaluate_traces``, ``trace_results``) on the first ``n`` records cut at ``seq_len``; returns the
     results."""
     import json
     import time
@@ -203,7 +204,7 @@ def same_weights_eval(run: Path, valid: Path, out: Path, *, n: int = VALID_SEQUE
         raise ValueError(f"{run}: no model/ to serve densely (an untrained or scorer-only run is the base model)")
     base = TE.load_model(t.model)
     records = data_io.read_jsonl(str(valid), vocab_size=base.config.vocab_size)
-    traces = data_io.chunk(records, SEQ_LEN, source=f"--data {valid}")[:n]  # as kvpop eval --seq-len cuts them
+    traces = data_io.chunk(records, seq_len, source=f"--data {valid}")[:n]  # as kvpop eval --seq-len cuts them
     cfg = TE.TraceEvalConfig(budgets=list(budgets), sinks=t.config.sinks if t.config else SINKS,
                              window=t.config.window if t.config else WINDOW, policies=["dense", t.policy],
                              progress=False)
@@ -213,7 +214,7 @@ def same_weights_eval(run: Path, valid: Path, out: Path, *, n: int = VALID_SEQUE
                            budget=cfg.budgets[0], load=TE.load_model, budgets=cfg.budgets)
     rows = TE.evaluate_traces(models, traces, cfg)
     res = TE.trace_results(rows, cfg, lengths=lengths, extra={
-        "model": str(t.model), "data": str(valid), "seq_len": SEQ_LEN, "run": str(run),
+        "model": str(t.model), "data": str(valid), "seq_len": seq_len, "run": str(run),
         "reference": "the run's own weights served densely", "threads": torch.get_num_threads(),
         "eval_seconds": round(time.time() - t0, 1)})
     write_json(Path(out) / "results.json", json.loads(json.dumps(res)))

@@ -111,3 +111,25 @@ def test_figures_and_comparisons():
     assert c["ci95"][1] < 0 and c["verdict"] == "a better" and c["n_clusters"] == 8
     same = next(x for x in cs if x["budget"] == 128 and x["reference"] == "same weights")
     assert same["mean_diff"] == pytest.approx(0.001) and same["verdict"] == "b better"
+
+
+def test_same_weights_eval_is_kvpop_eval_when_the_weights_are_the_base(tmp_path, data):
+    """On an untrained run (its model/ the base weights) the dense row of its own weights is the base model's,
+    so the figures must be kvpop eval's exactly; a run without model/ is refused."""
+    from kvpop.cli import main
+
+    d = tmp_path / "u"
+    C.untrained_run(_args(data, "random"), d)
+    assert main(["eval", "--model", str(MODEL), "--data", str(data), "--seq-len", "64", "--budgets", "16,24",
+                 "--sinks", "4", "--window", "8", "--no-plot", "--no-progress", "--run", str(d), "--policies",
+                 "dense,kvpop-mlp-joint", "--out", str(tmp_path / "e")]) == 0
+    ref = json.loads((tmp_path / "e" / "results.json").read_text())
+    mine = C.same_weights_eval(d, data, tmp_path / "s", n=4, budgets=(16, 24), seq_len=64)
+    assert json.loads((tmp_path / "s" / "results.json").read_text())["rows"] == mine["rows"]
+    for b in (16, 24):
+        r = next(x for x in ref["rows"] if x["budget"] == b)
+        m = next(x for x in mine["rows"] if x["budget"] == b)
+        assert m["per_sequence"] == r["per_sequence"] and m["dense_nll"] == r["dense_nll"]
+    (d / "model").rename(tmp_path / "gone")
+    with pytest.raises(ValueError):
+        C.same_weights_eval(d, data, tmp_path / "s2", n=4, budgets=(16, 24), seq_len=64)
