@@ -497,3 +497,42 @@ def run_stage(out: Path, *, model: Path, data: Path, valid: Path, auto: Path, se
     }
     write_json(Path(out) / "controls.json", record)
     return record
+
+
+def markdown(record: dict) -> str:
+    """The record's tables for evidence.md: every row's figures, the selection decisions and the paired
+    intervals (generated from ``controls.json``, never typed)."""
+    figs = record["figures"]
+    rows = list(dict.fromkeys(f["row"] for f in figs))
+    sel = record["lr_selection"]
+
+    def fig(row, b):
+        return next(f for f in figs if f["row"] == row and f["budget"] == b)
+
+    out = ["| row | trials | lr | seeds | " + " | ".join(f"B={b}" for b in EVAL_BUDGETS)
+           + f" | B={BUDGET} vs same weights | dense shift |", "|---" * (6 + len(EVAL_BUDGETS)) + "|"]
+    for r in rows:
+        cells = []
+        for b in EVAL_BUDGETS:
+            f = fig(r, b)
+            v = list(f["vs_original"].values())
+            cells.append(f"{f['vs_original_mean']:+.4f}" + (f" ({min(v):+.4f}..{max(v):+.4f})" if len(v) > 1 else ""))
+        f = fig(r, BUDGET)
+        trials = record["trials_of"].get(r, 0 if r == "streaming" or r.startswith("untrained") else "")
+        lr = (f"{sel[r]['chosen']:g}" if sel[r]["chosen"] else "not chosen") if r in sel else \
+            ("1e-4" if r == AUTO_ROW else "-")
+        out.append(f"| {r} | {trials} | {lr} | {len(f['seeds'])} | " + " | ".join(cells)
+                   + f" | {f['vs_same_weights_mean']:+.4f} | {f['dense_shift_mean']:+.4f} |")
+    out += ["", "| decision | incumbent | challenger | mean_diff | SE | adopted |", "|---|---|---|---|---|---|"]
+    decisions = [record["untrained"]["keynorm_sign"]] if record["untrained"].get("keynorm_sign") else []
+    for s in sel.values():
+        decisions += s["decisions"]
+    for d in decisions:
+        out.append(f"| {d['stage']} | {d['incumbent']} | {d['challenger']} | {d['mean_diff']:+.4f} | "
+                   f"{d['se']:.4f} | {'yes' if d['adopted'] else 'no'} |")
+    out += ["", "| budget | reference | a | b | mean_diff (a - b) | 95 % interval | seeds a / b | verdict |",
+            "|---|---|---|---|---|---|---|---|"]
+    for c in record["comparisons"]:
+        out.append(f"| {c['budget']} | {c['reference']} | {c['a']} | {c['b']} | {c['mean_diff']:+.4f} | "
+                   f"[{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}] | {c['seeds_a']} / {c['seeds_b']} | {c['verdict']} |")
+    return "\n".join(out) + "\n"

@@ -133,3 +133,16 @@ def test_same_weights_eval_is_kvpop_eval_when_the_weights_are_the_base(tmp_path,
     (d / "model").rename(tmp_path / "gone")
     with pytest.raises(ValueError):
         C.same_weights_eval(d, data, tmp_path / "s2", n=4, budgets=(16, 24), seq_len=64)
+
+
+def test_markdown_renders_the_record():
+    runs = {C.AUTO_ROW: {"0": _run(0.0), "1": _run(0.0, 0.002)}, "oracle[label]": {"0": _run(0.01)}}
+    dec = {"stage": "oracle[label] lr_model", "incumbent": {"lr_model": 1e-4}, "challenger": {"lr_model": 3e-4},
+           "mean_diff": -0.001, "se": 0.002, "adopted": False}
+    record = {"figures": C.figures(runs), "trials_of": {C.AUTO_ROW: 6, "oracle[label]": 2},
+              "lr_selection": {"oracle[label]": {"chosen": 1e-4, "decisions": [dec]}},
+              "untrained": {"keynorm_sign": None}, "comparisons": C.comparisons(runs, C.AUTO_ROW, None, n_boot=100)}
+    text = C.markdown(record)
+    assert "| oracle[label] | 2 | 0.0001 | 1 |" in text and "| kvpop-mlp-joint[auto] | 6 | 1e-4 | 2 |" in text
+    assert "| oracle[label] lr_model |" in text and "| no |" in text
+    assert text.count("| original | kvpop-mlp-joint[auto] | oracle[label] |") == len(C.EVAL_BUDGETS)
