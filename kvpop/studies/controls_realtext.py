@@ -74,8 +74,17 @@ def auto_trial(trial_args: Path, seed: int, out: Path, fit_file: Path, *, served
     seqs = [torch.tensor(json.loads(x)["input_ids"]) for x in Path(fit_file).read_text().splitlines() if x.strip()]
     score = _scorer(Path(saved["model"]), {"fit": seqs}, served)
 
+    from kvpop.core.config import KVpopConfig
+    from kvpop.training.options import DMS_ONLY, KVPOP_ONLY
+
+    default = KVpopConfig()
+    # args.json records every option filled in; what the search left to its default goes back to "not given"
+    # (None), so that kvpop train's checks of the options given see what they saw in the search's own trial
+    ungiven = {**{n: None for n in DMS_ONLY}, **{n: None for n in KVPOP_ONLY if n not in ("no_balance",)
+                                                 and hasattr(default, n) and saved.get(n) == getattr(default, n)}}
+
     def train_to(target: int) -> None:
-        ns = argparse.Namespace(**{**saved, "seed": seed, "out": str(out), "steps": target,
+        ns = argparse.Namespace(**{**saved, **ungiven, "seed": seed, "out": str(out), "steps": target,
                                    "resume": (out / "last.pt").exists()})
         ns._auto_trial, ns._progress_total = True, total
         rc = train_run(ns)
