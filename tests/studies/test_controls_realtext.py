@@ -146,3 +146,26 @@ def test_markdown_renders_the_record():
     assert "| oracle[label] | 2 | 0.0001 | 1 |" in text and "| kvpop-mlp-joint[auto] | 6 | 1e-4 | 2 |" in text
     assert "| oracle[label] lr_model |" in text and "| no |" in text
     assert text.count("| original | kvpop-mlp-joint[auto] | oracle[label] |") == len(C.EVAL_BUDGETS)
+
+
+def test_auto_trial_trains_in_validated_segments_as_one_run(tmp_path, data):
+    """One more seed of a trial: trained in segments with a fit validation after each, it follows, step by step,
+    the run kvpop train makes of the same options in one go (the history's losses), keeps its best fit state's
+    served files, and records its validations."""
+    from kvpop.cli import main
+
+    common = ["--model", str(MODEL), "--data", str(data), "--seq-len", "64", "--sinks", "4", "--window", "8",
+              "--budget", "24", "--steps", "4", "--checkpoint-every", "1", "--no-progress", "--threads", "1"]
+    assert main(["train", *common, "--seed", "0", "--out", str(tmp_path / "trial")]) == 0
+    assert main(["train", *common, "--seed", "1", "--out", str(tmp_path / "straight")]) == 0
+    out = tmp_path / "seed1"
+    r = C.auto_trial(tmp_path / "trial" / "args.json", 1, out, data, served=24, every=2, patience=2)
+    assert [v["step"] for v in r["validations"]] == [2, 4] and r["steps"] == 4
+    assert [json.loads(x)["step"] for x in (out / "validation.jsonl").read_text().splitlines()] == [2, 4]
+
+    def losses(d):
+        return [(h["step"], h["kl"]) for h in map(json.loads, (d / "history.jsonl").read_text().splitlines())]
+
+    assert losses(out) == losses(tmp_path / "straight")
+    assert (out / "scorers.safetensors").read_bytes() == (out / "best" / "scorers.safetensors").read_bytes()
+    assert json.loads((out / "args.json").read_text())["seed"] == 1
