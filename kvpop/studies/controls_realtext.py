@@ -439,7 +439,13 @@ class Stage:
                     (d / "trial_ev43.json").write_text(json.dumps(r, indent=1))
             r = self._evals(f"{AUTO_ROW}/seed{s}", d, "kvpop-mlp-joint")
             if r is not None:
-                out[s] = r
+                import json
+
+                t = d / ("trial.json" if s in AUTO_DIRS else "trial_ev43.json")
+                trial = json.loads(t.read_text()) if t.exists() else {}
+                out[s] = {**r, "best_step": trial.get("best_step"), "validations": trial.get("validations"),
+                          "trained_by": "kvpop train --auto's search (its trial)" if s in AUTO_DIRS else
+                          "auto_trial: the search's trial procedure, another seed"}
         return out
 
 
