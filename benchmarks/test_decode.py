@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import kvpop_kernels._utils as kutils
-from kvpop_kernels import fixed_budget_decode
+from kvpop_kernels import SlotState, fixed_budget_decode
 
 from .tools.timing import best_time
 
@@ -119,7 +119,7 @@ def _make_kvpop(ctx: int, B: int, q, kn, vn, gen):
     lp = torch.randn(HKV, generator=gen).to(DEVICE)
 
     def step_at(p: int):
-        return fixed_budget_decode(q, kn, vn, *state, lp, pos=p, sinks=SINKS, window=WINDOW)
+        return fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=p, sinks=SINKS, window=WINDOW)
 
     return step_at, None
 
@@ -280,10 +280,11 @@ def test_decode_step_head_adaptive(benchmark, monkeypatch):
     uni, ada = _kvpop_state(HA_CTX, HA_BUDGET, gen), _packed_state(HA_CTX, budgets, gen)
 
     def uni_at(p):
-        return fixed_budget_decode(q, kn, vn, *uni, lp, pos=p, sinks=SINKS, window=WINDOW)
+        return fixed_budget_decode(q, kn, vn, SlotState(*uni), lp, pos=p, sinks=SINKS, window=WINDOW)
 
     def ada_at(p):
-        return fixed_budget_decode(q, kn, vn, *ada, lp, pos=p, sinks=SINKS, window=WINDOW, head_budgets=budgets)
+        return fixed_budget_decode(q, kn, vn, SlotState(*ada), lp, pos=p, sinks=SINKS, window=WINDOW,
+                                   head_budgets=budgets)
 
     uni_step, ada_step = _stepper(uni_at, HA_CTX, None), _stepper(ada_at, HA_CTX, None)
     for _ in range(5):

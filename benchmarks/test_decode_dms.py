@@ -38,7 +38,7 @@ import kvpop_kernels._utils as kutils
 from kvpop.baselines import dms as D
 from kvpop.baselines.dms.cache import _decode
 from kvpop.models import cache_kwarg_name
-from kvpop_kernels import fixed_budget_decode
+from kvpop_kernels import SlotState, fixed_budget_decode
 
 from .tools.timing import best_time
 
@@ -110,7 +110,7 @@ def _kvpop_step(budget: int, q, kn, vn, gen):
 
     def step():
         cur["pos"] += 1
-        return fixed_budget_decode(q, kn, vn, *state, lp, pos=cur["pos"], sinks=s, window=w)
+        return fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=cur["pos"], sinks=s, window=w)
 
     return step, 2 * HKV * budget * HD * kc.element_size()
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvpop_kernels._utils as kutils
-from kvpop_kernels import fixed_budget_decode
+from kvpop_kernels import SlotState, fixed_budget_decode
 from kvpop_kernels.layout import QuantizedLayout, quantize
 
 from .test_decode import CUDA, DEVICE, DTYPE, HKV, HQ, SINKS, WINDOW, D, _kvpop_state, _stepper
@@ -29,14 +29,14 @@ PROVIDERS = ["float"] + ([] if CUDA else ["bf16"]) + ["int8"] + (["fp8"] if hasa
 
 def _state(kv_dtype, gen):
     """A full cache at ``CTX`` (``test_decode._kvpop_state``), its keys and values quantised for ``kv_dtype``:
-    ``(tensors, extra kwargs)``."""
+    ``(SlotState, extra kwargs)``."""
     kc, vc, sp, pr = _kvpop_state(CTX, BUDGET, gen)
     if kv_dtype == "float":
-        return [kc, vc, sp, pr], {}
+        return SlotState(kc, vc, sp, pr), {}
     if kv_dtype == "bf16":  # (the CPU's float is float32: bf16 slots too, the queries in bf16 as well)
-        return [kc.bfloat16(), vc.bfloat16(), sp, pr], {}
+        return SlotState(kc.bfloat16(), vc.bfloat16(), sp, pr), {}
     (kq, ks), (vq, vs) = quantize(kc, kv_dtype), quantize(vc, kv_dtype)
-    return [kq, vq, sp, pr], {"layout": QuantizedLayout(kv_dtype), "k_scale": ks, "v_scale": vs}
+    return SlotState(kq, vq, sp, pr, k_scale=ks, v_scale=vs), {"layout": QuantizedLayout(kv_dtype)}
 
 
 @pytest.mark.benchmark(group="decode-step-quantized")
@@ -51,13 +51,12 @@ def test_decode_step_quantized(benchmark, monkeypatch):
     steps, nbytes = {}, {}
     for name in PROVIDERS:
         st, kw = _state(name, gen)
-        nbytes[name] = sum(t.numel() * t.element_size() for t in (*st, *(v for v in kw.values()
-                                                                        if isinstance(v, torch.Tensor))))
+        nbytes[name] = st.nbytes()
 
-        dt = st[0].dtype if name == "bf16" else DTYPE
+        dt = st.k_cache.dtype if name == "bf16" else DTYPE
 
         def at(p, st=st, kw=kw, dt=dt):
-            return fixed_budget_decode(q.to(dt), kn.to(dt), vn.to(dt), *st, lp, pos=p, sinks=SINKS, window=WINDOW,
+            return fixed_budget_decode(q.to(dt), kn.to(dt), vn.to(dt), st, lp, pos=p, sinks=SINKS, window=WINDOW,
                                        **kw)
 
         steps[name] = _stepper(at, CTX, None)

@@ -47,6 +47,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "freshness" / "manifest.json"
 RESULTS = "kvpop/data/demo_results"
+"""The demo's results (installed with the package)."""
+STUDY_RESULTS = "studies/results"
+"""The research instruments' results, beside them (not installed)."""
 TASKS = ("kvtrace", "lookahead")
 FORWARD_POLICIES = ("kvpop-mlp", "kvpop-mlstm", "streaming", "tova", "h2o", "kvpop-mlp-int8", "kvpop-mlp-fp8",
                     "dms")
@@ -94,27 +97,27 @@ GROUPS: tuple[Group, ...] = (
            "forward/kvpop-mlp", "forward/kvpop-mlstm", "forward/streaming", "forward/dms"),
           "python -m pytest -q tests/test_readme.py -k walkthrough (it prints the tables the block makes; paste "
           "them between the README's walkthrough markers); python -m freshness stamp README.md#walkthrough"),
-    Group("evidence ledger", (f"{RESULTS}/evidence.json", f"{RESULTS}/evidence.md", "README.md#evidence",
-                              *(f"{RESULTS}/evidence/{i}/evidence_rows.json" for i in ("kvtrace", "lookahead",
+    Group("evidence ledger", (f"{STUDY_RESULTS}/evidence.json", f"{STUDY_RESULTS}/evidence.md", "README.md#evidence",
+                              *(f"{STUDY_RESULTS}/evidence/{i}/evidence_rows.json" for i in ("kvtrace", "lookahead",
                                                                                        "realtext"))),
           (*_demo("kvtrace", _SYNTH_LEDGER), *_demo("lookahead", _SYNTH_LEDGER),
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
-          "python -m kvpop.studies.evidence synthetic / realtext (hours: see evidence.md), then "
-          "python -m kvpop.studies.evidence ledger and readme; python -m freshness stamp the files"),
-    Group("--auto records", (f"{RESULTS}/auto.md", *_under(f"{RESULTS}/auto")),
+          "python -m studies.evidence synthetic / realtext (hours: see evidence.md), then "
+          "python -m studies.evidence ledger and readme; python -m freshness stamp the files"),
+    Group("--auto records", (f"{STUDY_RESULTS}/auto.md", *_under(f"{STUDY_RESULTS}/auto")),
           (*_demo("kvtrace", ("kvpop-mlp-joint", "mlp-other-label")), *_demo("lookahead", ("kvpop-mlp-joint",)),
            "code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp"),
           "the kvpop train --auto commands auto.md lists (hours); python -m freshness stamp "
-          f"{RESULTS}/auto.md"),
-    Group("quantised slots", (f"{RESULTS}/quantized.md", *_under(f"{RESULTS}/quantized")),
+          f"{STUDY_RESULTS}/auto.md"),
+    Group("quantised slots", (f"{STUDY_RESULTS}/quantized.md", *_under(f"{STUDY_RESULTS}/quantized")),
           ("code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp", "forward/kvpop-mlp-int8",
            "forward/kvpop-mlp-fp8", "forward/streaming", *_demo("lookahead", ("kvpop-mlp-joint",))),
-          "python -m kvpop.studies.quantized (see quantized.md); python -m freshness stamp "
-          f"{RESULTS}/quantized.md"),
-    Group("real-text study", (f"{RESULTS}/realtext.md",),
+          "python -m studies.quantized (see quantized.md); python -m freshness stamp "
+          f"{STUDY_RESULTS}/quantized.md"),
+    Group("real-text study", (f"{STUDY_RESULTS}/realtext.md",),
           (*(f"code/{m}" for m in CODE_METHODS), *_FWD_ALL),
-          "python -m kvpop.studies.realtext (hours: see realtext.md); python -m freshness stamp "
-          f"{RESULTS}/realtext.md"),
+          "python -m studies.realtext (hours: see realtext.md); python -m freshness stamp "
+          f"{STUDY_RESULTS}/realtext.md"),
     Group("CPU benchmark figures", ("benchmarks/RESULTS.md",),
           ("source/kvpop_kernels", "source/kvpop/core/cache.py", "source/kvpop/vllm"),
           "python -m pytest benchmarks/ --benchmark-only (CPU), then update the CPU figures of "

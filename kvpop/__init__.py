@@ -11,8 +11,11 @@ Typical use::
 
 The package is layered (imports flow one way): ``kvpop.cli`` -> ``kvpop.demo`` / ``kvpop.training``
 -> ``kvpop.core`` (everything re-exported here) -> ``kvpop.models`` (one adapter per model family)
--> ``kvpop_kernels`` (Triton kernels, never imports transformers).  See ``docs/DESIGN.md``.
+-> ``kvpop_kernels`` (Triton kernels, never imports transformers).  Importing ``kvpop`` also registers the
+baselines' cache policies (``kvpop.baselines.attention_scores``: ``KVpopCache(policy="tova" | "h2o")``).  See
+``docs/DESIGN.md``.
 """
+from .baselines import attention_scores as _attention_scores  # noqa: F401  (registers the tova and h2o policies)
 from .core import (
                    SUPPORTED_MODEL_TYPES,
                    KVpopCache,

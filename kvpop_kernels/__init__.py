@@ -8,6 +8,7 @@ This package never imports transformers.
 from ._utils import NEVER
 from .decode import fixed_budget_decode
 from .future_target import future_attention_target
+from .layout import SlotState
 from .paged_decode import ragged_paged_decode
 from .schedule import eviction_decisions, eviction_schedule, visible_at
 from .sparse_attention import sparse_attention
@@ -20,5 +21,6 @@ __all__ = [
     "future_attention_target",
     "sparse_attention",
     "fixed_budget_decode",
+    "SlotState",
     "ragged_paged_decode",
 ]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ._utils import check_split_options, default_scale, empty, host_check, use_triton
-from .layout import SlotLayout, as_layout, check_positions, check_state, slot_of
+from .layout import DecodeStep, SlotLayout, SlotState, as_layout, slot_of
+from .layout.base import check_positions, check_state
 from .splitk import LOG2E, plan_splits, upcast_operands
 
 try:
@@ -22,7 +23,7 @@ try:
 except Exception:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["fixed_budget_decode", "slot_of"]
+__all__ = ["fixed_budget_decode", "SlotState", "slot_of"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -238,17 +239,20 @@ if triton is not None:
                 tl.store(VS + sp_off + slot_new * s_sp_b, tl.load(VNS + row), mask=pos_bad == 0)
 
 
-def _triton_decode(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, *, sinks,
-                   window, scale, num_splits, block_n, packed=None, quant=None):
-    """Batched form: ``q [N, Hq, D]``, caches ``[N, Hkv, B, D]``, ``pos [N]`` int on q's device.
+def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, num_splits, block_n,
+                   packed=None):
+    """Batched form: ``q [N, Hq, D]``, caches ``[N, Hkv, B, D]``, ``pos [N]`` int on q's device; ``step`` the
+    encoded new token (``SlotLayout.encode``).
 
-    ``quant = (k_scale, v_scale, k_new_scale, v_new_scale)``: a quantised layout (caches and ``k_new, v_new``
-    hold codes; ``k_scale, v_scale`` float32 with ``slot_pos``'s shape and strides, the new token's scales
-    ``[N, Hkv]`` float32).
+    A quantised layout (``state.k_scale`` set): caches and ``k_new, v_new`` hold codes; ``k_scale, v_scale``
+    float32 with ``slot_pos``'s shape and strides, the new token's scales ``[N, Hkv]`` float32.
 
     ``packed = (meta, max_budget)``: the packed layout (caches ``[N, T, D]``, ``slot_pos [N, T]``,
     ``slot_prio [N, K]``), ``meta [3, Hkv]`` int64 on the device (budgets, slot offsets, long-range
     offsets) and a host bound on the largest budget, over which the splits are cut."""
+    q, k_new, v_new, leaving_prio, pos = step.q, step.k_new, step.v_new, step.leaving_prio, step.pos
+    k_cache, v_cache, slot_pos, slot_prio = state.k_cache, state.v_cache, state.slot_pos, state.slot_prio
+    quant = None if state.k_scale is None else (state.k_scale, state.v_scale, step.k_new_scale, step.v_new_scale)
     N, Hq, D = q.shape
     Hkv = k_new.shape[1]
     G = Hq // Hkv
@@ -327,32 +331,18 @@ def _torch_step(lay: SlotLayout, *args, **kwargs):
 
 
 # ------------------------------------------------------------------------------ public
-def _batch_form(batched, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos):
-    """The step's tensors with a leading batch dimension, and ``pos`` as an int64 ``[N]`` tensor."""
-    if not batched:
-        q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio = (
-            x.unsqueeze(0) for x in (q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio))
-    if not isinstance(pos, torch.Tensor):
-        pos = torch.full((q.shape[0],), pos, dtype=torch.int64, device=q.device)
-    return q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos
-
-
-def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pos: torch.Tensor,
-                        slot_prio: torch.Tensor, leaving_prio: torch.Tensor, *, pos: int | torch.Tensor,
-                        sinks: int, window: int, scale: float | None = None,
+def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, state: SlotState,
+                        leaving_prio: torch.Tensor, *, pos: int | torch.Tensor, sinks: int, window: int,
+                        scale: float | None = None, layout: SlotLayout | None = None,
+                        head_budgets: torch.Tensor | tuple[int, ...] | None = None, check: bool | None = None,
                         num_splits: int | None = None, block_n: int | None = None,
-                        check: bool | None = None,
-                        head_budgets: torch.Tensor | tuple[int, ...] | None = None,
-                        layout: SlotLayout | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step over a fixed budget of ``B = s + w + k`` slots per (batch row, KV head), in place.
 
     Two forms: batch-1 (shapes below without the leading ``N``) or batched (every tensor with a
     leading batch dimension ``N``; rows are independent and may sit at different positions).
 
-    Slot layout of each KV head (``B = k_cache.shape[-2]``, ``k = B - s - w >= 0``):
+    Slot layout of each KV head (``B = state.k_cache.shape[-2]``, ``k = B - s - w >= 0``):
 
     * ``[0, s)`` sinks: token ``t < s`` in slot ``t``;
     * ``[s, s+w)`` the window ring: token ``t >= s`` in slot ``s + (t - s) % w``;
@@ -361,10 +351,10 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     Args:
         q: ``[N, Hq, D]`` the new token's queries (rotated), float16/bfloat16/float32.
         k_new, v_new: ``[N, Hkv, D]`` the new token's key (rotated) and value, q's dtype.
-        k_cache, v_cache: ``[N, Hkv, B, D]`` q's dtype, any strides; updated in place.
-        slot_pos: ``[N, Hkv, B]`` int32, each slot's token position, ``-1`` when empty; updated in place.
-        slot_prio: ``[N, Hkv, k]`` float32, static priority of each long-range slot's token, ``-inf``
-            when empty (never NaN); updated in place.
+        state: a :class:`~kvpop_kernels.layout.SlotState`, updated in place: ``k_cache, v_cache [N, Hkv, B,
+            D]`` q's dtype, any strides; ``slot_pos [N, Hkv, B]`` int32, each slot's token position, ``-1``
+            when empty; ``slot_prio [N, Hkv, k]`` float32, static priority of each long-range slot's token,
+            ``-inf`` when empty (never NaN); ``k_scale, v_scale`` a quantised layout's scales (None otherwise).
         leaving_prio: ``[N, Hkv]`` float32, the priority ``p = r - t log(gamma)`` of the token
             ``t_new = pos - w`` that leaves the window at this step (ignored when ``pos - w < s``);
             NaN ranks as ``-inf``.
@@ -423,34 +413,40 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     run a vectorised PyTorch step.  Neither reads a value back to the host.  The scorer that
     produces ``leaving_prio`` is not fused.
     """
+    if not isinstance(state, SlotState):
+        raise TypeError(f"state must be a kvpop_kernels.layout.SlotState(k_cache, v_cache, slot_pos, slot_prio), "
+                        f"got {type(state).__name__}")
     lay = as_layout(layout, head_budgets)
-    lay.check(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos, sinks, window)
-    lay.check_scales(k_scale, v_scale, slot_pos)
-    scales = () if k_scale is None else (("k_scale", k_scale), ("v_scale", v_scale))
-    check_state(("k_cache", k_cache), ("v_cache", v_cache), ("slot_pos", slot_pos), ("slot_prio", slot_prio),
-                *scales)
-    scale = default_scale(scale, q.shape[-1])
+    step = DecodeStep(q, k_new, v_new, leaving_prio, pos)
+    lay.check(step, state, sinks, window)
+    lay.check_scales(state)
+    check_state(*state.named())
     checked = host_check(check, q.device)
     if isinstance(pos, torch.Tensor) and checked:
         check_positions(pos)
-    batched = q.dim() == 3
-    q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos = _batch_form(
-        batched, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos)
-    if k_scale is not None and not batched:
-        k_scale, v_scale = k_scale.unsqueeze(0), v_scale.unsqueeze(0)
-    triton_path = use_triton(q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio)
-    # budgets held as a tensor (packed): read back unless the step runs unchecked on Triton
-    lay = lay.host_budgets(k_cache.shape[1], sinks, window, checked or not triton_path)
-    if q.shape[0] == 0:  # no row: nothing to write (and no pointer a kernel may take)
-        out, lse = q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    elif triton_path:
-        check_split_options(num_splits, block_n)
-        kn, vn, quant = lay.kernel_new(k_new, v_new, k_scale, v_scale)
-        out, lse = _triton_decode(q, kn, vn, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
-                                  sinks=sinks, window=window, scale=scale, num_splits=num_splits,
-                                  block_n=block_n, packed=lay.kernel_meta(k_cache, slot_prio, sinks, window,
-                                                                          q.device, checked), quant=quant)
-    else:
-        out, lse = _torch_step(lay, q, k_new, v_new, k_cache, v_cache, slot_pos, slot_prio, leaving_prio, pos,
-                               sinks=sinks, window=window, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    batched = step.batched
+    if not batched:
+        step = DecodeStep(*(x.unsqueeze(0) for x in step.tensors()), pos)
+        state = state.map(lambda t: t.unsqueeze(0))
+    if not isinstance(step.pos, torch.Tensor):
+        step.pos = torch.full((q.shape[0] if batched else 1,), pos, dtype=torch.int64, device=q.device)
+    out, lse = _step(lay, step, state, sinks=sinks, window=window, scale=default_scale(scale, q.shape[-1]),
+                     checked=checked, num_splits=num_splits, block_n=block_n)
     return (out, lse) if batched else (out[0], lse[0])
+
+
+def _step(lay: SlotLayout, step: DecodeStep, state: SlotState, *, sinks, window, scale, checked, num_splits,
+          block_n):
+    """The batched step on the backend of the tensors' device."""
+    q = step.q
+    triton_path = use_triton(*step.tensors(), *state.tensors()[:4])
+    # budgets held as a tensor (packed): read back unless the step runs unchecked on Triton
+    lay = lay.host_budgets(state.k_cache.shape[1], sinks, window, checked or not triton_path)
+    if q.shape[0] == 0:  # no row: nothing to write (and no pointer a kernel may take)
+        return q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if triton_path:
+        check_split_options(num_splits, block_n)
+        return _triton_decode(lay.encode(step), state, sinks=sinks, window=window, scale=scale,
+                              num_splits=num_splits, block_n=block_n,
+                              packed=lay.kernel_meta(state, sinks, window, q.device, checked))
+    return _torch_step(lay, step, state, sinks=sinks, window=window, scale=scale)

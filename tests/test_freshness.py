@@ -61,7 +61,7 @@ def test_a_moved_sentinel_names_exactly_the_files_that_depend_on_it(today):
     expect = {f for g in fr.GROUPS if "forward/kvpop-mlstm" in g.sentinels for f in g.files}
     assert {x.file for x in found} == expect
     assert "README.md#walkthrough" in expect and f"{fr.RESULTS}/kvtrace/results.json" in expect
-    assert f"{fr.RESULTS}/evidence.json" not in expect  # no mLSTM row in the ledger
+    assert f"{fr.STUDY_RESULTS}/evidence.json" not in expect  # no mLSTM row in the ledger
     for x in found:
         assert "forward/kvpop-mlstm" in x.problem and x.command == fr.group_of(x.file).command
     # on a machine of other arithmetic, the forward values are compared by value
@@ -74,16 +74,16 @@ def test_a_moved_sentinel_names_exactly_the_files_that_depend_on_it(today):
 def test_an_edited_or_unstamped_file_is_named(today):
     man = _fresh_manifest(today)
     man["files"]["benchmarks/RESULTS.md"]["sha256"] = "0" * 64
-    del man["files"][f"{fr.RESULTS}/quantized.md"]
+    del man["files"][f"{fr.STUDY_RESULTS}/quantized.md"]
     found = {x.file: x.problem for x in fr.check(today, man)[0]}
     assert found == {"benchmarks/RESULTS.md": "changed since it was stamped (regenerated? then stamp it)",
-                     f"{fr.RESULTS}/quantized.md": "never stamped"}
+                     f"{fr.STUDY_RESULTS}/quantized.md": "never stamped"}
 
 
 def test_stamp_refuses_a_file_whose_sentinels_moved_but_bytes_did_not(today, monkeypatch):
     man = _fresh_manifest(today)
     monkeypatch.setattr(fr, "machine_digest", lambda: man["machine"])
-    f = f"{fr.RESULTS}/quantized.md"
+    f = f"{fr.STUDY_RESULTS}/quantized.md"
     with pytest.raises(ValueError, match="sentinels moved but its bytes did not: regenerate it"):
         fr.stamp([f], _moved(today, "forward/kvpop-mlp-int8"), man=json.loads(json.dumps(man)))
     again = fr.stamp([f], _moved(today, "forward/kvpop-mlp-int8"), man=json.loads(json.dumps(man)), unchanged=True)

@@ -51,7 +51,7 @@ def check_auto_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--preset {args.preset} fixes the settings --auto chooses: give one of them")
     if args.method != "kvpop":
         raise ValueError("--auto searches the settings of --method kvpop; --method dms has its own "
-                         "(kvpop.studies.evidence tunes it on validation)")
+                         "(studies.evidence tunes it on validation)")
     if args.tiny:
         raise ValueError("--auto scores every trial as kvpop eval serves it, from a model directory: give --model DIR "
                          "(or leave it out for the shipped model) instead of --tiny")

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("real data (--data; kvpop.demo.pretrain_data)")
     d.add_argument("--data", default=None, metavar="JSONL",
                    help='train on this JSONL of {"input_ids": [...]} records (e.g. python -m '
-                        "kvpop.studies.realtext_corpus --splits train) instead of a synthetic task; the task options "
+                        "studies.realtext_corpus --splits train) instead of a synthetic task; the task options "
                         "(--task, --curriculum, --advance-acc, --filler-weight, --stop-acc, ...) are refused")
     d.add_argument("--valid-data", default=None, metavar="JSONL",
                    help="validation records (default: validation.jsonl beside --data); the first --eval-n "

@@ -26,6 +26,7 @@ from kvpop.models import adapter_for
 from kvpop_kernels import NEVER
 
 from .cache import KVpopCache, cache_attention
+from .cache_policy import cache_policy, registered_policies
 from .config import KVpopConfig
 from .layer import ATTN_NAME, KVpopLayer, kvpop_layers
 from .loss import score_loss_terms
@@ -136,10 +137,10 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     (``KVpopLayer.long_range_k``) in the schedule and in the loss's decisions.
     """
     cfg = layer.config
-    if cfg.policy in ("tova", "h2o"):
+    if not cache_policy(cfg.policy).static:  # priced by what decoding attends to (TOVA, H2O)
         raise NotImplementedError(
             f"policy={cfg.policy!r} is defined only while decoding through kvpop.KVpopCache; a full-sequence "
-            f"forward supports policy='kvpop' or 'streaming'"
+            f"forward supports the policies {registered_policies(static=True)}"
         )
     B, Hq, S, D = query.shape
     Hkv = key.shape[1]

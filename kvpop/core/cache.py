@@ -2,8 +2,11 @@
 
 ``update`` only stashes the new keys and values (it has no query); the ``kvpop`` attention function then
 calls :func:`cache_attention`, which prefills (schedule + sparse attention over the prompt) or takes one
-fused ``fixed_budget_decode`` step.  The slot layout, batches and padding, the policies and the
-no-host-sync rule are the contract in docs/DESIGN.md (sections 5 and 7).
+fused ``fixed_budget_decode`` step.  A layer holds its slots as one ``kvpop_kernels.layout.SlotState`` (keys,
+values, positions, priorities, a quantised layout's scales) in its layout, and prices tokens through its
+policy object (``kvpop.core.cache_policy``: the cache calls it, allocates and counts the buffers it declares,
+and names no policy itself).  The slot layout, batches and padding, the policies and the no-host-sync rule
+are the contract in docs/DESIGN.md (sections 5 and 7).
 
 A cache checks at each layer's first call that the model it serves is patched for it with the same
 ``sinks``/``window``/``budget`` (:class:`ServedCache`: the patched attention's pre-hook claims it); an
@@ -23,18 +26,16 @@ from kvpop_kernels.layout import (
     PackedLayout,
     QuantizedLayout,
     SlotLayout,
+    SlotState,
     UniformLayout,
     check_kv_dtype,
     slot_of,
 )
 
+from .cache_policy import PriorityHooks, StepInput, cache_policy, registered_policies
 from .config import MAX_SLOTS, check_budget_for
 
-POLICIES = ("kvpop", "streaming", "tova", "h2o")
-_STATIC = ("kvpop", "streaming")
-_ROW_STATE = ("keys", "values", "slot_pos", "slot_prio", "ring_prio", "score", "pos")
-"""The per-row tensors of a layer (batch dimension first), beside ``scorer_state`` and the layout's own
-(``SlotLayout.extra_state``: a quantised layout's scales)."""
+__all__ = ["KVpopCache", "KVpopCacheLayer", "PriorityHooks", "ServedCache", "cache_attention", "cache_settings"]
 
 
 def _map_state(state: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -46,12 +47,27 @@ def _map_state(state: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return type(state)(fn(t) if isinstance(t, torch.Tensor) else t for t in state)
 
 
+def _slot_field(name: str, doc: str) -> property:
+    """A layer's attribute that is the field ``name`` of its slot state (None before the first call; transformers'
+    layer protocol assigns ``keys``/``values``, e.g. ``None`` at construction)."""
+    def get(self):
+        return None if self.slots is None else getattr(self.slots, name)
+
+    def put(self, value):
+        if self.slots is not None:
+            setattr(self.slots, name, value)
+        elif value is not None:
+            raise AttributeError(f"{name} of a KVpopCacheLayer lives in its slot state, built at the first call")
+    return property(get, put, doc=doc)
+
+
 class KVpopCacheLayer(CacheLayerMixin):
     """One layer's fixed-budget cache (batch ``N >= 1``).  Built by :class:`KVpopCache`."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    slots: SlotState | None = None  # the slot state, once the first call brings the shapes
 
     def __init__(self, *, sinks: int, window: int, budget: int, policy: str = "kvpop",
                  head_budgets: tuple[int, ...] | None = None, kv_dtype: str | None = None):
@@ -60,22 +76,22 @@ class KVpopCacheLayer(CacheLayerMixin):
             raise ValueError(f"budget ({budget}) must be >= sinks + window ({sinks + window})")
         if budget > MAX_SLOTS:
             raise ValueError(f"budget ({budget}) must be <= {MAX_SLOTS} slots (cache positions are int32)")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.cache_policy = rule = cache_policy(policy)  # ValueError naming the registered ones
+        static = registered_policies(static=True)
         if head_budgets is not None:
             head_budgets = tuple(head_budgets)
-            if policy not in _STATIC:
+            if not rule.static:
                 raise ValueError(
                     f"policy={policy!r} keeps uniform budgets (its attention scores are kept per slot of a "
-                    f"[heads, budget] layout); head_budgets works with the policies {_STATIC}: pass one of them, "
+                    f"[heads, budget] layout); head_budgets works with the policies {static}: pass one of them, "
                     f"or a config without head_budgets")
             if any(b < sinks + window for b in head_budgets) or sum(head_budgets) > MAX_SLOTS:
                 raise ValueError(f"head_budgets {head_budgets} must each be >= sinks + window ({sinks + window}) "
                                  f"and sum to at most {MAX_SLOTS} slots")
         check_kv_dtype(kv_dtype)
-        if kv_dtype is not None and policy not in _STATIC:
+        if kv_dtype is not None and not rule.static:
             raise ValueError(f"policy={policy!r} scores every slot's attention from full-precision keys; kv_dtype="
-                             f"{kv_dtype!r} works with the policies {_STATIC}: pass one of them, or kv_dtype=None")
+                             f"{kv_dtype!r} works with the policies {static}: pass one of them, or kv_dtype=None")
         self.sinks, self.window, self.budget, self.policy = sinks, window, budget, policy
         self.k = budget - sinks - window
         # head-adaptive budgets: one packed row of T = sum(B_h) slots per batch row (kvpop_kernels'
@@ -87,9 +103,8 @@ class KVpopCacheLayer(CacheLayerMixin):
         self.kv_dtype = kv_dtype
         if kv_dtype is not None:
             self.layout = QuantizedLayout(kv_dtype, self.layout)
-        self._row_state = _ROW_STATE + self.layout.extra_state
-        self.k_scale: torch.Tensor | None = None
-        self.v_scale: torch.Tensor | None = None
+        # the per-row tensors beside the slots (batch dimension first): positions and the policy's buffers
+        self._row_state = ("pos", *rule.buffers)
         self.seen = 0  # columns seen (padding included): transformers' view of the sequence length
         # the same count as a device tensor: what a compiled step updates (a Python int changed inside a
         # compiled graph would be a guard, i.e. one recompilation per token); ``seen`` follows it lazily
@@ -109,17 +124,12 @@ class KVpopCacheLayer(CacheLayerMixin):
         if self.head_budgets is not None and len(self.head_budgets) != hkv:
             raise ValueError(f"this KVpopCache's head_budgets hold {len(self.head_budgets)} KV heads per layer but "
                              f"the model's layer has {hkv}: allocate budgets for this model")
-        slots, lr = self.layout.state_shapes(n, hkv, self.sinks, self.window)
         self._head_offs = torch.tensor([sp.off for sp in self.spans()], dtype=torch.int64, device=dev)
-        store = self.layout.cache_dtype(key_states.dtype)
-        self.keys = torch.zeros(*slots, d, dtype=store, device=dev)
-        self.values = torch.zeros(*slots, value_states.shape[-1], dtype=store, device=dev)
-        for name in self.layout.extra_state:
-            setattr(self, name, torch.zeros(slots, dtype=torch.float32, device=dev))
-        self.slot_pos = torch.full(slots, -1, dtype=torch.int32, device=dev)
-        self.slot_prio = torch.full(lr, float("-inf"), dtype=torch.float32, device=dev)
-        self.ring_prio = torch.full((n, hkv, self.window), float("-inf"), dtype=torch.float32, device=dev)
-        self.score = torch.zeros(slots, dtype=torch.float32, device=dev)
+        self.slots = self.layout.empty_state(n, hkv, self.sinks, self.window, k_dim=d, v_dim=value_states.shape[-1],
+                                             dtype=key_states.dtype, device=dev)
+        shapes = {"window": (n, hkv, self.window), "slots": tuple(self.slots.slot_pos.shape)}
+        for name, (shape, init) in self.cache_policy.buffers.items():  # only what the policy declares
+            setattr(self, name, torch.full(shapes[shape], init, dtype=torch.float32, device=dev))
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self._seen_t = self._seen_t.to(dev)
         self.is_initialized = True
@@ -166,15 +176,10 @@ class KVpopCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         if self.is_initialized:
-            self.keys.zero_()
-            self.values.zero_()
-            self.slot_pos.fill_(-1)
-            self.slot_prio.fill_(float("-inf"))
-            self.ring_prio.fill_(float("-inf"))
-            self.score.zero_()
+            self.slots.reset()
+            for name, (_, init) in self.cache_policy.buffers.items():
+                getattr(self, name).fill_(init)
             self.pos.zero_()
-            for name in self.layout.extra_state:
-                getattr(self, name).zero_()
         self._seen_t.zero_()
         self.seen, self._seen_stale = 0, False
         self.prefilled = False
@@ -186,8 +191,7 @@ class KVpopCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         idx = beam_idx.to(self.keys.device)
-        for name in self._row_state:
-            t = getattr(self, name)
+        for t in self.row_tensors():
             t.copy_(t.index_select(0, idx))
         _map_state(self.scorer_state, lambda t: t.copy_(t.index_select(0, idx)))
 
@@ -205,10 +209,24 @@ class KVpopCacheLayer(CacheLayerMixin):
             "Start again from a fresh kvpop.KVpopCache(model), or call cache.reset() to empty this one."
         )
 
+    # -- the state -----------------------------------------------------------------------
+    keys = _slot_field("k_cache", "The slots' keys (a quantised layout's codes).")
+    values = _slot_field("v_cache", "The slots' values (a quantised layout's codes).")
+    slot_pos = _slot_field("slot_pos", "Each slot's token position, -1 when empty.")
+    slot_prio = _slot_field("slot_prio", "The long-range slots' priorities.")
+    k_scale = _slot_field("k_scale", "A quantised layout's key scales (None otherwise).")
+    v_scale = _slot_field("v_scale", "A quantised layout's value scales (None otherwise).")
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """Every per-row tensor of the layer (batch dimension first) but the scorer's state: the slot state,
+        the positions and the policy's buffers."""
+        return self.slots.tensors() + [getattr(self, name) for name in self._row_state]
+
     # -- rows ----------------------------------------------------------------------------
     def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if not self.is_initialized:
             return
+        self.slots = self.slots.map(fn)
         for name in self._row_state:
             setattr(self, name, fn(getattr(self, name)))
         self.scorer_state = _map_state(self.scorer_state, fn)
@@ -217,6 +235,7 @@ class KVpopCacheLayer(CacheLayerMixin):
         """A new layer holding copies of the rows ``idx`` (scatter it back with :meth:`set_rows`)."""
         sub = KVpopCacheLayer(sinks=self.sinks, window=self.window, budget=self.budget, policy=self.policy,
                               head_budgets=self.head_budgets, kv_dtype=self.kv_dtype)
+        sub.slots = self.slots.map(lambda t: t[idx])
         for name in self._row_state:
             setattr(sub, name, getattr(self, name)[idx])
         sub.scorer_state = _map_state(self.scorer_state, lambda t: t[idx])
@@ -228,8 +247,8 @@ class KVpopCacheLayer(CacheLayerMixin):
 
     def set_rows(self, idx: torch.Tensor, sub: KVpopCacheLayer) -> None:
         """Write the rows of ``sub`` (from :meth:`rows`) back to the rows ``idx``."""
-        for name in self._row_state:
-            getattr(self, name)[idx] = getattr(sub, name)
+        for dst, src in zip(self.row_tensors(), sub.row_tensors()):
+            dst[idx] = src
         if sub.scorer_state is not None:
             if self.scorer_state is None:
                 n = self.keys.shape[0]
@@ -250,14 +269,14 @@ class KVpopCacheLayer(CacheLayerMixin):
     def window_values(self, t: torch.Tensor) -> torch.Tensor:
         """The values ``[N, Hkv, D]`` of each row's token ``t [N]`` (int64, on the device) while it is a sink or in
         the window, in either layout (no host read)."""
-        return self.layout.read_slots(self.values, self.v_scale, self.slot_of(t), self._head_offs)
+        return self.layout.read_slots(self.slots, "v", self.slot_of(t), self._head_offs)
 
     def nbytes(self) -> int:
-        """Bytes held by this layer (constant once initialised)."""
+        """Bytes held by this layer (constant once initialised): the slot state, the positions, the buffers its
+        policy declares and the scorer's state."""
         if not self.is_initialized:
             return 0
-        tensors = [getattr(self, name) for name in self._row_state] + _tensors(self.scorer_state)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.row_tensors() + _tensors(self.scorer_state))
 
     def long_range_positions(self, row: int = 0) -> list[set[int]]:
         """Per KV head of batch row ``row``, the positions held in the long-range slots (for tests and inspection)."""
@@ -358,7 +377,8 @@ class KVpopCache(ServedCache, Cache):
         model: a model patched by :func:`kvpop.patch` (its ``KVpopConfig`` is used), or None.
         config: a ``KVpopConfig`` (overrides the model's).
         num_layers: number of decoder layers (taken from the model when given).
-        policy: override ``config.policy`` ("kvpop", "streaming", "tova", "h2o").
+        policy: override ``config.policy``: a policy registered in ``kvpop.core.cache_policy`` (the core's
+            "kvpop" and "streaming", and the baselines' attention-scored ones).
         compileable: mark the cache compileable, so that ``generate`` compiles its decode steps
             (with ``compile_config=``, or by default on CUDA).  Off by default: see docs/library.md
             ("Batched generation") for what was checked.
@@ -383,8 +403,7 @@ class KVpopCache(ServedCache, Cache):
         if model is not None and hasattr(model, "config"):
             check_budget_for(config, model.config)
         policy = policy or getattr(config, "policy", "kvpop")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        cache_policy(policy)  # ValueError naming the registered policies
         self.kvpop_config = self.served_config = config
         self.policy = policy
         if not (kv_dtype is None or isinstance(kv_dtype, str) and kv_dtype in ("auto", *KV_DTYPES)):
@@ -435,41 +454,6 @@ def _head_budget_rows(config: Any, num_layers: int, model: Any) -> list[tuple[in
 
 
 # ------------------------------------------------------------------------------------ attention
-class PriorityHooks:
-    """How a policy prices tokens.  ``kvpop.patch`` supplies the learned scorer's hooks.
-
-    Shapes: ``N`` batch rows, ``pos [N]`` int64 the position of each row's new token (on the
-    device: a hook must not read it back to the host), ``i`` the new token's column in this call.
-
-    * ``prompt(module, layer, key, value) -> [N, Hkv, S]``: static priorities of a prompt of ``S`` real
-      tokens per row (only those of ``t <= S - 1 - w`` matter; a recurrent scorer also leaves its state
-      in ``layer.scorer_state``);
-    * ``token(module, layer, key_new, value_new, pos, i) -> [N, Hkv]``: priority of a new token
-      known at entry (stored until it leaves the window), or None;
-    * ``leaving(module, layer, key_new, value_new, pos, i) -> [N, Hkv]``: priority of the token
-      ``pos - w`` leaving the window now, computed at that moment (mLSTM), or None.  It is called
-      at every decode step (anything is fine in rows where ``pos - w < s``), before the step, so
-      the leaving token's key/value are still in ``layer.keys/values`` at ``layer.slot_of(pos - w)``;
-    * ``rows(idx, start) -> PriorityHooks`` (optional): the hooks of the rows ``idx`` and the columns
-      ``start:`` of this call (the prefill of a group of left-padded rows).
-    """
-
-    def __init__(self, prompt: Callable | None = None, token: Callable | None = None,
-                 leaving: Callable | None = None):
-        self.prompt, self.token, self.leaving = prompt, token, leaving
-
-
-def _constant_prompt(module, layer, key, value):
-    return torch.zeros(key.shape[0], key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
-
-
-def _constant_token(module, layer, key_new, value_new, pos, i):
-    return torch.zeros(key_new.shape[0], key_new.shape[1], dtype=torch.float32, device=key_new.device)
-
-
-STREAMING_HOOKS = PriorityHooks(prompt=_constant_prompt, token=_constant_token)
-
-
 def cache_attention(cache: KVpopCache, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, *, scaling: float, hooks: PriorityHooks | None = None,
                     attention_mask: torch.Tensor | None = None,
@@ -489,10 +473,7 @@ def cache_attention(cache: KVpopCache, module: torch.nn.Module, query: torch.Ten
     pending, layer.pending = layer.pending, None
     if pending is None or pending[0] is not key:  # stale: left by a forward that failed in between
         return None
-    if layer.policy == "streaming":
-        hooks = STREAMING_HOOKS
-    elif layer.policy == "kvpop" and hooks is None:
-        raise RuntimeError("the kvpop policy needs the model's scorer: patch the model with kvpop.patch(model)")
+    hooks = layer.cache_policy.hooks(hooks)  # the policy's own, or the model's (refused when it needs them)
     N, S = query.shape[0], query.shape[2]
     if not layer.prefilled:
         real = _prompt_rows(attention_mask, N, S, query.device)
@@ -582,7 +563,7 @@ def _prefill_rows(layer: KVpopCacheLayer, module, query, key, value, scaling, ho
 def _prefill_group(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks) -> torch.Tensor:
     """Rows with no padding: the schedule's prefill (static policies), else token by token."""
     S = query.shape[2]
-    if S > 1 and layer.policy in _STATIC:
+    if S > 1 and layer.cache_policy.static:
         return _prefill(layer, module, query, key, value, scaling, hooks)
     outs = [_decode(layer, module, query[:, :, i], key[:, :, i], value[:, :, i], scaling, hooks, i)
             for i in range(S)]
@@ -609,7 +590,7 @@ def _prefill(layer: KVpopCacheLayer, module, query, key, value, scaling, hooks: 
         def dst(x, lr=False, h=h, span=span):
             return lay.head_state(x, h, span, lr)
 
-        pairs = [(dst(getattr(layer, name)), src(x)) for name, x in prompt]
+        pairs = [(dst(getattr(layer.slots, name)), src(x)) for name, x in prompt]
         _fill_slots(pairs, dst(layer.slot_pos), dst(layer.slot_prio, True), src(layer.ring_prio), src(evict_at),
                     src(prio), s, w, span.k)
     layer.pos.fill_(S)
@@ -655,37 +636,16 @@ def _fill_slots(pairs, slot_pos, slot_prio, ring_prio, ev, pr, s: int, w: int, k
 def _decode(layer: KVpopCacheLayer, module, q1, k1, v1, scaling, hooks: PriorityHooks, i: int = 0) -> torch.Tensor:
     """One token of every row: ``q1 [N, Hq, D]``, ``k1/v1 [N, Hkv, D]`` -> ``[N, Hq, D]``.
 
-    Rows sit at their own positions ``layer.pos``; nothing here reads a value back to the host."""
+    Rows sit at their own positions ``layer.pos``; nothing here reads a value back to the host.  The layer's
+    policy prices the token leaving the window before the fused step and updates its buffers after it."""
     s, w = layer.sinks, layer.window
     pos = layer.pos  # [N] int64, on the device
     N, hkv = k1.shape[:2]
     ring = ((pos.clamp_min(s) - s) % w)[:, None, None].expand(N, hkv, 1)  # ring index of the slot pos takes
-    attention_scored = layer.policy in ("tova", "h2o")
-    if attention_scored:
-        leaving = layer.score.gather(2, ring + s).squeeze(2)
-        layer.slot_prio.copy_(layer.score[..., s + w:])
-    elif hooks.leaving is not None:  # called at every step: a recurrent scorer absorbs the new token
-        leaving = hooks.leaving(module, layer, k1, v1, pos, i)
-        leaving = torch.zeros(N, hkv, device=k1.device) if leaving is None else leaving.float()
-    else:  # ignored by the step in rows where pos - w < s
-        leaving = layer.ring_prio.gather(2, ring).squeeze(2)
-    out, lse = fixed_budget_decode(q1, k1, v1, layer.keys, layer.values, layer.slot_pos, layer.slot_prio,
-                                   leaving, pos=pos, sinks=s, window=w, scale=scaling, check=False,
-                                   layout=layer.layout, k_scale=layer.k_scale, v_scale=layer.v_scale)
-    if hooks is not None and hooks.token is not None and not attention_scored:
-        new = hooks.token(module, layer, k1, v1, pos, i).float()  # [N, Hkv]
-        old = layer.ring_prio.gather(2, ring).squeeze(2)
-        layer.ring_prio.scatter_(2, ring, torch.where((pos >= s)[:, None], new, old).unsqueeze(2))
-    if attention_scored:
-        layer.score[..., s + w:] = layer.slot_prio
-        layer.score.scatter_(2, layer.slot_of(pos)[:, None, None].expand(N, hkv, 1), 0.0)
-        g = q1.shape[1] // hkv
-        logits = torch.matmul(q1.float().view(N, hkv, g, -1), layer.keys.float().transpose(-1, -2)) * scaling
-        prob = torch.exp(logits - lse.view(N, hkv, g, 1)).mean(2)  # [N, Hkv, B], averaged over the group
-        prob = torch.where(layer.slot_pos >= 0, prob, torch.zeros_like(prob))
-        if layer.policy == "tova":
-            layer.score.copy_(prob)
-        else:
-            layer.score.add_(prob)
+    step = StepInput(module, q1, k1, v1, ring, i, scaling, hooks)
+    leaving = layer.cache_policy.leaving(layer, step)
+    out, lse = fixed_budget_decode(q1, k1, v1, layer.slots, leaving, pos=pos, sinks=s, window=w, scale=scaling,
+                                   check=False, layout=layer.layout)
+    layer.cache_policy.after(layer, step, lse)
     layer.pos.add_(1)
     return out

@@ -64,9 +64,9 @@ def kvpop_bytes_per_sequence(shape: ModelShape, budget: int, *, window: int = 25
                              mlstm_chunk: int = 128) -> int:
     """Bytes one sequence holds in a ``KVpopCache`` of budget ``B``, whatever its length.
 
-    Per layer and KV head: keys and values ``2 * B * D`` elements, ``slot_pos`` (int32) and
-    ``score`` (float32) per slot, ``slot_prio`` (float32) per long-range slot, ``ring_prio``
-    (float32) per window slot; per layer ``pos`` (int64); with the mLSTM scorer also its state
+    Per layer and KV head: keys and values ``2 * B * D`` elements, ``slot_pos`` (int32) per slot,
+    ``slot_prio`` (float32) per long-range slot, ``ring_prio`` (float32) per window slot (the buffer of the
+    learned and streaming policies); per layer ``pos`` (int64); with the mLSTM scorer also its state
     (``C [d, d]``, ``n [d]``, ``m`` at the start of the chunk being filled and that chunk's features
     ``kf, vf [L, d]``, ``i, log f [L]``, all float32; ``L = mlstm_chunk``) and a ring of ``w`` pre-RoPE
     keys (model dtype) per KV head.
@@ -79,7 +79,7 @@ def kvpop_bytes_per_sequence(shape: ModelShape, budget: int, *, window: int = 25
         raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {scorer!r}")
     k = budget - sinks - window
     D = shape.head_dim
-    per_head = 2 * budget * D * dtype_bytes + 4 * budget + 4 * budget + 4 * k + 4 * window
+    per_head = 2 * budget * D * dtype_bytes + 4 * budget + 4 * k + 4 * window
     if scorer == "mlstm":
         per_head += (4 * (mlstm_dim * mlstm_dim + mlstm_dim + 1) + 4 * (2 * mlstm_chunk * mlstm_dim + 2 * mlstm_chunk)
                      + dtype_bytes * window * D)

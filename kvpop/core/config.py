@@ -16,15 +16,16 @@ from typing import Any, ClassVar
 from kvpop_kernels.future_target import LABELS
 from kvpop_kernels.layout import KV_DTYPES, check_kv_dtype
 
+from .cache_policy import cache_policy, registered_policies
+
 __all__ = ["KVpopConfig", "MAX_SLOTS", "MAX_WIDTH", "BUDGET_PER_POSITION", "check_budget_for", "SCORERS",
-           "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "POLICIES", "LABELS", "STRUCTURAL_FIELDS",
+           "MASK_SOURCES", "TARGET_LSES", "TARGET_SOURCES", "LABELS", "STRUCTURAL_FIELDS",
            "decay_range_for_context", "EPS_RANGE", "LABEL_POWER_RANGE", "KV_DTYPES", "PRIORITY_SOURCES"]
 
 SCORERS = ("mlp", "mlstm")
 MASK_SOURCES = ("scorer", "teacher", "streaming")
 TARGET_LSES = ("sparse", "dense")
 TARGET_SOURCES = ("student", "teacher")
-POLICIES = ("kvpop", "streaming", "tova", "h2o")
 PRIORITY_SOURCES = ("scorer", "random", "keynorm+", "keynorm-", "window-attention", "oracle-label")
 """Where a token's score ``r`` comes from (``KVpopConfig.priority_source``; docs/DESIGN.md section 12)."""
 
@@ -193,7 +194,8 @@ class KVpopConfig(ConfigFields):
         policy: ``"kvpop"`` (default); ``"streaming"``, ``"tova"``, ``"h2o"`` are baselines served by
             ``kvpop.KVpopCache``.  In a full-sequence forward ``"streaming"`` uses the
             constant-priority mask; ``"tova"`` and ``"h2o"`` are defined only while decoding and a
-            full-sequence forward under them raises ``NotImplementedError``.
+            full-sequence forward under them raises ``NotImplementedError``.  Any policy registered in
+            ``kvpop.core.cache_policy`` is accepted (``register_policy``).
 
     Head-adaptive budgets (docs/DESIGN.md section 7, "Head-adaptive budgets")
         head_budgets: ``None`` (default: every layer and KV head holds ``budget`` entries) or one row per
@@ -248,15 +250,16 @@ class KVpopConfig(ConfigFields):
         _choice("mask_source", self.mask_source, MASK_SOURCES)
         _choice("target_lse", self.target_lse, TARGET_LSES)
         _choice("target_source", self.target_source, TARGET_SOURCES)
-        _choice("policy", self.policy, POLICIES)
+        _choice("policy", self.policy, registered_policies())  # the cache policies (kvpop.core.cache_policy)
         _choice("priority_source", self.priority_source, PRIORITY_SOURCES)
         if self.priority_source != "scorer" and self.mask_source != "scorer":
             raise ValueError(f"priority_source={self.priority_source!r} sets the priority of the mask; with "
                              f"mask_source={self.mask_source!r} it would do nothing: use mask_source='scorer'")
         if check_kv_dtype(self.kv_dtype) is not None:
-            if self.policy not in ("kvpop", "streaming"):
-                raise ValueError(f"kv_dtype={self.kv_dtype!r} works with the policies kvpop and streaming (tova and "
-                                 f"h2o score every slot from full-precision keys), got policy={self.policy!r}")
+            if not cache_policy(self.policy).static:
+                static = registered_policies(static=True)
+                raise ValueError(f"kv_dtype={self.kv_dtype!r} works with the policies {static} (an attention-scored "
+                                 f"policy scores every slot from full-precision keys), got policy={self.policy!r}")
         _int("scorer_hidden", self.scorer_hidden, 1, MAX_WIDTH)
         _int("mlstm_dim", self.mlstm_dim, 1, MAX_WIDTH)
         _pos_float("eps", self.eps)
@@ -329,14 +332,6 @@ class KVpopConfig(ConfigFields):
         if self.head_budgets is None:
             return self.k
         return tuple(b - self.sinks - self.window for b in self.layer_budgets(layer_idx, num_heads))
-
-    def layer_max_budget(self, layer_idx: int) -> int:
-        """The largest budget of a KV head of layer ``layer_idx`` (what a cache holds per head at most).  Not the
-        no-eviction bound: a head evicts once ``S > B[l][h]``, so a layer evicts nothing only while ``S`` is at most
-        its *smallest* budget (``min(layer_budgets(l, H))``, what the full-sequence forward checks)."""
-        if self.head_budgets is None:
-            return self.budget
-        return max(self.head_budgets[layer_idx])
 
     def target_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``kvpop_kernels.future_attention_target`` that this config sets."""

@@ -372,7 +372,7 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
     Returns:
         :func:`results_dict`'s dict (``rows`` with ``accuracy``, ``relative_accuracy``, ``correct``,
         ``graded``, ``n_sequences``; the policies scored sequence by sequence, every one but ``BATCHED``'s,
-        also ``per_sequence_accuracy``, each sequence's own, for :func:`kvpop.studies.paired.paired_interval`).
+        also ``per_sequence_accuracy``, each sequence's own, for :func:`studies.paired.paired_interval`).
     """
     cfg = config or EvalConfig()
     task_cfg = task_cfg if task_cfg is not None else task.DEFAULT

@@ -14,7 +14,7 @@ next-token NLL and its curve over positions) and the export of the trained model
 * **Model.**  A ``Qwen3ForCausalLM`` (``--layers``, ``--hidden``, ``--heads``/``--kv-heads``,
   ``--head-dim``, ``--intermediate``, tied embeddings, ``max_position_embeddings = --max-positions``,
   default 2 ``--seq-len``).  The vocabulary is the data directory's ``manifest.json`` ``vocab`` (the corpus
-  of :mod:`kvpop.studies.realtext_corpus`: bytes 0..255 and specials, 260) when it has one, else the largest
+  of :mod:`studies.realtext_corpus`: bytes 0..255 and specials, 260) when it has one, else the largest
   id + 1 (``--vocab-size`` overrides).
 * **Loss.**  Cross-entropy of every next token; AdamW with warm-up and an optional linear cool-down
   (as ``kvpop pretrain`` on the task).
@@ -81,7 +81,7 @@ def sample_index(step: int, j: int, batch: int, n: int, seed: int) -> int:
 
 
 def data_manifest(path: str | os.PathLike) -> dict | None:
-    """The ``manifest.json`` beside a data file (:mod:`kvpop.studies.realtext_corpus`), or None when there is
+    """The ``manifest.json`` beside a data file (:mod:`studies.realtext_corpus`), or None when there is
     none.  What is read of it is checked: ValueError naming the file and the field when it is not JSON, not an
     object, or its ``vocab`` (``vocab_size`` an int >= 1; ``bos``, ``eos``, ``pad`` token ids in
     ``[0, vocab_size)`` or null), ``package_versions`` or ``splits`` (an object of objects) is malformed."""

@@ -17,7 +17,7 @@ budget):
   dense model's.
 * ``per_sequence``: each trace's own ``delta_nll`` over its positions, in the order of the traces (``None`` for a
   trace too short to score): what a paired selection (:func:`kvpop.training.search.prefer`) and a paired
-  interval (:func:`kvpop.studies.paired.paired_interval`) compare.
+  interval (:func:`studies.paired.paired_interval`) compare.
 
 Results: :func:`trace_results` (``results.json``), :func:`format_trace_table`,
 :func:`plot_trace_results`.

@@ -20,7 +20,7 @@ before it:
    trained and ``--init-scorers`` is not given.
 
 The trained stages come in the order of what each won per trained step on the three instruments' validation
-records (``kvpop/data/demo_results/auto.md``): the scorer lr mattered on all three, head-adaptive budgets won
+records (``studies/results/auto.md``): the scorer lr mattered on all three, head-adaptive budgets won
 on two (lookahead, real text), the training budget on two (kvtrace, lookahead) but lost by 2-8x on real
 text, the label source on one, the decay range on none; the warm start, twice a trial's cost, is last.
 

@@ -100,7 +100,7 @@ def choose(trials: Sequence[dict], *, key: str = "score", higher_is_better: bool
            decisions: list | None = None, stage: str | None = None) -> dict:
     """The choice among ``trials`` in their order: the first is the incumbent, and each later trial replaces it
     only when :func:`prefer` (the one selection rule) adopts it.  The selection of every search (:class:`Search`,
-    lower is better) and of every evidence row, KVpop's and DMS's alike (:mod:`kvpop.studies.ledger`); each
+    lower is better) and of every evidence row, KVpop's and DMS's alike (:mod:`studies.ledger`); each
     decision is appended to ``decisions`` when given."""
     if not trials:
         raise ValueError("choose needs at least one trial")
@@ -422,7 +422,7 @@ def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budge
               warm_start: bool = False) -> list[Stage]:
     """``kvpop train --auto``'s stages (:mod:`kvpop.training.auto` gives the candidates): ``label`` scored by each
     label's oracle (untrained; absent with one label), then, trained and compared anew, in the order of what
-    they won per trained step on the three instruments' validation records (``kvpop/data/demo_results/auto.md``):
+    they won per trained step on the three instruments' validation records (``studies/results/auto.md``):
     ``lr_scorer``, ``head_budgets`` (``allocate ablation`` against uniform), ``train_budget``, when the model is
     trained ``target_source``, then ``decay`` (``decay_nats`` against the paper's range; it won on none) and,
     when the model is trained and ``warm_start``, ``warm_start`` (the joint run started from a scorer-only run's

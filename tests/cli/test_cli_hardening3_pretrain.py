@@ -243,7 +243,7 @@ def test_pretrain_data_refuses_a_vocab_size_that_cuts_off_a_special_id(tmp_path,
 
 
 def test_realtext_corpus_refuses_to_write_an_empty_split(tmp_path, capsys):
-    from kvpop.studies import realtext_corpus as C
+    from studies import realtext_corpus as C
 
     site = tmp_path / "site"
     (site / "alpha").mkdir(parents=True)

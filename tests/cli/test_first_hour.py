@@ -201,7 +201,7 @@ def test_eval_refuses_a_run_trained_from_another_base_model_and_says_which_model
 # ---------------------------------------------------------------------------- messages that name their option / file
 def test_seeds_and_lists_of_numbers_name_their_option_and_empty_traces_name_their_file(tmp_path, monkeypatch, capsys):
     from kvpop.cli import main
-    from kvpop.studies import evidence
+    from studies import evidence
 
     assert evidence.main(["synthetic", "--task", "kvtrace", "--seeds", "abc", "--out", str(tmp_path / "ev")]) == 2
     assert "--seeds: expected comma-separated integers, got 'abc'" in capsys.readouterr().err

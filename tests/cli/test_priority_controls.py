@@ -10,7 +10,7 @@ from kvpop.cli import main
 from kvpop.core.checkpoint import read_scorer_config
 from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
-from kvpop.studies.paired import paired_interval
+from studies.paired import paired_interval
 
 TRAIN = ["--seq-len", "64", "--sinks", "2", "--window", "8", "--budget", "24", "--no-progress"]
 SOURCES = ("random", "keynorm+", "keynorm-", "window-attention", "oracle-label")

@@ -90,5 +90,5 @@ def test_refusals():
         kvpop.patch(m, kv_dtype="bf16")
     with pytest.raises(ValueError, match="kv_dtype='int8' works with the policies"):
         kvpop.KVpopCache(m, policy="tova", kv_dtype="int8")
-    with pytest.raises(ValueError, match="kv_dtype='fp8' works with the policies kvpop and streaming"):
+    with pytest.raises(ValueError, match=r"kv_dtype='fp8' works with the policies \('kvpop', 'streaming'\)"):
         kvpop.patch(m, policy="h2o", kv_dtype="fp8")

@@ -56,7 +56,7 @@ def test_one_layer_decode_step_compiles_fullgraph(policy, scorer, head_budgets):
         want = step(eager_layer, q, k, v, kp.unsqueeze(2))
         got = compiled(comp_layer, q, k, v, kp.unsqueeze(2))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for name in ("keys", "values", "slot_pos", "slot_prio", "ring_prio", "score", "pos"):
+        for name in ("keys", "values", "slot_pos", "slot_prio", "pos", *comp_layer.cache_policy.buffers):
             torch.testing.assert_close(getattr(comp_layer, name), getattr(eager_layer, name), atol=1e-6, rtol=0)
     assert comp_layer.pos.tolist() == [9 + 6, 15 + 6, 15 + 6]
 

@@ -1,6 +1,7 @@
 """Inputs to the ops that once gave silent wrong output: a clear error instead."""
 import pytest
 import torch
+from test_decode_kernel import decode_flat
 
 import kvpop_kernels as kk
 from kvpop_kernels import NEVER, reference
@@ -32,11 +33,11 @@ def test_decode_refuses_expanded_or_overlapping_state(name):
            "overlapping": x.flatten()[: x.shape[-1] + 1].as_strided(x.shape, (1,) * x.dim())}
     for kind, view in bad.items():
         with pytest.raises(ValueError, match=rf"{name} is updated in place.*\.contiguous\(\)"):
-            kk.fixed_budget_decode(**{**a, name: view}, pos=0, sinks=2, window=4)
+            decode_flat(**{**a, name: view}, pos=0, sinks=2, window=4)
     with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
-        kk.fixed_budget_decode(**{**a, "v_cache": a["k_cache"]}, pos=0, sinks=2, window=4)
+        decode_flat(**{**a, "v_cache": a["k_cache"]}, pos=0, sinks=2, window=4)
     # interleaved views of one buffer (keys and values side by side) are fine
     kv = torch.zeros(2, 10, 2, 16)
-    out, lse = kk.fixed_budget_decode(**{**a, "k_cache": kv[:, :, 0], "v_cache": kv[:, :, 1]}, pos=0, sinks=2,
+    out, lse = decode_flat(**{**a, "k_cache": kv[:, :, 0], "v_cache": kv[:, :, 1]}, pos=0, sinks=2,
                                       window=4)
     assert torch.isfinite(out).all() and torch.equal(kv[:, 0, 0], a["k_new"]) and torch.equal(kv[:, 0, 1], a["v_new"])

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_kernel import assert_close_rms
+from test_decode_kernel import assert_close_rms, decode_flat
 
-from kvpop_kernels import fixed_budget_decode, reference
+from kvpop_kernels import SlotState, fixed_budget_decode, reference
 
 
 def _state(N, Hkv, B, D, k, fill=0.0):
@@ -45,10 +45,10 @@ def test_batch_equals_rows(backend, N, Hkv, G, D, s, w, k, steps):
     kw = {"block_n": 16, "num_splits": 2} if backend == "triton" else {}
     for _ in range(steps):
         q, kn, vn, lp = _inputs(N, Hq, Hkv, D, gen)
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp.clone(), pos=pos, sinks=s, window=w, **kw)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp.clone(), pos=pos, sinks=s, window=w, **kw)
         assert o.shape == (N, Hq, D) and l.shape == (N, Hq)
         for n in range(N):
-            ro, rl = fixed_budget_decode(q[n], kn[n], vn[n], *rows[n], lp[n].clone(), pos=int(pos[n]),
+            ro, rl = fixed_budget_decode(q[n], kn[n], vn[n], SlotState(*rows[n]), lp[n].clone(), pos=int(pos[n]),
                                          sinks=s, window=w, **kw)
             assert_close_rms(o[n], ro)
             assert_close_rms(l[n], rl)
@@ -67,7 +67,7 @@ def test_batch_matches_reference_with_int_pos(backend):
     kw = {"block_n": 16} if backend == "triton" else {}
     for pos in range(12):
         q, kn, vn, lp = _inputs(N, Hkv * G, Hkv, D, gen)
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp.clone(), pos=pos, sinks=s, window=w, **kw)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp.clone(), pos=pos, sinks=s, window=w, **kw)
         for n in range(N):
             ro, rl = reference.fixed_budget_decode(q[n], kn[n], vn[n], *ref[n], lp[n].clone(), pos=pos,
                                                    sinks=s, window=w)
@@ -93,4 +93,4 @@ def test_batched_guards(bad, match):
                 pos=torch.zeros(N, dtype=torch.int64), sinks=s, window=w)
     args.update(bad)
     with pytest.raises(ValueError, match=match):
-        fixed_budget_decode(**args)
+        decode_flat(**args)

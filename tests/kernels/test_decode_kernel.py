@@ -12,12 +12,22 @@ import pytest
 import torch
 
 import kvpop_kernels._utils as kutils
-from kvpop_kernels import eviction_schedule, fixed_budget_decode, reference, splitk
+from kvpop_kernels import SlotState, eviction_schedule, fixed_budget_decode, reference, splitk
 
 HAS_CUDA = torch.cuda.is_available()
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def decode_flat(**a):
+    """``fixed_budget_decode`` of one flat dict of arguments, the state's tensors by their field names among them
+    (how the guard tests vary one tensor at a time)."""
+    state = SlotState(**{k: a.pop(k) for k in ("k_cache", "v_cache", "slot_pos", "slot_prio", "k_scale", "v_scale")
+                         if k in a})
+    q, k_new, v_new, leaving_prio = (a.pop(n) for n in ("q", "k_new", "v_new", "leaving_prio"))
+    return fixed_budget_decode(q, k_new, v_new, state, leaving_prio, **a)
+
+
 def empty_cache(Hkv, B, D, k, dtype=torch.float32, device="cpu", fill=0.0):
     """An empty fixed-budget cache: ``[k_cache, v_cache, slot_pos, slot_prio]``."""
     return [
@@ -72,7 +82,7 @@ def run_and_compare(Hkv, G, D, s, w, k, steps, *, dtype=torch.float32, ties=True
     for pos in range(steps):
         q, kn, vn, lp = random_step_inputs(Hq, Hkv, D, dtype, ties, nan, gen)
         ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
-        o, l = fixed_budget_decode(q.to(device), kn.to(device), vn.to(device), *state, lp.to(device),
+        o, l = fixed_budget_decode(q.to(device), kn.to(device), vn.to(device), SlotState(*state), lp.to(device),
                                    pos=pos, sinks=s, window=w, **kw)
         assert o.shape == (Hq, D) and o.dtype == dtype and l.shape == (Hq,) and l.dtype == torch.float32
         assert_close_rms(o.cpu(), ro, atol, rtol, rms)
@@ -132,7 +142,7 @@ def _warm_state(Hkv, G, D, s, w, k, steps, dtype, gen, ties=False):
         mp.setattr(kutils, "interpreting", lambda: False)  # the PyTorch path
         for pos in range(steps):
             q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, dtype, ties=ties, nan=ties, gen=gen)
-            fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w)
+            fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=s, window=w)
     return state
 
 
@@ -152,7 +162,7 @@ def test_triton_full_cache_default_splits():
         q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, ties=True, nan=False, gen=gen)
         lp = lp + 10.0 * (i % 2)  # keeps the leaving token on odd steps; ties on even ones
         ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=s, window=w)
         assert_close_rms(o, ro)
         assert_close_rms(l, rl)
         assert_same_state(state, ref_state, pos)
@@ -169,7 +179,7 @@ def test_empty_slots_are_ignored(backend):
     for pos in range(12):
         q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, gen=gen)
         ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w, **kw)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=s, window=w, **kw)
         assert_close_rms(o, ro)
         assert_close_rms(l, rl)
         assert torch.equal(state[2], ref_state[2]) and torch.equal(state[3], ref_state[3])
@@ -193,7 +203,7 @@ def test_strided_cache_views(backend):
     for pos in range(16):
         q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, gen=gen)
         ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w, **kw)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=s, window=w, **kw)
         assert_close_rms(o, ro)
         assert_close_rms(l, rl)
         assert_same_state([t.contiguous() for t in state], ref_state, pos)
@@ -227,7 +237,7 @@ def test_scale_argument(backend):
         q, kn, vn, lp = random_step_inputs(Hkv * G, Hkv, D, gen=gen)
         ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w,
                                                scale=0.7)
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w, scale=0.7, **kw)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=s, window=w, scale=0.7, **kw)
         assert_close_rms(o, ro)
         assert_close_rms(l, rl)
 
@@ -246,7 +256,7 @@ def _decode_sequence_and_check_schedule(Hkv, s, w, k, S, priority, **kw):
         # tag each token's key with its position so the slot contents can be checked too
         kn[:, 0] = float(pos)
         lp = priority[:, pos - w].clone() if pos - w >= 0 else torch.zeros(Hkv)
-        fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w, **kw)
+        fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=s, window=w, **kw)
         slot_pos = state[2]
         for h in range(Hkv):
             lr = slot_pos[h, s + w:]
@@ -323,23 +333,23 @@ def test_guards(change, exc, match):
     args = _good_args()
     args.update(change)
     with pytest.raises(exc, match=match):
-        fixed_budget_decode(**args)
+        decode_flat(**args)
 
 
 def test_guard_requires_grad():
     args = _good_args()
     args["k_cache"].requires_grad_(True)
     with pytest.raises(ValueError, match="must not require grad"):
-        fixed_budget_decode(**args)
+        decode_flat(**args)
 
 
 def test_guard_num_splits():
     if not (HAS_CUDA or kutils.interpreting()):
         pytest.skip("no Triton backend")
     with pytest.raises(ValueError, match="num_splits must be >= 1"):
-        fixed_budget_decode(**_good_args(), num_splits=0)
+        decode_flat(**_good_args(), num_splits=0)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
-        fixed_budget_decode(**_good_args(), block_n=24)
+        decode_flat(**_good_args(), block_n=24)
 
 
 # ------------------------------------------------------------ GPU compile without a GPU
@@ -436,7 +446,7 @@ def _full_budget_steps(device, dtype, Hkv, G, D, s, w, k, tol, **kw):
         q, kn, vn, _ = random_step_inputs(Hkv * G, Hkv, D, dtype, gen=gen)
         lp = torch.randint(0, 50, (Hkv,), generator=gen).float() + 30.0 * (i % 2)
         ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
-        o, l = fixed_budget_decode(q.to(device), kn.to(device), vn.to(device), *state, lp.to(device),
+        o, l = fixed_budget_decode(q.to(device), kn.to(device), vn.to(device), SlotState(*state), lp.to(device),
                                    pos=pos, sinks=s, window=w, **kw)
         assert_close_rms(o.cpu(), ro, tol, tol, tol)
         assert_close_rms(l.cpu(), rl, tol, tol, tol)
@@ -470,15 +480,15 @@ def test_gpu_cuda_graph_capture():
     st = full_state(Hkv, D, s, w, k, pos, torch.bfloat16, gen)
     state, ref_state = clone_state(st, "cuda"), clone_state(st, "cuda")
     q, kn, vn, lp = (t.cuda() for t in random_step_inputs(Hkv * G, Hkv, D, torch.bfloat16, nan=False, gen=gen))
-    fixed_budget_decode(q, kn, vn, *clone_state(st, "cuda"), lp, pos=pos, sinks=s, window=w)  # compile
+    fixed_budget_decode(q, kn, vn, SlotState(*clone_state(st, "cuda")), lp, pos=pos, sinks=s, window=w)  # compile
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=s, window=w)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=s, window=w)
     for t, t0 in zip(state, st):  # capture does not run the kernels: restore the state, then replay
         t.copy_(t0)
     g.replay()
-    ro, rl = fixed_budget_decode(q, kn, vn, *ref_state, lp, pos=pos, sinks=s, window=w)
+    ro, rl = fixed_budget_decode(q, kn, vn, SlotState(*ref_state), lp, pos=pos, sinks=s, window=w)
     torch.cuda.synchronize()
     assert torch.equal(o, ro) and torch.equal(l, rl)
     assert_same_state(state, ref_state, pos)

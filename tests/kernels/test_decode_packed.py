@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_kernel import assert_close_rms
+from test_decode_kernel import assert_close_rms, decode_flat
 
 import kvpop_kernels._utils as kutils
-from kvpop_kernels import fixed_budget_decode, reference
+from kvpop_kernels import SlotState, fixed_budget_decode, reference
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -49,7 +49,7 @@ def run_packed(budgets, G, D, s, w, steps, *, N=3, start=(0, 4, 11), seed=0, tie
     for _ in range(steps):
         q, kn, vn, lp = (x.to(dtype) if x.is_floating_point() and x.dim() == 3 else x
                          for x in step_inputs(N, Hkv, G, D, gen, ties=ties))
-        o, l = fixed_budget_decode(q.to(device), kn.to(device), vn.to(device), *state, lp.to(device),
+        o, l = fixed_budget_decode(q.to(device), kn.to(device), vn.to(device), SlotState(*state), lp.to(device),
                                    pos=pos.to(device), sinks=s, window=w, head_budgets=hb, **kw)
         assert o.shape == (N, Hkv * G, D) and l.shape == (N, Hkv * G) and l.dtype == torch.float32
         for n in range(N):
@@ -120,9 +120,9 @@ def test_equal_budgets_equal_the_uniform_layout(backend):
     kw = {"block_n": 16, "num_splits": 2} if backend == "triton" else {}
     for _ in range(20):
         q, kn, vn, lp = step_inputs(N, Hkv, G, D, gen)
-        o, l = fixed_budget_decode(q, kn, vn, *packed, lp.clone(), pos=pos, sinks=s, window=w,
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*packed), lp.clone(), pos=pos, sinks=s, window=w,
                                    head_budgets=(B,) * Hkv, **kw)
-        uo, ul = fixed_budget_decode(q, kn, vn, *uniform, lp.clone(), pos=pos, sinks=s, window=w, **kw)
+        uo, ul = fixed_budget_decode(q, kn, vn, SlotState(*uniform), lp.clone(), pos=pos, sinks=s, window=w, **kw)
         assert_close_rms(o, uo)
         assert_close_rms(l, ul)
         for a, b in zip(packed, uniform):
@@ -137,7 +137,8 @@ def test_batch1_form(backend):
     ref = [t.clone() for t in state]
     for p in range(14):
         q, kn, vn, lp = (x[0] for x in step_inputs(1, 3, 2, D, gen))
-        o, l = fixed_budget_decode(q, kn, vn, *state, lp.clone(), pos=p, sinks=s, window=w, head_budgets=budgets)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp.clone(), pos=p, sinks=s, window=w,
+                                   head_budgets=budgets)
         ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref, lp.clone(), pos=p, sinks=s, window=w,
                                                head_budgets=budgets)
         assert o.shape == (6, D) and l.shape == (6,)
@@ -176,11 +177,11 @@ def test_packed_guards_positions(backend, bad):
     before = [t.clone() for t in state]
     pos[1] = bad
     with pytest.raises(ValueError, match="pos must lie"):
-        fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=S_, window=W_, head_budgets=BUD_)
+        fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=S_, window=W_, head_budgets=BUD_)
     for a, b in zip(state, before):
         assert torch.equal(a, b)
-    o, l = fixed_budget_decode(q, kn, vn, *state, lp.clone(), pos=pos, sinks=S_, window=W_, head_budgets=BUD_,
-                               check=False)
+    o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp.clone(), pos=pos, sinks=S_, window=W_,
+                               head_budgets=BUD_, check=False)
     assert torch.isnan(o[1]).all() and torch.isnan(l[1]).all()
     for a, b in zip(state, before):
         assert torch.equal(a[1], b[1])  # the refused row: nothing written
@@ -204,13 +205,14 @@ def test_packed_budget_tensor_checked_and_guarded(backend, budgets):
     before = [t.clone() for t in state]
     hb = torch.tensor(budgets)
     with pytest.raises(ValueError, match=r"head_budgets\[|head_budgets sum to"):
-        fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=S_, window=W_, head_budgets=hb)
+        fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=S_, window=W_, head_budgets=hb)
     if backend == "torch":
         with pytest.raises(ValueError, match=r"head_budgets\[|head_budgets sum to"):
-            fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=S_, window=W_, head_budgets=hb, check=False)
+            fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=S_, window=W_, head_budgets=hb,
+                                check=False)
         return
-    o, l = fixed_budget_decode(q, kn, vn, *state, lp.clone(), pos=pos, sinks=S_, window=W_, head_budgets=hb,
-                               check=False)
+    o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp.clone(), pos=pos, sinks=S_, window=W_,
+                               head_budgets=hb, check=False)
     T, K, sw = state[0].shape[1], state[3].shape[1], S_ + W_
     want = [t.clone() for t in before]  # the good heads stepped by the uniform reference, the bad ones untouched
     off = koff = 0
@@ -244,7 +246,7 @@ def test_packed_errors():
                  slot_prio=state[3], leaving_prio=lp)
         hb = over.pop("head_budgets", BUD_)
         a.update(over)
-        return fixed_budget_decode(**a, pos=0, sinks=S_, window=W_, head_budgets=hb)
+        return decode_flat(**a, pos=0, sinks=S_, window=W_, head_budgets=hb)
 
     with pytest.raises(ValueError, match=r"head_budgets sum to 27"):
         call(head_budgets=(BUD_[0] + 1, BUD_[1], BUD_[2]))

@@ -16,7 +16,7 @@ import torch
 from test_decode_kernel import assert_close_rms
 from test_decode_packed import step_inputs
 
-from kvpop_kernels import fixed_budget_decode, reference
+from kvpop_kernels import SlotState, fixed_budget_decode, reference
 from kvpop_kernels.layout import PackedLayout, QuantizedLayout, UniformLayout, dequantize, quantize
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -46,8 +46,8 @@ def run_quantized(kv_dtype, Hkv, G, D, s, w, steps, *, budgets=None, B=None, N=2
     for _ in range(steps):
         q, kn, vn, lp = step_inputs(N, Hkv, G, D, gen)
         kc, vc, ks, vs, sp, pr = state
-        o, l = fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=pos, sinks=s, window=w, layout=lay,
-                                   k_scale=ks, v_scale=vs)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(kc, vc, sp, pr, k_scale=ks, v_scale=vs), lp, pos=pos, sinks=s,
+                                   window=w, layout=lay)
         for n in range(N):
             rkc, rvc, rks, rvs, rsp, rpr = rows[n]
             ro, rl = reference.quantized_fixed_budget_decode(
@@ -107,9 +107,9 @@ def test_close_to_the_float32_step(backend, kv_dtype):
     rms = []
     for _ in range(16):
         q, kn, vn, lp = step_inputs(N, Hkv, G, D, gen, ties=False)
-        of, _ = fixed_budget_decode(q, kn, vn, *f32, lp.clone(), pos=pos, sinks=s, window=w)
-        oq, _ = fixed_budget_decode(q, kn, vn, qs[0], qs[1], qs[4], qs[5], lp.clone(), pos=pos, sinks=s, window=w,
-                                    layout=lay, k_scale=qs[2], v_scale=qs[3])
+        of, _ = fixed_budget_decode(q, kn, vn, SlotState(*f32), lp.clone(), pos=pos, sinks=s, window=w)
+        oq, _ = fixed_budget_decode(q, kn, vn, SlotState(qs[0], qs[1], qs[4], qs[5], k_scale=qs[2], v_scale=qs[3]),
+                                    lp.clone(), pos=pos, sinks=s, window=w, layout=lay)
         rms.append(float((oq - of).pow(2).mean().sqrt() / of.pow(2).mean().sqrt()))
         assert torch.equal(qs[4], f32[2]) and torch.equal(qs[5], f32[3])
         pos = pos + 1
@@ -125,18 +125,19 @@ def test_refusals():
     with pytest.raises(ValueError, match=r"kv_dtype must be None .* \['int8', 'fp8'\], got 'int4'"):
         QuantizedLayout("int4")
     with pytest.raises(TypeError, match="pass k_scale= a float32 tensor"):
-        fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay)
+        fixed_budget_decode(q, kn, vn, SlotState(kc, vc, sp, pr), lp, pos=0, sinks=s, window=w, layout=lay)
     with pytest.raises(ValueError, match="k_scale must be float32 with slot_pos's shape"):
-        fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay, k_scale=ks[..., 1:],
-                            v_scale=vs)
+        fixed_budget_decode(q, kn, vn, SlotState(kc, vc, sp, pr, k_scale=ks[..., 1:], v_scale=vs), lp, pos=0, sinks=s,
+                            window=w, layout=lay)
     with pytest.raises(ValueError, match=r"k_cache must have dtype in \['torch.int8'\]"):
-        fixed_budget_decode(q, kn, vn, kc.float(), vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay, k_scale=ks,
-                            v_scale=vs)
+        fixed_budget_decode(q, kn, vn, SlotState(kc.float(), vc, sp, pr, k_scale=ks, v_scale=vs), lp, pos=0, sinks=s,
+                            window=w, layout=lay)
     with pytest.raises(ValueError, match="scales of a quantised layout"):
-        fixed_budget_decode(q, kn, vn, kc.float(), vc.float(), sp, pr, lp, pos=0, sinks=s, window=w, k_scale=ks,
-                            v_scale=vs)
+        fixed_budget_decode(q, kn, vn, SlotState(kc.float(), vc.float(), sp, pr, k_scale=ks, v_scale=vs), lp, pos=0,
+                            sinks=s, window=w)
     with pytest.raises(ValueError, match="k_scale and v_scale share memory"):
-        fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay, k_scale=ks,
-                            v_scale=ks)
+        fixed_budget_decode(q, kn, vn, SlotState(kc, vc, sp, pr, k_scale=ks, v_scale=ks), lp, pos=0, sinks=s,
+                            window=w, layout=lay)
     with pytest.raises(ValueError, match="layout= or head_budgets=, not both"):
-        fixed_budget_decode(q, kn, vn, kc, vc, sp, pr, lp, pos=0, sinks=s, window=w, layout=lay, head_budgets=(6, 6))
+        fixed_budget_decode(q, kn, vn, SlotState(kc, vc, sp, pr), lp, pos=0, sinks=s, window=w, layout=lay,
+                            head_budgets=(6, 6))

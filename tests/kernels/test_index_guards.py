@@ -14,6 +14,7 @@ from test_paged_decode import make_store
 import kvpop_kernels._utils as kutils
 from kvpop_kernels import (
     NEVER,
+    SlotState,
     eviction_decisions,
     eviction_schedule,
     fixed_budget_decode,
@@ -59,16 +60,16 @@ def test_decode_checks_positions_on_the_host(backend, bad):
     q, kn, vn, lp = (torch.randn(N, *s, generator=gen) for s in ((Hkv * G, D), (Hkv, D), (Hkv, D), (Hkv,)))
     pos = torch.tensor([nxt[0], bad, nxt[2]])
     with pytest.raises(ValueError, match=rf"pos must lie in \[0, 2\*\*31 - 2\].*\[{bad}\] in rows \[1\]"):
-        fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=S_, window=W_)  # check=None: on for CPU
+        fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=S_, window=W_)  # check=None: on for CPU
     with pytest.raises(ValueError, match="pos must lie"):
-        fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=S_, window=W_, check=True)
+        fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=S_, window=W_, check=True)
     for a, b in zip(state, before):
         assert torch.equal(a, b)  # refused before anything was written
     if -2**31 <= bad < 2**31:  # an int32 tensor too
         with pytest.raises(ValueError, match="pos must lie"):
-            fixed_budget_decode(q, kn, vn, *state, lp, pos=pos.to(torch.int32), sinks=S_, window=W_)
+            fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos.to(torch.int32), sinks=S_, window=W_)
     with pytest.raises(TypeError, match="check must be True, False or None"):
-        fixed_budget_decode(q, kn, vn, *state, lp, pos=pos, sinks=S_, window=W_, check="yes")
+        fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=S_, window=W_, check="yes")
 
 
 @pytest.mark.parametrize("bad", BAD_POS)
@@ -82,7 +83,8 @@ def test_decode_guards_positions_on_the_device(backend, bad):
     q, kn, vn, lp = (torch.randn(N, *s, generator=gen) for s in ((Hkv * G, D), (Hkv, D), (Hkv, D), (Hkv,)))
     pos = torch.tensor([nxt[0], bad, nxt[2]])
     kw = {"block_n": 16, "num_splits": 2} if backend == "triton" else {}
-    out, lse = fixed_budget_decode(q, kn, vn, *state, lp.clone(), pos=pos, sinks=S_, window=W_, check=False, **kw)
+    out, lse = fixed_budget_decode(q, kn, vn, SlotState(*state), lp.clone(), pos=pos, sinks=S_, window=W_,
+                                   check=False, **kw)
     assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
     for a, r in zip(state, rows[1]):
         assert torch.equal(a[1], r)  # untouched
@@ -107,7 +109,7 @@ def test_decode_default_check_reads_nothing_under_compile(monkeypatch):
     pos = torch.tensor(nxt)
 
     def step(*st):
-        return fixed_budget_decode(q, kn, vn, *st, lp, pos=pos, sinks=S_, window=W_)
+        return fixed_budget_decode(q, kn, vn, SlotState(*st), lp, pos=pos, sinks=S_, window=W_)
 
     want = step(*eager)
     got = torch.compile(step, fullgraph=True, backend="eager")(*comp)
@@ -207,12 +209,12 @@ def test_zero_heads_or_head_size_are_refused(backend):
     st = [torch.zeros(2, 2, B_, 0), torch.zeros(2, 2, B_, 0), torch.full((2, 2, B_), -1, dtype=torch.int32),
           torch.full((2, 2, K_), float("-inf"))]
     with pytest.raises(ValueError, match=r"head size D .* must be >= 1, got 0"):
-        fixed_budget_decode(torch.randn(2, 4, 0), torch.randn(2, 2, 0), torch.randn(2, 2, 0), *st, torch.zeros(2, 2),
-                            pos=3, sinks=S_, window=W_)
+        fixed_budget_decode(torch.randn(2, 4, 0), torch.randn(2, 2, 0), torch.randn(2, 2, 0), SlotState(*st),
+                            torch.zeros(2, 2), pos=3, sinks=S_, window=W_)
     st0 = [torch.zeros(2, 0, B_, 16), torch.zeros(2, 0, B_, 16), torch.full((2, 0, B_), -1, dtype=torch.int32),
            torch.full((2, 0, K_), float("-inf"))]
     with pytest.raises(ValueError, match=heads):
-        fixed_budget_decode(torch.randn(2, 0, 16), torch.randn(2, 0, 16), torch.randn(2, 0, 16), *st0,
+        fixed_budget_decode(torch.randn(2, 0, 16), torch.randn(2, 0, 16), torch.randn(2, 0, 16), SlotState(*st0),
                             torch.zeros(2, 0), pos=3, sinks=S_, window=W_)
     pool = torch.zeros(2, 4, 16)
     with pytest.raises(ValueError, match=heads):
@@ -228,8 +230,8 @@ def test_decode_of_no_row_is_empty(backend):
     st = [torch.zeros(0, 2, B_, 16), torch.zeros(0, 2, B_, 16), torch.full((0, 2, B_), -1, dtype=torch.int32),
           torch.full((0, 2, K_), float("-inf"))]
     for pos in (3, torch.zeros(0, dtype=torch.int64)):
-        out, lse = fixed_budget_decode(torch.randn(0, 4, 16), torch.randn(0, 2, 16), torch.randn(0, 2, 16), *st,
-                                       torch.zeros(0, 2), pos=pos, sinks=S_, window=W_)
+        out, lse = fixed_budget_decode(torch.randn(0, 4, 16), torch.randn(0, 2, 16), torch.randn(0, 2, 16),
+                                       SlotState(*st), torch.zeros(0, 2), pos=pos, sinks=S_, window=W_)
         assert out.shape == (0, 4, 16) and lse.shape == (0, 4) and lse.dtype == torch.float32
 
 

@@ -1,10 +1,10 @@
-"""kvpop.studies.auto_task_test: a joint run scored on the kvtrace ledger's fresh test seeds, and its refusal."""
+"""studies.auto_task_test: a joint run scored on the kvtrace ledger's fresh test seeds, and its refusal."""
 import json
 
 import pytest
 
 from kvpop.cli import main as kvpop_main
-from kvpop.studies import auto_task_test as T
+from studies import auto_task_test as T
 
 
 def test_scores_a_joint_run_on_the_fresh_test_seeds(tmp_path, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""kvpop.studies.controls_realtext: the untrained run equals kvpop train's start, the clusters of a corpus
+"""studies.controls_realtext: the untrained run equals kvpop train's start, the clusters of a corpus
 split, the learning-rate choice by the selection rule, the figures and the paired comparisons."""
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpop.studies import controls_realtext as C
+from studies import controls_realtext as C
 
 MODEL = Path(__file__).resolve().parents[2] / "kvpop" / "data" / "tiny_qwen3_code"
 

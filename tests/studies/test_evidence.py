@@ -1,4 +1,4 @@
-"""The evidence ledger's rules (kvpop.studies.ledger): one selection rule, test splits scored once, the
+"""The evidence ledger's rules (studies.ledger): one selection rule, test splits scored once, the
 ledger refuses rows scored more than once, the README's headline block is the ledger's rendering; its command
 writes shipped files only with --write-shipped and checks every ledger before writing anything."""
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpop.studies import ledger as V
+from studies import ledger as V
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_shipped_ledger_holds_the_rules_and_the_readme_is_its_rendering():
         assert r["value"] == pytest.approx(sum(r["seeds"]) / len(r["seeds"]))
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     block = text.split(V.README_START, 1)[1].split(V.README_END, 1)[0]
-    assert block == "\n" + V.render_headline(ev), "regenerate: python -m kvpop.studies.evidence readme --write-shipped"
+    assert block == "\n" + V.render_headline(ev), "regenerate: python -m studies.evidence readme --write-shipped"
     for inst in {r["instrument"] for r in ev["rows"]}:  # every instrument: the control and DMS beside KVpop
         pols = {r["policy"] for r in ev["rows"] if r["instrument"] == inst}
         assert any(p.startswith("fixed-finetune[streaming]") for p in pols), inst
@@ -94,7 +94,7 @@ def test_shipped_ledger_holds_the_rules_and_the_readme_is_its_rendering():
 
 
 def _cli(capsys, *argv):
-    from kvpop.studies import evidence as E
+    from studies import evidence as E
 
     rc = E.main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -118,7 +118,7 @@ def _runs(tmp_path, *instruments):
 def test_evidence_writes_shipped_files_only_with_write_shipped(tmp_path, capsys, monkeypatch):
     """ledger without --out, readme without --readme, or either aimed at a shipped file: refused, nothing
     written; --write-shipped writes the shipped ledger, its archive and the README (here monkeypatched copies)."""
-    from kvpop.studies import evidence as E
+    from studies import evidence as E
 
     runs, ev = _runs(tmp_path, "realtext")
     before = _shipped_state()
@@ -237,7 +237,7 @@ def test_readme_never_empties_the_block_or_drops_an_instrument(tmp_path, capsys)
 def test_study_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
     """realtext_corpus and the evidence runners with --out an existing file (or under one): one line naming the
     option (was FileExistsError), before any work; --out inside the package needs --write-shipped."""
-    from kvpop.studies import realtext_corpus as C
+    from studies import realtext_corpus as C
 
     f = tmp_path / "file"
     f.write_text("x")
@@ -248,16 +248,18 @@ def test_study_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
         for argv in (["synthetic", "--task", "kvtrace", "--out", out], ["realtext", "--out", out]):
             rc, msg = _cli(capsys, *argv)
             assert rc == 2 and f"--out {out}" in msg and "not a directory" in msg and len(msg.splitlines()) == 1
-    assert C.main(["--out", str(V.EVIDENCE_FILE.parent.parent / "realtext")]) == 2
+    assert C.main(["--out", str(C.SHIPPED_DIR)]) == 2  # the package's corpus
     assert "--write-shipped" in capsys.readouterr().err
+    assert C.main(["--out", str(V.EVIDENCE_FILE.parent / "corpus")]) == 2  # the studies' results
+    assert "--write-shipped" in capsys.readouterr().err and not (V.EVIDENCE_FILE.parent / "corpus").exists()
     rc, msg = _cli(capsys, "synthetic", "--task", "kvtrace", "--out", V.EVIDENCE_FILE.parent / "x")
     assert rc == 2 and "--write-shipped" in msg and not (V.EVIDENCE_FILE.parent / "x").exists()
     assert f.read_text() == "x"
 
 
 def test_fresh_realtext_test_split_is_reproducible_and_disjoint(tmp_path):
-    from kvpop.studies import evidence_realtext as RT
-    from kvpop.studies import realtext_corpus as C
+    from studies import evidence_realtext as RT
+    from studies import realtext_corpus as C
 
     shipped = json.loads((RT.SHIPPED / "test_fresh.json").read_text())
     man = json.loads((RT.SHIPPED / "manifest.json").read_text())
@@ -280,7 +282,7 @@ def test_dms_extension_one_factor_at_a_time_longer_only_while_it_helps_and_resum
     runs only because 600 helped; a rerun repeats no trial; the best of every trial becomes ``rechosen``."""
     import argparse
 
-    from kvpop.studies import evidence_realtext as R
+    from studies import evidence_realtext as R
 
     c0 = {"lr_gate": 0.01, "lr_model": 3e-4, "steps": 400, "target_keep": 0.125}
     first = {"settings": c0, "score": 0.030, "dir": "d0"}
@@ -320,7 +322,7 @@ def test_realtext_select_writes_split_decisions_and_confirmation(tmp_path, monke
     kept out, the top two are retrained with seed 1 and chosen on the mean, the record has every field."""
     import argparse
 
-    from kvpop.studies import evidence_realtext as R
+    from studies import evidence_realtext as R
 
     monkeypatch.setattr(R, "DMS_GRID", {"lr_gate": (0.02, 0.05, 0.1), "lr_model": (1e-4,), "steps": (150,),
                                         "target_keep": (0.125,)})

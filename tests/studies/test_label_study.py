@@ -1,4 +1,4 @@
-"""kvpop.studies.label_study: the oracle's fixed decay, the oracle without eviction equals dense, a scorer run."""
+"""studies.label_study: the oracle's fixed decay, the oracle without eviction equals dense, a scorer run."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 import kvpop
 from kvpop.demo import lookahead_task as T
 from kvpop.demo.evaluate import load_base_model
-from kvpop.studies import label_study as L
+from studies import label_study as L
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
-"""kvpop.studies.paired: the paired bootstrap interval against cases with a known answer and against a
+"""studies.paired: the paired bootstrap interval against cases with a known answer and against a
 brute-force computation of the same replicates by explicit loops."""
 import numpy as np
 import pytest
 
-from kvpop.studies.paired import bootstrap_draws, comparison, paired_interval, verdict
+from studies.paired import bootstrap_draws, comparison, paired_interval, verdict
 
 
 def test_identical_rows_give_zero():

@@ -1,10 +1,10 @@
-"""kvpop.studies.quantized: the rows of one instrument by token-by-token decoding, the table, the refusals,
+"""studies.quantized: the rows of one instrument by token-by-token decoding, the table, the refusals,
 and a second run that reuses the finished instrument."""
 import json
 
 import pytest
 
-from kvpop.studies import quantized as Q
+from studies import quantized as Q
 
 
 def test_half_budget_keeps_sinks_and_window():

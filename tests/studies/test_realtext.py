@@ -1,5 +1,5 @@
-"""The real-text instrument: the corpus builder (kvpop.studies.realtext_corpus), ``kvpop pretrain --data``
-(kvpop.demo.pretrain_data), the shipped corpus splits and model, and the oracle rows (kvpop.studies.realtext)."""
+"""The real-text instrument: the corpus builder (studies.realtext_corpus), ``kvpop pretrain --data``
+(kvpop.demo.pretrain_data), the shipped corpus splits and model, and the oracle rows (studies.realtext)."""
 import copy
 import json
 import os
@@ -10,8 +10,8 @@ import torch
 
 from kvpop.cli import main
 from kvpop.demo import pretrain_data as PD
-from kvpop.studies import realtext as RT
-from kvpop.studies import realtext_corpus as C
+from studies import realtext as RT
+from studies import realtext_corpus as C
 
 
 @pytest.fixture(autouse=True)

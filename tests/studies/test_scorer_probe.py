@@ -1,10 +1,10 @@
-"""kvpop.studies.scorer_probe: the clean-label probe and the target breakdown on the shipped lookahead model."""
+"""studies.scorer_probe: the clean-label probe and the target breakdown on the shipped lookahead model."""
 import pytest
 import torch
 
 from kvpop.demo import lookahead_task as T
 from kvpop.demo.evaluate import load_base_model
-from kvpop.studies import scorer_probe as P
+from studies import scorer_probe as P
 
 
 @pytest.fixture(scope="module")

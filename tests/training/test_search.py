@@ -268,7 +268,7 @@ def test_every_search_goes_through_the_one_rule(tmp_path, monkeypatch):
 
     monkeypatch.setattr(S, "prefer", spy)
     # the studies: their choose and confirmation are the search module's
-    from kvpop.studies import evidence_realtext, evidence_synthetic, ledger
+    from studies import evidence_realtext, evidence_synthetic, ledger
 
     for mod in (ledger, evidence_realtext, evidence_synthetic):
         assert mod.choose is S.choose
