@@ -128,6 +128,9 @@ CONTROL_ARGS = {
 }
 """The fine-tuned controls: ``kvpop train`` options beside :func:`train_args`'s."""
 AUTO_ROW = "kvpop-mlp-joint[auto]"
+ORACLE, STREAMING_CONTROL = "oracle[label]", "fixed-finetune[streaming]"
+"""The exact label as priority after the fine-tune, and the fixed-mask fine-tune: their intervals are the learning
+issue's diagnosis (does the label beat the control?)."""
 AUTO_TRIALS = 6
 """Trials of the best KVpop row's search (``selection.json``: 2 label oracles, 3 scorer lrs, 1 head-budget; 2
 more seeds in its confirmation)."""
@@ -268,16 +271,17 @@ def figures(runs: dict, *, select=SELECT) -> list[dict]:
     return out
 
 
-def comparisons(runs: dict, a: str, clusters: list[int], *, n_boot: int = 10_000) -> list[dict]:
-    """The paired intervals of row ``a`` against every other row of ``runs`` at every budget, on all 16
-    validation sequences, clustered by source file, over the seeds each row has; both against the original dense
-    model (``reference``: "original") and against each row's own weights served densely ("same weights")."""
+def comparisons(runs: dict, a: str, clusters: list[int] | None, *, against=None, n_boot: int = 10_000) -> list[dict]:
+    """The paired intervals of row ``a`` against every other row of ``runs`` (or those of ``against``) at every
+    budget, on all 16 validation sequences, clustered by source file, over the seeds each row has; both against
+    the original dense model (``reference``: "original") and against each row's own weights served densely
+    ("same weights")."""
     from .paired import comparison
 
     out = []
     for b in EVAL_BUDGETS:
         for other in runs:
-            if other == a:
+            if other == a or (against is not None and other not in against):
                 continue
             for ref, key in (("original", "vs_original"), ("same weights", "vs_same_weights")):
                 va = [runs[a][s][key][str(b)] for s in sorted(runs[a], key=int)]
@@ -508,6 +512,8 @@ def run_stage(out: Path, *, model: Path, data: Path, valid: Path, auto: Path, se
         "runs": runs,
         "figures": figures(runs),
         "comparisons": comparisons(runs, AUTO_ROW, clusters) if runs.get(AUTO_ROW) else [],
+        "oracle_against_control": comparisons(runs, ORACLE, clusters, against=(STREAMING_CONTROL,))
+        if runs.get(ORACLE) and runs.get(STREAMING_CONTROL) else [],
         "commands": st.commands, "missing": st.missing,
     }
     write_json(Path(out) / "controls.json", record)
@@ -547,7 +553,7 @@ def markdown(record: dict) -> str:
                    f"{d['se']:.4f} | {'yes' if d['adopted'] else 'no'} |")
     out += ["", "| budget | reference | a | b | mean_diff (a - b) | 95 % interval | seeds a / b | verdict |",
             "|---|---|---|---|---|---|---|---|"]
-    for c in record["comparisons"]:
+    for c in [*record["comparisons"], *record.get("oracle_against_control", [])]:
         out.append(f"| {c['budget']} | {c['reference']} | {c['a']} | {c['b']} | {c['mean_diff']:+.4f} | "
                    f"[{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}] | {c['seeds_a']} / {c['seeds_b']} | {c['verdict']} |")
     return "\n".join(out) + "\n"

@@ -169,3 +169,9 @@ def test_auto_trial_trains_in_validated_segments_as_one_run(tmp_path, data):
     assert losses(out) == losses(tmp_path / "straight")
     assert (out / "scorers.safetensors").read_bytes() == (out / "best" / "scorers.safetensors").read_bytes()
     assert json.loads((out / "args.json").read_text())["seed"] == 1
+
+
+def test_comparisons_against_named_rows_only():
+    runs = {"o": {"0": _run(0.0)}, "c": {"0": _run(0.01)}, "x": {"0": _run(0.02)}}
+    cs = C.comparisons(runs, "o", None, against=("c",), n_boot=100)
+    assert {c["b"] for c in cs} == {"c"} and len(cs) == 2 * len(C.EVAL_BUDGETS)
