@@ -332,8 +332,10 @@ class Stage:
     def untrained(self) -> dict:
         for src in UNTRAINED:
             d = self.out / "untrained" / src / "seed0"
+            targs = train_args(self.model, self.data, ["--priority-source", src], 1e-4, 0)
+            self.commands.append(f"untrained_run({' '.join(targs)}, out={d})")
             if not (d / "model").exists():
-                untrained_run(train_args(self.model, self.data, ["--priority-source", src], 1e-4, 0), d)
+                untrained_run(targs, d)
         u = self.out / "untrained"
 
         def runs(srcs):
@@ -391,7 +393,10 @@ class Stage:
 
     def control(self, row: str, extra: list[str], lr: float, seed: int) -> dict | None:
         d = self.out / "controls" / row / f"lr{LR_TAG[lr]}" / f"seed{seed}"
-        if not (d / "done").exists():
+        if (d / "done").exists():  # recorded, not rerun
+            self.commands.append(" ".join(["kvpop", "train", *train_args(self.model, self.data, extra, lr, seed),
+                                           "--out", str(d)]))
+        else:
             cmd = ["kvpop", "train", *train_args(self.model, self.data, extra, lr, seed), "--out", str(d),
                    *(["--resume"] if (d / "last.pt").exists() else [])]
             self._run(cmd, f"{row} lr {LR_TAG[lr]} seed {seed}")
@@ -430,9 +435,9 @@ class Stage:
                 d = self.auto / "auto" / AUTO_DIRS[s]
             else:
                 d = self.out / "controls" / AUTO_ROW / f"seed{s}"
+                self.commands.append(f"auto_trial({self.auto / 'auto' / AUTO_DIRS[0] / 'args.json'}, seed={s}, "
+                                     f"out={d}, fit={self.auto / 'auto' / 'fit.jsonl'}, served={BUDGET})")
                 if not (d / "trial_ev43.json").exists():
-                    self.commands.append(f"auto_trial({self.auto / 'auto' / AUTO_DIRS[0] / 'args.json'}, seed={s}, "
-                                         f"out={d}, fit={self.auto / 'auto' / 'fit.jsonl'}, served={BUDGET})")
                     if not self.train:
                         self.missing.append(f"{AUTO_ROW} seed {s} (not trained)")
                         continue
