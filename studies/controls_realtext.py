@@ -545,7 +545,8 @@ def markdown(record: dict) -> str:
             cells.append(f"{f['vs_original_mean']:+.4f}" + (f" ({min(v):+.4f}..{max(v):+.4f})" if len(v) > 1 else ""))
         f = fig(r, BUDGET)
         trials = record["trials_of"].get(r, 0 if r == "streaming" or r.startswith("untrained") else "")
-        lr = (f"{sel[r]['chosen']:g}" if sel[r]["chosen"] else "not chosen") if r in sel else \
+        lr = (LR_TAG.get(sel[r]["chosen"], f"{sel[r]['chosen']:g}") if sel[r]["chosen"] else "not chosen") \
+            if r in sel else \
             ("1e-4" if r == AUTO_ROW else "-")
         out.append(f"| {r} | {trials} | {lr} | {len(f['seeds'])} | " + " | ".join(cells)
                    + f" | {f['vs_same_weights_mean']:+.4f} | {f['dense_shift_mean']:+.4f} |")

@@ -143,7 +143,7 @@ def test_markdown_renders_the_record():
               "lr_selection": {"oracle[label]": {"chosen": 1e-4, "decisions": [dec]}},
               "untrained": {"keynorm_sign": None}, "comparisons": C.comparisons(runs, C.AUTO_ROW, None, n_boot=100)}
     text = C.markdown(record)
-    assert "| oracle[label] | 2 | 0.0001 | 1 |" in text and "| kvpop-mlp-joint[auto] | 6 | 1e-4 | 2 |" in text
+    assert "| oracle[label] | 2 | 1e-4 | 1 |" in text and "| kvpop-mlp-joint[auto] | 6 | 1e-4 | 2 |" in text
     assert "| oracle[label] lr_model |" in text and "| no |" in text
     assert text.count("| original | kvpop-mlp-joint[auto] | oracle[label] |") == len(C.EVAL_BUDGETS)
 
