@@ -13,6 +13,10 @@ Stages (each resumable; ``--stage all`` runs them in order):
 3. ``seeds``: every recipe of :func:`recipes` with every seed.
 4. ``test``: each (row, seed) scored once on the fresh split (:class:`~studies.evidence.TestLog`), then
    ``evidence_rows.json``.
+
+``--stage controls`` (not part of ``all``): the same-structure controls of the best KVpop row, ``kvpop train
+--auto``'s real-text choice (``--auto-run``), on the validation sequences only
+(:func:`studies.controls_realtext.run_stage`; its record ``controls.json``).
 """
 from __future__ import annotations
 
@@ -326,6 +330,12 @@ def run(a: argparse.Namespace) -> int:
     if not (corpus / "train.jsonl").exists():
         raise ValueError(f"{corpus}/train.jsonl is missing: python -m studies.realtext_corpus --out {corpus} "
                          f"--splits train,validation,test")
+    if a.stage == "controls":
+        from .controls_realtext import run_stage
+
+        run_stage(out, model=MODEL, data=corpus / "train.jsonl", valid=SHIPPED / "validation.jsonl",
+                  auto=Path(a.auto_run), seeds=seeds, jobs=a.jobs, train=not a.record_only)
+        return 0
     stages = ("split", "select", "seeds", "test") if a.stage == "all" else (a.stage,)
     fresh = SHIPPED / "test_fresh.jsonl"
     if "split" in stages and not fresh.exists():
@@ -474,9 +484,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the regenerated corpus with train.jsonl (python -m studies.realtext_corpus --out DIR "
                         "--splits train,validation,test)")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--stage", default="all", choices=("all", "split", "select", "seeds", "test", "dms-extend"),
-                   help="dms-extend (not part of all): DMS_EXTENSION's validation trials after the first choice")
-    p.add_argument("--jobs", type=int, default=2, help="--stage dms-extend: trials trained at once (default 2)")
+    p.add_argument("--stage", default="all",
+                   choices=("all", "split", "select", "seeds", "test", "dms-extend", "controls"),
+                   help="dms-extend (not part of all): DMS_EXTENSION's validation trials after the first choice; "
+                        "controls (not part of all): the same-structure controls on validation "
+                        "(studies.controls_realtext)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="--stage dms-extend / controls: runs trained at once (default 2)")
+    p.add_argument("--auto-run", default="runs/rt/auto",
+                   help="--stage controls: the kvpop train --auto --out directory of the best KVpop row (its trials "
+                        "of the chosen settings, seeds 0 and 1, are reused; seed 2 is trained as they were)")
+    p.add_argument("--record-only", action="store_true",
+                   help="--stage controls: run nothing; write controls.json from the runs and evaluations there "
+                        "(the rest named in its missing)")
     p.add_argument("--test-records", type=int, default=48, help="records of the fresh test split (default 48)")
     p.add_argument("--skip-dms", action="store_true",
                    help="--stage test: score every row but DMS's (their recipes are fixed; DMS's selection may still "

@@ -227,7 +227,7 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     under (:func:`kvpop.training.trial_records.search_inputs`; recorded in every trial, and a trial of other
     inputs is refused, never reused or continued)."""
     from kvpop.training.search import Search, auto_plan, resolution
-    from kvpop.training.trial_records import check_score, check_trial_dirs, read_validations
+    from kvpop.training.trial_records import check_score, check_trial_dirs
 
     out = Path(args.out)
     if (out / "selection.json").exists() and not args.resume:
@@ -269,35 +269,16 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
             train_to(ns, d, args.steps)
             sel = score(d, "select")
             return {"score": mean(sel), "per_sequence": sel, "steps": args.steps}
-        vfile, keep = d / "validation.jsonl", d / "best"
-        done = read_validations(vfile) if vfile.exists() else []
-        for r in done:  # a validation written before the fit / select split: its one score
-            r.setdefault("fit_score", r.get("score"))
-        vals: list[dict] = []
-        best, bad = None, 0
-        for target in [*range(every, args.steps, every), args.steps]:
-            rec = next((r for r in done if r["step"] == target), None)  # validated before an interruption
-            before = rec is not None
-            if rec is None:
-                train_to(ns, d, target)
-                rec = {"step": target, "fit_score": check_score(mean(score(d, "fit")), d, '"fit_score"')}
-                if best is None or rec["fit_score"] <= best["fit_score"]:  # the state first, then its record
-                    replace_files(d, keep, SERVED_FILES)
-                with open(vfile, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+
+        def note(rec: dict, better: bool, before: bool) -> None:
             if progress:
-                log(f"[kvpop train --auto]   validation at step {target}/{args.steps}: fit score {rec['fit_score']:.5f}"
-                    f"{' (best so far)' if best is None or rec['fit_score'] <= best['fit_score'] else ''}"
+                log(f"[kvpop train --auto]   validation at step {rec['step']}/{args.steps}: fit score "
+                    f"{rec['fit_score']:.5f}{' (best so far)' if better else ''}"
                     f"{' (recorded before)' if before else ''}")
-            vals.append(rec)
-            if best is None or rec["fit_score"] <= best["fit_score"]:  # a tie goes to the default: the later state
-                best, bad = rec, 0
-            else:
-                bad += 1
-                if bad >= patience:
-                    break
-        if best["step"] != vals[-1]["step"]:
-            replace_files(keep, d, SERVED_FILES)  # the outputs are the best state's (last.pt stays the last step's)
+
+        best, vals = early_stopped(d, total=args.steps, every=every, patience=patience,
+                                   train_to=lambda target: train_to(ns, d, target),
+                                   fit_score=lambda: check_score(mean(score(d, "fit")), d, '"fit_score"'), note=note)
         sel = score(d, "select")  # the best fit state, scored once on the select sequences
         return {"score": mean(sel), "per_sequence": sel, "steps": vals[-1]["step"], "best_step": best["step"],
                 "validations": vals}
@@ -388,6 +369,49 @@ def summary_lines(record: dict) -> list[str]:
     elif conf:
         lines.append(f"confirmation not run: {conf.get('why')}")
     return lines
+
+
+def early_stopped(d: Path, *, total: int, every: int, patience: int, train_to: Callable[[int], None],
+                  fit_score: Callable[[], float],
+                  note: Callable[[dict, bool, bool], None] | None = None) -> tuple[dict, list[dict]]:
+    """A trial's training with early stopping, as the search runs it: ``train_to(step)`` trains the run in ``d``
+    up to ``step`` (resuming it), every ``every`` steps and at ``total``, each followed by ``fit_score()`` (its
+    validation on the fit sequences; lower is better), appended to ``d/validation.jsonl`` (a validation recorded
+    there before an interruption is read, not redone); stopped after ``patience`` validations without a better or
+    equal score (0: never); the best state's :data:`SERVED_FILES` kept in ``d/best`` and, at the end, in ``d``
+    (a tie goes to the later state; ``last.pt`` stays the last step's).  ``note(record, best so far, recorded
+    before)`` is told of every validation.  Returns ``(best validation, every validation)``."""
+    from kvpop.training.trial_records import read_validations
+
+    vfile, keep = d / "validation.jsonl", d / "best"
+    done = read_validations(vfile) if vfile.exists() else []
+    for r in done:  # a validation written before the fit / select split: its one score
+        r.setdefault("fit_score", r.get("score"))
+    vals: list[dict] = []
+    best, bad = None, 0
+    for target in [*range(every, total, every), total]:
+        rec = next((r for r in done if r["step"] == target), None)  # validated before an interruption
+        before = rec is not None
+        if rec is None:
+            train_to(target)
+            rec = {"step": target, "fit_score": fit_score()}
+            if best is None or rec["fit_score"] <= best["fit_score"]:  # the state first, then its record
+                replace_files(d, keep, SERVED_FILES)
+            with open(vfile, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        better = best is None or rec["fit_score"] <= best["fit_score"]  # a tie goes to the later state
+        if note is not None:
+            note(rec, better, before)
+        vals.append(rec)
+        if better:
+            best, bad = rec, 0
+        else:
+            bad += 1
+            if patience and bad >= patience:
+                break
+    if best["step"] != vals[-1]["step"]:
+        replace_files(keep, d, SERVED_FILES)  # the outputs are the best state's (last.pt stays the last step's)
+    return best, vals
 
 
 def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
