@@ -103,9 +103,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--model belongs to one task: give --task kvtrace or --task lookahead with it")
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
-        from kvpop.demo import evaluate as E
         from kvpop.demo.run import run_task
         from kvpop.demo.search import base_model_dir, eval_config, retrofit_config, select
+        from kvpop.evaluation import evaluate as E
 
         settings = {}
         for task in tasks:  # check every setting before training anything
@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
             s = settings[task] = _settings(args, task)
             eval_config(E, s, args)
             for p, c in s["retrofits"].items():
-                retrofit_config(E, s, p, c)
+                retrofit_config(s, p, c)
         for task in tasks:
             (select if args.select else run_task)(args, task, out / task, settings[task])
     except (ValueError, FileNotFoundError, TypeError) as e:

@@ -3,7 +3,7 @@
 Each graded read of a test sequence becomes one problem: the prompt is the sequence up to and including
 the read's KEY token (so the next token is the value the model must recall), the answer that VALUE token
 as ``answer_ids``.  Greedy dense generation of one token then answers exactly what the teacher-forced
-evaluation grades at that position (:func:`kvpop.demo.evaluate.sequence_correct`)::
+evaluation grades at that position (:func:`kvpop.evaluation.evaluate.sequence_correct`)::
 
     python -m kvpop.demo.problems --task kvtrace --length 512 --n-sequences 2 --out kvtrace.jsonl
     kvpop eval --problems kvtrace.jsonl --policies dense,streaming,tova --budgets 64,128 --out eval-problems

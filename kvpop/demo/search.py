@@ -30,7 +30,7 @@ def label_variant(joint: str, source: str) -> str:
 def demo_retrofits(chosen: dict) -> tuple[str, ...]:
     """The retrofits a demo run trains, in order: :data:`RETROFITS`, then, for each joint retrofit, the
     label source its ``chosen`` settings do not use (a labelled second row of the table)."""
-    from kvpop.demo.evaluate import LABEL_SOURCES
+    from kvpop.evaluation.evaluate import LABEL_SOURCES
 
     return RETROFITS + tuple(label_variant(j, src) for j in JOINT_OF for src in LABEL_SOURCES
                              if src != chosen[j].get("target_source", "student"))
@@ -148,7 +148,7 @@ def settings(args: argparse.Namespace, task: str, *, lengths: list[int] | None =
 def task_budgets(mod, train_len: int) -> list[int]:
     """The task's evaluation budgets: its ``BUDGET_FRACTIONS`` of ``train_len`` (6.25/12.5/25 % unless the task
     module says otherwise)."""
-    from kvpop.demo.evaluate import BUDGET_FRACTIONS, budgets_for
+    from kvpop.evaluation.evaluate import BUDGET_FRACTIONS, budgets_for
 
     return budgets_for(train_len, getattr(mod, "BUDGET_FRACTIONS", BUDGET_FRACTIONS))
 
@@ -159,9 +159,11 @@ def trial_dir(out: Path, policy: str, c: dict) -> Path:
     return out / policy / trial_tag(c)
 
 
-def retrofit_config(E, s: dict, policy: str, c: dict, init: Path | None = None):
+def retrofit_config(s: dict, policy: str, c: dict, init: Path | None = None):
     """The :class:`~kvpop.demo.retrofit.RetrofitConfig` of ``policy`` with settings ``c``; ``init``: the scorer
     file a ``joint_init="scorer-only"`` retrofit starts from."""
+    from kvpop.demo.retrofit import RetrofitConfig
+
     least = s["sinks"] + s["window"] + 1
     if policy == "fixed-finetune":
         budget = int(round(0.125 * s["train_length"]))
@@ -172,16 +174,16 @@ def retrofit_config(E, s: dict, policy: str, c: dict, init: Path | None = None):
         budget = s["sinks"] + s["window"] + int(c["k"])
         if budget < least:
             raise ValueError(f"training budget {budget} is too small: it must be >= sinks + window + 1 = {least}")
-    return E.RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, budget=budget,
-                            sinks=s["sinks"], window=s["window"], lr_scorer=float(c.get("lr_scorer", 1e-2)),
-                            lr_model=float(c.get("lr_model", 1e-4)), tau=s["tau"],
-                            train_model=policy not in SCORER_ONLY,
-                            target_source=c.get("target_source", "student"), label=c.get("label", "mean"),
-                            decay_span=c.get("decay_span"), eval_every=int(c.get("eval_every", 0)),
-                            patience=int(c.get("patience", 0)),
-                            init_scorers=str(init) if c.get("joint_init") == "scorer-only" and init else None,
-                            head_allocation="ablation" if c.get("head_budgets") == "ablation" else None,
-                            checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
+    return RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, budget=budget,
+                          sinks=s["sinks"], window=s["window"], lr_scorer=float(c.get("lr_scorer", 1e-2)),
+                          lr_model=float(c.get("lr_model", 1e-4)), tau=s["tau"],
+                          train_model=policy not in SCORER_ONLY,
+                          target_source=c.get("target_source", "student"), label=c.get("label", "mean"),
+                          decay_span=c.get("decay_span"), eval_every=int(c.get("eval_every", 0)),
+                          patience=int(c.get("patience", 0)),
+                          init_scorers=str(init) if c.get("joint_init") == "scorer-only" and init else None,
+                          head_allocation="ablation" if c.get("head_budgets") == "ablation" else None,
+                          checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
 
 
 def init_file(out: Path, policy: str, c: dict, trial_of: dict | None = None) -> Path | None:
@@ -314,8 +316,8 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     writes ``out/selection*.json`` (:func:`selection_file`) after every trial and returns it."""
     from dataclasses import replace
 
-    from kvpop.demo import evaluate as E
     from kvpop.demo import retrofit as R
+    from kvpop.evaluation import evaluate as E
     from kvpop.training.search import Search, resolution, select_plan
 
     mod = task_module(task)
@@ -346,7 +348,7 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     def runner(policy: str):
         def run(c: dict, d: Path) -> dict:
             sc = JOINT_OF.get(LABEL_VARIANTS.get(policy, policy))
-            rc = retrofit_config(E, s, policy, c, init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
+            rc = retrofit_config(s, policy, c, init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
             if "seed" in c:  # the confirmation's second seed
                 rc = replace(rc, seed=int(c["seed"]))
             R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,

@@ -9,8 +9,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from kvpop.baselines import dms as D
 from kvpop.baselines.dms import budget as DE
 from kvpop.cli import main
-from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
+from kvpop.evaluation import evaluate as E
 
 L = 128
 

@@ -1,4 +1,4 @@
-"""kvpop.demo.evaluate and ``kvpop eval`` on tiny random Qwen3 models (PyTorch CPU path)."""
+"""kvpop.evaluation.evaluate and ``kvpop eval`` on tiny random Qwen3 models (PyTorch CPU path)."""
 import copy
 import json
 
@@ -9,8 +9,9 @@ from tiny import kvtrace_model
 import kvpop
 from kvpop.baselines import dms as D
 from kvpop.cli import main
-from kvpop.demo import evaluate as E
+from kvpop.demo import retrofit as R
 from kvpop.demo import task as T
+from kvpop.evaluation import evaluate as E
 from kvpop.models import cache_kwarg_name
 
 L = 128  # task minimum is 64; 8 graded reads at 128
@@ -192,10 +193,10 @@ def test_a_retrofit_does_not_depend_on_what_ran_before_it(base, tmp_path, policy
     however much of the global random stream ran in between (the demo trains several in one process)."""
     from safetensors.torch import load_file
 
-    cfg = E.RetrofitConfig(steps=2, length=L, budget=24, sinks=2, window=4, checkpoint_every=2)
-    a = E.retrofit(base, policy, tmp_path / "a", cfg, progress=False)
+    cfg = R.RetrofitConfig(steps=2, length=L, budget=24, sinks=2, window=4, checkpoint_every=2)
+    a = R.retrofit(base, policy, tmp_path / "a", cfg, progress=False)
     torch.randn(12345)  # move the global random stream
-    b = E.retrofit(base, policy, tmp_path / "b", cfg, progress=False)
+    b = R.retrofit(base, policy, tmp_path / "b", cfg, progress=False)
     sa, sb = load_file(a / "scorers.safetensors"), load_file(b / "scorers.safetensors")
     assert sa.keys() == sb.keys()
     for k in sa:

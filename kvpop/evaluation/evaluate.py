@@ -39,7 +39,7 @@ Budgets default to 6.25 %, 12.5 % and 25 % of the training length (128/256/512 a
 slots, where the policies differ.  All policies share the same sinks and window, so they hold the
 same ``B`` entries per layer and KV head.
 
-The retrofits that make the learned rows are :mod:`kvpop.demo.retrofit`'s (re-exported here).
+The retrofits that make the learned rows are :mod:`kvpop.demo.retrofit`'s.
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ from kvpop.core.cache import KVpopCache
 from kvpop.core.checkpoint import load_scorers, read_scorer_config
 from kvpop.core.files import atomic_write, write_json
 from kvpop.core.patching import get_config, is_patched, patch, unpatch
+from kvpop.demo import task as T
 from kvpop.models import cache_kwarg_name
 from kvpop.policies import (
     CACHE_POLICY,
@@ -77,9 +78,6 @@ from kvpop.policies import (
     policy_of,
     row_order,
 )
-
-from . import task as T
-from .retrofit import RetrofitConfig, retrofit
 
 __all__ = [
     "POLICIES",
@@ -108,8 +106,6 @@ __all__ = [
     "trained_label",
     "plot_results",
     "save_figure",
-    "retrofit",
-    "RetrofitConfig",
 ]
 
 BATCHED = ("tova", "h2o")
