@@ -27,7 +27,6 @@ next-token NLL and its curve over positions) and the export of the trained model
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -36,6 +35,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from kvpop.demo.pretrain import (
     PretrainDiverged,
+    PretrainSettings,
     _lr_at,
     _save_model,
     changed_settings,
@@ -190,7 +191,7 @@ def context_curve(model, seqs: list[torch.Tensor], *, windows: tuple[int, ...] =
     return {"scored_from": start, "sequences": len(seqs), "rows": out}
 
 
-def _command(args: argparse.Namespace) -> str:
+def _command(args: PretrainSettings) -> str:
     return getattr(args, "command_line", None) or ("kvpop pretrain " + " ".join(sys.argv[2:]))
 
 
@@ -272,14 +273,14 @@ def export_data_model(src: str | os.PathLike, dst: str | os.PathLike, *, command
     return info
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def _check_args(args: PretrainSettings) -> None:
     for name, default in TASK_ONLY.items():
         if getattr(args, name, default) != default:
             raise ValueError(f"--{name.replace('_', '-')} is for the synthetic task; it has no meaning with --data")
     check_args(args, data=True)
 
 
-def _vocabulary(args: argparse.Namespace, man: dict | None) -> tuple[list[list[int]], int]:
+def _vocabulary(args: PretrainSettings, man: dict | None) -> tuple[list[list[int]], int]:
     """The records of ``--data`` and the vocabulary size: ``--vocab-size``, else the manifest's, else the largest
     id + 1; every id is checked against it (ValueError naming the file and line), and so are the manifest's
     special ids."""
@@ -304,7 +305,7 @@ def _key(seq: torch.Tensor) -> bytes:
     return hashlib.blake2b(seq.numpy().tobytes(), digest_size=16).digest()
 
 
-def _held_out(args: argparse.Namespace, valid_path: Path, fingerprint: str, train: list, valid: list) -> None:
+def _held_out(args: PretrainSettings, valid_path: Path, fingerprint: str, train: list, valid: list) -> None:
     """ValueError when the validation data is the training data: the same bytes, or every validation sequence
     used also a training sequence (the same records written otherwise)."""
     name = f"--valid-data {valid_path}" if args.valid_data else f"the validation file {valid_path} (beside --data)"
@@ -317,7 +318,7 @@ def _held_out(args: argparse.Namespace, valid_path: Path, fingerprint: str, trai
                          f"a training sequence of --data {args.data}; validation must be held-out data")
 
 
-def pretrain_data(args: argparse.Namespace) -> int:
+def pretrain_data(args: PretrainSettings) -> int:
     """Pre-train (or resume) on ``args.data`` (the namespace of ``kvpop pretrain``); returns the exit status."""
     from kvpop.progress import progress
 
@@ -360,7 +361,7 @@ def pretrain_data(args: argparse.Namespace) -> int:
                              "data_fingerprint": fingerprint, "valid_fingerprint": valid_fingerprint,
                              "vocab_size": vocab, "max_positions": max_positions}
     ckpt_path = out / "ckpt.pt"
-    settings = {k: v for k, v in vars(args).items() if k not in TASK_ONLY and k not in ("command", "_module")}
+    settings = {k: v for k, v in asdict(args).items() if k not in TASK_ONLY}
     good_step = None  # the step ckpt.pt holds (finite weights: no checkpoint of others is written)
     if args.resume and ckpt_path.exists():
         def same_run(ck: dict) -> None:
