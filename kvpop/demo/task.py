@@ -185,10 +185,6 @@ class TaskConfig(TokenIds):
     read_frac: float = 0.5
     restart_prob: float = 0.1
 
-    def is_fact(self, ids: torch.Tensor) -> torch.Tensor:
-        """Bool mask of FACT tokens in ``ids`` (any shape)."""
-        return (ids >= self.fact_base) & (ids < self.filler_base)
-
     # ---- sizes for a length ----------------------------------------------------------------
     def n_facts_for(self, length: int) -> int:
         """Number of facts written in a sequence of ``length`` tokens."""

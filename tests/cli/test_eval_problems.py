@@ -301,3 +301,15 @@ def test_vllm_engine_errors(tmp_path, capsys):
     except ImportError:
         assert main(["eval", "--problems", str(data), "--engine", "vllm", "--policies", "dense", "--no-progress"]) == 2
         assert "--engine vllm needs vLLM installed" in capsys.readouterr().err
+
+
+def test_the_task_problems_command_writes_the_file_and_refuses_a_bad_length(tmp_path, capsys):
+    from kvpop.cli.task_problems import main as task_problems_main
+
+    out = tmp_path / "p.jsonl"
+    assert task_problems_main(["--task", "kvtrace", "--length", "128", "--n-sequences", "1", "--reads", "2",
+                               "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and f"wrote 2 problems to {out}" in capsys.readouterr().out
+    assert task_problems_main(["--task", "kvtrace", "--length", "8", "--out", str(out)]) == 2
+    assert "error" in capsys.readouterr().err
