@@ -416,8 +416,25 @@ def pretrain(args: PretrainSettings) -> int:
     return run.run()
 
 
+class _RunFiles:
+    """What both pre-training runs (:class:`_Pretraining`, ``pretrain_data``'s ``_DataRun``) share: the checkpoint
+    ``OUT/ckpt.pt`` and the check that the weights are finite before anything of them is written."""
+
+    out: Path
+    model: torch.nn.Module
+    state: dict
+    good_step: int | None
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / "ckpt.pt"
+
+    def finite_weights(self) -> None:  # before anything of the weights is written
+        check_weights(self.model, self.state["step"], self.ckpt_path, self.good_step)
+
+
 @dataclass
-class _Pretraining:
+class _Pretraining(_RunFiles):
     """One pre-training run: its settings, task and curriculum, the model and optimiser, the progress
     (``state``, saved in ``ckpt.pt``) and ``good_step``, the step ``ckpt.pt`` holds (finite weights: no
     checkpoint of others is written)."""
@@ -431,10 +448,6 @@ class _Pretraining:
     opt: torch.optim.Optimizer
     state: dict
     good_step: int | None = None
-
-    @property
-    def ckpt_path(self) -> Path:
-        return self.out / "ckpt.pt"
 
     @property
     def L_train(self) -> int:
@@ -479,9 +492,6 @@ class _Pretraining:
         self.state = restore_checkpoint(self.ckpt_path, self.model, self.opt, self.out, check=same_settings)["state"]
         self.good_step = self.state["step"]
         print(f"resumed at step {self.state['step']} stage {self.state['stage']}", file=sys.stderr)
-
-    def finite_weights(self) -> None:  # before anything of the weights is written
-        check_weights(self.model, self.state["step"], self.ckpt_path, self.good_step)
 
     def checkpoint(self) -> None:
         self.finite_weights()
