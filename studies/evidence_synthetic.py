@@ -93,7 +93,7 @@ def rows_of(task: str, s: dict) -> dict[str, dict]:
 def shipped_trials(task: str, policy: str) -> int:
     """The validation trials the demo's selection records ran for ``policy`` and the scorer-only retrofit whose
     settings it inherits (``kvpop/data/demo_results/<task>/selection*.json``)."""
-    from kvpop.training.search import JOINT_OF
+    from kvpop.demo.grid import JOINT_OF
 
     d = DATA / "demo_results" / task
     feeds = {policy, JOINT_OF.get(policy, policy)}

@@ -3,7 +3,7 @@
 The settings of one demo run (:func:`settings`: each retrofit's from :data:`CHOSEN`, the shipped choice, read
 from ``kvpop/data/demo_results/chosen.json``, or the command's overrides), the retrofit config and validation
 of each (:func:`retrofit_config`, :func:`validator`), and :func:`select`: the demo's stages
-(:func:`kvpop.training.search.select_plan` over :data:`kvpop.training.search.SELECT_GRID`) run by the one
+(:func:`kvpop.demo.grid.select_plan` over :data:`kvpop.demo.grid.SELECT_GRID`) run by the one
 search of the library, :class:`kvpop.training.search.Search` (``kvpop train --auto``'s too), each trial a
 retrofit scored on the task's validation sequences, recorded in ``OUT/<task>/selection*.json``.  The command
 ``kvpop demo`` (``kvpop.cli.demo``) parses its arguments and calls these.
@@ -15,8 +15,9 @@ import json
 import math
 from pathlib import Path
 
+from kvpop.demo.grid import JOINT_OF, LABEL_KEYS, RETROFITS, SCORER_ONLY, SELECT_GRID
 from kvpop.policies import LABEL_VARIANTS
-from kvpop.training.search import JOINT_OF, LABEL_KEYS, RETROFITS, SCORER_ONLY, SELECT_GRID, trial_tag
+from kvpop.training.search import trial_tag
 
 TASKS = {"kvtrace": "kvpop.demo.task", "lookahead": "kvpop.demo.lookahead_task"}
 """Demo task name -> task module (``make_example``, ``test_seed``, ``valid_seed``, ``TRAIN_LEN``, ``SHIPPED_MODEL``)."""
@@ -310,15 +311,16 @@ def eval_config(E, s: dict, args: argparse.Namespace, **kw):
 
 def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     """``kvpop demo --select --select-stage args.select_stage`` for ``task`` (settings ``s``, :func:`settings`)
-    into ``out``: each retrofit's stages (:func:`kvpop.training.search.select_plan`) run by
+    into ``out``: each retrofit's stages (:func:`kvpop.demo.grid.select_plan`) run by
     :class:`kvpop.training.search.Search`, each trial a retrofit (``out/<policy>/<tag>``) scored by its error rate
     on the validation sequences (:func:`valid_config`: 1 - the mean accuracy over the budgets at L_train);
     writes ``out/selection*.json`` (:func:`selection_file`) after every trial and returns it."""
     from dataclasses import replace
 
     from kvpop.demo import retrofit as R
+    from kvpop.demo.grid import select_plan
     from kvpop.evaluation import evaluate as E
-    from kvpop.training.search import Search, resolution, select_plan
+    from kvpop.training.search import Search, resolution
 
     mod = task_module(task)
     vcfg = valid_config(E, s, args)

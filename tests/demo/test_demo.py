@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from kvpop.cli import main
+from kvpop.demo.grid import JOINT_OF, RETROFITS
 from kvpop.demo.search import CHOSEN, TASKS, label_variant
 from kvpop.evaluation.evaluate import JOINT, LABEL_VARIANTS, POLICIES
-from kvpop.training.search import JOINT_OF, RETROFITS
 
 RESULTS = Path(__file__).resolve().parents[2] / "kvpop" / "data" / "demo_results"
 
