@@ -316,6 +316,7 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvpop.demo import task as T
     from kvpop.evaluation import evaluate as E
 
     try:
@@ -362,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
                                 budget=cfg.budgets[0], load=E.load_base_model, budgets=cfg.budgets)
         t0 = time.time()
-        results = E.evaluate(models, cfg)
+        results = E.evaluate(models, cfg, task=T)
         results["eval_seconds"] = round(time.time() - t0, 1)
         results["trained"] = {p: summary[p] for p in summary if p in models}
         results["row_models"] = _ran(args._row_models, models)
