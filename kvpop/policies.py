@@ -2,7 +2,7 @@
 (:mod:`kvpop.answers`) call each row, which cache policy serves each, and which were trained how.
 
 The policies themselves (the models and caches that serve them) are built by the harness
-(``kvpop.demo.evaluate.policy_model``) and the commands; this module holds only their names, so that the
+(``kvpop.evaluation.evaluate.policy_model``) and the commands; this module holds only their names, so that the
 library, the demo and the commands read one table.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from kvpop.demo import evaluate as E
+    from kvpop.evaluation import evaluate as E
     from studies.evidence_synthetic import FRESH_FIRST, HEADLINE_BUDGET, _demo
 
     p = argparse.ArgumentParser(prog="python -m studies.auto_task_test", description=__doc__.split("\n")[0])

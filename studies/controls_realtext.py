@@ -204,8 +204,8 @@ def same_weights_eval(run: Path, valid: Path, out: Path, *, n: int = VALID_SEQUE
     import torch
 
     from kvpop.cli.trained import policy_models, read_run
-    from kvpop.demo import evaluate as E
-    from kvpop.demo import trace_eval as TE
+    from kvpop.evaluation import evaluate as E
+    from kvpop.evaluation import trace_eval as TE
     from kvpop.training import data as data_io
 
     from .ledger import write_json

@@ -93,7 +93,7 @@ def rows_of(task: str, s: dict) -> dict[str, dict]:
 def shipped_trials(task: str, policy: str) -> int:
     """The validation trials the demo's selection records ran for ``policy`` and the scorer-only retrofit whose
     settings it inherits (``kvpop/data/demo_results/<task>/selection*.json``)."""
-    from kvpop.training.search import JOINT_OF
+    from kvpop.demo.grid import JOINT_OF
 
     d = DATA / "demo_results" / task
     feeds = {policy, JOINT_OF.get(policy, policy)}
@@ -115,8 +115,8 @@ def _score(S, E, mod, model, policy: str, vcfg, fit) -> dict:
 def run(a: argparse.Namespace) -> int:
     import torch
 
-    from kvpop.demo import evaluate as E
     from kvpop.demo import retrofit as R
+    from kvpop.evaluation import evaluate as E
 
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -138,7 +138,7 @@ def run(a: argparse.Namespace) -> int:
     best_trials = max(shipped_trials(a.task, r["policy"]) for r in kv_rows.values() if r["chosen"])
 
     def dms_cfg(c: dict, seed: int):
-        return E.RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, sinks=s["sinks"],
+        return R.RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, sinks=s["sinks"],
                                 window=s["window"], lr_scorer=float(c["lr_gate"]), lr_model=float(c["lr_model"]),
                                 train_model=True, checkpoint_every=max(1, min(50, int(c["steps"]) // 4)), seed=seed)
 
@@ -153,7 +153,7 @@ def run(a: argparse.Namespace) -> int:
     def train_kv(name: str, r: dict, seed: int) -> Path:
         d = out / name / f"seed{seed}"
         p, c = r["policy"], r["settings"]
-        rc = replace(S.retrofit_config(E, s, p, c), seed=seed)
+        rc = replace(S.retrofit_config(s, p, c), seed=seed)
         R.retrofit(base, p, d, rc, resume=True, progress=False, task=mod,
                    validate=S.validator(E, mod, base, s, args, p, d, {}) if rc.eval_every else None)
         return d
@@ -173,7 +173,7 @@ def run(a: argparse.Namespace) -> int:
                       "control": {"trials": []}, "dms": {"trials": []}, "best_kvpop_trials": best_trials}
             def control(c: dict, seed: int = 0) -> dict:
                 d = out / "control_select" / f"lr{c['lr_model']:g}" / ("" if not seed else f"seed{seed}")
-                rc = replace(S.retrofit_config(E, s, "fixed-finetune", c), seed=seed)
+                rc = replace(S.retrofit_config(s, "fixed-finetune", c), seed=seed)
                 R.retrofit(base, "fixed-finetune", d, rc, resume=True, progress=False, task=mod)
                 t = {"settings": c, **_score(S, E, mod, S.policy_model(E, base, "fixed-finetune", d, pm),
                                              "fixed-finetune", vcfg, fit), "dir": str(d)}
@@ -228,7 +228,7 @@ def run(a: argparse.Namespace) -> int:
                 print(f"[evidence {a.task}] {name} seed {seed}", flush=True)
                 if r["policy"] == "fixed-finetune":
                     d = out / name / f"seed{seed}"
-                    R.retrofit(base, "fixed-finetune", d, replace(S.retrofit_config(E, s, "fixed-finetune",
+                    R.retrofit(base, "fixed-finetune", d, replace(S.retrofit_config(s, "fixed-finetune",
                                                                                      r["settings"]), seed=seed),
                                resume=True, progress=False, task=mod)
                 else:

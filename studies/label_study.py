@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.min_k < 0:
         p.error(f"--min-k must be >= 0, got {args.min_k}")
-    from kvpop.demo.evaluate import load_base_model
+    from kvpop.evaluation.evaluate import load_base_model
 
     global T
     T = TASKS[args.task]

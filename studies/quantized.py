@@ -106,8 +106,8 @@ def _rows(model, ids, budget: int, sinks: int, window: int, read) -> list[dict]:
 def _task(name: str, out: Path, n: int, steps: int) -> dict:
     from dataclasses import replace
 
-    from kvpop.demo import evaluate as E
     from kvpop.demo import retrofit as R
+    from kvpop.evaluation import evaluate as E
     from studies.evidence_synthetic import _demo
 
     S, args, s = _demo(name, out / name, n)
@@ -116,7 +116,7 @@ def _task(name: str, out: Path, n: int, steps: int) -> dict:
     c = dict(s["retrofits"]["kvpop-mlp"])
     c.update(steps=min(int(c["steps"]), steps), head_budgets=None, eval_every=0, patience=0)
     d = out / name / "kvpop-mlp"
-    R.retrofit(base, "kvpop-mlp", d, replace(S.retrofit_config(E, s, "kvpop-mlp", c), seed=0), resume=True,
+    R.retrofit(base, "kvpop-mlp", d, replace(S.retrofit_config(s, "kvpop-mlp", c), seed=0), resume=True,
                progress=True, task=mod)
     budget = HEADLINE[name]
     model = S.policy_model(E, base, "kvpop-mlp", d, dict(sinks=s["sinks"], window=s["window"], budget=budget))
@@ -136,7 +136,7 @@ def _task(name: str, out: Path, n: int, steps: int) -> dict:
 
 def _realtext(n: int, scorers: str | None, length: int = REALTEXT["seq_len"]) -> dict:
     import kvpop
-    from kvpop.demo.evaluate import load_base_model
+    from kvpop.evaluation.evaluate import load_base_model
     from kvpop.training.data import jsonl_values
 
     sinks, window, start = REALTEXT["sinks"], REALTEXT["window"], REALTEXT["start"]
@@ -192,7 +192,7 @@ def cache_bytes(instrument: str, policy: str, budget: int, slot_dtype: str, sink
     depends on the shapes, the policy and the slot dtype only, never on the tokens or the scorer's weights."""
     import kvpop
     from kvpop.core.cache import KVpopCache
-    from kvpop.demo.evaluate import load_base_model
+    from kvpop.evaluation.evaluate import load_base_model
     from kvpop.models import cache_kwarg_name
 
     model = load_base_model(SHIPPED / MODELS[instrument]).to(torch.bfloat16)

@@ -3,7 +3,7 @@
 The corpus is :mod:`studies.realtext_corpus` (installed packages' source and documentation, split by
 file, shipped validation and test splits in ``kvpop/data/realtext``); the model is
 ``kvpop/data/tiny_qwen3_code`` (``kvpop pretrain --data``, its ``TRAINING.md``).  The learned policies and
-the fixed rules are measured by ``kvpop eval --data`` (:mod:`kvpop.demo.trace_eval`); this module adds the
+the fixed rules are measured by ``kvpop eval --data`` (:mod:`kvpop.evaluation.trace_eval`); this module adds the
 *oracle*: the teacher's exact label (``mask_source="teacher"``, ``target_source="teacher"``: the frozen
 dense model's own attention, pooled by ``label``) used directly as the eviction priority at a fixed decay
 ``gamma``, no scorer.  It is scored exactly as ``kvpop eval --data`` scores a policy: teacher-forced
@@ -94,8 +94,8 @@ def oracle_rows(base: nn.Module, traces: Sequence[torch.Tensor], *, budgets: Seq
                 labels: Sequence[tuple[str, float]], gammas: Sequence[float], sinks: int = 4,
                 window: int = 32, progress: bool = True) -> list[dict[str, Any]]:
     """One row per (label, gamma, budget): NLL, dense NLL, their difference and top-1 agreement with dense at
-    every position ``>= max(budgets)`` of ``traces`` (as :func:`kvpop.demo.trace_eval.evaluate_traces`)."""
-    from kvpop.demo.trace_eval import sequence_scores
+    every position ``>= max(budgets)`` of ``traces`` (as :func:`kvpop.evaluation.trace_eval.evaluate_traces`)."""
+    from kvpop.evaluation.trace_eval import sequence_scores
 
     budgets = sorted({int(b) for b in budgets})
     least = sinks + window + 1
@@ -145,7 +145,7 @@ def head_adaptive_rows(base: nn.Module, scorers: str, traces: Sequence[torch.Ten
     from kvpop.core.budgets import ablation_importance, allocate
     from kvpop.core.checkpoint import load_scorers, read_scorer_config
     from kvpop.core.layer import kvpop_layers
-    from kvpop.demo.trace_eval import sequence_scores
+    from kvpop.evaluation.trace_eval import sequence_scores
 
     budgets = sorted({int(b) for b in budgets})
     start = budgets[-1]
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--goal-budget", type=int, default=128)
     a = p.parse_args(argv)
     if a.cmd == "head-adaptive":
-        from kvpop.demo.trace_eval import load_model
+        from kvpop.evaluation.trace_eval import load_model
         from kvpop.training import data as data_io
 
         t0 = time.time()
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(md + "\n\n" + json.dumps(goals, indent=1))
         return 0
-    from kvpop.demo.trace_eval import load_model
+    from kvpop.evaluation.trace_eval import load_model
     from kvpop.training import data as data_io
 
     t0 = time.time()

@@ -206,9 +206,9 @@ def _cpu_s() -> float:
 def run_one(name: str, f: dict[str, Any], max_steps: int, out: Path) -> dict[str, Any]:
     """Train run ``name`` (factors ``f``), validate, score on the report sequences; writes ``out/NAME.json``."""
     from kvpop.core.layer import kvpop_layers
-    from kvpop.demo.evaluate import load_base_model
     from kvpop.demo.lookahead_task import SHIPPED_MODEL
     from kvpop.demo.retrofit import RetrofitConfig, _train_validated
+    from kvpop.evaluation.evaluate import load_base_model
 
     env = _env()
     t0 = time.time()
@@ -280,8 +280,8 @@ def check(steps: int = 8) -> dict[str, Any]:
     from kvpop.core.layer import kvpop_layers
     from kvpop.core.patching import patch
     from kvpop.demo import lookahead_task as T
-    from kvpop.demo.evaluate import load_base_model
     from kvpop.demo.retrofit import RetrofitConfig, retrofit
+    from kvpop.evaluation.evaluate import load_base_model
     from kvpop.training.train import train
     from studies import label_study as LS
 

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(args.lr) and args.lr > 0):
         print(f"--lr must be a finite number > 0, got {args.lr}", file=sys.stderr)
         return 2
-    from kvpop.demo.evaluate import load_base_model
+    from kvpop.evaluation.evaluate import load_base_model
 
     model = load_base_model(args.model)
     ex = T.make_example(T.valid_seed(0), T.TRAIN_LEN)

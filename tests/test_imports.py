@@ -24,7 +24,9 @@ LAYERS = [
     ("=kvpop",),                        # the public names (the core's), the baselines' cache policies registered
     ("kvpop.training",),                # the loop and its method interface (KVpop, DMS); reading training data
     ("kvpop.answers",),                 # kvpop eval --problems: generated answers per policy and budget
-    ("kvpop.demo",),                    # the synthetic tasks, retrofits, the evaluation harness
+    ("kvpop.evaluation",),              # the measurement engine of kvpop eval, --auto, the demo and the studies
+                                        # (the task it measures on is given to it)
+    ("kvpop.demo",),                    # the synthetic tasks, retrofits, pre-training, the demo's grid and run
     ("kvpop.cli", "kvpop.vllm"),        # the commands; the vLLM plugin (a leaf beside them)
     ("kvpop.__main__",),                # python -m kvpop
     ("studies",),                       # research instruments (the evidence ledger), beside the package: nothing

@@ -223,8 +223,8 @@ def _held_out(args: argparse.Namespace, model, source: Path, seqs: list) -> None
 def _served(base, d: Path, budget: int):
     """``(run, models)``: the run in ``d`` read as ``kvpop eval --run`` reads it, and its policy models (dense
     and the run's) at ``budget`` over ``base``."""
-    from kvpop.demo import evaluate as E
-    from kvpop.demo import trace_eval as TE
+    from kvpop.evaluation import evaluate as E
+    from kvpop.evaluation import trace_eval as TE
 
     from .trained import policy_models, read_run
 
@@ -237,7 +237,7 @@ def _scorer(source: Path, parts: dict, budget: int):
     """``score(dir, part)``: the run in ``dir`` served by ``kvpop eval --run`` at ``budget`` on the ``part``
     (``"fit"`` or ``"select"``) sequences of ``parts``: each sequence's mean next-token NLL over dense past the
     budget."""
-    from kvpop.demo import trace_eval as TE
+    from kvpop.evaluation import trace_eval as TE
 
     base = TE.load_model(source)
 
@@ -256,8 +256,8 @@ def _task_scorer(source: Path, task, seeds: dict, length: int, budget: int):
     """``score(dir, part)`` with ``--task``: the run in ``dir`` served at ``budget`` on the task's validation
     examples of ``seeds[part]`` at ``length``, each one's error rate at its graded positions (1 - accuracy), the
     task's own measure (``kvpop eval --run`` on the task reports accuracy)."""
-    from kvpop.demo import evaluate as E
-    from kvpop.demo import trace_eval as TE
+    from kvpop.evaluation import evaluate as E
+    from kvpop.evaluation import trace_eval as TE
 
     base = TE.load_model(source)
     examples = {part: [task.make_example(x, length) for x in xs] for part, xs in seeds.items()}

@@ -9,7 +9,7 @@
 This module parses the arguments and calls the library: one task's run is :func:`kvpop.demo.run.run_task`
 (the retrofits, every policy at the task's budgets, at L_train and 2x L_train, on test sequences through
 ``kvpop.KVpopCache``, and its files); ``--select`` is :func:`kvpop.demo.search.select`, the demo's stages
-(:func:`kvpop.training.search.select_plan` over ``SELECT_GRID``; ``--select-stage label``: the label family,
+(:func:`kvpop.demo.grid.select_plan` over ``SELECT_GRID``; ``--select-stage label``: the label family,
 the decay range, head-adaptive budgets and the joint retrofits' start, with early stopping on validation) run by
 the one search of the library (:class:`kvpop.training.search.Search`, ``kvpop train --auto``'s too).  The
 training settings are :data:`kvpop.demo.search.CHOSEN` (``kvpop/data/demo_results/chosen.json``, data, the
@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvpop.demo.grid import SELECT_STAGES
 from kvpop.demo.search import TASKS
-from kvpop.training.search import SELECT_STAGES
 
 from .eval import _ints, add_common, check_common, check_out
 
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which task's model to retrofit and evaluate (default: kvtrace; lookahead: the shipped "
                         "kvpop/data/tiny_qwen3_lookahead, or --model DIR; all: one after the other)")
     p.add_argument("--select", action="store_true",
-                   help="choose the training settings on validation sequences (kvpop.training.search.SELECT_GRID) "
+                   help="choose the training settings on validation sequences (kvpop.demo.grid.SELECT_GRID) "
                         "instead of running the demo; writes OUT/<task>/selection.json")
     p.add_argument("--select-stage", default="all", choices=SELECT_STAGES,
                    help="with --select: all (every setting), target_source (only the joint retrofits' label source, "
@@ -103,9 +103,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--model belongs to one task: give --task kvtrace or --task lookahead with it")
         if args.steps is not None and args.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
-        from kvpop.demo import evaluate as E
         from kvpop.demo.run import run_task
         from kvpop.demo.search import base_model_dir, eval_config, retrofit_config, select
+        from kvpop.evaluation import evaluate as E
 
         settings = {}
         for task in tasks:  # check every setting before training anything
@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
             s = settings[task] = _settings(args, task)
             eval_config(E, s, args)
             for p, c in s["retrofits"].items():
-                retrofit_config(E, s, p, c)
+                retrofit_config(s, p, c)
         for task in tasks:
             (select if args.select else run_task)(args, task, out / task, settings[task])
     except (ValueError, FileNotFoundError, TypeError) as e:

@@ -15,12 +15,12 @@ what each run was trained at.  A run trained with head-adaptive budgets is serve
 budget and, at another, with rows shared anew by the importance in its ``head_budgets.json``
 (``kvpop.core.budgets.rebudget``); without that importance another budget is refused.
 
-Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.demo.evaluate``), the
+Every non-dense number goes through ``kvpop.patch`` + ``kvpop.KVpopCache`` (see ``kvpop.evaluation.evaluate``), the
 ``dms`` row through ``kvpop.baselines.dms.patch_dms`` + ``DMSCache`` at the same mean budget.
 Policies without what they need (scorers, a fine-tuned model) are skipped unless named in
 ``--policies``, which then raises a clear error.
 
-On your own model and traces (``--data``; see ``kvpop.demo.trace_eval``)::
+On your own model and traces (``--data``; see ``kvpop.evaluation.trace_eval``)::
 
     kvpop eval --model my-model --data traces.jsonl --run runs/mlstm --run runs/dms --out eval-out
 
@@ -166,7 +166,7 @@ def _trained(args: argparse.Namespace) -> dict:
     """policy -> :class:`kvpop.cli.trained.Trained` from ``--run``, ``--scorers``, ``--finetuned`` and ``--dms``
     (files checked and configs read here, before any model is loaded)."""
     from kvpop.core.checkpoint import read_scorer_config
-    from kvpop.demo import evaluate as E
+    from kvpop.evaluation import evaluate as E
     from kvpop.training.outputs import check_same_step
 
     from .trained import GATES_FILE, SCORERS_FILE, Trained, dms_run, read_run
@@ -247,8 +247,8 @@ def _traces(data_io, records: list, seq_len: int | None, option: str, path: str)
 def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
     import torch
 
-    from kvpop.demo import evaluate as E
-    from kvpop.demo import trace_eval as TE
+    from kvpop.evaluation import evaluate as E
+    from kvpop.evaluation import trace_eval as TE
     from kvpop.training import data as data_io
 
     t0 = time.time()
@@ -316,7 +316,8 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvpop.demo import evaluate as E
+    from kvpop.demo import task as T
+    from kvpop.evaluation import evaluate as E
 
     try:
         wanted = None if args.policies is None else [x.strip() for x in args.policies.split(",") if x.strip()]
@@ -362,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
                                 budget=cfg.budgets[0], load=E.load_base_model, budgets=cfg.budgets)
         t0 = time.time()
-        results = E.evaluate(models, cfg)
+        results = E.evaluate(models, cfg, task=T)
         results["eval_seconds"] = round(time.time() - t0, 1)
         results["trained"] = {p: summary[p] for p in summary if p in models}
         results["row_models"] = _ran(args._row_models, models)

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvpop.demo.pretrain import TASKS, check_args, curriculum, export_model, get_task, pretrain
+from kvpop.demo.pretrain import TASKS, PretrainSettings, check_args, curriculum, export_model, get_task, pretrain
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    # the settings only (no parser bookkeeping): they are written to args.json and the checkpoints
-    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("command", "_module")})
+    # the settings only (no parser bookkeeping), typed: they are written to args.json and the checkpoints
+    args = PretrainSettings(**{k: v for k, v in vars(args).items() if k not in ("command", "_module")})
     data_only = [n for n in ("valid_data", "vocab_size", "max_positions") if getattr(args, n) is not None]
     if args.data is None and data_only:
         print(f"kvpop pretrain: error: --{data_only[0].replace('_', '-')} is for --data", file=sys.stderr)
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_lengths(args: argparse.Namespace, L_train: int) -> list[int]:
+def _export_lengths(args: PretrainSettings, L_train: int) -> list[int]:
     """``--export-lengths`` (default L_train / 2, L_train, 2 L_train), each at least the task's minimum length."""
     low = get_task(args.task).DEFAULT.min_length()
     if not args.export_lengths:
@@ -153,7 +153,7 @@ def _export_lengths(args: argparse.Namespace, L_train: int) -> list[int]:
     return lengths
 
 
-def _locked(args: argparse.Namespace, fn) -> int:
+def _locked(args: PretrainSettings, fn) -> int:
     """``fn(args)`` holding ``--out``'s run lock: two trainings in one run directory would overwrite each
     other's checkpoints and log (an export only reads the run, and takes no lock)."""
     from kvpop.training.runstate import RunDirectoryError, RunLock

@@ -92,8 +92,8 @@ def run(args: argparse.Namespace, trained: dict, wanted: list[str] | None) -> in
     import torch
 
     from kvpop import answers as P
-    from kvpop.demo import evaluate as E
-    from kvpop.demo import trace_eval as TE
+    from kvpop.evaluation import evaluate as E
+    from kvpop.evaluation import trace_eval as TE
     from kvpop.training import data as data_io
 
     from .trained import parse_ints as _ints

@@ -105,7 +105,7 @@ DEMO_GRID = {"k": (12, 28, 64), "lr_scorer": (1e-2, 3e-2), "steps": (100, 200), 
              "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30, 100), "label": ("mean", "max"),
              "decay_span": (None,), "label_lr_scorer": (3e-3,), "label_steps": (3000,), "eval_every": (250,),
              "patience": (3,)}
-"""``kvpop demo --select``'s candidates on this task (``SELECT_GRID``'s keys, :mod:`kvpop.training.search`): the
+"""``kvpop demo --select``'s candidates on this task (``SELECT_GRID``'s keys, :mod:`kvpop.demo.grid`): the
 training budget's long-range slots ``k`` at the smallest and the middle budget's (12, 28) and beyond the largest
 kept set (64); two scorer learning rates, two step counts, two model learning rates for the joint and
 fixed-pattern fine-tunes. The label family (``--select-stage label``): the paper's mean label and the max, up to

@@ -22,13 +22,14 @@ those of the run in ``OUT/ckpt.pt`` (:func:`changed_settings`; the options of :d
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +48,9 @@ from kvpop.training.runstate import (
 
 from . import task as T
 
-__all__ = ["TASKS", "get_task", "build_model", "pretrain", "evaluate", "export_model", "parse_curriculum",
-           "check_args", "changed_settings", "PretrainDiverged", "check_step", "check_weights", "RESUMABLE"]
+__all__ = ["PretrainSettings", "TASKS", "get_task", "build_model", "pretrain", "evaluate", "export_model",
+           "parse_curriculum", "check_args", "changed_settings", "PretrainDiverged", "check_step", "check_weights",
+           "RESUMABLE"]
 
 TASKS = {"kvtrace": ("kvpop.demo.task", "128:64,256:32,512:16,1024:8,2048:4"),
          "lookahead": ("kvpop.demo.lookahead_task", "128:64,256:32,512:16")}
@@ -99,6 +101,51 @@ def parse_curriculum(spec: str) -> list[tuple[int, int]]:
     return stages
 
 
+@dataclass
+class PretrainSettings:
+    """The settings of one pre-training (``kvpop pretrain``'s options, field for field and in their order: the
+    command builds it, :func:`pretrain` and :func:`kvpop.demo.pretrain_data.pretrain_data` take it).  Its dict
+    (:func:`dataclasses.asdict`) is what ``args.json`` and the checkpoints record and a resume compares."""
+
+    out: str
+    steps: int = 6000
+    resume: bool = False
+    seed: int = 0
+    threads: int = 1
+    task: str = "kvtrace"
+    curriculum: str | None = None
+    advance_acc: float = 0.9
+    min_stage_steps: int = 50
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup: int = 100
+    cooldown: int = 0
+    clip: float = 1.0
+    filler_weight: float = 0.1
+    eval_every: int = 100
+    eval_n: int = 32
+    ckpt_every: int = 25
+    max_minutes: float | None = None
+    stop_acc: float = 1.01
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate: int = 384
+    rope_theta: float = 1e6
+    export: str | None = None
+    export_from: str = "model"
+    export_lengths: str | None = None
+    no_progress: bool = False
+    data: str | None = None
+    valid_data: str | None = None
+    seq_len: int = 1024
+    batch_size: int = 4
+    vocab_size: int | None = None
+    max_positions: int | None = None
+
+
 RESUMABLE = frozenset({"steps", "resume", "out", "threads", "no_progress", "max_minutes", "cooldown", "ckpt_every",
                        "eval_every", "stop_acc", "export", "export_from", "export_lengths", "command_line"})
 """Options that may change between a run and its ``--resume``: how long, where and how visibly it runs (and
@@ -138,7 +185,7 @@ def check_weights(model: torch.nn.Module, step: int, checkpoint: Path, good_step
         raise PretrainDiverged(step, f"the weights ({', '.join(bad)})", checkpoint, good_step, weights=True)
 
 
-def _number(args: argparse.Namespace, name: str, *, low: float, strict: bool = False, integer: bool = False) -> None:
+def _number(args: PretrainSettings, name: str, *, low: float, strict: bool = False, integer: bool = False) -> None:
     v = getattr(args, name, None)
     if v is None:
         return
@@ -151,7 +198,7 @@ def _number(args: argparse.Namespace, name: str, *, low: float, strict: bool = F
         raise ValueError(f"{opt} must be a finite number {rel} {low:g}, got {v}")
 
 
-def check_args(args: argparse.Namespace, *, data: bool = False) -> None:
+def check_args(args: PretrainSettings, *, data: bool = False) -> None:
     """ValueError naming the first option of ``kvpop pretrain`` (the namespace of its parser) out of its range:
     the model sizes, step counts and numbers, the curriculum (task) or ``--vocab-size`` / ``--max-positions``
     (``data``: with ``--data``).  Called before any work."""
@@ -178,7 +225,7 @@ def check_args(args: argparse.Namespace, *, data: bool = False) -> None:
     curriculum(args)
 
 
-def curriculum(args: argparse.Namespace) -> list[tuple[int, int]]:
+def curriculum(args: PretrainSettings) -> list[tuple[int, int]]:
     """The stages of ``--curriculum`` (default: the task's), checked against the task: ValueError naming the
     stage that is shorter than the task's minimum length or has a batch < 1."""
     spec = args.curriculum or TASKS[args.task][1]
@@ -343,9 +390,11 @@ def _lr_at(step: int, args) -> float:
     return args.lr
 
 
-def pretrain(args: argparse.Namespace) -> int:
-    """Pre-train (or resume) the tiny model in ``args.out`` with the settings of ``kvpop pretrain`` (the
-    namespace its parser gives, :mod:`kvpop.cli.pretrain`); returns the command's exit status."""
+def pretrain(args: PretrainSettings) -> int:
+    """Pre-train (or resume) the tiny model in ``args.out`` with the settings of ``kvpop pretrain`` (built by
+    :mod:`kvpop.cli.pretrain`); returns the command's exit status.  The phases: the settings checked, the model
+    and optimiser built (:meth:`_Pretraining.build`), the resume (:meth:`_Pretraining.resume`), then the steps
+    (:meth:`_Pretraining.run`: each :meth:`~_Pretraining.step`, the evaluations and the checkpoints)."""
     try:
         check_args(args)
     except ValueError as e:
@@ -353,160 +402,217 @@ def pretrain(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    task = get_task(args.task)
-    stages = curriculum(args)
-    task_cfg = task.DEFAULT
-    L_train = stages[-1][0]
-    ckpt_path = out / "ckpt.pt"
-    model = build_model(task_cfg, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                        kv_heads=args.kv_heads, head_dim=args.head_dim,
-                        intermediate=args.intermediate,
-                        max_positions=max(8192, 4 * L_train), rope_theta=args.rope_theta,
-                        seed=args.seed)
-    if hasattr(task, "init_embeddings"):  # a task's own start for its embeddings (see the task module)
-        task.init_embeddings(model.get_input_embeddings().weight, task_cfg)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98))
-    state = {"step": 0, "stage": 0, "stage_step": 0, "ema_acc": 0.0, "best_acc": -1.0,
-             "elapsed_s": 0.0, "history": []}
-    good_step = None  # the step ckpt.pt holds (finite weights: no checkpoint of others is written)
+    run = _Pretraining.build(args, out)
     if args.resume:
-        if not ckpt_path.exists():
-            print(f"no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
-        else:
-            def same_settings(ck: dict) -> None:
-                def norm(a: dict) -> dict:  # the default curriculum spelled out or left out: the same run
-                    return {**a, "curriculum": a.get("curriculum") or TASKS.get(a.get("task"), (None, None))[1]}
-
-                saved = ck.get("args")
-                refuse_changed(changed_settings(norm(saved) if isinstance(saved, dict) else saved, norm(vars(args))),
-                               ckpt_path)
-
-            try:
-                state = restore_checkpoint(ckpt_path, model, opt, out, check=same_settings)["state"]
-            except ValueError as e:
-                print(f"kvpop pretrain: error: {e}", file=sys.stderr)
-                return 2
-            good_step = state["step"]
-            print(f"resumed at step {state['step']} stage {state['stage']}", file=sys.stderr)
-    if state["step"] == 0:
+        try:
+            run.resume()
+        except ValueError as e:
+            print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+            return 2
+    if run.state["step"] == 0:
         write_jsonl(out / "log.jsonl", [])  # a fresh run starts a fresh log
-    model.train()
-    (out / "args.json").write_text(json.dumps({**vars(args), "task": task_cfg.to_dict()}, indent=2))
+    run.model.train()
+    (out / "args.json").write_text(json.dumps({**asdict(args), "task": run.task_cfg.to_dict()}, indent=2))
+    return run.run()
 
-    def finite_weights() -> None:  # before anything of the weights is written
-        check_weights(model, state["step"], ckpt_path, good_step)
 
-    def checkpoint():
-        nonlocal good_step
-        finite_weights()
-        atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
-                     "args": vars(args), "task": task_cfg.to_dict(), "rng": rng_state()}, ckpt_path)
-        good_step = state["step"]
+class _RunFiles:
+    """What both pre-training runs (:class:`_Pretraining`, ``pretrain_data``'s ``_DataRun``) share: the checkpoint
+    ``OUT/ckpt.pt`` and the check that the weights are finite before anything of them is written."""
 
-    from kvpop.progress import progress
+    out: Path
+    model: torch.nn.Module
+    state: dict
+    good_step: int | None
 
-    bar = progress(args.steps, desc="kvpop pretrain", initial=state["step"], enabled=not args.no_progress,
-                   mininterval=5.0)
-    signals = StopSignals(name="kvpop pretrain").install()  # checkpoint and stop cleanly on SIGTERM / SIGINT
-    t0 = time.time() - state["elapsed_s"]
-    log = open(out / "log.jsonl", "a")
-    max_batch = max(b for _, b in stages)
-    try:
-        while state["step"] < args.steps:
-            step = state["step"]
-            length, bsz = stages[state["stage"]]
-            seeds = [task.train_seed(step * max_batch + i) for i in range(bsz)]
-            batch = task.make_batch(seeds, length, task_cfg)
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, args)
-            loss, acc = _loss_and_acc(model, batch, task_cfg, args.filler_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            check_step(step, loss, gn, ckpt_path, good_step)
-            opt.step()
-            a = float(acc)
-            loss = loss.detach()
-            state["ema_acc"] = a if state["stage_step"] == 0 else 0.95 * state["ema_acc"] + 0.05 * a
-            state["step"] += 1
-            state["stage_step"] += 1
-            state["elapsed_s"] = time.time() - t0
-            rec = {"step": state["step"], "L": length, "loss": round(float(loss), 4), "acc": round(a, 4),
-                   "ema": round(state["ema_acc"], 4), "gn": round(float(gn), 3),
-                   "t": round(state["elapsed_s"], 1)}
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / "ckpt.pt"
+
+    def finite_weights(self) -> None:  # before anything of the weights is written
+        check_weights(self.model, self.state["step"], self.ckpt_path, self.good_step)
+
+
+@dataclass
+class _Pretraining(_RunFiles):
+    """One pre-training run: its settings, task and curriculum, the model and optimiser, the progress
+    (``state``, saved in ``ckpt.pt``) and ``good_step``, the step ``ckpt.pt`` holds (finite weights: no
+    checkpoint of others is written)."""
+
+    args: PretrainSettings
+    out: Path
+    task: Any
+    task_cfg: Any
+    stages: list[tuple[int, int]]
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    state: dict
+    good_step: int | None = None
+
+    @property
+    def L_train(self) -> int:
+        return self.stages[-1][0]
+
+    @classmethod
+    def build(cls, args: PretrainSettings, out: Path) -> _Pretraining:
+        """The model (the task's embedding start when it has one) and its AdamW (no decay on vectors)."""
+        task = get_task(args.task)
+        stages = curriculum(args)
+        task_cfg = task.DEFAULT
+        model = build_model(task_cfg, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                            kv_heads=args.kv_heads, head_dim=args.head_dim,
+                            intermediate=args.intermediate,
+                            max_positions=max(8192, 4 * stages[-1][0]), rope_theta=args.rope_theta,
+                            seed=args.seed)
+        if hasattr(task, "init_embeddings"):  # a task's own start for its embeddings (see the task module)
+            task.init_embeddings(model.get_input_embeddings().weight, task_cfg)
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=args.lr, betas=(0.9, 0.98))
+        state = {"step": 0, "stage": 0, "stage_step": 0, "ema_acc": 0.0, "best_acc": -1.0,
+                 "elapsed_s": 0.0, "history": []}
+        return cls(args, out, task, task_cfg, stages, model, opt, state)
+
+    def resume(self) -> None:
+        """``ckpt.pt`` read back (ValueError when it was trained with other settings than the resumable ones)."""
+        if not self.ckpt_path.exists():
+            print(f"no checkpoint at {self.ckpt_path}; starting fresh", file=sys.stderr)
+            return
+
+        def norm(a: dict) -> dict:  # the default curriculum spelled out or left out: the same run
+            return {**a, "curriculum": a.get("curriculum") or TASKS.get(a.get("task"), (None, None))[1]}
+
+        def same_settings(ck: dict) -> None:
+            saved = ck.get("args")
+            refuse_changed(changed_settings(norm(saved) if isinstance(saved, dict) else saved,
+                                            norm(asdict(self.args))), self.ckpt_path)
+
+        self.state = restore_checkpoint(self.ckpt_path, self.model, self.opt, self.out, check=same_settings)["state"]
+        self.good_step = self.state["step"]
+        print(f"resumed at step {self.state['step']} stage {self.state['stage']}", file=sys.stderr)
+
+    def checkpoint(self) -> None:
+        self.finite_weights()
+        atomic_save({"model": self.model.state_dict(), "optim": self.opt.state_dict(), "state": self.state,
+                     "args": asdict(self.args), "task": self.task_cfg.to_dict(), "rng": rng_state()}, self.ckpt_path)
+        self.good_step = self.state["step"]
+
+    def run(self) -> int:
+        """The steps up to ``--steps``: evaluations every ``--eval-every`` steps, checkpoints every
+        ``--ckpt-every``, a stop on ``--max-minutes``, ``--stop-acc`` or a signal; the exit status."""
+        from kvpop.progress import progress
+
+        args, state = self.args, self.state
+        bar = progress(args.steps, desc="kvpop pretrain", initial=state["step"], enabled=not args.no_progress,
+                       mininterval=5.0)
+        signals = StopSignals(name="kvpop pretrain").install()  # checkpoint and stop cleanly on SIGTERM / SIGINT
+        t0 = time.time() - state["elapsed_s"]
+        log = open(self.out / "log.jsonl", "a")
+        try:
+            while state["step"] < args.steps:
+                rec, length, advanced = self.step(t0, bar)
+                done = state["step"] >= args.steps
+                if state["step"] % args.eval_every == 0 or done or advanced:
+                    self.evaluate(rec, length, done, bar)
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                stop = bool(args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes)
+                if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc or signals.signum is not None:
+                    stop = True
+                if state["step"] % args.ckpt_every == 0 or done or stop or advanced:
+                    self.checkpoint()
+                if stop:
+                    break
+            if self.good_step != state["step"]:
+                self.checkpoint()
+            if state["step"] >= args.steps:
+                _save_model(self.model, self.out / "model_final", {"step": state["step"], "L_train": self.L_train,
+                                                                   "elapsed_s": state["elapsed_s"],
+                                                                   "args": asdict(args)})
+        except PretrainDiverged as e:
+            print(f"kvpop pretrain: {e}", file=sys.stderr)
+            return 1
+        finally:
             if bar is not None:
-                bar.set_postfix(L=length, loss=f"{float(loss):.3f}", acc=f"{state['ema_acc']:.3f}")
-                bar.update(1)
-            advanced = False
-            if (state["stage"] + 1 < len(stages) and state["stage_step"] >= args.min_stage_steps
-                    and state["ema_acc"] >= args.advance_acc):
-                state["stage"] += 1
-                state["stage_step"] = 0
-                advanced = True
-                rec["advance_to"] = stages[state["stage"]][0]
-            done = state["step"] >= args.steps
-            if state["step"] % args.eval_every == 0 or done or advanced:
-                finite_weights()  # the models below are saved from these weights
-                acc_cur = evaluate(model, length, n=args.eval_n, task_cfg=task_cfg, task=task)
-                rec["test_acc_cur"] = round(acc_cur, 4)
-                best_len = state.setdefault("best_by_length", {})
-                if acc_cur > best_len.get(str(length), -1.0):
-                    best_len[str(length)] = acc_cur
-                    _save_model(model, out / f"model_L{length}", {"step": state["step"], "length": length,
-                                                                 "test_acc": acc_cur,
-                                                                 "elapsed_s": state["elapsed_s"],
-                                                                 "args": vars(args)})
-                if length == L_train:
-                    acc_tr = acc_cur
-                elif state["step"] % (args.eval_every * 5) == 0 or done:
-                    acc_tr = evaluate(model, L_train, n=args.eval_n, task_cfg=task_cfg, task=task)
-                else:
-                    acc_tr = None
-                if acc_tr is not None:
-                    rec["test_acc_Ltrain"] = round(acc_tr, 4)
-                    if acc_tr > state["best_acc"]:
-                        state["best_acc"] = acc_tr
-                        _save_model(model, out / "model", {"step": state["step"], "L_train": L_train,
-                                                           "test_acc_Ltrain": acc_tr,
-                                                           "elapsed_s": state["elapsed_s"],
-                                                           "args": vars(args)})
-                        rec["saved"] = True
-                state["history"].append(rec)
-                msg = json.dumps(rec)
-                (bar.write(msg) if bar is not None else print(msg, flush=True))
-                sys.stdout.flush()
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            stop = False
-            if args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes:
-                stop = True
-            if rec.get("test_acc_Ltrain", 0.0) >= args.stop_acc or signals.signum is not None:
-                stop = True
-            if state["step"] % args.ckpt_every == 0 or done or stop or advanced:
-                checkpoint()
-            if stop:
-                break
-        if good_step != state["step"]:
-            checkpoint()
-        if state["step"] >= args.steps:
-            _save_model(model, out / "model_final", {"step": state["step"], "L_train": L_train,
-                                                     "elapsed_s": state["elapsed_s"], "args": vars(args)})
-    except PretrainDiverged as e:
-        print(f"kvpop pretrain: {e}", file=sys.stderr)
-        return 1
-    finally:
+                bar.close()
+            signals.restore()
+            log.close()
+        print(json.dumps({"done": True, "step": state["step"], "best_test_acc_Ltrain": state["best_acc"],
+                          "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
+        if signals.signum is not None:
+            print(f"kvpop pretrain: stopped by a signal after step {state['step']}; {self.ckpt_path} holds it: "
+                  f"run the same command with --resume to continue", file=sys.stderr)
+            return 128 + signals.signum
+        return 0
+
+    def step(self, t0: float, bar: Any) -> tuple[dict, int, bool]:
+        """One optimiser step on the current stage's batch (:class:`PretrainDiverged` before a non-finite one is
+        taken), the curriculum advanced when the stage is learnt; ``(record, length, advanced)``."""
+        args, state, model, opt = self.args, self.state, self.model, self.opt
+        step = state["step"]
+        length, bsz = self.stages[state["stage"]]
+        max_batch = max(b for _, b in self.stages)
+        seeds = [self.task.train_seed(step * max_batch + i) for i in range(bsz)]
+        batch = self.task.make_batch(seeds, length, self.task_cfg)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, args)
+        loss, acc = _loss_and_acc(model, batch, self.task_cfg, args.filler_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        check_step(step, loss, gn, self.ckpt_path, self.good_step)
+        opt.step()
+        a = float(acc)
+        loss = loss.detach()
+        state["ema_acc"] = a if state["stage_step"] == 0 else 0.95 * state["ema_acc"] + 0.05 * a
+        state["step"] += 1
+        state["stage_step"] += 1
+        state["elapsed_s"] = time.time() - t0
+        rec = {"step": state["step"], "L": length, "loss": round(float(loss), 4), "acc": round(a, 4),
+               "ema": round(state["ema_acc"], 4), "gn": round(float(gn), 3),
+               "t": round(state["elapsed_s"], 1)}
         if bar is not None:
-            bar.close()
-        signals.restore()
-        log.close()
-    print(json.dumps({"done": True, "step": state["step"], "best_test_acc_Ltrain": state["best_acc"],
-                      "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
-    if signals.signum is not None:
-        print(f"kvpop pretrain: stopped by a signal after step {state['step']}; {ckpt_path} holds it: "
-              f"run the same command with --resume to continue", file=sys.stderr)
-        return 128 + signals.signum
-    return 0
+            bar.set_postfix(L=length, loss=f"{float(loss):.3f}", acc=f"{state['ema_acc']:.3f}")
+            bar.update(1)
+        advanced = False
+        if (state["stage"] + 1 < len(self.stages) and state["stage_step"] >= args.min_stage_steps
+                and state["ema_acc"] >= args.advance_acc):
+            state["stage"] += 1
+            state["stage_step"] = 0
+            advanced = True
+            rec["advance_to"] = self.stages[state["stage"]][0]
+        return rec, length, advanced
+
+    def evaluate(self, rec: dict, length: int, done: bool, bar: Any) -> None:
+        """The test accuracy at the current length (and at ``L_train`` every fifth evaluation or at the end) into
+        ``rec``; the best model of each length (``model_L<length>``) and at ``L_train`` (``model``) saved."""
+        args, state, model, L_train = self.args, self.state, self.model, self.L_train
+        self.finite_weights()  # the models below are saved from these weights
+        acc_cur = evaluate(model, length, n=args.eval_n, task_cfg=self.task_cfg, task=self.task)
+        rec["test_acc_cur"] = round(acc_cur, 4)
+        best_len = state.setdefault("best_by_length", {})
+        if acc_cur > best_len.get(str(length), -1.0):
+            best_len[str(length)] = acc_cur
+            _save_model(model, self.out / f"model_L{length}", {"step": state["step"], "length": length,
+                                                               "test_acc": acc_cur, "elapsed_s": state["elapsed_s"],
+                                                               "args": asdict(args)})
+        if length == L_train:
+            acc_tr = acc_cur
+        elif state["step"] % (args.eval_every * 5) == 0 or done:
+            acc_tr = evaluate(model, L_train, n=args.eval_n, task_cfg=self.task_cfg, task=self.task)
+        else:
+            acc_tr = None
+        if acc_tr is not None:
+            rec["test_acc_Ltrain"] = round(acc_tr, 4)
+            if acc_tr > state["best_acc"]:
+                state["best_acc"] = acc_tr
+                _save_model(model, self.out / "model", {"step": state["step"], "L_train": L_train,
+                                                        "test_acc_Ltrain": acc_tr, "elapsed_s": state["elapsed_s"],
+                                                        "args": asdict(args)})
+                rec["saved"] = True
+        state["history"].append(rec)
+        msg = json.dumps(rec)
+        (bar.write(msg) if bar is not None else print(msg, flush=True))
+        sys.stdout.flush()

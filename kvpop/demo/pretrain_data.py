@@ -27,7 +27,6 @@ next-token NLL and its curve over positions) and the export of the trained model
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -36,6 +35,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,13 @@ import torch.nn.functional as F
 
 from kvpop.demo.pretrain import (
     PretrainDiverged,
+    PretrainSettings,
     _lr_at,
+    _RunFiles,
     _save_model,
     changed_settings,
     check_args,
     check_step,
-    check_weights,
     refuse_changed,
     restore_checkpoint,
 )
@@ -190,7 +191,7 @@ def context_curve(model, seqs: list[torch.Tensor], *, windows: tuple[int, ...] =
     return {"scored_from": start, "sequences": len(seqs), "rows": out}
 
 
-def _command(args: argparse.Namespace) -> str:
+def _command(args: PretrainSettings) -> str:
     return getattr(args, "command_line", None) or ("kvpop pretrain " + " ".join(sys.argv[2:]))
 
 
@@ -272,14 +273,14 @@ def export_data_model(src: str | os.PathLike, dst: str | os.PathLike, *, command
     return info
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def _check_args(args: PretrainSettings) -> None:
     for name, default in TASK_ONLY.items():
         if getattr(args, name, default) != default:
             raise ValueError(f"--{name.replace('_', '-')} is for the synthetic task; it has no meaning with --data")
     check_args(args, data=True)
 
 
-def _vocabulary(args: argparse.Namespace, man: dict | None) -> tuple[list[list[int]], int]:
+def _vocabulary(args: PretrainSettings, man: dict | None) -> tuple[list[list[int]], int]:
     """The records of ``--data`` and the vocabulary size: ``--vocab-size``, else the manifest's, else the largest
     id + 1; every id is checked against it (ValueError naming the file and line), and so are the manifest's
     special ids."""
@@ -304,7 +305,7 @@ def _key(seq: torch.Tensor) -> bytes:
     return hashlib.blake2b(seq.numpy().tobytes(), digest_size=16).digest()
 
 
-def _held_out(args: argparse.Namespace, valid_path: Path, fingerprint: str, train: list, valid: list) -> None:
+def _held_out(args: PretrainSettings, valid_path: Path, fingerprint: str, train: list, valid: list) -> None:
     """ValueError when the validation data is the training data: the same bytes, or every validation sequence
     used also a training sequence (the same records written otherwise)."""
     name = f"--valid-data {valid_path}" if args.valid_data else f"the validation file {valid_path} (beside --data)"
@@ -317,169 +318,234 @@ def _held_out(args: argparse.Namespace, valid_path: Path, fingerprint: str, trai
                          f"a training sequence of --data {args.data}; validation must be held-out data")
 
 
-def pretrain_data(args: argparse.Namespace) -> int:
-    """Pre-train (or resume) on ``args.data`` (the namespace of ``kvpop pretrain``); returns the exit status."""
-    from kvpop.progress import progress
-
+def pretrain_data(args: PretrainSettings) -> int:
+    """Pre-train (or resume) on ``args.data`` (the settings of ``kvpop pretrain``); returns the exit status.
+    The phases: the data read and checked (:func:`_read_data`), the model and optimiser built
+    (:meth:`_DataRun.build`), the resume (:meth:`_DataRun.resume`), then the steps (:meth:`_DataRun.run`)."""
     try:
-        _check_args(args)
-        out = Path(args.out)
-        man = data_manifest(args.data)
-        train_records, vocab = _vocabulary(args, man)
-        train = data_io.chunk(train_records, args.seq_len, source=str(args.data))
-        del train_records
-        fingerprint = data_io.data_fingerprint(args.data)
-        valid_path = Path(args.valid_data or (Path(args.data).parent / "validation.jsonl"))
-        if not valid_path.is_file():
-            raise ValueError(f"no validation data: give --valid-data (there is no {valid_path})")
-        valid = data_io.chunk(data_io.read_jsonl(valid_path, vocab_size=vocab), args.seq_len,
-                              source=str(valid_path))[:args.eval_n]
-        _held_out(args, valid_path, fingerprint, train, valid)
-        valid_fingerprint = data_io.data_fingerprint(valid_path)
-        if len(train) < args.batch_size:
-            raise ValueError(f"{args.data} gives {len(train)} sequence(s) of {args.seq_len} tokens, fewer than "
-                             f"--batch-size {args.batch_size}")
+        data = _read_data(args)
     except OSError as e:
         print(f"kvpop pretrain: error: cannot read {e.filename or args.data} ({e.strerror or e})", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"kvpop pretrain: error: {e}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    special = (man or {}).get("vocab", {})
-    max_positions = args.max_positions or 2 * args.seq_len
-    model = build_lm(vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                     head_dim=args.head_dim, intermediate=args.intermediate, max_positions=max_positions,
-                     rope_theta=args.rope_theta, seed=args.seed,
-                     special={k: special.get(k) for k in ("bos", "eos", "pad")})
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
-    state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0, "best_valid": math.inf, "losses": [],
-                             "data_fingerprint": fingerprint, "valid_fingerprint": valid_fingerprint,
-                             "vocab_size": vocab, "max_positions": max_positions}
-    ckpt_path = out / "ckpt.pt"
-    settings = {k: v for k, v in vars(args).items() if k not in TASK_ONLY and k not in ("command", "_module")}
-    good_step = None  # the step ckpt.pt holds (finite weights: no checkpoint of others is written)
-    if args.resume and ckpt_path.exists():
-        def same_run(ck: dict) -> None:
-            st = ck["state"] if isinstance(ck.get("state"), dict) else {}
-            if st.get("data_fingerprint") != fingerprint:
-                raise ValueError(f"{args.data} is not the data {ckpt_path} was trained on "
-                                 f"({st.get('data_fingerprint')} vs now {fingerprint})")
-            if st.get("valid_fingerprint", valid_fingerprint) != valid_fingerprint:
-                raise ValueError(f"{valid_path} is not the validation data of the run in {ckpt_path} "
-                                 f"({st.get('valid_fingerprint')} vs now {valid_fingerprint})")
-            saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
-            diff = changed_settings(saved, settings, skip=("data", "valid_data", "vocab_size", "max_positions"))
-            emb = ck.get("model", {}).get("model.embed_tokens.weight") if isinstance(ck.get("model"), dict) else None
-            was = {"vocab_size": st.get("vocab_size", emb.shape[0] if isinstance(emb, torch.Tensor) else None),
-                   "max_positions": st.get("max_positions", saved.get("max_positions")
-                                           or (2 * saved["seq_len"] if isinstance(saved.get("seq_len"), int)
-                                               else None))}
-            now = {"vocab_size": vocab, "max_positions": max_positions}
-            diff += [f"--{k.replace('_', '-')} (was {w!r}, now {now[k]!r})" for k, w in was.items()
-                     if w is not None and w != now[k]]
-            refuse_changed(diff, ckpt_path)
-
+    run = _DataRun.build(args, data)
+    if args.resume and run.ckpt_path.exists():
         try:
-            state = restore_checkpoint(ckpt_path, model, opt, out, check=same_run)["state"]
+            run.resume()
         except ValueError as e:
             print(f"kvpop pretrain: error: {e}", file=sys.stderr)
             return 2
-        state.setdefault("valid_fingerprint", valid_fingerprint)
-        good_step = state["step"]
-        print(f"resumed at step {state['step']}", file=sys.stderr)
     elif args.resume:
-        print(f"no checkpoint at {ckpt_path}; starting fresh", file=sys.stderr)
-    if state["step"] == 0:
-        write_jsonl(out / "log.jsonl", [])
-    (out / "args.json").write_text(json.dumps(settings, indent=2))
-    n_params = sum(p.numel() for p in model.parameters())
+        print(f"no checkpoint at {run.ckpt_path}; starting fresh", file=sys.stderr)
+    if run.state["step"] == 0:
+        write_jsonl(run.out / "log.jsonl", [])
+    (run.out / "args.json").write_text(json.dumps(run.settings, indent=2))
+    return run.run()
 
-    def info(valid_rec: dict, name: str) -> dict:
+
+@dataclass
+class _Data:
+    """The data of a ``--data`` run, read and checked: the manifest, the vocabulary size, the training and
+    validation sequences and the files' fingerprints."""
+
+    man: dict | None
+    vocab: int
+    train: list
+    valid: list
+    valid_path: Path
+    fingerprint: str
+    valid_fingerprint: str
+
+
+def _read_data(args: PretrainSettings) -> _Data:
+    """The settings checked, the training data chunked into ``--seq-len`` sequences, the validation data (held
+    out: not the training data) cut to ``--eval-n`` sequences; ValueError (OSError) naming what is wrong."""
+    _check_args(args)
+    man = data_manifest(args.data)
+    train_records, vocab = _vocabulary(args, man)
+    train = data_io.chunk(train_records, args.seq_len, source=str(args.data))
+    del train_records
+    fingerprint = data_io.data_fingerprint(args.data)
+    valid_path = Path(args.valid_data or (Path(args.data).parent / "validation.jsonl"))
+    if not valid_path.is_file():
+        raise ValueError(f"no validation data: give --valid-data (there is no {valid_path})")
+    valid = data_io.chunk(data_io.read_jsonl(valid_path, vocab_size=vocab), args.seq_len,
+                          source=str(valid_path))[:args.eval_n]
+    _held_out(args, valid_path, fingerprint, train, valid)
+    valid_fingerprint = data_io.data_fingerprint(valid_path)
+    if len(train) < args.batch_size:
+        raise ValueError(f"{args.data} gives {len(train)} sequence(s) of {args.seq_len} tokens, fewer than "
+                         f"--batch-size {args.batch_size}")
+    return _Data(man, vocab, train, valid, valid_path, fingerprint, valid_fingerprint)
+
+
+@dataclass
+class _DataRun(_RunFiles):
+    """One ``--data`` pre-training: its settings and data, the model and optimiser, the progress (``state``,
+    saved in ``ckpt.pt``) and ``good_step``, the step ``ckpt.pt`` holds (finite weights only)."""
+
+    args: PretrainSettings
+    out: Path
+    data: _Data
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    state: dict
+    settings: dict
+    max_positions: int
+    good_step: int | None = None
+
+    @classmethod
+    def build(cls, args: PretrainSettings, data: _Data) -> _DataRun:
+        """The run directory, the model (the manifest's special ids) and its AdamW (no decay on vectors)."""
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        special = (data.man or {}).get("vocab", {})
+        max_positions = args.max_positions or 2 * args.seq_len
+        model = build_lm(data.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                         kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
+                         max_positions=max_positions, rope_theta=args.rope_theta, seed=args.seed,
+                         special={k: special.get(k) for k in ("bos", "eos", "pad")})
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
+        state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0, "best_valid": math.inf, "losses": [],
+                                 "data_fingerprint": data.fingerprint, "valid_fingerprint": data.valid_fingerprint,
+                                 "vocab_size": data.vocab, "max_positions": max_positions}
+        settings = {k: v for k, v in asdict(args).items() if k not in TASK_ONLY}
+        return cls(args, out, data, model, opt, state, settings, max_positions)
+
+    def _same_run(self, ck: dict) -> None:
+        """ValueError unless checkpoint ``ck`` was trained on this data with these settings."""
+        args, data, ckpt_path = self.args, self.data, self.ckpt_path
+        st = ck["state"] if isinstance(ck.get("state"), dict) else {}
+        if st.get("data_fingerprint") != data.fingerprint:
+            raise ValueError(f"{args.data} is not the data {ckpt_path} was trained on "
+                             f"({st.get('data_fingerprint')} vs now {data.fingerprint})")
+        if st.get("valid_fingerprint", data.valid_fingerprint) != data.valid_fingerprint:
+            raise ValueError(f"{data.valid_path} is not the validation data of the run in {ckpt_path} "
+                             f"({st.get('valid_fingerprint')} vs now {data.valid_fingerprint})")
+        saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
+        diff = changed_settings(saved, self.settings, skip=("data", "valid_data", "vocab_size", "max_positions"))
+        emb = ck.get("model", {}).get("model.embed_tokens.weight") if isinstance(ck.get("model"), dict) else None
+        was = {"vocab_size": st.get("vocab_size", emb.shape[0] if isinstance(emb, torch.Tensor) else None),
+               "max_positions": st.get("max_positions", saved.get("max_positions")
+                                       or (2 * saved["seq_len"] if isinstance(saved.get("seq_len"), int)
+                                           else None))}
+        now = {"vocab_size": data.vocab, "max_positions": self.max_positions}
+        diff += [f"--{k.replace('_', '-')} (was {w!r}, now {now[k]!r})" for k, w in was.items()
+                 if w is not None and w != now[k]]
+        refuse_changed(diff, ckpt_path)
+
+    def resume(self) -> None:
+        """``ckpt.pt`` read back (ValueError for other data or settings)."""
+        self.state = restore_checkpoint(self.ckpt_path, self.model, self.opt, self.out, check=self._same_run)["state"]
+        self.state.setdefault("valid_fingerprint", self.data.valid_fingerprint)
+        self.good_step = self.state["step"]
+        print(f"resumed at step {self.state['step']}", file=sys.stderr)
+
+    def info(self, valid_rec: dict, name: str) -> dict:
+        """What ``TRAINING.md`` / ``training.json`` beside saved weights say of the run."""
+        state, data, args = self.state, self.data, self.args
         tail = state["losses"][-20:]
         return {"name": name, "command": _command(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "step": state["step"], "elapsed_s": round(state["elapsed_s"], 1), "args": settings,
-                "vocab_size": vocab, "max_positions": max_positions, "n_params": n_params,
-                "train_sequences": len(train), "data": str(args.data), "data_fingerprint": fingerprint,
-                "valid_data": str(valid_path), "valid_fingerprint": data_io.data_fingerprint(valid_path),
-                "manifest": man, "train_loss": round(sum(tail) / max(1, len(tail)), 4), "valid": valid_rec}
+                "step": state["step"], "elapsed_s": round(state["elapsed_s"], 1), "args": self.settings,
+                "vocab_size": data.vocab, "max_positions": self.max_positions,
+                "n_params": sum(p.numel() for p in self.model.parameters()),
+                "train_sequences": len(data.train), "data": str(args.data), "data_fingerprint": data.fingerprint,
+                "valid_data": str(data.valid_path), "valid_fingerprint": data_io.data_fingerprint(data.valid_path),
+                "manifest": data.man, "train_loss": round(sum(tail) / max(1, len(tail)), 4), "valid": valid_rec}
 
-    def finite_weights() -> None:  # before anything of the weights is written
-        check_weights(model, state["step"], ckpt_path, good_step)
+    def checkpoint(self) -> None:
+        self.finite_weights()
+        atomic_save({"model": self.model.state_dict(), "optim": self.opt.state_dict(), "state": self.state,
+                     "args": self.settings, "rng": rng_state()}, self.ckpt_path)
+        self.good_step = self.state["step"]
 
-    def checkpoint():
-        nonlocal good_step
-        finite_weights()
-        atomic_save({"model": model.state_dict(), "optim": opt.state_dict(), "state": state,
-                     "args": settings, "rng": rng_state()}, ckpt_path)
-        good_step = state["step"]
-
-    bar = progress(args.steps, desc="kvpop pretrain --data", initial=state["step"], enabled=not args.no_progress,
-                   mininterval=5.0)
-    signals = StopSignals(name="kvpop pretrain").install()
-    t0 = time.time() - state["elapsed_s"]
-    model.train()
-    try:
-        with open(out / "log.jsonl", "a") as log:
-            while state["step"] < args.steps:
-                step = state["step"]
-                ids = torch.stack([train[sample_index(step, j, args.batch_size, len(train), args.seed)]
-                                   for j in range(args.batch_size)])
-                for g in opt.param_groups:
-                    g["lr"] = _lr_at(step, args)
-                logits = model(ids, use_cache=False).logits[:, :-1]
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-                lv = check_step(step, loss, gn, ckpt_path, good_step)
-                opt.step()
-                state["step"] += 1
-                state["losses"] = (state["losses"] + [lv])[-20:]
-                state["elapsed_s"] = time.time() - t0
-                rec = {"step": state["step"], "loss": round(lv, 4), "gn": round(float(gn), 3),
-                       "lr": _lr_at(step, args), "t": round(state["elapsed_s"], 1)}
-                if bar is not None:
-                    bar.set_postfix(loss=f"{lv:.3f}")
-                    bar.update(1)
-                done = state["step"] >= args.steps
-                if state["step"] % args.eval_every == 0 or done:
-                    finite_weights()  # the models below are saved from these weights
-                    v = validation_nll(model, valid)
-                    rec["valid_nll"] = v["nll"]
-                    rec["valid_buckets"] = [b["nll"] for b in v["buckets"]]
-                    if v["nll"] < state["best_valid"]:
-                        state["best_valid"] = v["nll"]
-                        _save(model, out / "model", info(v, out.name + "/model"))
-                        rec["saved"] = True
-                    if done:
-                        _save(model, out / "model_final", info(v, out.name + "/model_final"))
-                    msg = json.dumps(rec)
-                    (bar.write(msg) if bar is not None else print(msg, flush=True))
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-                stop = (args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes) \
-                    or signals.signum is not None
-                if stop or done or state["step"] % args.ckpt_every == 0:
-                    checkpoint()
-                    if stop:
-                        break
-        if good_step != state["step"]:
-            checkpoint()
-    except PretrainDiverged as e:
-        print(f"kvpop pretrain: {e}", file=sys.stderr)
-        return 1
-    finally:
+    def step(self, t0: float, bar: Any) -> dict:
+        """One optimiser step on the step's fixed sample of sequences (:class:`PretrainDiverged` before a
+        non-finite one is taken); its record."""
+        args, state, model, opt, train = self.args, self.state, self.model, self.opt, self.data.train
+        step = state["step"]
+        ids = torch.stack([train[sample_index(step, j, args.batch_size, len(train), args.seed)]
+                           for j in range(args.batch_size)])
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, args)
+        logits = model(ids, use_cache=False).logits[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        lv = check_step(step, loss, gn, self.ckpt_path, self.good_step)
+        opt.step()
+        state["step"] += 1
+        state["losses"] = (state["losses"] + [lv])[-20:]
+        state["elapsed_s"] = time.time() - t0
+        rec = {"step": state["step"], "loss": round(lv, 4), "gn": round(float(gn), 3),
+               "lr": _lr_at(step, args), "t": round(state["elapsed_s"], 1)}
         if bar is not None:
-            bar.close()
-        signals.restore()
-    print(json.dumps({"done": state["step"] >= args.steps, "step": state["step"],
-                      "best_valid_nll": state["best_valid"], "elapsed_s": round(state["elapsed_s"], 1)}), flush=True)
-    if signals.signum is not None:
-        print(f"kvpop pretrain: stopped by a signal after step {state['step']}; {ckpt_path} holds it: "
-              f"run the same command with --resume to continue", file=sys.stderr)
-        return 128 + signals.signum
-    return 0
+            bar.set_postfix(loss=f"{lv:.3f}")
+            bar.update(1)
+        return rec
+
+    def validate(self, rec: dict, done: bool, bar: Any) -> None:
+        """The validation NLL into ``rec``; the best model (``model``) and at the end ``model_final`` saved."""
+        state, out = self.state, self.out
+        self.finite_weights()  # the models below are saved from these weights
+        v = validation_nll(self.model, self.data.valid)
+        rec["valid_nll"] = v["nll"]
+        rec["valid_buckets"] = [b["nll"] for b in v["buckets"]]
+        if v["nll"] < state["best_valid"]:
+            state["best_valid"] = v["nll"]
+            _save(self.model, out / "model", self.info(v, out.name + "/model"))
+            rec["saved"] = True
+        if done:
+            _save(self.model, out / "model_final", self.info(v, out.name + "/model_final"))
+        msg = json.dumps(rec)
+        (bar.write(msg) if bar is not None else print(msg, flush=True))
+
+    def run(self) -> int:
+        """The steps up to ``--steps``: validations every ``--eval-every`` steps, checkpoints every
+        ``--ckpt-every``, a stop on ``--max-minutes`` or a signal; the exit status."""
+        from kvpop.progress import progress
+
+        args, state = self.args, self.state
+        bar = progress(args.steps, desc="kvpop pretrain --data", initial=state["step"],
+                       enabled=not args.no_progress, mininterval=5.0)
+        signals = StopSignals(name="kvpop pretrain").install()
+        t0 = time.time() - state["elapsed_s"]
+        self.model.train()
+        try:
+            with open(self.out / "log.jsonl", "a") as log:
+                while state["step"] < args.steps:
+                    rec = self.step(t0, bar)
+                    done = state["step"] >= args.steps
+                    if state["step"] % args.eval_every == 0 or done:
+                        self.validate(rec, done, bar)
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                    stop = (args.max_minutes is not None and state["elapsed_s"] > 60 * args.max_minutes) \
+                        or signals.signum is not None
+                    if stop or done or state["step"] % args.ckpt_every == 0:
+                        self.checkpoint()
+                        if stop:
+                            break
+            if self.good_step != state["step"]:
+                self.checkpoint()
+        except PretrainDiverged as e:
+            print(f"kvpop pretrain: {e}", file=sys.stderr)
+            return 1
+        finally:
+            if bar is not None:
+                bar.close()
+            signals.restore()
+        print(json.dumps({"done": state["step"] >= args.steps, "step": state["step"],
+                          "best_valid_nll": state["best_valid"], "elapsed_s": round(state["elapsed_s"], 1)}),
+              flush=True)
+        if signals.signum is not None:
+            print(f"kvpop pretrain: stopped by a signal after step {state['step']}; {self.ckpt_path} holds it: "
+                  f"run the same command with --resume to continue", file=sys.stderr)
+            return 128 + signals.signum
+        return 0

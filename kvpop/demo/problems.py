@@ -3,25 +3,23 @@
 Each graded read of a test sequence becomes one problem: the prompt is the sequence up to and including
 the read's KEY token (so the next token is the value the model must recall), the answer that VALUE token
 as ``answer_ids``.  Greedy dense generation of one token then answers exactly what the teacher-forced
-evaluation grades at that position (:func:`kvpop.demo.evaluate.sequence_correct`)::
+evaluation grades at that position (:func:`kvpop.evaluation.evaluate.sequence_correct`)::
 
-    python -m kvpop.demo.problems --task kvtrace --length 512 --n-sequences 2 --out kvtrace.jsonl
+    python -m kvpop.cli.task_problems --task kvtrace --length 512 --n-sequences 2 --out kvtrace.jsonl
     kvpop eval --problems kvtrace.jsonl --policies dense,streaming,tova --budgets 64,128 --out eval-problems
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-__all__ = ["task_problems", "write_task_problems", "TASKS", "main"]
+__all__ = ["task_problems", "write_task_problems", "TASKS", "task_module"]
 
 TASKS = ("kvtrace", "lookahead")
 
 
-def _task(name: str):
+def task_module(name: str):
     if name == "kvtrace":
         from . import task
         return task
@@ -35,7 +33,7 @@ def task_problems(task_name: str, length: int, n_sequences: int, *, first_seed: 
                   reads: int | None = None) -> list[dict]:
     """Problem records of ``n_sequences`` sequences of ``length`` tokens of the named task (``split``:
     ``"test"`` or ``"valid"`` seeds); ``reads``: at most this many reads per sequence (the first ones)."""
-    task = _task(task_name)
+    task = task_module(task_name)
     if split not in ("test", "valid"):
         raise ValueError(f"split must be 'test' or 'valid', got {split!r}")
     if isinstance(n_sequences, bool) or not isinstance(n_sequences, int) or n_sequences < 1:
@@ -64,26 +62,3 @@ def write_task_problems(path: str | os.PathLike, task_name: str, length: int, n_
         for r in recs:
             f.write(json.dumps(r) + "\n")
     return len(recs)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvpop.demo.problems", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", default="kvtrace", choices=TASKS)
-    p.add_argument("--length", type=int, default=None, help="sequence length (default: the task's L_train)")
-    p.add_argument("--n-sequences", type=int, default=2)
-    p.add_argument("--reads", type=int, default=None, help="at most this many reads per sequence (default all)")
-    p.add_argument("--split", default="test", choices=("test", "valid"))
-    p.add_argument("--out", required=True, help="the JSONL file to write")
-    args = p.parse_args(argv)
-    try:
-        length = args.length if args.length is not None else _task(args.task).TRAIN_LEN
-        n = write_task_problems(args.out, args.task, length, args.n_sequences, split=args.split, reads=args.reads)
-    except ValueError as e:
-        print(f"kvpop.demo.problems: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {n} problems to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,8 +4,8 @@
 by default the model frozen; the joint variants also the model; ``fixed-finetune`` the model with the
 fixed StreamingLLM mask); :func:`retrofit_dms` trains the DMS baseline (gates and model together).
 Both go through ``kvpop.training.train`` with a :class:`RetrofitConfig`, write their parts into a
-directory and reuse a finished one.  Used by ``kvpop demo`` and the evaluation harness
-(``kvpop.demo.evaluate`` re-exports :func:`retrofit` and :class:`RetrofitConfig`).
+directory and reuse a finished one.  Used by ``kvpop demo``, its selection (``kvpop.demo.search``) and the
+studies, which measure the results with :mod:`kvpop.evaluation`.
 """
 from __future__ import annotations
 

@@ -56,13 +56,13 @@ def run_task(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     """Retrofit, evaluate and write the results of one task into ``out``; returns results.json's dict."""
     import torch
 
-    from kvpop.demo import evaluate as E
     from kvpop.demo import retrofit as R
+    from kvpop.evaluation import evaluate as E
 
     t_start = time.time()
     mod = task_module(task)
     cfg = eval_config(E, s, args)
-    rcs = {p: None if c.get("joint_init") == "scorer-only" else retrofit_config(E, s, p, c)
+    rcs = {p: None if c.get("joint_init") == "scorer-only" else retrofit_config(s, p, c)
            for p, c in s["retrofits"].items()}  # a warm start's config once its scorer file exists
     base = E.load_base_model(base_model_dir(args, task))
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ def run_task(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     dense_done: dict = {}
     for p, c in s["retrofits"].items():
         t0 = time.time()
-        rc = rcs[p] = rcs[p] or retrofit_config(E, s, p, c, init_file(out, p, c))
+        rc = rcs[p] = rcs[p] or retrofit_config(s, p, c, init_file(out, p, c))
         adopted = adopt_trial(out, p, c)
         print(f"[kvpop demo] {task}: retrofit {p}: {rc.steps} steps at length {rc.length}, budget {rc.budget}"
               f"{', model and scorers' if rc.train_model and p != 'fixed-finetune' else ''}"
@@ -94,7 +94,7 @@ def run_task(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     if s["dms_steps"] > 0:  # the learned baseline: gates and model together (kvpop.demo.retrofit)
 
         t0 = time.time()
-        rc = E.RetrofitConfig(steps=s["dms_steps"], length=s["train_length"], batch=1, sinks=s["sinks"],
+        rc = R.RetrofitConfig(steps=s["dms_steps"], length=s["train_length"], batch=1, sinks=s["sinks"],
                               window=s["window"], lr_scorer=s["dms_lr"], lr_model=s["dms_lr_model"], train_model=True,
                               checkpoint_every=max(1, min(50, s["dms_steps"] // 4)))
         print(f"[kvpop demo] {task}: retrofit dms: {rc.steps} steps at length {rc.length}, target keep "
@@ -164,10 +164,10 @@ def adopt_trial(out: Path, policy: str, c: dict) -> bool:
 def _decode_rows(E, mod, models: dict, s: dict, cfg, out: Path, old: dict | None, stamp: dict,
                  measured: list[dict]) -> list[dict]:
     """The reads of every learned policy of ``models`` by token-by-token decoding beside the prefill's
-    (:func:`kvpop.demo.decode_eval.decode_check`) at the middle budget and L_train, on the test sequences (DMS
+    (:func:`kvpop.evaluation.decode_eval.decode_check`) at the middle budget and L_train, on the test sequences (DMS
     at the threshold its row of ``measured`` was chosen on validation); rows kept in ``out/decode.jsonl`` for
     ``--resume``."""
-    from kvpop.demo.decode_eval import DECODE_POLICIES, decode_check
+    from kvpop.evaluation.decode_eval import DECODE_POLICIES, decode_check
 
     f = out / "decode.jsonl"
     done = {r["policy"]: r for r in (json.loads(x) for x in (f.read_text().splitlines() if f.exists() else []) if x)

@@ -3,7 +3,7 @@
 The settings of one demo run (:func:`settings`: each retrofit's from :data:`CHOSEN`, the shipped choice, read
 from ``kvpop/data/demo_results/chosen.json``, or the command's overrides), the retrofit config and validation
 of each (:func:`retrofit_config`, :func:`validator`), and :func:`select`: the demo's stages
-(:func:`kvpop.training.search.select_plan` over :data:`kvpop.training.search.SELECT_GRID`) run by the one
+(:func:`kvpop.demo.grid.select_plan` over :data:`kvpop.demo.grid.SELECT_GRID`) run by the one
 search of the library, :class:`kvpop.training.search.Search` (``kvpop train --auto``'s too), each trial a
 retrofit scored on the task's validation sequences, recorded in ``OUT/<task>/selection*.json``.  The command
 ``kvpop demo`` (``kvpop.cli.demo``) parses its arguments and calls these.
@@ -15,8 +15,9 @@ import json
 import math
 from pathlib import Path
 
+from kvpop.demo.grid import JOINT_OF, LABEL_KEYS, RETROFITS, SCORER_ONLY, SELECT_GRID
 from kvpop.policies import LABEL_VARIANTS
-from kvpop.training.search import JOINT_OF, LABEL_KEYS, RETROFITS, SCORER_ONLY, SELECT_GRID, trial_tag
+from kvpop.training.search import trial_tag
 
 TASKS = {"kvtrace": "kvpop.demo.task", "lookahead": "kvpop.demo.lookahead_task"}
 """Demo task name -> task module (``make_example``, ``test_seed``, ``valid_seed``, ``TRAIN_LEN``, ``SHIPPED_MODEL``)."""
@@ -30,7 +31,7 @@ def label_variant(joint: str, source: str) -> str:
 def demo_retrofits(chosen: dict) -> tuple[str, ...]:
     """The retrofits a demo run trains, in order: :data:`RETROFITS`, then, for each joint retrofit, the
     label source its ``chosen`` settings do not use (a labelled second row of the table)."""
-    from kvpop.demo.evaluate import LABEL_SOURCES
+    from kvpop.evaluation.evaluate import LABEL_SOURCES
 
     return RETROFITS + tuple(label_variant(j, src) for j in JOINT_OF for src in LABEL_SOURCES
                              if src != chosen[j].get("target_source", "student"))
@@ -148,7 +149,7 @@ def settings(args: argparse.Namespace, task: str, *, lengths: list[int] | None =
 def task_budgets(mod, train_len: int) -> list[int]:
     """The task's evaluation budgets: its ``BUDGET_FRACTIONS`` of ``train_len`` (6.25/12.5/25 % unless the task
     module says otherwise)."""
-    from kvpop.demo.evaluate import BUDGET_FRACTIONS, budgets_for
+    from kvpop.evaluation.evaluate import BUDGET_FRACTIONS, budgets_for
 
     return budgets_for(train_len, getattr(mod, "BUDGET_FRACTIONS", BUDGET_FRACTIONS))
 
@@ -159,9 +160,11 @@ def trial_dir(out: Path, policy: str, c: dict) -> Path:
     return out / policy / trial_tag(c)
 
 
-def retrofit_config(E, s: dict, policy: str, c: dict, init: Path | None = None):
+def retrofit_config(s: dict, policy: str, c: dict, init: Path | None = None):
     """The :class:`~kvpop.demo.retrofit.RetrofitConfig` of ``policy`` with settings ``c``; ``init``: the scorer
     file a ``joint_init="scorer-only"`` retrofit starts from."""
+    from kvpop.demo.retrofit import RetrofitConfig
+
     least = s["sinks"] + s["window"] + 1
     if policy == "fixed-finetune":
         budget = int(round(0.125 * s["train_length"]))
@@ -172,16 +175,16 @@ def retrofit_config(E, s: dict, policy: str, c: dict, init: Path | None = None):
         budget = s["sinks"] + s["window"] + int(c["k"])
         if budget < least:
             raise ValueError(f"training budget {budget} is too small: it must be >= sinks + window + 1 = {least}")
-    return E.RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, budget=budget,
-                            sinks=s["sinks"], window=s["window"], lr_scorer=float(c.get("lr_scorer", 1e-2)),
-                            lr_model=float(c.get("lr_model", 1e-4)), tau=s["tau"],
-                            train_model=policy not in SCORER_ONLY,
-                            target_source=c.get("target_source", "student"), label=c.get("label", "mean"),
-                            decay_span=c.get("decay_span"), eval_every=int(c.get("eval_every", 0)),
-                            patience=int(c.get("patience", 0)),
-                            init_scorers=str(init) if c.get("joint_init") == "scorer-only" and init else None,
-                            head_allocation="ablation" if c.get("head_budgets") == "ablation" else None,
-                            checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
+    return RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, budget=budget,
+                          sinks=s["sinks"], window=s["window"], lr_scorer=float(c.get("lr_scorer", 1e-2)),
+                          lr_model=float(c.get("lr_model", 1e-4)), tau=s["tau"],
+                          train_model=policy not in SCORER_ONLY,
+                          target_source=c.get("target_source", "student"), label=c.get("label", "mean"),
+                          decay_span=c.get("decay_span"), eval_every=int(c.get("eval_every", 0)),
+                          patience=int(c.get("patience", 0)),
+                          init_scorers=str(init) if c.get("joint_init") == "scorer-only" and init else None,
+                          head_allocation="ablation" if c.get("head_budgets") == "ablation" else None,
+                          checkpoint_every=max(1, min(50, int(c["steps"]) // 4)))
 
 
 def init_file(out: Path, policy: str, c: dict, trial_of: dict | None = None) -> Path | None:
@@ -308,15 +311,16 @@ def eval_config(E, s: dict, args: argparse.Namespace, **kw):
 
 def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     """``kvpop demo --select --select-stage args.select_stage`` for ``task`` (settings ``s``, :func:`settings`)
-    into ``out``: each retrofit's stages (:func:`kvpop.training.search.select_plan`) run by
+    into ``out``: each retrofit's stages (:func:`kvpop.demo.grid.select_plan`) run by
     :class:`kvpop.training.search.Search`, each trial a retrofit (``out/<policy>/<tag>``) scored by its error rate
     on the validation sequences (:func:`valid_config`: 1 - the mean accuracy over the budgets at L_train);
     writes ``out/selection*.json`` (:func:`selection_file`) after every trial and returns it."""
     from dataclasses import replace
 
-    from kvpop.demo import evaluate as E
     from kvpop.demo import retrofit as R
-    from kvpop.training.search import Search, resolution, select_plan
+    from kvpop.demo.grid import select_plan
+    from kvpop.evaluation import evaluate as E
+    from kvpop.training.search import Search, resolution
 
     mod = task_module(task)
     vcfg = valid_config(E, s, args)
@@ -346,7 +350,7 @@ def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
     def runner(policy: str):
         def run(c: dict, d: Path) -> dict:
             sc = JOINT_OF.get(LABEL_VARIANTS.get(policy, policy))
-            rc = retrofit_config(E, s, policy, c, init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
+            rc = retrofit_config(s, policy, c, init_file(out, policy, c, chosen.get(sc) or s["retrofits"].get(sc)))
             if "seed" in c:  # the confirmation's second seed
                 rc = replace(rc, seed=int(c["seed"]))
             R.retrofit(base, policy, d, rc, resume=True, progress=not args.no_progress, task=mod,

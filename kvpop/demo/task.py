@@ -80,7 +80,7 @@ DEMO_GRID = {"k": (4, 16, 64), "lr_scorer": (1e-2, 3e-2), "steps": (100, 200), "
              "finetune_lr_model": (1e-4, 1e-3), "finetune_steps": (30, 100), "label": ("mean", "max"),
              "decay_span": (None, 8.0), "label_lr_scorer": (1e-2,), "label_steps": (200,), "eval_every": (50,),
              "patience": (0,)}
-"""``kvpop demo --select``'s candidates on this task (``SELECT_GRID``'s keys, :mod:`kvpop.training.search`): every
+"""``kvpop demo --select``'s candidates on this task (``SELECT_GRID``'s keys, :mod:`kvpop.demo.grid`): every
 training setting searched, two or three values each (the evaluation's batched TOVA/H2O decoding left the CPU time
 for it). The label family (``--select-stage label``): mean and max label, the paper's decay range and one tied to
 the training length (8 nats over a token's life), 200 steps validated every 50, the best state kept."""
@@ -184,10 +184,6 @@ class TaskConfig(TokenIds):
     fact_frac: float = 0.4
     read_frac: float = 0.5
     restart_prob: float = 0.1
-
-    def is_fact(self, ids: torch.Tensor) -> torch.Tensor:
-        """Bool mask of FACT tokens in ``ids`` (any shape)."""
-        return (ids >= self.fact_base) & (ids < self.filler_base)
 
     # ---- sizes for a length ----------------------------------------------------------------
     def n_facts_for(self, length: int) -> int:

@@ -226,10 +226,43 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     ``valid_sequences``); ``criterion``: what ``score`` measures, for the record; ``inputs``: what the trials run
     under (:func:`kvpop.training.trial_records.search_inputs`; recorded in every trial, and a trial of other
     inputs is refused, never reused or continued)."""
-    from kvpop.training.search import Search, auto_plan, resolution
-    from kvpop.training.trial_records import check_score, check_trial_dirs
+    from kvpop.training.search import auto_plan
 
     out = Path(args.out)
+    s = _open_search(args, out, served=served, split=split, log=log, criterion=criterion, inputs=inputs)
+    trials = _Trials(args, out, served=served, train=train, score=score, oracle=oracle, fit_data=fit_data,
+                     log=log)
+
+    def options(key: str, values: list) -> list:
+        return [given[key]] if key in given else values
+
+    plan = auto_plan(labels=options("label", list(LABEL_CANDIDATES)),
+                     lr_scorers=options("lr_scorer", [lr_scorer * f for f in LR_FACTORS]),
+                     train_budgets=train_budgets(served, args.sinks, args.window), given=given,
+                     decay_nats=DECAY_NATS, train_model=train_model,
+                     warm_start=train_model and "init_scorers" not in given)
+    hint = "; raise --auto-budget to {need} to run every stage and the confirmation"
+    best = s.run_plan(plan, trials.trained, oracle=trials.oracle_trial, steps_of=trials.steps_of, subdir="auto")
+    best, s.record["confirmation"] = s.confirm(best, trials.trained, seed=("seed", args.seed + 1),
+                                               steps_of=trials.steps_of, subdir="auto",
+                                               raise_hint="; raise --auto-budget to {need} to run it")
+    s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
+    s.record["summary"] = s.summary(raise_hint=hint, confirmation=s.record["confirmation"])
+    s.save()
+    _adopt(out, out / best["dir"], served)
+    log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
+        f"{len(s.record['trials'])} trials, {s.spent['steps']} trained steps; the run is {out}")
+    return s.record
+
+
+def _open_search(args: argparse.Namespace, out: Path, *, served: int, split: dict, log: Callable[[str], None],
+                 criterion: str, inputs: dict | None):
+    """The :class:`~kvpop.training.search.Search` of ``OUT`` (a finished one only with ``--resume``; every
+    trial of an earlier start checked against ``inputs`` first), its header, budget and the confirmation's
+    reserve."""
+    from kvpop.training.search import Search, resolution
+    from kvpop.training.trial_records import check_trial_dirs
+
     if (out / "selection.json").exists() and not args.resume:
         raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
                          f"choose another --out")
@@ -241,101 +274,101 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     if inputs is not None:
         header["search_inputs"] = inputs
     s = Search(out, header=header, budget=budget, log=log, prefix="[kvpop train --auto]", inputs=inputs)
-    progress = not getattr(args, "no_progress", False)
     n_fit, n_sel = len(split["fit"]), len(split["select"])
     log(f"[kvpop train --auto] validation split: {n_fit} fit sequences (head-budget allocation, early stopping), "
         f"{n_sel} select sequences (trial scores only); {resolution(n_sel)}")
     s.record["resolution"] = resolution(n_sel)
     if budget[0] == "steps" and budget[1] - 2 * args.steps >= 2 * args.steps:
         s.reserve(2 * args.steps)  # the confirmation's two retrained trials are paid for first
-    every, patience = early_stopping(args)
+    return s
 
-    def mean(xs: list[float]) -> float:
-        return sum(xs) / len(xs)
 
-    def train_to(ns: argparse.Namespace, d: Path, steps: int) -> None:
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+class _Trials:
+    """The trials of one ``--auto`` search: a trial's ``kvpop train`` run (:meth:`trained`, with the joint run's
+    warm start), its early stopping on the fit sequences (:meth:`validated`) and a label's oracle
+    (:meth:`oracle_trial`); the collaborators (``train``, ``score``, ``oracle``, ``fit_data``) are
+    :func:`search`'s."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, *, served: int, train: Callable, score: Callable,
+                 oracle: Callable, fit_data: Callable | None, log: Callable[[str], None]) -> None:
+        self.args, self.out, self.served = args, out, served
+        self.train, self.score, self.oracle, self.fit_data, self.log = train, score, oracle, fit_data, log
+        self.progress = not getattr(args, "no_progress", False)
+        self.every, self.patience = early_stopping(args)
+
+    def steps_of(self, settings: dict) -> int:
+        return self.args.steps * (2 if settings.get("warm_start") else 1)
+
+    def oracle_trial(self, settings: dict, d: Path) -> dict:
+        sel = self.oracle(settings)
+        return {"score": _mean(sel), "per_sequence": sel, "steps": 0}
+
+    def train_to(self, ns: argparse.Namespace, d: Path, steps: int) -> None:
         ns = copy.copy(ns)
         ns.out, ns.steps, ns.resume = str(d), steps, (d / "last.pt").exists()
         ns._auto_trial = True  # a trial of this search (not in its args.json): the search says how to resume
-        ns._progress_total = args.steps  # one count over the trial's validation segments
-        rc = train(ns)
+        ns._progress_total = self.args.steps  # one count over the trial's validation segments
+        rc = self.train(ns)
         if rc != 0:
             raise _Stopped(rc)
 
-    def validated(ns: argparse.Namespace, d: Path) -> dict:
+    def _note(self, rec: dict, better: bool, before: bool) -> None:
+        """A trial's validation told (with ``--progress``)."""
+        if self.progress:
+            self.log(f"[kvpop train --auto]   validation at step {rec['step']}/{self.args.steps}: fit score "
+                     f"{rec['fit_score']:.5f}{' (best so far)' if better else ''}"
+                     f"{' (recorded before)' if before else ''}")
+
+    def validated(self, ns: argparse.Namespace, d: Path) -> dict:
         """The run of ``ns`` in ``d``, validated on the fit sequences every ``every`` steps with ``patience`` (0:
         never), its best fit state kept, then scored once on the select sequences."""
-        if not patience:
-            train_to(ns, d, args.steps)
-            sel = score(d, "select")
-            return {"score": mean(sel), "per_sequence": sel, "steps": args.steps}
+        from kvpop.training.trial_records import check_score
 
-        def note(rec: dict, better: bool, before: bool) -> None:
-            if progress:
-                log(f"[kvpop train --auto]   validation at step {rec['step']}/{args.steps}: fit score "
-                    f"{rec['fit_score']:.5f}{' (best so far)' if better else ''}"
-                    f"{' (recorded before)' if before else ''}")
+        steps = self.args.steps
+        if not self.patience:
+            self.train_to(ns, d, steps)
+            sel = self.score(d, "select")
+            return {"score": _mean(sel), "per_sequence": sel, "steps": steps}
 
-        best, vals = early_stopped(d, total=args.steps, every=every, patience=patience,
-                                   train_to=lambda target: train_to(ns, d, target),
-                                   fit_score=lambda: check_score(mean(score(d, "fit")), d, '"fit_score"'), note=note)
-        sel = score(d, "select")  # the best fit state, scored once on the select sequences
-        return {"score": mean(sel), "per_sequence": sel, "steps": vals[-1]["step"], "best_step": best["step"],
+        best, vals = early_stopped(d, total=steps, every=self.every, patience=self.patience,
+                                   train_to=lambda target: self.train_to(ns, d, target),
+                                   fit_score=lambda: check_score(_mean(self.score(d, "fit")), d, '"fit_score"'),
+                                   note=self._note)
+        sel = self.score(d, "select")  # the best fit state, scored once on the select sequences
+        return {"score": _mean(sel), "per_sequence": sel, "steps": vals[-1]["step"], "best_step": best["step"],
                 "validations": vals}
 
-    def trained(settings: dict, d: Path) -> dict:
-        ns = copy.copy(args)
+    def trained(self, settings: dict, d: Path) -> dict:
+        """The trial of ``settings`` in ``d``: ``kvpop train`` with them (trained at ``train_budget``, scored at
+        the served budget), the joint run after its scorer-only warm start when ``warm_start`` says so."""
+        ns = copy.copy(self.args)
         ns.auto, ns.auto_budget, ns.preset, ns.auto_patience, ns.auto_eval_every = False, None, None, None, None
         for k, v in settings.items():
             setattr(ns, k, v)
-        ns.budget = settings.get("train_budget") or served  # trained at; scored at `served` all the same
+        ns.budget = settings.get("train_budget") or self.served  # trained at; scored at `served` all the same
         vars(ns).pop("train_budget", None)
         warm = vars(ns).pop("warm_start", None)
         if ns.allocate is None:
             ns.valid_data = ns.valid_sequences = None
-        elif fit_data is not None:  # the allocation measured on the fit sequences alone
-            for k, v in fit_data(out).items():
+        elif self.fit_data is not None:  # the allocation measured on the fit sequences alone
+            for k, v in self.fit_data(self.out).items():
                 setattr(ns, k, v)
         before = 0
         if warm == "scorer-only":  # the scorers trained alone first, then the joint run starts from them
             w = copy.copy(ns)
             w.no_train_model = True
-            first = validated(w, d / "scorer-only")
+            first = self.validated(w, d / "scorer-only")
             before = first["steps"]
             ns.init_scorers = str(d / "scorer-only" / "scorers.safetensors")
-        r = validated(ns, d)
+        r = self.validated(ns, d)
         if warm == "scorer-only":
             r["scorer_only"] = first
         r["steps"] += before
         return r
-
-    def options(key: str, values: list) -> list:
-        return [given[key]] if key in given else values
-
-    def oracle_trial(settings: dict, d: Path) -> dict:
-        sel = oracle(settings)
-        return {"score": mean(sel), "per_sequence": sel, "steps": 0}
-
-    plan = auto_plan(labels=options("label", list(LABEL_CANDIDATES)),
-                     lr_scorers=options("lr_scorer", [lr_scorer * f for f in LR_FACTORS]),
-                     train_budgets=train_budgets(served, args.sinks, args.window), given=given,
-                     decay_nats=DECAY_NATS, train_model=train_model,
-                     warm_start=train_model and "init_scorers" not in given)
-
-    def steps_of(settings: dict) -> int:
-        return args.steps * (2 if settings.get("warm_start") else 1)
-
-    hint = "; raise --auto-budget to {need} to run every stage and the confirmation"
-    best = s.run_plan(plan, trained, oracle=oracle_trial, steps_of=steps_of, subdir="auto")
-    best, s.record["confirmation"] = s.confirm(best, trained, seed=("seed", args.seed + 1), steps_of=steps_of,
-                                               subdir="auto", raise_hint="; raise --auto-budget to {need} to run it")
-    s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
-    s.record["summary"] = s.summary(raise_hint=hint, confirmation=s.record["confirmation"])
-    s.save()
-    _adopt(out, out / best["dir"], served)
-    log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
-        f"{len(s.record['trials'])} trials, {s.spent['steps']} trained steps; the run is {out}")
-    return s.record
 
 
 RULE = ("kvpop.training.search.prefer: a challenger replaces the incumbent only when its mean per-sequence "

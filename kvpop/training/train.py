@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -377,6 +377,62 @@ def save_model(model: nn.Module, path: str | os.PathLike, *, include_scorers: bo
     _barrier(world)
 
 
+@dataclass
+class _Run:
+    """What the phases of one :func:`train` call share: the model and its method, the settings, the
+    process group, the optimiser, the checkpoint directory and the progress (``step``, ``consumed``
+    micro-batches, ``past``: the history the checkpoint brought, ``history``: this call's steps,
+    ``good_step``: the last finite checkpoint)."""
+
+    model: nn.Module
+    method: TrainingMethod
+    cfg: TrainConfig
+    rank: int
+    world: int
+    fsdp: bool
+    dev: torch.device
+    teacher: nn.Module | None
+    need_targets: bool
+    scorer_params: list
+    model_params: list
+    opt: torch.optim.Optimizer
+    sched: Any
+    ckpt_dir: Path | None
+    step: int = 0
+    consumed: int = 0
+    past: list = field(default_factory=list)
+    history: list = field(default_factory=list)
+    good_step: int | None = None
+    hist_path: Path | None = None
+
+    @property
+    def last(self) -> Path | None:
+        return self.ckpt_dir / "last.pt" if self.ckpt_dir else None
+
+    def save(self) -> None:
+        """The checkpoint (``last.pt``) and the method's layer file of this step; never of diverged weights."""
+        bad = non_finite_parameters(self.model, self.world)
+        if bad:
+            raise TrainingDiverged(self.step, f"the weights ({', '.join(bad)})", self.last, self.good_step)
+        self.good_step = self.step
+        msd = osd = None
+        if self.fsdp:
+            msd, osd = _full_state_dicts(self.model, self.opt)
+        if self.rank != 0:
+            _barrier(self.world)
+            return
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = {"model": msd if self.fsdp else self.model.state_dict(), "scheduler": self.sched.state_dict(),
+                 "step": self.step, "consumed": self.consumed, "rng": rng_state(),
+                 "kvpop_config": self.method.config_json(), "train_config": asdict(self.cfg),
+                 "world_size": self.world, "history": self.past + self.history}
+        state["optimizer_fqn" if self.fsdp else "optimizer"] = osd if self.fsdp else self.opt.state_dict()
+        state.update(self.method.run_state())
+        atomic_save(state, self.last)
+        self.method.save(self.model, self.ckpt_dir, step=self.step)
+        _barrier(self.world)
+
+
 def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *, teacher: nn.Module | None = None,
           resume: bool = False, method: TrainingMethod | None = None, **overrides: Any) -> list[dict[str, float]]:
     """Train a patched Qwen3 ``model`` in place; returns one dict of losses/statistics per optimiser step.
@@ -395,24 +451,55 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
             with, :func:`~kvpop.training.methods.method_for`); it attaches itself to an unpatched model.
 
     With ``dist="fsdp"`` and several ranks the model is sharded in place (FSDP2) and stays so.
+
+    The phases: the method and the settings (:func:`_bind`, :func:`_settings`), the distributed setup and
+    the optimiser (:func:`_setup`), the resume (:func:`_resume`), the history file (:func:`_open_history`),
+    then the steps (:func:`_loop`: each :func:`_take_step`, the checkpoints and the stop signals).
     """
-    if method is not None and not isinstance(method, TrainingMethod):
-        raise TypeError(f"method must be a kvpop.training.methods.TrainingMethod or None, got "
-                        f"{type(method).__name__}")
-    method = method_for(model) if method is None else method.bind(model)
+    method = _bind(model, method)
     if isinstance(data, Iterator) or not isinstance(data, Iterable):
         raise TypeError(f"data must be re-iterable (a list, a DataLoader, ...): it is cycled over and, on resume, "
                         f"fast-forwarded; got a {type(data).__name__}, which can be iterated only once (or not at "
                         f"all). Wrap it in list(...).")
+    cfg = _settings(config, overrides, method)
+    torch.manual_seed(cfg.seed)
+    run = _setup(model, method, cfg, teacher)
+    if resume:
+        _resume(run)
+    runner = _runner(run)
+    _open_history(run)
+    if run.step >= cfg.steps:
+        if run.good_step is not None:  # a resume with nothing to do: every output of the checkpoint, anew
+            if run.rank == 0:
+                method.save(model, run.ckpt_dir, step=run.step)
+            _barrier(run.world)
+        return run.history
+    _loop(run, runner, data)
+    return run.history
+
+
+def _bind(model: nn.Module, method: TrainingMethod | None) -> TrainingMethod:
+    """The training method bound to ``model`` (default: the one it is patched with)."""
+    if method is not None and not isinstance(method, TrainingMethod):
+        raise TypeError(f"method must be a kvpop.training.methods.TrainingMethod or None, got "
+                        f"{type(method).__name__}")
+    return method_for(model) if method is None else method.bind(model)
+
+
+def _settings(config: TrainConfig | None, overrides: dict, method: TrainingMethod) -> TrainConfig:
+    """``config`` with ``overrides`` and the method's learning rates filled in."""
     cfg = config or TrainConfig()
     if overrides:
         cfg = TrainConfig(**{**asdict(cfg), **overrides})
     lr_model, lr_scorer = learning_rates(cfg, method)
-    cfg = TrainConfig(**{**asdict(cfg), "lr_model": lr_model, "lr_scorer": lr_scorer})
-    torch.manual_seed(cfg.seed)
+    return TrainConfig(**{**asdict(cfg), "lr_model": lr_model, "lr_scorer": lr_scorer})
+
+
+def _setup(model: nn.Module, method: TrainingMethod, cfg: TrainConfig, teacher: nn.Module | None) -> _Run:
+    """The distributed setup: the process group's rank and size, the method started, the teacher, which
+    parameters train, the FSDP2 sharding, and the optimiser with its warm-up schedule."""
     rank, world = _dist()
-    dev0 = next(model.parameters()).device
-    method.start(model, cfg.seed, dev0)
+    method.start(model, cfg.seed, next(model.parameters()).device)
     fsdp = world > 1 and cfg.dist == "fsdp"
     dev = next(model.parameters()).device
     if cfg.bf16 and dev.type != "cuda":
@@ -431,176 +518,197 @@ def train(model: nn.Module, data: Iterable, config: TrainConfig | None = None, *
     for _, p in scorer_params:
         p.requires_grad_(True)
     if fsdp:
-        if _is_fsdp(model):
-            raise ValueError("the model is already sharded with FSDP2; pass the unsharded patched model")
-        _broadcast_from_rank0(model)
-        _fully_shard(model, {p for _, p in scorer_params})
-        if teacher is not None and not _is_fsdp(teacher) and next(teacher.parameters()).device.type == dev.type:
-            _broadcast_from_rank0(teacher)
-            _fully_shard(teacher, None)
-        scorer_params, model_params = _split_params(model, method)  # fully_shard replaced the model's parameters
+        scorer_params, model_params = _shard(model, method, teacher, scorer_params, dev)
     groups = method.param_groups(scorer_params, cfg)
     if cfg.train_model:
         groups.append({"params": model_params, "lr": cfg.lr_model, "weight_decay": cfg.weight_decay})
     opt = torch.optim.AdamW(groups, betas=cfg.betas)
     warm = cfg.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    return _Run(model, method, cfg, rank, world, fsdp, dev, teacher, need_targets, scorer_params, model_params,
+                opt, sched, Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None)
 
-    step, consumed = 0, 0
-    past: list[dict[str, float]] = []  # the history of the steps before this call (from the checkpoint)
-    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
-    last = ckpt_dir / "last.pt" if ckpt_dir else None
-    if resume and last is not None and last.exists():
-        if fsdp:
-            step, consumed, past = _load_fsdp_checkpoint(model, opt, sched, last, method, rank, cfg)
-        else:
-            ck = load_checkpoint(last)
-            step, consumed = _check_checkpoint(ck, last, method, cfg)
-            if "optimizer" not in ck:
-                raise CheckpointError(f"checkpoint {last} was written by an FSDP run (its optimiser state is keyed by "
-                                 f"parameter names): resume it with dist='fsdp' (--dist fsdp)")
-            check_state_dict(ck.get("model"), model.state_dict(), last)
-            try:
-                opt.load_state_dict(ck["optimizer"])
-                sched.load_state_dict(ck["scheduler"])
-            except (KeyError, ValueError, TypeError, RuntimeError) as e:
-                raise CheckpointError(f"checkpoint {last}: its optimiser or scheduler state does not fit this run "
-                                      f"({type(e).__name__}: {str(e)[:200]})") from None
-            model.load_state_dict(ck["model"])
-            restore_rng_state(ck.get("rng"), last)
-            method.load_run_state(ck, last)
-            past = list(ck.get("history", []))
 
-    runner: nn.Module = _Step(model, method, cfg.loss_chunk)
-    if world > 1 and not fsdp:
+def _shard(model: nn.Module, method: TrainingMethod, teacher: nn.Module | None, scorer_params: list,
+           dev: torch.device) -> tuple[list, list]:
+    """FSDP2: the model (its scorers left whole) and a teacher on the same device type sharded in place, the
+    weights first broadcast from rank 0; the parameters split anew (sharding replaced them)."""
+    if _is_fsdp(model):
+        raise ValueError("the model is already sharded with FSDP2; pass the unsharded patched model")
+    _broadcast_from_rank0(model)
+    _fully_shard(model, {p for _, p in scorer_params})
+    if teacher is not None and not _is_fsdp(teacher) and next(teacher.parameters()).device.type == dev.type:
+        _broadcast_from_rank0(teacher)
+        _fully_shard(teacher, None)
+    return _split_params(model, method)
+
+
+def _resume(run: _Run) -> None:
+    """The resume: ``last.pt`` (when there is one) read into the model, optimiser, schedule, random state and
+    method state; the run continues from its step and its data position."""
+    last = run.last
+    if last is None or not last.exists():
+        return
+    if run.fsdp:
+        run.step, run.consumed, run.past = _load_fsdp_checkpoint(run.model, run.opt, run.sched, last, run.method,
+                                                                 run.rank, run.cfg)
+    else:
+        ck = load_checkpoint(last)
+        run.step, run.consumed = _check_checkpoint(ck, last, run.method, run.cfg)
+        if "optimizer" not in ck:
+            raise CheckpointError(f"checkpoint {last} was written by an FSDP run (its optimiser state is keyed by "
+                                  f"parameter names): resume it with dist='fsdp' (--dist fsdp)")
+        check_state_dict(ck.get("model"), run.model.state_dict(), last)
+        try:
+            run.opt.load_state_dict(ck["optimizer"])
+            run.sched.load_state_dict(ck["scheduler"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {last}: its optimiser or scheduler state does not fit this run "
+                                  f"({type(e).__name__}: {str(e)[:200]})") from None
+        run.model.load_state_dict(ck["model"])
+        restore_rng_state(ck.get("rng"), last)
+        run.method.load_run_state(ck, last)
+        run.past = list(ck.get("history", []))
+    run.good_step = run.step  # the last finite checkpoint
+
+
+def _runner(run: _Run) -> nn.Module:
+    """The module one micro-batch runs through (the model's forward and the method's losses); DDP-wrapped
+    with several ranks and no FSDP."""
+    runner: nn.Module = _Step(run.model, run.method, run.cfg.loss_chunk)
+    if run.world > 1 and not run.fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        runner = DDP(runner, device_ids=[dev.index] if dev.type == "cuda" else None,
+        runner = DDP(runner, device_ids=[run.dev.index] if run.dev.type == "cuda" else None,
                      find_unused_parameters=True)
+    return runner
 
-    good_step = step if resume and last is not None and last.exists() else None  # the last finite checkpoint
 
-    def save() -> None:
-        nonlocal good_step
-        bad = non_finite_parameters(model, world)  # never a checkpoint of diverged weights
-        if bad:
-            raise TrainingDiverged(step, f"the weights ({', '.join(bad)})", last, good_step)
-        good_step = step
-        msd = osd = None
-        if fsdp:
-            msd, osd = _full_state_dicts(model, opt)
-        if rank != 0:
-            _barrier(world)
-            return
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        state = {"model": msd if fsdp else model.state_dict(), "scheduler": sched.state_dict(),
-                 "step": step, "consumed": consumed, "rng": rng_state(), "kvpop_config": method.config_json(),
-                 "train_config": asdict(cfg), "world_size": world, "history": past + history}
-        state["optimizer_fqn" if fsdp else "optimizer"] = osd if fsdp else opt.state_dict()
-        state.update(method.run_state())
-        atomic_save(state, last)
-        method.save(model, ckpt_dir, step=step)
-        _barrier(world)
+def _open_history(run: _Run) -> None:
+    """``history.jsonl`` (rank 0, with a checkpoint directory): what the checkpoint finished, and no line of a
+    step it did not."""
+    if run.ckpt_dir is not None and run.rank == 0:
+        run.hist_path = run.ckpt_dir / "history.jsonl"
+        run.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        write_jsonl(run.hist_path, run.past)
 
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
 
-    history: list[dict[str, float]] = []
-    hist_path = ckpt_dir / "history.jsonl" if ckpt_dir is not None and rank == 0 else None
-    if hist_path is not None:  # what the checkpoint finished, and no line of a step it did not
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        write_jsonl(hist_path, past)
-    if step >= cfg.steps:
-        if good_step is not None:  # a resume with nothing to do: every output of the checkpoint, anew
-            if rank == 0:
-                method.save(model, ckpt_dir, step=step)
-            _barrier(world)
-        return history
+def _autocast(cfg: TrainConfig):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
+
+
+def _loop(run: _Run, runner: nn.Module, data: Iterable) -> None:
+    """The steps up to ``cfg.steps``: each taken, recorded and reported; a checkpoint every
+    ``checkpoint_every`` steps and at the end; the stop signals (SIGINT, SIGTERM) honoured after a step."""
+    cfg, model, method = run.cfg, run.model, run.method
     model.train()
-    batches = _micro_batches(data, consumed, rank, world)
+    batches = _micro_batches(data, run.consumed, run.rank, run.world)
     bar = None
-    if cfg.progress and rank == 0:
+    if cfg.progress and run.rank == 0:
         from kvpop.progress import progress
 
-        bar = progress(max(cfg.steps, cfg.progress_total or 0), initial=step, desc="kvpop train")
+        bar = progress(max(cfg.steps, cfg.progress_total or 0), initial=run.step, desc="kvpop train")
     noted = False
-    stop = StopSignals(enabled=ckpt_dir is not None, name="kvpop train").install()
+    stop = StopSignals(enabled=run.ckpt_dir is not None, name="kvpop train").install()
     method.enter(model)
     try:
-        while step < cfg.steps:
-            kl_acc = ls_acc = 0.0
-            stats_acc: dict[str, float] = {}
-            for _ in range(cfg.grad_accum):
-                ids = _input_ids(next(batches))
-                consumed += 1
-                ids = ids.to(dev)
-                topk = targets = None
-                if cfg.train_model or need_targets:
-                    t_dev = next(teacher.parameters()).device
-                    with autocast(), method.teacher_forward(teacher) as targets:
-                        if cfg.train_model:
-                            topk = teacher_step(teacher, ids.to(t_dev), cfg.top_k, chunk_size=cfg.loss_chunk)
-                            topk = topk.to(dev)
-                        else:
-                            teacher_step(teacher, ids.to(t_dev), None)
-                method.before_forward(model, step + 1, targets)  # the step being taken, as in the history
-                with autocast():
-                    kl, ls, st = runner(ids, topk)
-                loss = cfg.score_weight * ls + kl
-                if loss.requires_grad:
-                    (loss / cfg.grad_accum).backward()
-                kl_acc += float(kl.detach()) / cfg.grad_accum
-                ls_acc += float(ls.detach()) / cfg.grad_accum
-                for key, val in st.items():  # gamma: the last value; the rest: the mean over micro-batches
-                    stats_acc[key] = val if key.startswith("gamma") else stats_acc.get(key, 0.0) + val / cfg.grad_accum
-                del kl, loss, topk, targets
-                method.after_forward(model)
-            if fsdp:
-                _average_grads([p for _, p in scorer_params], world)
-            gnorm = {}
-            if cfg.max_grad_norm is not None:
-                gnorm["gnorm_scorer"] = _full_norm(torch.nn.utils.clip_grad_norm_([p for _, p in scorer_params],
-                                                                                  cfg.max_grad_norm))
-                if cfg.train_model:
-                    gnorm["gnorm_model"] = _full_norm(torch.nn.utils.clip_grad_norm_(model_params,
-                                                                                     cfg.max_grad_norm))
-            if world > 1:
-                kl_acc, ls_acc = _mean_over_ranks([kl_acc, ls_acc], world, dev)
-            bad = non_finite({"kl": kl_acc, "score": ls_acc, **gnorm})  # the same on every rank
-            if bad:  # the step is not taken; the last checkpoint stays
-                raise TrainingDiverged(step + 1, f"the loss ({bad})", last, good_step)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            rec = {"step": step, "kl": kl_acc, "score": ls_acc, **stats_acc, **gnorm}
-            history.append(rec)
-            if hist_path is not None:
-                append_jsonl(hist_path, rec)
+        while run.step < cfg.steps:
+            rec, length = _take_step(run, runner, batches)
             if bar is not None:  # the step's figures first: a line-per-N-steps report prints them at update
                 bar.set_postfix(**method.postfix(rec))
                 bar.update(1)
-            if rank == 0 and not noted:
-                note = method.note(rec, int(ids.shape[-1]))
+            if run.rank == 0 and not noted:
+                note = method.note(rec, length)
                 if note is not None:  # once per run: a step that needs explaining (e.g. nothing to rank)
                     noted = True
                     print(note, file=sys.stderr, flush=True)
-            saved = bool(ckpt_dir is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-            if saved:
-                save()
-            signum = stop.requested(world, dev) if ckpt_dir is not None else None
-            if signum is not None:
-                if not saved:
-                    save()
-                raise TrainingInterrupted(signum, step, last)
-        if ckpt_dir is not None:
-            save()
+            _checkpoint_or_stop(run, stop)
+        if run.ckpt_dir is not None:
+            run.save()
     finally:
         stop.restore()
         method.leave(model)
         if bar is not None:
             bar.close()
-    return history
+
+
+def _checkpoint_or_stop(run: _Run, stop: StopSignals) -> None:
+    """After a step: the checkpoint when one is due; on a stop signal, a checkpoint (when not just written)
+    and :class:`TrainingInterrupted`."""
+    cfg = run.cfg
+    saved = bool(run.ckpt_dir is not None and cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0)
+    if saved:
+        run.save()
+    signum = stop.requested(run.world, run.dev) if run.ckpt_dir is not None else None
+    if signum is not None:
+        if not saved:
+            run.save()
+        raise TrainingInterrupted(signum, run.step, run.last)
+
+
+def _micro_step(run: _Run, runner: nn.Module, ids: torch.Tensor) -> tuple[float, float, dict]:
+    """One micro-batch: the teacher's targets, the forward, the loss's backward (scaled by the accumulation);
+    ``(kl, score, stats)`` as floats."""
+    cfg, model, method, teacher = run.cfg, run.model, run.method, run.teacher
+    topk = targets = None
+    if cfg.train_model or run.need_targets:
+        t_dev = next(teacher.parameters()).device
+        with _autocast(cfg), method.teacher_forward(teacher) as targets:
+            if cfg.train_model:
+                topk = teacher_step(teacher, ids.to(t_dev), cfg.top_k, chunk_size=cfg.loss_chunk)
+                topk = topk.to(run.dev)
+            else:
+                teacher_step(teacher, ids.to(t_dev), None)
+    method.before_forward(model, run.step + 1, targets)  # the step being taken, as in the history
+    with _autocast(cfg):
+        kl, ls, st = runner(ids, topk)
+    loss = cfg.score_weight * ls + kl
+    if loss.requires_grad:
+        (loss / cfg.grad_accum).backward()
+    out = float(kl.detach()), float(ls.detach()), st
+    del kl, loss, topk, targets
+    method.after_forward(model)
+    return out
+
+
+def _take_step(run: _Run, runner: nn.Module, batches) -> tuple[dict[str, float], int]:
+    """One optimiser step over ``grad_accum`` micro-batches: gradients averaged and clipped, the step refused
+    (:class:`TrainingDiverged`) on a non-finite loss or norm, its record appended to the history; returns the
+    record and the micro-batches' length."""
+    cfg = run.cfg
+    kl_acc = ls_acc = 0.0
+    stats_acc: dict[str, float] = {}
+    for _ in range(cfg.grad_accum):
+        ids = _input_ids(next(batches))
+        run.consumed += 1
+        ids = ids.to(run.dev)
+        kl, ls, st = _micro_step(run, runner, ids)
+        kl_acc += kl / cfg.grad_accum
+        ls_acc += ls / cfg.grad_accum
+        for key, val in st.items():  # gamma: the last value; the rest: the mean over micro-batches
+            stats_acc[key] = val if key.startswith("gamma") else stats_acc.get(key, 0.0) + val / cfg.grad_accum
+    if run.fsdp:
+        _average_grads([p for _, p in run.scorer_params], run.world)
+    gnorm = {}
+    if cfg.max_grad_norm is not None:
+        gnorm["gnorm_scorer"] = _full_norm(torch.nn.utils.clip_grad_norm_([p for _, p in run.scorer_params],
+                                                                          cfg.max_grad_norm))
+        if cfg.train_model:
+            gnorm["gnorm_model"] = _full_norm(torch.nn.utils.clip_grad_norm_(run.model_params, cfg.max_grad_norm))
+    if run.world > 1:
+        kl_acc, ls_acc = _mean_over_ranks([kl_acc, ls_acc], run.world, run.dev)
+    bad = non_finite({"kl": kl_acc, "score": ls_acc, **gnorm})  # the same on every rank
+    if bad:  # the step is not taken; the last checkpoint stays
+        raise TrainingDiverged(run.step + 1, f"the loss ({bad})", run.last, run.good_step)
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.step += 1
+    rec = {"step": run.step, "kl": kl_acc, "score": ls_acc, **stats_acc, **gnorm}
+    run.history.append(rec)
+    if run.hist_path is not None:
+        append_jsonl(run.hist_path, rec)
+    return rec, int(ids.shape[-1])
 
 
 def _check_checkpoint(ck: dict, path: Path, method: TrainingMethod, cfg: TrainConfig) -> tuple[int, int]:

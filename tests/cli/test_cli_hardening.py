@@ -135,8 +135,8 @@ def test_train_device_cuda_runs(tmp_path):
 @pytest.fixture
 def no_work(monkeypatch):
     """Any model load or evaluation fails the test: a usage error must come before them."""
-    from kvpop.demo import evaluate as E
     from kvpop.demo import retrofit as R
+    from kvpop.evaluation import evaluate as E
 
     def work(*a, **k):
         raise AssertionError("work started before the usage error")
@@ -321,7 +321,7 @@ def test_model_directories_are_refused_from_their_files_before_any_weight_is_all
 def test_a_llama_directory_loads_as_llama_with_its_own_weights(tmp_path):
     from safetensors.torch import load_file
 
-    from kvpop.demo.evaluate import load_base_model
+    from kvpop.evaluation.evaluate import load_base_model
 
     dirs = _model_dirs(tmp_path)
     m = load_base_model(dirs / "llama")

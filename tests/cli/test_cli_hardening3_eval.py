@@ -14,7 +14,7 @@ from test_cli_train import _write_ids  # noqa: E402  (tests/cli/test_cli_train.p
 
 from kvpop.cli import main  # noqa: E402
 from kvpop.cli.trained import read_run  # noqa: E402
-from kvpop.demo import evaluate as E  # noqa: E402
+from kvpop.evaluation import evaluate as E  # noqa: E402
 
 TRAIN = ["--seq-len", "48", "--sinks", "2", "--window", "8", "--no-progress"]
 SYNTH = ["--lengths", "64", "--budgets", "24", "--n-sequences", "1", "--sinks", "2", "--window", "8", "--no-progress",

@@ -6,9 +6,9 @@ import torch
 from test_cli_train import _tokenizer_model_dir
 
 from kvpop.cli import main
-from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
-from kvpop.demo import trace_eval as TE
+from kvpop.evaluation import evaluate as E
+from kvpop.evaluation import trace_eval as TE
 
 SINKS, WINDOW = 4, 32
 

@@ -8,10 +8,10 @@ from test_cli_train import _tokenizer_model_dir
 from kvpop import answers as P
 from kvpop.answers import generation as G
 from kvpop.cli import main
-from kvpop.demo import evaluate as E
 from kvpop.demo import lookahead_task as LT
 from kvpop.demo import task as T
 from kvpop.demo.problems import task_problems, write_task_problems
+from kvpop.evaluation import evaluate as E
 
 SINKS, WINDOW = 4, 32
 
@@ -78,7 +78,7 @@ def test_pass_and_majority_arithmetic():
 @pytest.mark.parametrize("task", [T, LT])
 def test_greedy_generation_equals_teacher_forced_reads(task):
     """Greedy dense (and streaming) generation of one token at every read gives exactly the teacher-forced
-    read accuracy of the same reads (kvpop.demo.evaluate.sequence_correct)."""
+    read accuracy of the same reads (kvpop.evaluation.evaluate.sequence_correct)."""
     L, n, budget = (160, 2, 48) if task is T else (256, 1, 64)
     base = E.load_base_model(task.SHIPPED_MODEL)
     stream = E.policy_model(base, "streaming", sinks=SINKS, window=WINDOW, budget=budget)
@@ -253,7 +253,7 @@ def runs(tmp_path_factory):
 
 def test_every_policy_generates_and_matches_its_teacher_forced_reads(runs, tmp_path):
     """All ten policies answer through their caches; greedy one-token answers of every fixed-budget policy
-    equal its teacher-forced reads (kvpop.demo.evaluate.sequence_correct at the same budget)."""
+    equal its teacher-forced reads (kvpop.evaluation.evaluate.sequence_correct at the same budget)."""
     L, budget = 96, 16
     data = tmp_path / "kv.jsonl"
     write_task_problems(data, "kvtrace", L, 1, reads=4)
@@ -301,3 +301,15 @@ def test_vllm_engine_errors(tmp_path, capsys):
     except ImportError:
         assert main(["eval", "--problems", str(data), "--engine", "vllm", "--policies", "dense", "--no-progress"]) == 2
         assert "--engine vllm needs vLLM installed" in capsys.readouterr().err
+
+
+def test_the_task_problems_command_writes_the_file_and_refuses_a_bad_length(tmp_path, capsys):
+    from kvpop.cli.task_problems import main as task_problems_main
+
+    out = tmp_path / "p.jsonl"
+    assert task_problems_main(["--task", "kvtrace", "--length", "128", "--n-sequences", "1", "--reads", "2",
+                               "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and f"wrote 2 problems to {out}" in capsys.readouterr().out
+    assert task_problems_main(["--task", "kvtrace", "--length", "8", "--out", str(out)]) == 2
+    assert "error" in capsys.readouterr().err

@@ -10,8 +10,8 @@ from kvpop.baselines import dms as D
 from kvpop.baselines.dms import budget as DE
 from kvpop.cli import main
 from kvpop.cli.trained import read_run
-from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
+from kvpop.evaluation import evaluate as E
 from kvpop.models import cache_kwarg_name
 
 SINKS, WINDOW = 2, 8  # not the eval defaults (4, 32): a run evaluated at its own settings shows them
@@ -178,7 +178,7 @@ def test_dms_threshold_chosen_on_validation_traces(runs, traces, tmp_path, capsy
                  "--run", str(runs / "dms"), "--dms-valid-data", str(valid)) == 0
     res = json.loads((out / "results.json").read_text())
     # the thresholds are the validation traces' own calibration, fixed for every evaluated trace
-    from kvpop.demo.trace_eval import load_model
+    from kvpop.evaluation.trace_eval import load_model
 
     model = DE.dms_policy_model(load_model(runs / "dms" / "model"), runs / "dms" / "gates.safetensors",
                                 sinks=SINKS, window=WINDOW)

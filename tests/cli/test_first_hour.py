@@ -297,7 +297,7 @@ def test_training_in_segments_counts_the_runs_steps_on_one_scale(tmp_path, monke
 
 def test_eval_eta_weighs_jobs_by_their_cost_and_says_when_it_is_a_lower_bound(monkeypatch):
     import kvpop.progress as P
-    from kvpop.demo.evaluate import cost_kind
+    from kvpop.evaluation.evaluate import cost_kind
 
     assert cost_kind("tova") == cost_kind("h2o") == "decode" and cost_kind("kvpop-mlp") == "forward"
     clock = [0.0]

@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 import kvpop  # noqa: E402
 from kvpop.cli import main  # noqa: E402
 from kvpop.core.budgets import ablation_importance, allocate, read_head_budgets, rebudget  # noqa: E402
-from kvpop.demo import evaluate as E  # noqa: E402
 from kvpop.demo import task as T  # noqa: E402
+from kvpop.evaluation import evaluate as E  # noqa: E402
 
 SINKS, WINDOW, BUDGET, SEQ = 2, 8, 24, 64
 TRAIN = ["--seq-len", str(SEQ), "--budget", str(BUDGET), "--sinks", str(SINKS), "--window", str(WINDOW),

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from kvpop.cli import main
 from kvpop.core.checkpoint import read_scorer_config
-from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
+from kvpop.evaluation import evaluate as E
 from studies.paired import paired_interval
 
 TRAIN = ["--seq-len", "64", "--sinks", "2", "--window", "8", "--budget", "24", "--no-progress"]

@@ -1,4 +1,4 @@
-"""Reads measured by token-by-token decoding equal the one-call prefill's (kvpop.demo.decode_eval)."""
+"""Reads measured by token-by-token decoding equal the one-call prefill's (kvpop.evaluation.decode_eval)."""
 import copy
 
 import pytest
@@ -7,9 +7,9 @@ from tiny import kvtrace_model
 
 from kvpop.core.checkpoint import save_scorers
 from kvpop.core.patching import patch
-from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
-from kvpop.demo.decode_eval import decode_check, decode_predictions
+from kvpop.evaluation import evaluate as E
+from kvpop.evaluation.decode_eval import decode_check, decode_predictions
 
 L = 96
 

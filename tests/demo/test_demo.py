@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from kvpop.cli import main
-from kvpop.demo.evaluate import JOINT, LABEL_VARIANTS, POLICIES
+from kvpop.demo.grid import JOINT_OF, RETROFITS
 from kvpop.demo.search import CHOSEN, TASKS, label_variant
-from kvpop.training.search import JOINT_OF, RETROFITS
+from kvpop.evaluation.evaluate import JOINT, LABEL_VARIANTS, POLICIES
 
 RESULTS = Path(__file__).resolve().parents[2] / "kvpop" / "data" / "demo_results"
 

@@ -9,8 +9,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from kvpop.baselines import dms as D
 from kvpop.baselines.dms import budget as DE
 from kvpop.cli import main
-from kvpop.demo import evaluate as E
 from kvpop.demo import task as T
+from kvpop.evaluation import evaluate as E
 
 L = 128
 
@@ -103,7 +103,7 @@ def test_evaluate_fixes_the_dms_threshold_on_validation_sequences(run_dir):
     base = E.load_base_model(run_dir / "model")
     model = E.policy_model(base, "dms", scorers=run_dir / DE.GATES, finetuned=base, sinks=2, window=4)
     cfg = E.EvalConfig(train_len=L, lengths=[L], budgets=[16], n_sequences=2, sinks=2, window=4, progress=False)
-    res = E.evaluate({"dense": base, "dms": model, "dms-test-calibrated": model}, cfg)
+    res = E.evaluate({"dense": base, "dms": model, "dms-test-calibrated": model}, cfg, task=T)
     row = {r["policy"]: r for r in res["rows"]}
     valid = torch.stack([T.make_example(T.valid_seed(i), L)["input_ids"] for i in range(2)])
     thr = DE.calibrate_threshold(model, valid, 16)

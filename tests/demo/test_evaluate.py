@@ -1,4 +1,4 @@
-"""kvpop.demo.evaluate and ``kvpop eval`` on tiny random Qwen3 models (PyTorch CPU path)."""
+"""kvpop.evaluation.evaluate and ``kvpop eval`` on tiny random Qwen3 models (PyTorch CPU path)."""
 import copy
 import json
 
@@ -9,8 +9,9 @@ from tiny import kvtrace_model
 import kvpop
 from kvpop.baselines import dms as D
 from kvpop.cli import main
-from kvpop.demo import evaluate as E
+from kvpop.demo import retrofit as R
 from kvpop.demo import task as T
+from kvpop.evaluation import evaluate as E
 from kvpop.models import cache_kwarg_name
 
 L = 128  # task minimum is 64; 8 graded reads at 128
@@ -55,7 +56,7 @@ def _cfg(**kw):
 
 
 def test_every_policy_runs_and_schema(models, tmp_path):
-    res = E.evaluate(models, _cfg(lengths=[L, 2 * L]))
+    res = E.evaluate(models, _cfg(lengths=[L, 2 * L]), task=T)
     rows = res["rows"]
     assert {r["policy"] for r in rows} == set(E.POLICIES)
     assert len(rows) == 2 * (1 + (len(E.POLICIES) - 1) * 2)
@@ -78,7 +79,7 @@ def test_every_policy_runs_and_schema(models, tmp_path):
 
 
 def test_dense_equals_plain_forward(base):
-    res = E.evaluate({"dense": base}, _cfg(n_sequences=3))
+    res = E.evaluate({"dense": base}, _cfg(n_sequences=3), task=T)
     batch = T.make_batch([T.test_seed(i) for i in range(3)], L)
     with torch.no_grad():
         acc = T.accuracy(base(batch["input_ids"]).logits, batch)
@@ -139,10 +140,10 @@ def test_only_the_batched_policies_take_a_batch(models):
 
 
 def test_rows_are_reused(models):
-    first = E.evaluate({"dense": models["dense"], "streaming": models["streaming"]}, _cfg())
+    first = E.evaluate({"dense": models["dense"], "streaming": models["streaming"]}, _cfg(), task=T)
     seen = []
     done = {f"{r['policy']}|{r['budget']}|{r['length']}": r for r in first["rows"]}
-    again = E.evaluate({"dense": models["dense"], "streaming": models["streaming"]}, _cfg(),
+    again = E.evaluate({"dense": models["dense"], "streaming": models["streaming"]}, _cfg(), task=T,
                        done=done, on_row=seen.append)
     assert seen == [] and again["rows"] == first["rows"]
 
@@ -153,7 +154,7 @@ def test_bad_inputs(models, base):
     with pytest.raises(ValueError, match="too small"):
         _cfg(budgets=[6])
     with pytest.raises(ValueError, match="dense model"):
-        E.evaluate({"streaming": models["streaming"]}, _cfg())
+        E.evaluate({"streaming": models["streaming"]}, _cfg(), task=T)
     with pytest.raises(ValueError, match="unknown policy"):
         E.sequence_predictions(models["streaming"], T.make_example(T.test_seed(0), L), "lru")
     with pytest.raises(ValueError, match="fine-tuned"):
@@ -192,11 +193,15 @@ def test_a_retrofit_does_not_depend_on_what_ran_before_it(base, tmp_path, policy
     however much of the global random stream ran in between (the demo trains several in one process)."""
     from safetensors.torch import load_file
 
-    cfg = E.RetrofitConfig(steps=2, length=L, budget=24, sinks=2, window=4, checkpoint_every=2)
-    a = E.retrofit(base, policy, tmp_path / "a", cfg, progress=False)
+    cfg = R.RetrofitConfig(steps=2, length=L, budget=24, sinks=2, window=4, checkpoint_every=2)
+    a = R.retrofit(base, policy, tmp_path / "a", cfg, progress=False)
     torch.randn(12345)  # move the global random stream
-    b = E.retrofit(base, policy, tmp_path / "b", cfg, progress=False)
+    b = R.retrofit(base, policy, tmp_path / "b", cfg, progress=False)
     sa, sb = load_file(a / "scorers.safetensors"), load_file(b / "scorers.safetensors")
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+def test_the_evaluation_names_the_shipped_model_of_the_kvtrace_task():
+    assert E.SHIPPED_MODEL == T.SHIPPED_MODEL and (E.SHIPPED_MODEL / "config.json").is_file()

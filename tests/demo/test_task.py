@@ -187,3 +187,18 @@ def test_parse_curriculum():
     assert parse_curriculum("128:64,256:32") == [(128, 64), (256, 32)]
     with pytest.raises(ValueError):
         parse_curriculum("128-64")
+
+
+def test_pretrain_settings_match_the_command():
+    """kvpop pretrain's options are PretrainSettings's fields, in its order and with its defaults (what args.json
+    and the checkpoints record)."""
+    from dataclasses import asdict
+
+    from kvpop.cli.pretrain import build_parser
+    from kvpop.demo.pretrain import PretrainSettings
+
+    parsed = vars(build_parser().parse_args(["--out", "x"]))
+    assert list(parsed) == list(asdict(PretrainSettings(out="x")))
+    assert parsed == asdict(PretrainSettings(out="x"))
+    with pytest.raises(TypeError):
+        PretrainSettings(out="x", not_an_option=1)

@@ -6,7 +6,7 @@ pytest.importorskip("transformers")
 
 import kvpop
 from kvpop.demo import lookahead_task as T
-from kvpop.demo.evaluate import load_base_model
+from kvpop.evaluation.evaluate import load_base_model
 from studies import label_study as L
 
 

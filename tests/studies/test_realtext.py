@@ -204,7 +204,7 @@ def test_shipped_model_loads_and_names_the_shipped_data():
 
 
 def test_oracle_rows_and_labels():
-    from kvpop.demo.evaluate import load_base_model
+    from kvpop.evaluation.evaluate import load_base_model
 
     with pytest.raises(ValueError, match="unknown label"):
         RT.parse_labels("mean,mode")
@@ -247,8 +247,8 @@ def test_head_adaptive_rows_uniform_row_equals_kvpop_eval(tmp_path):
     the same positions; the head-adaptive budgets keep the uniform total."""
     from kvpop.core.checkpoint import save_scorers
     from kvpop.core.patching import patch
-    from kvpop.demo import evaluate as E
-    from kvpop.demo import trace_eval as TE
+    from kvpop.evaluation import evaluate as E
+    from kvpop.evaluation import trace_eval as TE
 
     base = E.load_base_model()
     for q in base.parameters():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvpop.demo import lookahead_task as T
-from kvpop.demo.evaluate import load_base_model
+from kvpop.evaluation.evaluate import load_base_model
 from studies import scorer_probe as P
 
 

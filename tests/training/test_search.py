@@ -8,17 +8,8 @@ import time
 
 import pytest
 
-from kvpop.training.search import (
-    JOINT_OF,
-    RETROFITS,
-    SCORER_ONLY,
-    SELECT_GRID,
-    Search,
-    Stage,
-    auto_plan,
-    select_plan,
-    trial_tag,
-)
+from kvpop.demo.grid import JOINT_OF, RETROFITS, SCORER_ONLY, SELECT_GRID, select_plan
+from kvpop.training.search import Search, Stage, auto_plan, trial_tag
 
 
 def _objective(s):

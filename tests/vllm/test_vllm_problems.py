@@ -11,8 +11,8 @@ from test_vllm_engine import _cpu_engine_env  # noqa: E402, F401  (vLLM's CPU se
 
 import kvpop  # noqa: E402
 from kvpop import answers as P  # noqa: E402
-from kvpop.demo import evaluate as E  # noqa: E402
 from kvpop.demo.problems import task_problems  # noqa: E402
+from kvpop.evaluation import evaluate as E  # noqa: E402
 
 SINKS, WINDOW, BUDGET, BLOCK = 4, 32, 64, 32
 

@@ -7,7 +7,7 @@ run at the same **mean** budget: :func:`calibrate_threshold` finds the largest t
 over sequences, layers and KV heads of the entries held at the last position (sinks + window + the kept
 long-range tokens) is at most ``B`` -- the peak memory of the fixed-budget policies (a fixed point of
 sorting the gate logits of one forward and re-running, usually 2-3 forwards; tokens with equal logits
-go together, so the mean can land a little under ``B``).  The harness (``kvpop.demo.evaluate``) sets it
+go together, so the mean can land a little under ``B``).  The harness (``kvpop.evaluation.evaluate``) sets it
 on the *validation* sequences of each length and budget and keeps it fixed for the test sequences (policy
 ``dms``), as a user of DMS would; calibrating on each test sequence itself (``dms-test-calibrated``, a
 look at the test data no other policy gets) is kept only as a labelled second row.  Which tokens are

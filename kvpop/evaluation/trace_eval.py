@@ -1,7 +1,7 @@
 """Teacher-forced quality of eviction policies on a user's own model and traces (``kvpop eval --data``).
 
 For each trace (token ids, batch 1) and each (policy, budget ``B``), the model runs teacher-forced
-over the whole trace through the code a user runs (:func:`kvpop.demo.evaluate.policy_logits`): the static
+over the whole trace through the code a user runs (:func:`kvpop.evaluation.evaluate.policy_logits`): the static
 policies (``streaming``, ``fixed-finetune``, ``kvpop-*``) through the patched model's sparse-attention
 prefill with the policy's eviction schedule, ``tova``/``h2o`` through a ``KVpopCache`` that decodes
 token by token, ``dense`` through the unpatched model.  Every policy at every budget is scored over the
@@ -140,7 +140,7 @@ def evaluate_traces(models: Mapping[str, nn.Module], traces: Sequence[torch.Tens
     """NLL, its increase over dense and top-1 agreement with dense of every policy in ``models`` at
     every budget of ``config`` on ``traces`` (int64 ``[L_i]`` each).
 
-    ``models``: policy name -> model from :func:`kvpop.demo.evaluate.policy_model` (``"dense"`` -> the
+    ``models``: policy name -> model from :func:`kvpop.evaluation.evaluate.policy_model` (``"dense"`` -> the
     unpatched base, required).  ``on_row`` is called with each row as soon as it is measured.
     Returns the rows (one per (policy, budget); see the module docstring).
     """

@@ -1,6 +1,6 @@
 """The reads measured by real decoding: the sequence fed to the cache one token at a time, as ``generate`` does.
 
-:func:`kvpop.demo.evaluate.evaluate` reads the learned policies' accuracy from one teacher-forced call per
+:func:`kvpop.evaluation.evaluate.evaluate` reads the learned policies' accuracy from one teacher-forced call per
 sequence: the cache's prefill, which runs ``sparse_attention`` with the policy's eviction schedule.  That
 prefill equals prefill + token-by-token decoding by design; this module checks the claim on the demo's own
 test sequences.  :func:`decode_predictions` prefills only the first ``prompt`` tokens (default: the sinks,
@@ -70,7 +70,7 @@ def decode_predictions(model: nn.Module, ids: torch.Tensor, policy: str, budget:
                        prompt: int | None = None, threshold: float | None = None) -> torch.Tensor:
     """Greedy predictions ``[n, L]`` of ``ids`` (``[n, L]`` or ``[L]``, one length) decoded token by token.
 
-    ``model`` is :func:`kvpop.demo.evaluate.policy_model`'s model for ``policy`` (a kvpop-patched model
+    ``model`` is :func:`kvpop.evaluation.evaluate.policy_model`'s model for ``policy`` (a kvpop-patched model
     for the fixed-budget policies, re-budgeted to ``budget`` when given; a DMS-patched one for ``dms``,
     decoded at gate ``threshold``, default its configured one).  ``prompt``: tokens prefilled in one call
     before decoding (default: the sinks, so that every eviction decision is taken by a decode step).
@@ -88,14 +88,14 @@ def decode_predictions(model: nn.Module, ids: torch.Tensor, policy: str, budget:
         from kvpop.baselines import dms as D
 
         if not D.is_dms_patched(model):
-            raise ValueError("the dms policy needs a DMS-patched model (see kvpop.demo.evaluate.policy_model)")
+            raise ValueError("the dms policy needs a DMS-patched model (see kvpop.evaluation.evaluate.policy_model)")
         if threshold is not None:
             D.patch_dms(model, threshold=float(threshold))
         p = max(1, D.get_dms_config(model).sinks) if prompt is None else prompt
         _check_prompt(p, ids.shape[1])
         return _decode_dms(model, ids, p)
     if not is_patched(model):
-        raise ValueError(f"policy {policy!r} needs a kvpop-patched model (see kvpop.demo.evaluate.policy_model)")
+        raise ValueError(f"policy {policy!r} needs a kvpop-patched model (see kvpop.evaluation.evaluate.policy_model)")
     if budget is not None and get_config(model).budget != budget:
         rebudget(model, int(budget))
     p = max(1, get_config(model).sinks) if prompt is None else prompt
@@ -106,7 +106,7 @@ def decode_predictions(model: nn.Module, ids: torch.Tensor, policy: str, budget:
 def decode_check(model: nn.Module, examples: Sequence[dict], policy: str, budget: int, *,
                  prompt: int | None = None, threshold: float | None = None) -> dict:
     """The graded reads of ``examples`` (one length) under ``policy`` at ``budget``, twice: from the one-call
-    prefill (:func:`kvpop.demo.evaluate.sequence_predictions`; DMS at the fixed gate ``threshold``) and from
+    prefill (:func:`kvpop.evaluation.evaluate.sequence_predictions`; DMS at the fixed gate ``threshold``) and from
     token-by-token decoding (:func:`decode_predictions`).  Returns ``prefill_correct``, ``decode_correct``,
     ``graded``, both accuracies and ``differ`` (graded positions whose two predictions differ)."""
     from .evaluate import sequence_predictions

@@ -39,7 +39,7 @@ Budgets default to 6.25 %, 12.5 % and 25 % of the training length (128/256/512 a
 slots, where the policies differ.  All policies share the same sinks and window, so they hold the
 same ``B`` entries per layer and KV head.
 
-The retrofits that make the learned rows are :mod:`kvpop.demo.retrofit`'s (re-exported here).
+The retrofits that make the learned rows are :mod:`kvpop.demo.retrofit`'s.
 """
 from __future__ import annotations
 
@@ -78,9 +78,6 @@ from kvpop.policies import (
     row_order,
 )
 
-from . import task as T
-from .retrofit import RetrofitConfig, retrofit
-
 __all__ = [
     "POLICIES",
     "LABEL_SOURCES",
@@ -108,15 +105,15 @@ __all__ = [
     "trained_label",
     "plot_results",
     "save_figure",
-    "retrofit",
-    "RetrofitConfig",
 ]
 
 BATCHED = ("tova", "h2o")
 """Policies :func:`evaluate` runs on all sequences of a length at once (token-by-token decoding, whose cost
 per token hardly grows with the batch on a CPU); the others run one sequence at a time."""
 BUDGET_FRACTIONS = (0.0625, 0.125, 0.25)
-SHIPPED_MODEL = T.SHIPPED_MODEL
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny_qwen3"
+"""The shipped tiny model (the kvtrace task's, ``kvpop.demo.task.SHIPPED_MODEL``): :func:`load_base_model`'s
+default."""
 
 
 def _check_policies(policies: Iterable[str]) -> list[str]:
@@ -345,7 +342,7 @@ def _row_key(policy: str, budget: int, length: int) -> str:
 
 def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, *,
              task_cfg: Any = None, done: Mapping[str, dict] | None = None,
-             on_row: Any = None, task: Any = T) -> dict:
+             on_row: Any = None, task: Any) -> dict:
     """Accuracy of every policy in ``models`` at every (budget, length) of ``config``.
 
     Args:
@@ -354,8 +351,9 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
         config: :class:`EvalConfig`.
         done: rows already measured (key ``"policy|budget|length"`` -> row), reused as they are.
         on_row: called with each new row as soon as it is measured (e.g. to save progress).
-        task: the task module (:mod:`kvpop.demo.task` by default, or ``kvpop.demo.lookahead_task``);
-            ``task_cfg`` defaults to its ``DEFAULT``.
+        task: the task module measured on (``make_example``, ``test_seed``, ``valid_seed``, ``DEFAULT``,
+            ``describe``: :mod:`kvpop.demo.task` or ``kvpop.demo.lookahead_task``); ``task_cfg`` defaults to its
+            ``DEFAULT``.
 
     ``dms`` runs at one gate threshold per (budget, length), chosen on ``n_sequences`` *validation* sequences
     of that length (``task.valid_seed``): the largest at which their mean entries per layer and KV head at
@@ -445,7 +443,7 @@ def evaluate(models: Mapping[str, nn.Module], config: EvalConfig | None = None, 
 
 
 def results_dict(rows: list[dict], cfg: EvalConfig, task_cfg: Any = None,
-                 extra: Mapping[str, Any] | None = None, task: Any = T) -> dict:
+                 extra: Mapping[str, Any] | None = None, *, task: Any) -> dict:
     """The ``results.json`` object: ``task``, ``train_len``, ``dense_accuracy`` (at ``train_len``, or at
     the first length when ``train_len`` is not among them), ``rows`` (sorted; each with
     ``relative_accuracy`` = accuracy / dense accuracy at the same length), plus settings."""
