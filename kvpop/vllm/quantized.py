@@ -123,8 +123,10 @@ def decode_step(K, V, k_scale, v_scale, slot_pos, slot_prio, block_table, pos, k
         t_leave = pos - w
         hit = lr & (slot_pos[blk, row, off].long() == t_leave[:, None, None]) & (t_leave >= s)[:, None, None]
         jj = hit.float().argmax(dim=-1, keepdim=True)
-        dst = tuple(x.gather(2, jj).squeeze(2) for x in (blk, row, off))
         moved = hit.any(dim=-1)
+        # a head whose leaving token was dropped rewrites its new token's slot (set below), not a slot that may
+        # lie past the request's allocation (slots.decode_step says why)
+        dst = tuple(torch.where(moved, x.gather(2, jj).squeeze(2), a) for x, a in zip((blk, row, off), at))
         k_scale[dst] = torch.where(moved, ks_leave, k_scale[dst])
         v_scale[dst] = torch.where(moved, vs_leave, v_scale[dst])
     k_scale[at] = ks

@@ -146,3 +146,37 @@ def test_spec_counts_the_mlstm_state_pages():
     assert spec.max_memory_usage_bytes(cfg) == (11 + 2) * spec.page_size_bytes
     mlp = FixedBudgetSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, budget=64)
     assert mlp.max_num_blocks_per_req(cfg, 256) == 8 and mlp.max_memory_usage_bytes(cfg) == 2 * mlp.page_size_bytes
+
+
+def _engine_config(hf: dict, *, tp: int = 1, cache_dtype: str = "auto"):
+    import types
+
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=hf, max_model_len=2048),
+        cache_config=types.SimpleNamespace(cache_dtype=cache_dtype, enable_prefix_caching=False, block_size=32),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        speculative_config=None)
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_mlstm_under_tensor_parallelism_is_refused_by_name(scorer, tmp_path):
+    """``check_engine`` (run where the engine's config is built) refuses the mLSTM scorer with tensor_parallel_size > 1
+    naming the setting and its value; the MLP scorer passes this check, and so does the mLSTM on one device."""
+    from transformers import Qwen3ForCausalLM
+
+    import kvpop
+    from kvpop.demo import task
+    from kvpop.vllm import hf_overrides
+    from kvpop.vllm.model import check_engine
+
+    m = Qwen3ForCausalLM.from_pretrained(str(task.SHIPPED_MODEL), dtype=torch.float32)
+    kvpop.patch(m, sinks=4, window=32, budget=64, scorer=scorer)
+    path = tmp_path / "scorers.safetensors"
+    kvpop.save_scorers(m, path)
+    hf = hf_overrides(str(path))
+    assert check_engine(_engine_config(hf)).config.scorer == scorer
+    if scorer == "mlp":
+        assert check_engine(_engine_config(hf, tp=2)).config.scorer == "mlp"
+        return
+    with pytest.raises(ValueError, match=r"mLSTM scorer with tensor_parallel_size=1 only.*got tensor_parallel_size=2"):
+        check_engine(_engine_config(hf, tp=2))
