@@ -41,6 +41,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
+from kvpop_kernels.slot_decode import packed_slot_decode
+
 from . import quantized, recurrent, slots
 
 __all__ = ["KVpopCPUBackend", "KVpopCPUImpl", "KVpopTritonBackend", "KVpopTritonImpl"]
@@ -159,7 +161,21 @@ class _FixedBudgetImpl:
         sp, pr = self._tables(K, layer)
         slots.decode_step(K, V, sp, pr, bt, pos, key, value, prio, sinks=layer.kvpop_sinks,
                           window=layer.kvpop_window, layout=layer.kvpop_layout, valid=valid)
+        if isinstance(self, TritonAttentionImpl):
+            return self._packed_attention(layer, K, V, bt, pos, query, valid=valid)
         return slots.decode_attention(K, V, bt, pos, query, layout=layer.kvpop_layout, scale=self.scale, valid=valid)
+
+    def _packed_attention(self, layer, K, V, bt, pos, query, ks=None, vs=None, valid=None) -> torch.Tensor:
+        """The packed layout's decode attention through ``kvpop_kernels.packed_slot_decode`` (Triton on a GPU: each
+        head walks its own slots, 8-bit codes dequantised on load; its PyTorch path on a CPU); fixed shapes, padded
+        rows (``valid`` False) read the null block."""
+        lay = layer.kvpop_layout
+        if valid is not None:
+            bt = torch.where(valid[:, None], bt, torch.zeros_like(bt))
+        b, offs = lay.device_args(K.device)
+        return packed_slot_decode(query, K, V, bt, pos.long().clamp(min=0), b, offs, rows=lay.rows,
+                                  block_size=K.shape[2], scale=self.scale, k_scale=ks, v_scale=vs,
+                                  max_budget=max(lay.budgets))
 
 
 _SHARED_TABLES: dict = {}
@@ -385,8 +401,8 @@ class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
                 clamped = dataclasses.replace(meta, seq_lens=meta.seq_lens.clamp(max=B))
                 self.forward(layer, query, key, value, kv_cache, clamped, output)
             else:
-                output[:R] = quantized.decode_attention(K, V, ks, vs, table[:R], pos, query[:R], layout=layout,
-                                                        scale=self.scale, valid=valid).to(output.dtype)
+                output[:R] = self._packed_attention(layer, K, V, table[:R], pos, query[:R], ks, vs,
+                                                    valid=valid).to(output.dtype)
             return
         q_host = qsl.tolist()
         seq = meta.seq_lens[:R].tolist()

@@ -57,6 +57,16 @@ class PackedSlots:
     def total(self) -> int:
         return sum(self.budgets)
 
+    def device_args(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(budgets int32, packed index of each head's slot 0 int64)`` ``[Hkv]`` on ``device`` (made once:
+        ``kvpop_kernels.slot_decode.packed_slot_decode``'s arguments, no copy inside a CUDA graph)."""
+        t = self._offs.get(("args", device))
+        if t is None:
+            t = self._offs[("args", device)] = (
+                torch.tensor(self.budgets, dtype=torch.int32, device=device),
+                torch.tensor([self.base + o for o in self.offsets], dtype=torch.int64, device=device))
+        return t
+
     def addr(self, table: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor, bs: int):
         dev = slots.device
         offs = self._offs.get(dev)
