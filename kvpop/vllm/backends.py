@@ -23,8 +23,11 @@ bfloat16 one).
 ``KVpopCPUBackend`` (CPU_ATTN) is what the tests run.  ``KVpopTritonBackend`` (TRITON_ATTN, CUDA) is
 written alongside and **untested on a GPU**: a pure-decode batch takes one fixed-shape path with no
 host synchronisation and no Python loop over requests (CUDA-graph capturable: padded rows of a graph
-batch write into the null block 0), then vLLM's unified Triton kernel over ``min(n, B)`` slots; a batch
-with a prompt or chunk in it runs eagerly, request by request, through ``extend``.
+batch write into the null block 0), then vLLM's unified Triton kernel over ``min(n, B)`` slots (head-adaptive
+budgets: ``kvpop_kernels.slot_decode.packed_slot_decode``); a batch with a prompt or chunk in it runs eagerly,
+request by request, through ``extend``.  ``kv_cache_dtype="int8_per_token_head"`` / ``"fp8_per_token_head"``:
+kvpop's codes and scales in vLLM's own page (:mod:`kvpop.vllm.quantized`), dequantised on load by those kernels
+on a GPU, by kvpop's PyTorch attention on the CPU.
 """
 from __future__ import annotations
 
@@ -372,13 +375,13 @@ class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
         self._extend_rows(layer, rows, q_host, ctx, table, query, key, value, prio, K, V, output, k_pre=k_pre,
                           state=state)
 
-
     def _per_token_head_forward(self, layer, query, key, value, prio, kv_cache, meta, output) -> None:
         """``int8_per_token_head`` / ``fp8_per_token_head``: kvpop's codes and scales in vLLM's page
         (:func:`quantized.page_views`).  A pure-decode batch: :func:`quantized.decode_step` (fixed shapes, padded
         graph rows in the null block), then under uniform budgets vLLM's unified Triton kernel over ``min(n, B)``
         slots, which dequantises each slot on load with its scale from the page; under head-adaptive budgets
-        :func:`quantized.decode_attention`.  A batch with a prompt or chunk: eager, request by request."""
+        :meth:`_packed_attention` (kvpop's Triton kernel, the same on load).  A batch with a prompt or chunk: eager,
+        request by request."""
         nb, rows, bs, _ = kv_cache.shape
         quantized.check_page_views(rows, bs, self.head_size, self.kv_cache_dtype)
         uniform = layer.kvpop_layout is None
