@@ -152,8 +152,9 @@ def _env(monkeypatch) -> None:
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def _run_batch(benchmark, llm, n_requests: int):
-    """Submit ``n_requests`` requests at once and step the engine to the end, timed once; then close the engine:
+def _run_batch(benchmark, llm, n_requests: int, new_tokens: int = LENGTH - PROMPT, close: bool = True):
+    """Submit ``n_requests`` requests at once (``PROMPT``-token prompts, ``new_tokens`` greedy tokens each) and
+    step the engine to the end, timed once; then close the engine (unless ``close`` is False):
     ``(tokens generated, seconds, requests running per step, preemptions)``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -170,7 +171,7 @@ def _run_batch(benchmark, llm, n_requests: int):
         return record(scheduler_stats=scheduler_stats, iteration_stats=iteration_stats, **kw)
 
     engine.logger_manager.record = spy
-    sp = SamplingParams(temperature=0.0, max_tokens=LENGTH - PROMPT, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
     prompts = [task.make_example(task.test_seed(i), 64)["input_ids"][:PROMPT].tolist() for i in range(n_requests)]
     generated = []
 
@@ -188,14 +189,18 @@ def _run_batch(benchmark, llm, n_requests: int):
         generated.append((n, time.perf_counter() - t))
 
     try:
-        benchmark.pedantic(run, rounds=1, iterations=1)
+        if benchmark is None:
+            run()
+        else:
+            benchmark.pedantic(run, rounds=1, iterations=1)
     finally:
         engine.logger_manager.record = record
-        try:
-            engine.engine_core.shutdown()
-        except Exception:
-            pass
-        gc.collect()
+        if close:
+            try:
+                engine.engine_core.shutdown()
+            except Exception:
+                pass
+            gc.collect()
     n, secs = generated[-1]
-    assert n == n_requests * (LENGTH - PROMPT)
+    assert n == n_requests * new_tokens
     return n, secs, running, preempted[0]

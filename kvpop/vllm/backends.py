@@ -23,11 +23,15 @@ bfloat16 one).
 ``KVpopCPUBackend`` (CPU_ATTN) is what the tests run.  ``KVpopTritonBackend`` (TRITON_ATTN, CUDA) is
 written alongside and **untested on a GPU**: a pure-decode batch takes one fixed-shape path with no
 host synchronisation and no Python loop over requests (CUDA-graph capturable: padded rows of a graph
-batch write into the null block 0), then vLLM's unified Triton kernel over ``min(n, B)`` slots; a batch
-with a prompt or chunk in it runs eagerly, request by request, through ``extend``.
+batch write into the null block 0), then vLLM's unified Triton kernel over ``min(n, B)`` slots (head-adaptive
+budgets: ``kvpop_kernels.slot_decode.packed_slot_decode``); a batch with a prompt or chunk in it runs eagerly,
+request by request, through ``extend``.  ``kv_cache_dtype="int8_per_token_head"`` / ``"fp8_per_token_head"``:
+kvpop's codes and scales in vLLM's own page (:mod:`kvpop.vllm.quantized`), dequantised on load by those kernels
+on a GPU, by kvpop's PyTorch attention on the CPU.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -39,6 +43,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+from kvpop_kernels.slot_decode import packed_slot_decode
 
 from . import quantized, recurrent, slots
 
@@ -158,7 +164,21 @@ class _FixedBudgetImpl:
         sp, pr = self._tables(K, layer)
         slots.decode_step(K, V, sp, pr, bt, pos, key, value, prio, sinks=layer.kvpop_sinks,
                           window=layer.kvpop_window, layout=layer.kvpop_layout, valid=valid)
+        if isinstance(self, TritonAttentionImpl):
+            return self._packed_attention(layer, K, V, bt, pos, query, valid=valid)
         return slots.decode_attention(K, V, bt, pos, query, layout=layer.kvpop_layout, scale=self.scale, valid=valid)
+
+    def _packed_attention(self, layer, K, V, bt, pos, query, ks=None, vs=None, valid=None) -> torch.Tensor:
+        """The packed layout's decode attention through ``kvpop_kernels.packed_slot_decode`` (Triton on a GPU: each
+        head walks its own slots, 8-bit codes dequantised on load; its PyTorch path on a CPU); fixed shapes, padded
+        rows (``valid`` False) read the null block."""
+        lay = layer.kvpop_layout
+        if valid is not None:
+            bt = torch.where(valid[:, None], bt, torch.zeros_like(bt))
+        b, offs = lay.device_args(K.device)
+        return packed_slot_decode(query, K, V, bt, pos.long().clamp(min=0), b, offs, rows=lay.rows,
+                                  block_size=K.shape[2], scale=self.scale, k_scale=ks, v_scale=vs,
+                                  max_budget=max(lay.budgets))
 
 
 _SHARED_TABLES: dict = {}
@@ -213,10 +233,16 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
         self._check_supported()
         nb, hkv, bs, _ = kv_cache.shape
         region_k, region_v = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
-        if self.kv_cache_dtype != "auto":  # fp8 codes, a scale per slot: kvpop's own write and attention
-            tk, tv = quantized.cpu_block_layout(layer.isa, bs, self.head_size)
-            quantized.cpu_forward(self, layer, _logical(region_k, tk), _logical(region_v, tv), query, key, value,
+        if self.kv_cache_dtype in quantized.PER_TOKEN_HEAD:  # codes and scales in vLLM's per-token-head page
+            quantized.check_page_views(hkv, bs, self.head_size, self.kv_cache_dtype)
+            quantized.cpu_forward(self, layer, *quantized.page_views(kv_cache, self.head_size), query, key, value,
                                   prio, meta, output)
+            return
+        if self.kv_cache_dtype != "auto":  # plain fp8 codes in CPU_ATTN's blocks, the scales in side tables
+            tk, tv = quantized.cpu_block_layout(layer.isa, bs, self.head_size)
+            K, V = _logical(region_k, tk), _logical(region_v, tv)
+            quantized.cpu_forward(self, layer, K, V, *quantized.scale_tables(K), query, key, value, prio, meta,
+                                  output)
             return
         tk, tv = _cpu_block_layout(layer.isa, kv_cache.dtype, bs, self.head_size)
         K, V = _logical(region_k, tk), _logical(region_v, tv)
@@ -266,9 +292,17 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
 
 class KVpopCPUBuilder(CPUAttentionMetadataBuilder):
     """CPU_ATTN's metadata builder; for a packed block (pages of ``L * Hkv`` rows, read by kvpop alone) the
-    stock kernel's scheduler metadata, built but never used, is sized for a head count it accepts."""
+    stock kernel's scheduler metadata, built but never used, is sized for a head count it accepts; so it is for a
+    per-token-head cache (read by kvpop alone: the metadata and the ISA are those of an unquantised cache)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        cache = vllm_config.cache_config
+        quant = cache.cache_dtype in quantized.PER_TOKEN_HEAD
+        if quant:  # CPU_ATTN's ISA choice and scheduler know no per-token-head dtype (shallow copies: no checks)
+            cache = copy.copy(cache)
+            object.__setattr__(cache, "cache_dtype", "auto")
+            vllm_config = copy.copy(vllm_config)
+            object.__setattr__(vllm_config, "cache_config", cache)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if getattr(kv_cache_spec, "whole", False):
             self.num_kv_heads = math.gcd(self.num_kv_heads, self.num_heads)
@@ -276,6 +310,15 @@ class KVpopCPUBuilder(CPUAttentionMetadataBuilder):
 
 class KVpopCPUBackend(CPUAttentionBackend):
     forward_includes_kv_cache_update = True  # the write needs the eviction state: done inside forward
+    supported_kv_cache_dtypes = [*CPUAttentionBackend.supported_kv_cache_dtypes, *quantized.PER_TOKEN_HEAD]
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """A per-token-head cache's page as vLLM's Triton backend sizes it: ``2 * (D + 4)`` bytes per slot and row
+        (the codes and one float32 scale each for the key and the value), so vLLM counts the scales."""
+        if spec.kv_quant_mode.is_per_token_head:
+            return TritonAttentionBackend.customize_spec(spec)
+        return super().customize_spec(spec)
 
     @staticmethod
     def get_impl_cls():
@@ -295,6 +338,9 @@ class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
             output.zero_()
             return
         self._check_supported()
+        if self.kv_cache_dtype in quantized.PER_TOKEN_HEAD:
+            self._per_token_head_forward(layer, query, key, value, prio, kv_cache, meta, output)
+            return
         D = self.head_size
         K, V = kv_cache[..., :D], kv_cache[..., D:]  # [nb, Hkv, bs, D] views of [nb, Hkv, bs, 2D]
         B = layer.kvpop_budget
@@ -328,6 +374,47 @@ class KVpopTritonImpl(_FixedBudgetImpl, TritonAttentionImpl):
         rows = [r for r in range(R) if q_host[r + 1] > q_host[r]]
         self._extend_rows(layer, rows, q_host, ctx, table, query, key, value, prio, K, V, output, k_pre=k_pre,
                           state=state)
+
+    def _per_token_head_forward(self, layer, query, key, value, prio, kv_cache, meta, output) -> None:
+        """``int8_per_token_head`` / ``fp8_per_token_head``: kvpop's codes and scales in vLLM's page
+        (:func:`quantized.page_views`).  A pure-decode batch: :func:`quantized.decode_step` (fixed shapes, padded
+        graph rows in the null block), then under uniform budgets vLLM's unified Triton kernel over ``min(n, B)``
+        slots, which dequantises each slot on load with its scale from the page; under head-adaptive budgets
+        :meth:`_packed_attention` (kvpop's Triton kernel, the same on load).  A batch with a prompt or chunk: eager,
+        request by request."""
+        nb, rows, bs, _ = kv_cache.shape
+        quantized.check_page_views(rows, bs, self.head_size, self.kv_cache_dtype)
+        uniform = layer.kvpop_layout is None
+        if uniform:  # vLLM's scale views of this cache, made (and set to 1) before kvpop writes a scale
+            self._ensure_scale_caches(kv_cache)
+        K, V, ks, vs = quantized.page_views(kv_cache, self.head_size)
+        sp, pr = self._tables(K, layer)
+        B = layer.kvpop_budget
+        layout = slots.UniformSlots(B, rows) if uniform else layer.kvpop_layout
+        where = dict(sinks=layer.kvpop_sinks, window=layer.kvpop_window)
+        qsl = meta.query_start_loc
+        R = qsl.shape[0] - 1
+        table = meta.block_table
+        if meta.max_query_len == 1:  # pure decode: fixed shapes, no host sync (graph capturable)
+            pos = meta.seq_lens[:R].long() - 1
+            valid = pos >= 0  # padded rows of a graph batch have seq_len 0 (and stale block-table rows)
+            quantized.decode_step(K, V, ks, vs, sp, pr, table[:R], pos, key[:R], value[:R], prio[:R], layout=layout,
+                                  valid=valid, **where)
+            if uniform:
+                clamped = dataclasses.replace(meta, seq_lens=meta.seq_lens.clamp(max=B))
+                self.forward(layer, query, key, value, kv_cache, clamped, output)
+            else:
+                output[:R] = self._packed_attention(layer, K, V, table[:R], pos, query[:R], ks, vs,
+                                                    valid=valid).to(output.dtype)
+            return
+        q_host = qsl.tolist()
+        seq = meta.seq_lens[:R].tolist()
+        for r in range(R):
+            a, e = q_host[r], q_host[r + 1]
+            if e > a:
+                output[a:e] = quantized.extend(K, V, ks, vs, sp, pr, table[r], seq[r] - (e - a), query[a:e], key[a:e],
+                                               value[a:e], prio[a:e], scale=self.scale, layout=layout,
+                                               **where).to(output.dtype)
 
 
 class KVpopTritonBackend(TritonAttentionBackend):

@@ -242,14 +242,21 @@ def kvpop_state_blocks(attn: KVpopAttention, page_bytes: int) -> int:
 
 def check_engine(vllm_config) -> Settings:
     """The plugin's settings (:func:`resolve`) once they and the engine's config can serve them: the KV-cache dtype
-    (unquantised for the mLSTM), no prefix caching, no speculative decoding, the packed layout's needs; ValueError
-    naming the setting."""
+    (the mLSTM: unquantised, on one device, tensor_parallel_size=1), no prefix caching, no speculative decoding, the
+    packed layout's needs; ValueError naming the setting."""
     settings = resolve(vllm_config.model_config.hf_config)
     dtype = vllm_config.cache_config.cache_dtype
     check_cache_dtype(dtype, cpu=current_platform.is_cpu())
-    if settings.uses_scorer and settings.config.scorer == "mlstm" and dtype not in (None, "auto"):
-        raise ValueError(f"kvpop serves the mLSTM scorer with unquantised KV caches only (its window values feed the "
-                         f"scorer as the transformers cache holds them), got kv_cache_dtype={dtype!r}")
+    if settings.uses_scorer and settings.config.scorer == "mlstm":
+        if dtype not in (None, "auto"):
+            raise ValueError(f"kvpop serves the mLSTM scorer with unquantised KV caches only (its window values feed "
+                             f"the scorer as the transformers cache holds them), got kv_cache_dtype={dtype!r}")
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if tp > 1:
+            raise ValueError(f"kvpop serves the mLSTM scorer with tensor_parallel_size=1 only (its state pages hold "
+                             f"every KV head's scorer state of a request, laid out for the model's own KV-head "
+                             f"count: a rank holding a share of the heads is not written), got tensor_parallel_size="
+                             f"{tp}")
     if vllm_config.cache_config.enable_prefix_caching:
         raise ValueError("kvpop's fixed-budget cache cannot share prefix blocks (their content depends on what "
                          "was evicted): start vLLM with enable_prefix_caching=False / --no-enable-prefix-caching")

@@ -57,6 +57,16 @@ class PackedSlots:
     def total(self) -> int:
         return sum(self.budgets)
 
+    def device_args(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(budgets int32, packed index of each head's slot 0 int64)`` ``[Hkv]`` on ``device`` (made once:
+        ``kvpop_kernels.slot_decode.packed_slot_decode``'s arguments, no copy inside a CUDA graph)."""
+        t = self._offs.get(("args", device))
+        if t is None:
+            t = self._offs[("args", device)] = (
+                torch.tensor(self.budgets, dtype=torch.int32, device=device),
+                torch.tensor([self.base + o for o in self.offsets], dtype=torch.int64, device=device))
+        return t
+
     def addr(self, table: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor, bs: int):
         dev = slots.device
         offs = self._offs.get(dev)
@@ -120,7 +130,8 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
         p_new: ``[N, Hkv]`` float32, the new token's static priority (stored with it).
         budget / layout: the uniform budget ``B``, or a layout (:class:`UniformSlots`, :class:`PackedSlots`).
         valid: optional ``[N]`` bool; rows marked False (padding of a CUDA-graph batch, whose block-table
-            rows may be stale) write into block 0, vLLM's null block, which no request ever owns.
+            rows may be stale) read and write block 0 only, vLLM's null block, which no request ever owns and
+            no kvpop request reads (its manager never puts the null block in a block table).
         p_leave: optional ``[N, Hkv]`` float32, the priority of the token ``pos - w`` leaving the window,
             computed now (a recurrent scorer); by default the one stored with it.
 
@@ -129,7 +140,8 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
     long-range slot of lowest priority (ties to the oldest position, then the lowest slot index; an empty
     slot ranks below every token) if it ranks above it, else it is dropped; then the new token takes its
     sink or ring slot.  Attention is the caller's (over ``min(pos + 1, B_h)`` slots).  Every write is a
-    fixed-shape scatter: a head that keeps nothing rewrites the slot with its own content.
+    fixed-shape scatter into slots the row owns (``[0, min(pos + 1, B_h))``, allocated by vLLM): a head that
+    keeps nothing rewrites its new token's slot with its own content before the new token takes it.
     """
     s, w = sinks, window
     bs = K.shape[2]
@@ -161,7 +173,10 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
         ring_p = slot_prio[at].nan_to_num(nan=float("-inf")) if p_leave is None else p_leave.float()
         keep = ((t_leave >= s)[:, None] & (b > s + w)[None]
                 & ((ring_p > low_p) | ((ring_p == low_p) & (low_t < t_leave[:, None]))))
-        dst = tuple(x.gather(2, jj[..., None]).squeeze(2) for x in lr_at)  # [N, Hkv]
+        # a head that keeps nothing rewrites the new token's own slot (overwritten below), never the lowest
+        # long-range slot: that one may be past the request's allocation, where a stale block-table column can
+        # name a block another request writes in this same scatter
+        dst = tuple(torch.where(keep, x.gather(2, jj[..., None]).squeeze(2), a) for x, a in zip(lr_at, at))
         k4 = keep[..., None]
         K[dst] = torch.where(k4, K[at], K[dst])
         V[dst] = torch.where(k4, V[at], V[dst])

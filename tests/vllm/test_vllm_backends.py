@@ -48,6 +48,18 @@ def _impl(calls):
     return impl
 
 
+def _decode_step(impl, layer, kv, bt, seq, hq, D):
+    """One pure-decode forward of 4 rows (row 3 padding when its seq_len is 0): ``(seq_lens, q, k, v, prio, out)``."""
+    hkv = kv.shape[1]
+    seq_lens = torch.tensor(seq, dtype=torch.int32)
+    q, k, v = torch.randn(4, hq, D), torch.randn(4, hkv, D), torch.randn(4, hkv, D)
+    prio = torch.randn(4, hkv)
+    meta = _Meta(torch.arange(5, dtype=torch.int32), seq_lens, bt, 1, max(seq))
+    out = torch.zeros(4, hq, D)
+    impl.kvpop_forward(layer, q, k, v, prio, kv, meta, out)
+    return seq_lens, q, k, v, prio, out
+
+
 def test_pure_decode_batch_with_a_padded_row():
     torch.manual_seed(0)
     nb, hkv, bs, D, hq = 10, 2, 4, 8, 4
@@ -59,12 +71,7 @@ def test_pure_decode_batch_with_a_padded_row():
     ref_kv = kv.clone()
     ref_tables = None
     for step, seq in enumerate(([5, 1, 20, 0], [6, 2, 21, 0], [7, 3, 22, 0])):
-        seq_lens = torch.tensor(seq, dtype=torch.int32)
-        q, k, v = torch.randn(4, hq, D), torch.randn(4, hkv, D), torch.randn(4, hkv, D)
-        prio = torch.randn(4, hkv)
-        meta = _Meta(torch.arange(5, dtype=torch.int32), seq_lens, bt, 1, 22)
-        out = torch.zeros(4, hq, D)
-        impl.kvpop_forward(layer, q, k, v, prio, kv, meta, out)
+        seq_lens, q, k, v, prio, out = _decode_step(impl, layer, kv, bt, seq, hq, D)
         # the same step on the three real rows only
         K, V = ref_kv[..., :D], ref_kv[..., D:]
         if ref_tables is None:
@@ -146,3 +153,85 @@ def test_spec_counts_the_mlstm_state_pages():
     assert spec.max_memory_usage_bytes(cfg) == (11 + 2) * spec.page_size_bytes
     mlp = FixedBudgetSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, budget=64)
     assert mlp.max_num_blocks_per_req(cfg, 256) == 8 and mlp.max_memory_usage_bytes(cfg) == 2 * mlp.page_size_bytes
+
+
+def _engine_config(hf: dict, *, tp: int = 1, cache_dtype: str = "auto"):
+    import types
+
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=hf, max_model_len=2048),
+        cache_config=types.SimpleNamespace(cache_dtype=cache_dtype, enable_prefix_caching=False, block_size=32),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        speculative_config=None)
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_mlstm_under_tensor_parallelism_is_refused_by_name(scorer, tmp_path):
+    """``check_engine`` (run where the engine's config is built) refuses the mLSTM scorer with tensor_parallel_size > 1
+    naming the setting and its value; the MLP scorer passes this check, and so does the mLSTM on one device."""
+    from transformers import Qwen3ForCausalLM
+
+    import kvpop
+    from kvpop.demo import task
+    from kvpop.vllm import hf_overrides
+    from kvpop.vllm.model import check_engine
+
+    m = Qwen3ForCausalLM.from_pretrained(str(task.SHIPPED_MODEL), dtype=torch.float32)
+    kvpop.patch(m, sinks=4, window=32, budget=64, scorer=scorer)
+    path = tmp_path / "scorers.safetensors"
+    kvpop.save_scorers(m, path)
+    hf = hf_overrides(str(path))
+    assert check_engine(_engine_config(hf)).config.scorer == scorer
+    if scorer == "mlp":
+        assert check_engine(_engine_config(hf, tp=2)).config.scorer == "mlp"
+        return
+    with pytest.raises(ValueError, match=r"mLSTM scorer with tensor_parallel_size=1 only.*got tensor_parallel_size=2"):
+        check_engine(_engine_config(hf, tp=2))
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("budgets", [None, (8, 16)], ids=["uniform", "head-adaptive"])
+def test_pure_decode_batch_per_token_head(cache_dtype, budgets):
+    """The GPU backend's per-token-head path on a pure-decode batch with a padded row (seq_len 0, its block-table row
+    naming a live request's blocks): the page after each step equals ``quantized.decode_step`` on the real rows
+    alone outside the null block; under uniform budgets vLLM's kernel is handed ``seq_lens`` clamped to ``B`` and its
+    own scale views (``_k_scale_cache``, what it dequantises with on load) read kvpop's scales; under head-adaptive
+    budgets the output (``kvpop_kernels.packed_slot_decode``, here its PyTorch path) is ``quantized.decode_attention``'s
+    within 1e-5."""
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    from kvpop.vllm import quantized
+
+    torch.manual_seed(2)
+    nb, hkv, bs, D, hq = 10, 2, 4, 8, 4
+    layer = _Layer()
+    if budgets is not None:
+        layer.kvpop_layout = slots.PackedSlots(budgets, hkv)
+    dtype = torch.int8 if cache_dtype.startswith("int8") else torch.uint8
+    kv = torch.randint(0, 256, (nb, hkv, bs, 2 * (D + 4)), dtype=torch.uint8).view(dtype)
+    calls = []
+    impl = _impl(calls)
+    impl.kv_cache_dtype, impl._kv_quant_mode = cache_dtype, get_kv_quant_mode(cache_dtype)
+    impl.fp8_dtype, impl._k_scale_cache, impl._v_scale_cache = torch.float8_e4m3fn, None, None
+    bt = torch.tensor([[3, 7, 5, 0], [1, 2, 9, 0], [8, 4, 6, 0], [2, 9, 1, 0]], dtype=torch.int32)  # row 3: padding
+    ref = kv.clone()
+    ref_tables = (torch.full((nb, hkv, bs), -1, dtype=torch.int32), torch.full((nb, hkv, bs), float("-inf")))
+    live = torch.arange(1, nb)  # block 0 is vLLM's null block
+    layout = layer.kvpop_layout or slots.UniformSlots(12, hkv)
+    for step, seq in enumerate([n, n, n, 0] for n in range(1, 14)):
+        seq_lens, q, k, v, prio, out = _decode_step(impl, layer, kv, bt, seq, hq, D)
+        K, V, ks, vs = quantized.page_views(ref, D)
+        if step == 0 and budgets is None:  # vLLM's scale views start at 1 (its _ensure_scale_caches)
+            ks.fill_(1.0), vs.fill_(1.0)
+        pos = seq_lens[:3].long() - 1
+        quantized.decode_step(K, V, ks, vs, *ref_tables, bt[:3], pos, k[:3], v[:3], prio[:3], sinks=2, window=4,
+                              layout=layout)
+        assert torch.equal(kv[live].view(torch.uint8), ref[live].view(torch.uint8)), f"step {step}"
+        if budgets is None:
+            assert calls[-1].seq_lens.tolist() == [min(n, 12) for n in seq]
+            ksc = impl._k_scale_cache  # [nb, bs, Hkv]: vLLM's view, read by its kernel
+            assert torch.equal(ksc.transpose(1, 2)[live], quantized.page_views(kv, D)[2][live])
+        else:
+            want = quantized.decode_attention(K, V, ks, vs, bt[:3], pos, q[:3], layout=layout, scale=8 ** -0.5)
+            torch.testing.assert_close(out[:3], want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (13 if budgets is None else 0)

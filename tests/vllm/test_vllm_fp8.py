@@ -31,16 +31,31 @@ LENGTHS, NEW = (7, 60, 300), 120
 HEAD_BUDGETS = ((40, 88), (56, 72))  # 2 layers x 2 KV heads, mean 64 (the uniform total), each >= sinks + window
 
 
-def reference_fp8(scorers: str, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and log-probabilities of transformers + ``KVpopCache(kv_dtype="fp8")``."""
+def reference_quantized(scorers: str, ids: list[int], n: int, kv_dtype: str = "fp8") -> tuple[list[int], list[float]]:
+    """Greedy tokens and log-probabilities of transformers + ``KVpopCache(kv_dtype=kv_dtype)``."""
     base.reference(scorers, "kvpop", ids[:1], 1)  # loads the model with the scorers
     m = base._REF_MODELS[base.MODEL, scorers]
     with torch.no_grad():
-        out = m.generate(torch.tensor([ids]), past_key_values=kvpop.KVpopCache(m, policy="kvpop", kv_dtype="fp8"),
+        out = m.generate(torch.tensor([ids]), past_key_values=kvpop.KVpopCache(m, policy="kvpop", kv_dtype=kv_dtype),
                          max_new_tokens=n, do_sample=False, pad_token_id=0, output_scores=True,
                          return_dict_in_generate=True)
     gen = out.sequences[0, len(ids):].tolist()
     return gen, [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, gen)]
+
+
+def run_engine(scorers: str, kv_cache_dtype: str, uniform: bool):
+    """Three requests (prompts of ``LENGTHS``, ``NEW`` tokens each) in an engine with ``kv_cache_dtype``: uniform
+    budgets compiled in chunks of ``CHUNK``, head-adaptive eager with whole prompts.  ``(cache config, prompts,
+    results)``."""
+    llm = base.engine(scorers, "kvpop", kv_cache_dtype=kv_cache_dtype, enforce_eager=not uniform,
+                      max_num_batched_tokens=CHUNK if uniform else 1024)
+    try:
+        cfg = llm.llm_engine.vllm_config.cache_config
+        prompts = [base.prompt(n, seed=20 + i) for i, n in enumerate(LENGTHS)]
+        got = base.generate(llm, prompts, NEW)
+    finally:
+        base._close(llm)
+    return cfg, prompts, got
 
 
 def _equal(got, want, what, tol) -> float:
@@ -72,19 +87,12 @@ def test_fp8_engine_equals_transformers_fp8(layout, scorer_file, head_budget_sco
     the chunked prompt); the pool holds 4x the blocks of the float32 cache in the same VLLM_CPU_KVCACHE_SPACE."""
     uniform = layout == "uniform"
     scorers = scorer_file if uniform else head_budget_scorers
-    llm = base.engine(scorers, "kvpop", kv_cache_dtype="fp8", enforce_eager=not uniform,
-                      max_num_batched_tokens=CHUNK if uniform else 1024)
-    try:
-        cfg = llm.llm_engine.vllm_config
-        blocks = cfg.cache_config.num_gpu_blocks
-        prompts = [base.prompt(n, seed=20 + i) for i, n in enumerate(LENGTHS)]
-        got = base.generate(llm, prompts, NEW)
-    finally:
-        base._close(llm)
+    cfg, prompts, got = run_engine(scorers, "fp8", uniform)
+    blocks = cfg.num_gpu_blocks
     # float32 pages of 2 layers x 2 KV heads x 32 slots x (32 + 32) elements: 1 GiB holds 32,768 of them
-    assert cfg.cache_config.cache_dtype == "fp8" and blocks == 4 * 32768, blocks
+    assert cfg.cache_dtype == "fp8" and blocks == 4 * 32768, blocks
     tol = [FP8_CHUNKED_TOL if uniform and sum(LENGTHS[:i + 1]) > CHUNK else FP8_TOL for i in range(len(LENGTHS))]
-    worst = [_equal(g, reference_fp8(scorers, p, NEW), f"fp8 {layout}, prompt of {len(p)}", t) for p, g, t in
+    worst = [_equal(g, reference_quantized(scorers, p, NEW), f"fp8 {layout}, prompt of {len(p)}", t) for p, g, t in
              zip(prompts, got, tol)]
     print(f"fp8 {layout}: {blocks} blocks of {base.BLOCK}; worst log-probability difference per prompt {worst}")
 
@@ -93,5 +101,6 @@ def test_engine_refuses_other_cache_dtype_by_name(scorer_file, monkeypatch):
     """An fp8 format kvpop does not write (e5m2) stops the engine at the model's construction, naming the value
     and the ones taken."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model is built in this process: its error here
-    with pytest.raises(ValueError, match=r"kv_cache_dtype in \['auto', 'fp8', 'fp8_e4m3'\].*got 'fp8_e5m2'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype in \['auto', 'fp8', 'fp8_e4m3', 'int8_per_token_head', "
+                                         r"'fp8_per_token_head'\].*got 'fp8_e5m2'"):
         base.engine(scorer_file, "kvpop", kv_cache_dtype="fp8_e5m2", enforce_eager=True)

@@ -37,14 +37,26 @@ def _paged(num_blocks, rows, bs, seed):
     return K, V, ks, vs, pos, prio
 
 
-def _ref_state(budgets, packed):
+def _in_page(num_blocks, rows, bs, seed, kv_dtype):
+    """Views of a per-token-head page (vLLM's ``[K | K scale | V | V scale]`` per slot, ``quantized.page_views``),
+    stale bytes everywhere, and stale side tables."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.int8 if kv_dtype == "int8" else torch.uint8
+    kv = torch.randint(0, 256, (num_blocks, rows, bs, 2 * (D + 4)), generator=g, dtype=torch.uint8).view(dtype)
+    pos = torch.randint(-5, 1000, (num_blocks, rows, bs), generator=g, dtype=torch.int32)
+    prio = torch.randn(num_blocks, rows, bs, generator=g) * 100
+    return (*quantized.page_views(kv, D), pos, prio)
+
+
+def _ref_state(budgets, packed, kv_dtype="fp8"):
     T = sum(budgets)
+    dt = FP8 if kv_dtype == "fp8" else torch.int8
     if packed:
-        return dict(k=torch.zeros(T, D, dtype=FP8), v=torch.zeros(T, D, dtype=FP8), ks=torch.zeros(T),
+        return dict(k=torch.zeros(T, D, dtype=dt), v=torch.zeros(T, D, dtype=dt), ks=torch.zeros(T),
                     vs=torch.zeros(T), pos=torch.full((T,), -1, dtype=torch.int32),
                     prio=torch.full((T - len(budgets) * (S + W),), float("-inf")))
     B = budgets[0]
-    return dict(k=torch.zeros(HKV, B, D, dtype=FP8), v=torch.zeros(HKV, B, D, dtype=FP8), ks=torch.zeros(HKV, B),
+    return dict(k=torch.zeros(HKV, B, D, dtype=dt), v=torch.zeros(HKV, B, D, dtype=dt), ks=torch.zeros(HKV, B),
                 vs=torch.zeros(HKV, B), pos=torch.full((HKV, B), -1, dtype=torch.int32),
                 prio=torch.full((HKV, B - S - W), float("-inf")))
 
@@ -68,16 +80,20 @@ def _check_state(K, V, ks, vs, spos, layout, table, st, budgets, packed, n, what
         blk, row, off = layout.addr(table[None], torch.full((1, m), h), j[None], bs)
         at = (blk[0], row[0], off[0])
         assert torch.equal(spos[at], rpos[:m]), f"{what}: head {h} positions"
-        assert torch.equal(K[at], rk[:m].view(torch.uint8)), f"{what}: head {h} key codes"
-        assert torch.equal(V[at], rv[:m].view(torch.uint8)), f"{what}: head {h} value codes"
+        assert torch.equal(K[at].view(torch.uint8), rk[:m].view(torch.uint8)), f"{what}: head {h} key codes"
+        assert torch.equal(V[at].view(torch.uint8), rv[:m].view(torch.uint8)), f"{what}: head {h} value codes"
         assert torch.equal(ks[at], rks[:m]) and torch.equal(vs[at], rvs[:m]), f"{what}: head {h} scales"
 
 
+@pytest.mark.parametrize("storage", ["fp8 side tables", "int8 in page", "fp8 in page"])
 @pytest.mark.parametrize("budgets,bs,rows", [((13,) * HKV, 4, HKV), ((9, 17, 13), 4, 4), ((8, 21, 10), 32, 3)],
                          ids=["uniform-B13-bs4", "packed-9-17-13-bs4", "packed-8-21-10-bs32"])
-def test_decode_steps_equal_reference(budgets, bs, rows):
+def test_decode_steps_equal_reference(budgets, bs, rows, storage):
     """Batched decode steps of 3 requests (random subsets per step, from position 0) equal the reference's per
-    request: the same key/value bytes, scales and positions in every slot, the output within 1e-5."""
+    request: the same key/value codes, scales and positions in every slot, the output within 1e-5.  Plain fp8
+    (codes in a byte cache, scales in side tables) and the per-token-head pages (int8 or fp8 codes and their
+    scales in the page)."""
+    kv_dtype = storage.split()[0]
     torch.manual_seed(0)
     rng = random.Random(1)
     packed = len(set(budgets)) > 1
@@ -85,7 +101,10 @@ def test_decode_steps_equal_reference(budgets, bs, rows):
     per_req = -(-sum(budgets) // (rows * bs)) if packed else -(-budgets[0] // bs)
     n_req, steps = 3, 45
     num_blocks = per_req * n_req + 2
-    K, V, ks, vs, spos, sprio = _paged(num_blocks, rows, bs, seed=2)
+    if storage.endswith("in page"):
+        K, V, ks, vs, spos, sprio = _in_page(num_blocks, rows, bs, 2, kv_dtype)
+    else:
+        K, V, ks, vs, spos, sprio = _paged(num_blocks, rows, bs, seed=2)
     perm = list(range(num_blocks))
     rng.shuffle(perm)
     tables = [torch.tensor(perm[i * per_req:(i + 1) * per_req], dtype=torch.int32) for i in range(n_req)]
@@ -93,7 +112,7 @@ def test_decode_steps_equal_reference(budgets, bs, rows):
                  v=torch.randn(steps, HKV, D), p=torch.randn(steps, HKV)) for i in range(n_req)]
     for x in seqs:
         x["k"][5, 1] = 0.0  # a zero vector: scale 0
-    refs = [_ref_state(budgets, packed) for _ in range(n_req)]
+    refs = [_ref_state(budgets, packed, kv_dtype) for _ in range(n_req)]
     done = [0] * n_req
     while min(done) < steps:
         dec = [i for i in range(n_req) if done[i] < steps and rng.random() < 0.7]
@@ -109,7 +128,7 @@ def test_decode_steps_equal_reference(budgets, bs, rows):
             leave = x["p"][t - W] if t - W >= 0 else torch.zeros(HKV)
             want, _ = reference.quantized_fixed_budget_decode(
                 x["q"][t], x["k"][t], x["v"][t], st["k"], st["v"], st["ks"], st["vs"], st["pos"], st["prio"], leave,
-                pos=t, sinks=S, window=W, kv_dtype="fp8", scale=D ** -0.5, head_budgets=budgets if packed else None)
+                pos=t, sinks=S, window=W, kv_dtype=kv_dtype, scale=D ** -0.5, head_budgets=budgets if packed else None)
             torch.testing.assert_close(out[r], want, atol=1e-5, rtol=1e-5)
             _check_state(K, V, ks, vs, spos, layout, tables[i], st, budgets, packed, t + 1, f"request {i} step {t}")
             done[i] += 1
@@ -198,18 +217,42 @@ def test_prompt_and_chunk_against_float_slots(budgets, bs):
         _check_state(K, V, ks, vs, spos, layout, table, st, budgets, packed, t + 1, f"step {t}")
 
 
-@pytest.mark.parametrize("given", ["int8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "bfloat16", None])
+@pytest.mark.parametrize("given", ["int8", "fp8_e5m2", "int4_per_token_head", "bfloat16", None])
 def test_unsupported_cache_dtype_refused_by_name(given):
-    with pytest.raises(ValueError, match=r"kv_cache_dtype in \['auto', 'fp8', 'fp8_e4m3'\].*got " + repr(given)):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype in \['auto', 'fp8', 'fp8_e4m3', 'int8_per_token_head', "
+                                         r"'fp8_per_token_head'\].*got " + repr(given)):
         quantized.kv_dtype_of(given)
 
 
 def test_cache_dtypes_taken():
     assert quantized.kv_dtype_of("auto") is None
     assert quantized.kv_dtype_of("fp8") == quantized.kv_dtype_of("fp8_e4m3") == "fp8"
+    assert quantized.kv_dtype_of("fp8_per_token_head") == "fp8"
+    assert quantized.kv_dtype_of("int8_per_token_head") == "int8"
     assert quantized.check_cache_dtype("fp8", cpu=True) == "fp8"
+    assert quantized.check_cache_dtype("int8_per_token_head", cpu=False) == "int8"
     with pytest.raises(NotImplementedError, match="kv_cache_dtype='fp8' on the CPU backend only"):
         quantized.check_cache_dtype("fp8", cpu=False)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8_per_token_head", "fp8_per_token_head"])
+def test_page_views_are_vllms(cache_dtype):
+    """kvpop's views of a per-token-head page read what vLLM's Triton backend's own views write (codes, then the
+    float32 scale, for the key and then the value of each slot and row), and the spec vLLM sizes the page with
+    counts ``2 * (D + 4)`` bytes per slot and row."""
+    pytest.importorskip("vllm.v1.attention.backends.triton_attn")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    from kvpop.vllm.backends import KVpopCPUBackend
+
+    quantized.check_page_views.cache_clear()
+    quantized.check_page_views(4, 32, 32, cache_dtype)
+    dtype = torch.int8 if cache_dtype.startswith("int8") else torch.uint8
+    spec = KVpopCPUBackend.customize_spec(FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=32, dtype=dtype,
+                                                            kv_quant_mode=get_kv_quant_mode(cache_dtype)))
+    assert spec.page_size_bytes == 4 * 32 * 2 * (32 + 4)
+    with pytest.raises(ValueError, match="2 \\* \\(head_size \\+ 4\\) bytes per slot"):
+        quantized.page_views(torch.zeros(2, 4, 32, 64, dtype=dtype), 32)
 
 
 def test_cpu_block_layout_is_vllms_fp8():

@@ -188,3 +188,41 @@ def test_decode_step_matches_reference_step():
             torch.testing.assert_close(cv, c["v"][:, :n])
             assert torch.equal(cpos, c["pos"][:, :n])
             torch.testing.assert_close(cprio[:, s + w:], c["prio"][:, : max(0, n - s - w)])
+
+
+def test_decode_step_writes_only_owned_slots():
+    """A request early in its sequence (``pos < s + w``: its leaving token is no long-range candidate) writes only
+    the slots it owns, ``[0, pos + 1)``: its block-table columns past its allocation are stale in vLLM (a row is
+    reused without being cleared) and here name the block into which another request, later in the same batch,
+    moves its leaving token in the same step; that move survives.  A padded row (``valid`` False, its row naming
+    live blocks) touches block 0 only.  Oracle: the same step of the live request alone.  (Uniform budgets: a packed
+    request holds its whole block from its first token, so its table has no stale column.)"""
+    torch.manual_seed(3)
+    s, w, bs = 2, 4, 4
+    layout = UniformSlots(12, HKV)
+    K, V, spos, sprio = _paged(10, bs, transposed=False)
+    prio_b = torch.randn(HKV) + 50  # B's leaving token outranks the empty slot: it moves to slot s + w
+    # B at pos s + w = 6 moves its token 2 into slot 6 (block-table column 1)
+    B_row = torch.tensor([3, 7, 5, 8], dtype=torch.int32)
+    A_row = torch.tensor([4, 7, 5, 8], dtype=torch.int32)  # A (pos 0) owns column 0; the rest name B's blocks
+    sprio[:, :, :] = float("-inf")
+    spos[:, :, :] = -1
+    # B's cache holds tokens [0, 6); its ring slot of token 2 (slot s + (2 - s) % w = 2) carries priority prio_b
+    heads = torch.arange(HKV)
+    blk, row, off = layout.addr(B_row[None], heads[None, :, None].expand(1, HKV, 6), torch.arange(6)[None, None].expand(
+        1, HKV, 6), bs)
+    spos[blk, row, off] = torch.arange(6, dtype=torch.int32)[None, None].expand(1, HKV, 6)
+    sprio[blk, row, off] = prio_b[None, :, None].expand(1, HKV, 6)
+    kw = dict(sinks=s, window=w, layout=layout)
+    new = [torch.randn(3, HKV, D) for _ in range(2)] + [torch.randn(3, HKV)]
+    alone = [t.clone() for t in (K, V, spos, sprio)]
+    decode_step(*alone, B_row[None], torch.tensor([6]), new[0][:1], new[1][:1], new[2][:1], **kw)
+    table = torch.stack([B_row, A_row, A_row])  # B, then A, then a padded row naming B's blocks
+    valid = torch.tensor([True, True, False])
+    decode_step(K, V, spos, sprio, table, torch.tensor([6, 0, 3]), *new, valid=valid, **kw)
+    a_own = layout.addr(A_row[None], heads[None, :, None], torch.zeros(1, HKV, 1, dtype=torch.long), bs)
+    for got, want in zip((K, V, spos, sprio), alone):
+        diff = (got != want).reshape(got.shape[0], got.shape[1], bs, -1).any(-1)  # [nb, rows, bs]
+        diff[a_own] = False  # A's own slot 0 holds A's token
+        diff[0] = False  # the null block: the padded row's
+        assert not diff.any(), f"writes outside the rows' own slots at {diff.nonzero().tolist()}"
