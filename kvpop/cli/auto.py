@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_auto_options(args: argparse.Namespace) -> None:
     """``--auto-budget`` and ``--preset`` where they mean something, and what ``--auto`` needs, before any work."""
-    from kvpop.training.auto import apply_preset, early_stopping, parse_budget
+    from kvpop.training.auto import early_stopping, parse_budget, preset_values
 
     if not args.auto:
         for name in ("auto_budget", "auto_patience", "auto_eval_every"):
@@ -45,7 +45,8 @@ def check_auto_options(args: argparse.Namespace) -> None:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} {getattr(args, name)} is an option of --auto's search: give --auto, or "
                                  f"leave it out")
-        apply_preset(args, args.preset)
+        for k, v in preset_values(args.preset, vars(args)).items():
+            setattr(args, k, v)
         return
     if args.preset is not None:
         raise ValueError(f"--preset {args.preset} fixes the settings --auto chooses: give one of them")
@@ -69,7 +70,7 @@ def check_auto_options(args: argparse.Namespace) -> None:
         _check_valid_file(args.valid_data, args.data)
     _check_out(Path(args.out), args.resume)
     parse_budget(args.auto_budget, args.steps)
-    early_stopping(args)
+    early_stopping(args.steps, args.auto_patience, args.auto_eval_every)
 
 
 SELECT_FIRST = 1_000
@@ -132,7 +133,7 @@ def _valid_sequences(args: argparse.Namespace, model, source: Path) -> tuple[dic
         if n > SELECT_FIRST:
             raise ValueError(f"--valid-sequences {n}: at most {SELECT_FIRST} with --task (the select part starts at "
                              f"valid_seed({SELECT_FIRST}))")
-        T = task_of(args)
+        T = task_of(args.task)
         fit, sel = [T.valid_seed(i) for i in range(n)], [T.valid_seed(SELECT_FIRST + i) for i in range(n)]
         parts = {"fit": list(T.make_batch(fit, args.seq_len)["input_ids"]),
                  "select": list(T.make_batch(sel, args.seq_len)["input_ids"])}
@@ -273,6 +274,25 @@ def _task_scorer(source: Path, task, seeds: dict, length: int, budget: int):
     return score
 
 
+def _settings(args: argparse.Namespace):
+    """The :class:`kvpop.training.auto.AutoSettings` of the command's options (what the search itself reads)."""
+    from kvpop.training.auto import AutoSettings
+
+    return AutoSettings(out=args.out, steps=args.steps, seed=args.seed, sinks=args.sinks, window=args.window,
+                        resume=args.resume, auto_budget=args.auto_budget, patience=args.auto_patience,
+                        eval_every=args.auto_eval_every, allocate=args.allocate,
+                        progress=not getattr(args, "no_progress", False))
+
+
+def _with(args: argparse.Namespace, overrides: dict) -> argparse.Namespace:
+    """A copy of the command's options with ``overrides`` (option name -> value) set over them: one trial's
+    ``kvpop train`` (:meth:`kvpop.training.auto._Trials.options`) or a label's oracle."""
+    ns = copy.copy(args)
+    for k, v in overrides.items():
+        setattr(ns, k, v)
+    return ns
+
+
 def auto_run(args: argparse.Namespace, train) -> int | None:
     """``kvpop train``'s entry: ``--auto``'s search (:func:`run_auto`) and its exit status, or ``None`` for one run
     (then ``--preset`` has been applied to ``args``); an option error exits naming it."""
@@ -304,7 +324,7 @@ def run_auto(args: argparse.Namespace, train) -> int:
     except ValueError as e:
         raise SystemExit(f"kvpop train: {e}") from None
     served = first.budget  # --budget, or the default check_options filled in: every trial is scored at it
-    source = Path(args.model) if args.model else default_model(args)
+    source = Path(args.model) if args.model else default_model(args.task)
     if args.model is not None:
         try:
             check_model(args.model)
@@ -326,15 +346,12 @@ def run_auto(args: argparse.Namespace, train) -> int:
         parts, split = _valid_sequences(args, model, source)
 
         def oracle(settings: dict) -> list[float]:
-            ns = copy.copy(args)
-            for k, v in settings.items():
-                setattr(ns, k, v)
-            ns.valid_data = ns.valid_sequences = ns.min_k = None
+            ns = _with(args, {**settings, "valid_data": None, "valid_sequences": None, "min_k": None})
             check_options(ns)
             return oracle_excess(model, parts["select"], method_config(ns), per_sequence=True)
 
         if args.task:  # the task's own measure: accuracy at its graded positions
-            score = _task_scorer(source, task_of(args), {k: split[k] for k in ("fit", "select")}, args.seq_len,
+            score = _task_scorer(source, task_of(args.task), {k: split[k] for k in ("fit", "select")}, args.seq_len,
                                  served)
             criterion = (f"validation error rate at the task's graded positions (1 - accuracy; lower is better) of "
                          f"{len(parts['select'])} select sequences, served as kvpop eval --run serves the run")
@@ -346,10 +363,10 @@ def run_auto(args: argparse.Namespace, train) -> int:
 
             def fit_data(out: Path) -> dict:
                 return {"valid_data": str(_fit_file(out, parts["fit"])), "valid_sequences": len(parts["fit"])}
-        record = search(args, served=served, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
-                        train_model=not args.no_train_model, train=train, score=score, oracle=oracle, split=split,
-                        fit_data=fit_data, log=lambda s: print(s, file=sys.stderr, flush=True), criterion=criterion,
-                        inputs=inputs)
+        record = search(_settings(args), served=served, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
+                        train_model=not args.no_train_model, train=lambda run: train(_with(args, run)), score=score,
+                        oracle=oracle, split=split, fit_data=fit_data,
+                        log=lambda s: print(s, file=sys.stderr, flush=True), criterion=criterion, inputs=inputs)
         for line in summary_lines(record):
             print(f"kvpop train --auto: {line}", flush=True)
     except (_Stopped, _Signalled) as e:
