@@ -63,7 +63,6 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,11 +71,13 @@ import torch.nn.functional as F
 
 from kvpop.core.files import replace_files
 
+from .auto_data import AutoSettings
+
 if TYPE_CHECKING:
     from kvpop.training.search import Stage
 
 __all__ = ["PAPER", "LABEL_CANDIDATES", "SEARCHED", "AutoSettings", "parse_budget", "default_budget",
-           "preset_values", "oracle_excess", "search", "auto_plan", "train_budgets", "early_stopping",
+           "preset_values", "oracle_excess", "check", "run", "search", "auto_plan", "train_budgets", "early_stopping",
            "early_stopped", "summary_lines"]
 
 PAPER = {"scorer": "mlp", "label": "mean", "decay_nats": None, "gamma_min": 0.999, "gamma_max": 0.999999,
@@ -209,34 +210,86 @@ def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: 
     return each if per_sequence else (total - dense) / n
 
 
-@dataclass(frozen=True)
-class AutoSettings:
-    """What the search itself reads of a ``kvpop train --auto`` command (``kvpop.cli.auto`` builds it from the
-    command's options): ``out`` (OUT), ``steps`` (one trial's ``--steps``), ``seed`` (the confirmation retrains
-    with ``seed + 1``), ``sinks`` and ``window`` (the training budgets' floor), ``resume``, ``auto_budget``
-    (:func:`parse_budget`'s text), ``patience`` and ``eval_every`` (``--auto-patience`` and ``--auto-eval-every``,
-    ``None`` for their defaults, :func:`early_stopping`), ``allocate`` (``--allocate`` as given: a trial that
-    does not allocate takes no validation data) and ``progress`` (a trial's validations told)."""
+def check(settings: AutoSettings) -> None:
+    """What ``--auto`` needs of its settings, before any work: validation records held out from ``--data``
+    (:func:`kvpop.training.auto_data.check_valid_file`), an ``--out`` it may write (``check_out``), a budget
+    (:func:`parse_budget`) and early stopping (:func:`early_stopping`) it takes.  ValueError naming the option."""
+    from .auto_data import check_out, check_valid_file
 
-    out: str
-    steps: int
-    seed: int = 0
-    sinks: int = 4
-    window: int = 32
-    resume: bool = False
-    auto_budget: str | None = None
-    patience: int | None = None
-    eval_every: int | None = None
-    allocate: str | None = None
-    progress: bool = True
+    if settings.data is not None:
+        check_valid_file(settings.valid_data, settings.data)
+    check_out(Path(settings.out), settings.resume, RUN_FILES)
+    parse_budget(settings.auto_budget, settings.steps)
+    early_stopping(settings.steps, settings.patience, settings.eval_every)
 
-    def __post_init__(self) -> None:
-        for name in ("steps", "seed", "sinks", "window"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"AutoSettings.{name} must be an int, got {v!r}")
-        if self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+
+def run(settings: AutoSettings, *, options: Any, given: dict, source: Path, task: Any,
+        train_trial: Callable[[dict], int], oracle_config: Callable[[dict], Any],
+        scorer: Callable[..., Callable[[Path, str], list[float]]],
+        task_scorer: Callable[..., Callable[[Path, str], list[float]]],
+        log: Callable[[str], None] = print) -> dict:
+    """``kvpop train --auto`` whole: its settings checked (:func:`check`), every option of the trials checked
+    (``options``: the command's options with the trials' ``--allocate``, which
+    :func:`kvpop.training.options.check_options` fills in), ``OUT`` locked, SIGINT and SIGTERM turned into
+    :class:`_Signalled` (:class:`_StopOnSignal`), the earlier trials checked against the search's inputs
+    (:func:`kvpop.training.trial_records.search_inputs`), the model in ``source`` loaded, the validation
+    sequences split (:func:`kvpop.training.auto_data.valid_sequences`; ``task``: the task module of ``--task``),
+    then :func:`search`; returns its record.
+
+    The collaborators, given by ``kvpop.cli.auto``: ``train_trial(overrides)`` one ``kvpop train`` run of the
+    command's options with ``overrides`` set over them (its exit status); ``oracle_config(settings)`` the method's
+    config of those options with a label candidate's ``settings``; ``scorer(source, parts, budget)`` and, with
+    ``--task``, ``task_scorer(source, task, seeds, length, budget)``: ``score(dir, part)``, a run served as
+    ``kvpop eval --run`` serves it.  Raises ValueError (or :class:`~kvpop.training.runstate.RunDirectoryError`)
+    naming what is at fault, :class:`_Stopped` when a trial's ``kvpop train`` stopped, :class:`_Signalled` on a
+    signal outside a trial's training steps."""
+    from kvpop.models import load_model_dir
+
+    from .auto_data import fit_file, valid_sequences
+    from .options import check_options
+    from .rundir import check_model
+    from .runstate import RunLock
+    from .train import LEARNING_RATES
+    from .trial_records import check_trial_dirs, search_inputs
+
+    check(settings)
+    check_options(options)  # every option of the trials, before any work
+    served = options.budget  # --budget, or the default check_options filled in: every trial is scored at it
+    if settings.model is not None:
+        check_model(settings.model)
+    out = Path(settings.out)
+    lock = RunLock(out, "kvpop train --auto")
+    lock.acquire()
+    signals = _StopOnSignal().install()
+    try:
+        # --allocate as given (the options' "ablation" only let the allocating trials' options be checked)
+        inputs = search_inputs(options, model_dir=source, overrides={"allocate": settings.allocate})
+        check_trial_dirs(out, "auto", inputs)  # an earlier start's trials, before any work
+        torch.manual_seed(settings.seed)
+        model = load_model_dir(source, dtype=torch.float32)
+        parts, split = valid_sequences(settings, model, source, task)
+
+        def oracle(candidate: dict) -> list[float]:
+            return oracle_excess(model, parts["select"], oracle_config(candidate), per_sequence=True)
+
+        fit_data = None  # with --task, a trial's --allocate measures valid_seed(0..n-1): the fit part
+        if settings.task:  # the task's own measure: accuracy at its graded positions
+            score = task_scorer(source, task, {k: split[k] for k in ("fit", "select")}, settings.seq_len, served)
+            criterion = (f"validation error rate at the task's graded positions (1 - accuracy; lower is better) of "
+                         f"{len(parts['select'])} select sequences, served as kvpop eval --run serves the run")
+        else:
+            score = scorer(source, parts, served)
+            criterion = "validation NLL over dense past the budget (nats; lower is better), served as kvpop eval " \
+                        "--run serves the run"
+
+            def fit_data(d: Path) -> dict:
+                return {"valid_data": str(fit_file(d, parts["fit"])), "valid_sequences": len(parts["fit"])}
+        return search(settings, served=served, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
+                      train_model=settings.train_model, train=train_trial, score=score, oracle=oracle, split=split,
+                      fit_data=fit_data, log=log, criterion=criterion, inputs=inputs)
+    finally:
+        signals.restore()
+        lock.release()
 
 
 def search(settings: AutoSettings, *, served: int, given: dict, lr_scorer: float, train_model: bool,
@@ -372,7 +425,7 @@ class _Trials:
     def __init__(self, settings: AutoSettings, out: Path, *, served: int, train: Callable, score: Callable,
                  oracle: Callable, fit_data: Callable | None, log: Callable[[str], None]) -> None:
         self.settings, self.out, self.served = settings, out, served
-        self.train, self.score, self.oracle, self.fit_data, self.log = train, score, oracle, fit_data, log
+        self.train_trial, self.score, self.oracle, self.fit_data, self.log = train, score, oracle, fit_data, log
         self.progress = settings.progress
         self.every, self.patience = early_stopping(settings.steps, settings.patience, settings.eval_every)
 
@@ -387,7 +440,7 @@ class _Trials:
         """The run of overrides ``run`` in ``d`` trained up to ``steps`` (resumed when it has a checkpoint)."""
         # _auto_trial: a trial of this search (not in its args.json; the search says how to resume);
         # _progress_total: one count over the trial's validation segments
-        rc = self.train({**run, "out": str(d), "steps": steps, "resume": (d / "last.pt").exists(),
+        rc = self.train_trial({**run, "out": str(d), "steps": steps, "resume": (d / "last.pt").exists(),
                          "_auto_trial": True, "_progress_total": self.settings.steps})
         if rc != 0:
             raise _Stopped(rc)
@@ -539,6 +592,47 @@ def early_stopping(steps: int, patience: int | None = None, every: int | None = 
         raise ValueError(f"--auto-eval-every {every} is the validation interval of early stopping, which "
                          f"--auto-patience 0 switches off: leave one of them out")
     return (every or math.ceil(steps / 4)), patience
+
+
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM outside a trial's training steps (which stop after the step in flight themselves)."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.rc = 128 + signum
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM stop the search at once with :class:`_Signalled` (its finished trials, and the
+    interrupted one's checkpoints and validations, are kept for ``--resume``), so that the search says what
+    happened instead of dying silently; a trial's ``kvpop train`` installs its own handlers over these while it
+    trains (stopping after the step in flight), and they come back after it.  Outside the main thread: nothing; a
+    signal the caller ignores (``SIG_IGN``, e.g. SIGINT of a job started in the background by a script) stays
+    ignored."""
+
+    def __init__(self) -> None:
+        self._old: dict = {}
+
+    def _handler(self, signum: int, frame) -> None:
+        raise _Signalled(signum)
+
+    def install(self) -> _StopOnSignal:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # a signal ignored by the caller stays ignored
+            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)
+                         if signal.getsignal(s) is not signal.SIG_IGN}
+        return self
+
+    def restore(self) -> None:
+        import signal
+
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
 
 
 class _Stopped(Exception):
