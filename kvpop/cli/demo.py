@@ -80,13 +80,6 @@ def options(args: argparse.Namespace):
                        recorded={k: v for k, v in vars(args).items() if not k.startswith("_")})
 
 
-def _settings(args: argparse.Namespace, task: str) -> dict:
-    """The settings of this run of ``task`` (:func:`kvpop.demo.search.settings`)."""
-    from kvpop.demo.search import settings
-
-    return settings(options(args), task, lengths=_ints(args.lengths), budgets=_ints(args.budgets))
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -116,12 +109,14 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
         from kvpop.demo.run import run_task
         from kvpop.demo.search import base_model_dir, eval_config, retrofit_config, select
+        from kvpop.demo.search import settings as settings_of
         from kvpop.evaluation import evaluate as E
 
         settings, opts = {}, options(args)
+        lengths, budgets = _ints(args.lengths), _ints(args.budgets)
         for task in tasks:  # check every setting before training anything
             base_model_dir(opts, task)
-            s = settings[task] = _settings(args, task)
+            s = settings[task] = settings_of(opts, task, lengths=lengths, budgets=budgets)
             eval_config(E, s, opts)
             for p, c in s["retrofits"].items():
                 retrofit_config(s, p, c)
