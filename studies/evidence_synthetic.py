@@ -46,7 +46,8 @@ def _demo(task: str, out: Path, n_valid: int):
 
     p = argparse.ArgumentParser()
     D.add_arguments(p)
-    args = p.parse_args(["--out", str(out), "--task", task, "--no-progress", "--n-sequences", str(n_valid)])
+    args = D.options(p.parse_args(["--out", str(out), "--task", task, "--no-progress", "--n-sequences",
+                                   str(n_valid)]))
     return S, args, S.settings(args, task)
 
 

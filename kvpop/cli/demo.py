@@ -69,11 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dms-lr", type=float, default=None, help="learning rate of the DMS gates (default 0.05)")
 
 
-def _settings(args: argparse.Namespace, task: str) -> dict:
-    """The settings of this run of ``task`` (:func:`kvpop.demo.search.settings`)."""
-    from kvpop.demo.search import settings
+def options(args: argparse.Namespace):
+    """The :class:`kvpop.demo.search.DemoOptions` of the command's arguments (what the demo's library reads; every
+    option recorded in ``run.json``)."""
+    from dataclasses import fields
 
-    return settings(args, task, lengths=_ints(args.lengths), budgets=_ints(args.budgets))
+    from kvpop.demo.search import DemoOptions
+
+    return DemoOptions(**{f.name: getattr(args, f.name) for f in fields(DemoOptions) if f.name != "recorded"},
+                       recorded={k: v for k, v in vars(args).items() if not k.startswith("_")})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,17 +109,19 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
         from kvpop.demo.run import run_task
         from kvpop.demo.search import base_model_dir, eval_config, retrofit_config, select
+        from kvpop.demo.search import settings as settings_of
         from kvpop.evaluation import evaluate as E
 
-        settings = {}
+        settings, opts = {}, options(args)
+        lengths, budgets = _ints(args.lengths), _ints(args.budgets)
         for task in tasks:  # check every setting before training anything
-            base_model_dir(args, task)
-            s = settings[task] = _settings(args, task)
-            eval_config(E, s, args)
+            base_model_dir(opts, task)
+            s = settings[task] = settings_of(opts, task, lengths=lengths, budgets=budgets)
+            eval_config(E, s, opts)
             for p, c in s["retrofits"].items():
                 retrofit_config(s, p, c)
         for task in tasks:
-            (select if args.select else run_task)(args, task, out / task, settings[task])
+            (select if args.select else run_task)(opts, task, out / task, settings[task])
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvpop demo: error: {e}", file=sys.stderr)
         return 2

@@ -93,7 +93,7 @@ def _load_model(args: argparse.Namespace, device):
     else:
         from kvpop.models import load_model_dir
 
-        source = Path(args.model) if args.model else default_model(args)
+        source = Path(args.model) if args.model else default_model(args.task)
         try:  # config.json checked first: an unsupported family is refused before any weight is allocated
             model = load_model_dir(source, dtype=torch.float32)
         except (OSError, ValueError) as e:
@@ -110,7 +110,7 @@ def _data(args: argparse.Namespace, model, source: Path | None):
     if args.task:
         from kvpop.demo import task as kvtrace
 
-        T = task_of(args)
+        T = task_of(args.task)
         if model.config.vocab_size < T.VOCAB_SIZE:
             _fail(f"--task {args.task} needs a vocabulary of >= {T.VOCAB_SIZE} tokens; the model has "
                   f"{model.config.vocab_size}")
@@ -147,7 +147,7 @@ def _head_budgets(args: argparse.Namespace, kv_cfg, model, source: Path | None, 
             print(f"kvpop train: warning: --valid-data {args.valid_data}: {both} of its {len(seqs)} sequences measured "
                   f"are training sequences of --data {args.data} too", file=sys.stderr)
     else:
-        T = task_of(args)
+        T = task_of(args.task)
         seqs = list(T.make_batch([T.valid_seed(i) for i in range(n)], args.seq_len)["input_ids"])
         what = f"{n} validation sequence(s) of the task (valid_seed(0..{n - 1})), {args.seq_len} tokens"
     if not seqs:

@@ -372,7 +372,7 @@ def run_base(d: Path) -> Path | None:
     if "model" not in saved:
         return None
     task = saved.get("task") if saved.get("task") in (None, "kvtrace", "lookahead") else None
-    return default_model(argparse.Namespace(task=task))
+    return default_model(task)
 
 
 def row_models(trained: dict, model_dir: Path, wanted) -> dict[str, str]:

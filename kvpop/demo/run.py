@@ -6,7 +6,6 @@ and the files (``results.json``, ``table.md``, the plot, ``dms.md``, ``decode.md
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from kvpop.core.files import replace_files
 from kvpop.demo.search import (
+    DemoOptions,
     base_model_dir,
     eval_config,
     init_file,
@@ -52,7 +52,7 @@ def _append_row(path: Path, row: dict) -> None:
         os.fsync(f.fileno())
 
 
-def run_task(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
+def run_task(args: DemoOptions, task: str, out: Path, s: dict) -> dict:
     """Retrofit, evaluate and write the results of one task into ``out``; returns results.json's dict."""
     import torch
 
@@ -138,7 +138,7 @@ def run_task(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
             (out / f"{name}.md").write_text(table + "\n")
     E.write_results({"task": task, "timings": timings, "threads": torch.get_num_threads(),
                      "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t_start)),
-                     "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}, out / "run.json")
+                     "args": dict(args.recorded)}, out / "run.json")
     return results
 
 

@@ -6,13 +6,14 @@ of each (:func:`retrofit_config`, :func:`validator`), and :func:`select`: the de
 (:func:`kvpop.demo.grid.select_plan` over :data:`kvpop.demo.grid.SELECT_GRID`) run by the one
 search of the library, :class:`kvpop.training.search.Search` (``kvpop train --auto``'s too), each trial a
 retrofit scored on the task's validation sequences, recorded in ``OUT/<task>/selection*.json``.  The command
-``kvpop demo`` (``kvpop.cli.demo``) parses its arguments and calls these.
+``kvpop demo`` (``kvpop.cli.demo``) parses its arguments into :class:`DemoOptions` and calls these.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpop.demo.grid import JOINT_OF, LABEL_KEYS, RETROFITS, SCORER_ONLY, SELECT_GRID
@@ -21,6 +22,35 @@ from kvpop.training.search import trial_tag
 
 TASKS = {"kvtrace": "kvpop.demo.task", "lookahead": "kvpop.demo.lookahead_task"}
 """Demo task name -> task module (``make_example``, ``test_seed``, ``valid_seed``, ``TRAIN_LEN``, ``SHIPPED_MODEL``)."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """The options of one ``kvpop demo`` command that the demo's library reads (``kvpop.cli.demo`` builds them
+    from the command's arguments; a setting left ``None`` is the shipped choice, :data:`CHOSEN`, or the quick
+    run's).  ``recorded``: the command's options as ``OUT/<task>/run.json`` records them."""
+
+    model: str | None = None
+    quick: bool = False
+    steps: int | None = None
+    train_len: int | None = None
+    train_length: int | None = None
+    train_budget: int | None = None
+    sinks: int | None = None
+    window: int | None = None
+    n_sequences: int | None = None
+    lr_scorer: float | None = None
+    lr_model: float | None = None
+    tau: float | None = None
+    dms_steps: int | None = None
+    dms_target_keep: float | None = None
+    dms_lr: float | None = None
+    select_stage: str = "all"
+    resume: bool = False
+    no_progress: bool = False
+    no_plot: bool = False
+    no_decode_check: bool = False
+    recorded: Mapping = field(default_factory=dict)
 def label_variant(joint: str, source: str) -> str:
     """The policy name of ``joint`` trained on the label of ``source`` (``"kvpop-mlp-joint-teacher-label"``)."""
     return f"{joint}-{source}-label"
@@ -58,17 +88,17 @@ def task_module(name: str):
     return importlib.import_module(TASKS[name])
 
 
-def task_of(args: argparse.Namespace):
-    """The task module of ``kvpop train --task NAME`` (``--task`` alone: kvtrace)."""
-    return task_module(args.task or "kvtrace")
+def task_of(task: str | None):
+    """The task module of ``kvpop train --task NAME`` (``--task`` alone, or none: kvtrace)."""
+    return task_module(task or "kvtrace")
 
 
-def default_model(args: argparse.Namespace) -> Path:
+def default_model(task: str | None) -> Path:
     """``kvpop train``'s model without ``--model``: the shipped model of its ``--task`` (kvtrace's without one)."""
-    return Path(task_of(args).SHIPPED_MODEL)
+    return Path(task_of(task).SHIPPED_MODEL)
 
 
-def base_model_dir(args: argparse.Namespace, task: str) -> Path:
+def base_model_dir(args: DemoOptions, task: str) -> Path:
     mod = task_module(task)
     path = Path(args.model) if args.model else Path(mod.SHIPPED_MODEL)
     if not args.model and not (path / "config.json").exists():
@@ -77,7 +107,7 @@ def base_model_dir(args: argparse.Namespace, task: str) -> Path:
     return path
 
 
-def settings(args: argparse.Namespace, task: str, *, lengths: list[int] | None = None,
+def settings(args: DemoOptions, task: str, *, lengths: list[int] | None = None,
              budgets: list[int] | None = None) -> dict:
     """The settings of one demo run of ``task``: ``args`` the command's options (``lengths`` and
     ``budgets`` parsed from them); ValueError naming a bad option."""
@@ -203,7 +233,7 @@ fit part, ``valid_seed(0..)``, serves what learns from validation (early stoppin
 ``valid_seed(0..7)``, :data:`kvpop.demo.retrofit.ABLATION_SEQUENCES`, DMS's gate threshold)."""
 
 
-def valid_config(E, s: dict, args: argparse.Namespace, part: str = "select"):
+def valid_config(E, s: dict, args: DemoOptions, part: str = "select"):
     """The validation sequences of ``part``: ``"select"`` (every choice of ``--select``: ``valid_seed(SELECT_FIRST
     + i)``, at least two, since one has no standard error) or ``"fit"`` (early stopping: ``valid_seed(0..)``); at
     L_train, the task's budgets, ``--n-sequences`` (default 6) each."""
@@ -219,7 +249,7 @@ def valid_config(E, s: dict, args: argparse.Namespace, part: str = "select"):
     return v
 
 
-def split_record(mod, E, s: dict, args: argparse.Namespace) -> dict:
+def split_record(mod, E, s: dict, args: DemoOptions) -> dict:
     """The record's ``split``: the validation seeds of each part, disjoint."""
     from kvpop.demo.retrofit import ABLATION_SEQUENCES
 
@@ -255,7 +285,7 @@ def per_seed_errors(E, mod, model, policy: str, vcfg, fit=None) -> tuple[list[fl
     return per, acc
 
 
-def validator(E, mod, base, s: dict, args: argparse.Namespace, policy: str, d: Path, dense_done: dict):
+def validator(E, mod, base, s: dict, args: DemoOptions, policy: str, d: Path, dense_done: dict):
     """``validate(model)`` of ``policy``'s retrofit in ``d``: the mean accuracy over the budgets at L_train on the
     fit part of validation (:func:`valid_config`) of the model in training, served as ``kvpop demo`` serves
     it (early stopping: the select part never sees it)."""
@@ -303,13 +333,13 @@ def policy_model(E, base, policy: str, d: Path, pm: dict):
                           **pm)
 
 
-def eval_config(E, s: dict, args: argparse.Namespace, **kw):
+def eval_config(E, s: dict, args: DemoOptions, **kw):
     return E.EvalConfig(train_len=s["train_len"], lengths=kw.pop("lengths", s["lengths"]), budgets=s["budgets"],
                         n_sequences=kw.pop("n_sequences", s["n_sequences"]), sinks=s["sinks"], window=s["window"],
                         progress=not args.no_progress, **kw)
 
 
-def select(args: argparse.Namespace, task: str, out: Path, s: dict) -> dict:
+def select(args: DemoOptions, task: str, out: Path, s: dict) -> dict:
     """``kvpop demo --select --select-stage args.select_stage`` for ``task`` (settings ``s``, :func:`settings`)
     into ``out``: each retrofit's stages (:func:`kvpop.demo.grid.select_plan`) run by
     :class:`kvpop.training.search.Search`, each trial a retrofit (``out/<policy>/<tag>``) scored by its error rate

@@ -1,6 +1,6 @@
 """``kvpop train --auto``: the training settings chosen on the user's own validation split, within a budget.
 
-A staged search (:func:`kvpop.training.search.auto_plan` run by :class:`kvpop.training.search.Search`, the one
+A staged search (:func:`auto_plan`, its stages as data, run by :class:`kvpop.training.search.Search`, the one
 search code path, ``kvpop demo --select``'s too), each stage starting from the best settings of the stages
 before it:
 
@@ -51,27 +51,34 @@ is never trained again: ``--resume`` continues an interrupted search where it st
 and the reuse are :class:`~kvpop.training.search.Search`'s), once every trial's record is checked and found to
 be of the same options and data (:mod:`kvpop.training.trial_records`; only ``--auto-budget`` may change).
 
-The library's side takes its collaborators as functions (train one run, score one run), so that it imports
-nothing above :mod:`kvpop.training`; ``kvpop.cli.auto`` gives them.
+The search takes typed settings (:class:`AutoSettings`, which ``kvpop.cli.auto`` builds from the command's
+options) and its collaborators as functions (one ``kvpop train`` run from a dict of option overrides, the
+served score of one run), so that it never sees the command's parsed arguments and imports nothing above
+:mod:`kvpop.training`; ``kvpop.cli.auto`` gives them.  :func:`auto_plan` (the stages, as data) is here too; the
+engine that runs any plan is :mod:`kvpop.training.search`.
 """
 from __future__ import annotations
 
-import argparse
-import copy
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from kvpop.core.files import replace_files
 
-__all__ = ["PAPER", "LABEL_CANDIDATES", "SEARCHED", "parse_budget", "default_budget", "apply_preset",
-           "oracle_excess", "search", "train_budgets"]
+from .auto_data import AutoSettings
+
+if TYPE_CHECKING:
+    from kvpop.training.search import Stage
+
+__all__ = ["PAPER", "LABEL_CANDIDATES", "SEARCHED", "AutoSettings", "parse_budget", "default_budget",
+           "preset_values", "oracle_excess", "check", "run", "search", "auto_plan", "train_budgets", "early_stopping",
+           "early_stopped", "summary_lines"]
 
 PAPER = {"scorer": "mlp", "label": "mean", "decay_nats": None, "gamma_min": 0.999, "gamma_max": 0.999999,
          "gamma_init": 0.9999, "mask_source": "scorer", "target_source": "student", "target_lse": "sparse"}
@@ -148,23 +155,22 @@ def default_budget(steps: int) -> tuple[str, float]:
     return "steps", float(DEFAULT_TRIALS * steps)
 
 
-def apply_preset(args: argparse.Namespace, preset: str | None) -> None:
-    """``--preset paper``: the :data:`PAPER` settings into ``args`` (an option not given is ``None``); an option
-    the user gave with another value is refused naming both."""
+def preset_values(preset: str | None, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``--preset paper``: the :data:`PAPER` settings a run takes (``{}`` without a preset), for the options
+    ``given`` (each option's value, ``None`` when not given; ``allocate`` and ``head_budgets`` among them); an
+    option the user gave with another value is refused naming both."""
     if preset is None:
-        return
+        return {}
     if preset != "paper":
         raise ValueError(f"--preset {preset!r}: allowed: paper")
     for k, v in PAPER.items():
-        given = getattr(args, k, None)
-        if given is not None and given != v:
-            raise ValueError(f"--preset paper sets --{k.replace('_', '-')} {v}; --{k.replace('_', '-')} {given} "
+        was = given.get(k)
+        if was is not None and was != v:
+            raise ValueError(f"--preset paper sets --{k.replace('_', '-')} {v}; --{k.replace('_', '-')} {was} "
                              f"contradicts it: leave one out")
-    if getattr(args, "allocate", None) is not None or getattr(args, "head_budgets", None) is not None:
+    if given.get("allocate") is not None or given.get("head_budgets") is not None:
         raise ValueError("--preset paper trains with uniform budgets: leave out --allocate / --head-budgets")
-    for k, v in PAPER.items():
-        if v is not None:
-            setattr(args, k, v)
+    return {k: v for k, v in PAPER.items() if v is not None}
 
 
 def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: Any, *,
@@ -204,33 +210,117 @@ def oracle_excess(model: torch.nn.Module, seqs: Sequence[torch.Tensor], config: 
     return each if per_sequence else (total - dense) / n
 
 
-def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: float, train_model: bool,
-           train: Callable[[argparse.Namespace], int], score: Callable[[Path, str], list[float]],
+def check(settings: AutoSettings) -> None:
+    """What ``--auto`` needs of its settings, before any work: validation records held out from ``--data``
+    (:func:`kvpop.training.auto_data.check_valid_file`), an ``--out`` it may write (``check_out``), a budget
+    (:func:`parse_budget`) and early stopping (:func:`early_stopping`) it takes.  ValueError naming the option."""
+    from .auto_data import check_out, check_valid_file
+
+    if settings.data is not None:
+        check_valid_file(settings.valid_data, settings.data)
+    check_out(Path(settings.out), settings.resume, RUN_FILES)
+    parse_budget(settings.auto_budget, settings.steps)
+    early_stopping(settings.steps, settings.patience, settings.eval_every)
+
+
+def run(settings: AutoSettings, *, options: Any, given: dict, source: Path, task: Any,
+        train_trial: Callable[[dict], int], oracle_config: Callable[[dict], Any],
+        scorer: Callable[..., Callable[[Path, str], list[float]]],
+        task_scorer: Callable[..., Callable[[Path, str], list[float]]],
+        log: Callable[[str], None] = print) -> dict:
+    """``kvpop train --auto`` whole: its settings checked (:func:`check`), every option of the trials checked
+    (``options``: the command's options with the trials' ``--allocate``, which
+    :func:`kvpop.training.options.check_options` fills in), ``OUT`` locked, SIGINT and SIGTERM turned into
+    :class:`_Signalled` (:class:`_StopOnSignal`), the earlier trials checked against the search's inputs
+    (:func:`kvpop.training.trial_records.search_inputs`), the model in ``source`` loaded, the validation
+    sequences split (:func:`kvpop.training.auto_data.valid_sequences`; ``task``: the task module of ``--task``),
+    then :func:`search`; returns its record.
+
+    The collaborators, given by ``kvpop.cli.auto``: ``train_trial(overrides)`` one ``kvpop train`` run of the
+    command's options with ``overrides`` set over them (its exit status); ``oracle_config(settings)`` the method's
+    config of those options with a label candidate's ``settings``; ``scorer(source, parts, budget)`` and, with
+    ``--task``, ``task_scorer(source, task, seeds, length, budget)``: ``score(dir, part)``, a run served as
+    ``kvpop eval --run`` serves it.  Raises ValueError (or :class:`~kvpop.training.runstate.RunDirectoryError`)
+    naming what is at fault, :class:`_Stopped` when a trial's ``kvpop train`` stopped, :class:`_Signalled` on a
+    signal outside a trial's training steps."""
+    from kvpop.models import load_model_dir
+
+    from .auto_data import fit_file, valid_sequences
+    from .options import check_options
+    from .rundir import check_model
+    from .runstate import RunLock
+    from .train import LEARNING_RATES
+    from .trial_records import check_trial_dirs, search_inputs
+
+    check(settings)
+    check_options(options)  # every option of the trials, before any work
+    served = options.budget  # --budget, or the default check_options filled in: every trial is scored at it
+    if settings.model is not None:
+        check_model(settings.model)
+    out = Path(settings.out)
+    lock = RunLock(out, "kvpop train --auto")
+    lock.acquire()
+    signals = _StopOnSignal().install()
+    try:
+        # --allocate as given (the options' "ablation" only let the allocating trials' options be checked)
+        inputs = search_inputs(options, model_dir=source, overrides={"allocate": settings.allocate})
+        check_trial_dirs(out, "auto", inputs)  # an earlier start's trials, before any work
+        torch.manual_seed(settings.seed)
+        model = load_model_dir(source, dtype=torch.float32)
+        parts, split = valid_sequences(settings, model, source, task)
+
+        def oracle(candidate: dict) -> list[float]:
+            return oracle_excess(model, parts["select"], oracle_config(candidate), per_sequence=True)
+
+        fit_data = None  # with --task, a trial's --allocate measures valid_seed(0..n-1): the fit part
+        if settings.task:  # the task's own measure: accuracy at its graded positions
+            score = task_scorer(source, task, {k: split[k] for k in ("fit", "select")}, settings.seq_len, served)
+            criterion = (f"validation error rate at the task's graded positions (1 - accuracy; lower is better) of "
+                         f"{len(parts['select'])} select sequences, served as kvpop eval --run serves the run")
+        else:
+            score = scorer(source, parts, served)
+            criterion = "validation NLL over dense past the budget (nats; lower is better), served as kvpop eval " \
+                        "--run serves the run"
+
+            def fit_data(d: Path) -> dict:
+                return {"valid_data": str(fit_file(d, parts["fit"])), "valid_sequences": len(parts["fit"])}
+        return search(settings, served=served, given=given, lr_scorer=LEARNING_RATES["kvpop"]["lr_scorer"],
+                      train_model=settings.train_model, train=train_trial, score=score, oracle=oracle, split=split,
+                      fit_data=fit_data, log=log, criterion=criterion, inputs=inputs)
+    finally:
+        signals.restore()
+        lock.release()
+
+
+def search(settings: AutoSettings, *, served: int, given: dict, lr_scorer: float, train_model: bool,
+           train: Callable[[dict], int], score: Callable[[Path, str], list[float]],
            oracle: Callable[[dict], list[float]], split: dict, fit_data: Callable[[Path], dict] | None = None,
            log: Callable[[str], None] = print,
            criterion: str = "validation NLL over dense past the budget (nats; lower is better), served as kvpop "
                             "eval --run serves the run", inputs: dict | None = None) -> dict:
-    """Run the staged search of this module (:func:`kvpop.training.search.auto_plan` on
-    :class:`kvpop.training.search.Search`, the one search of ``kvpop demo --select`` too) for the ``kvpop train``
-    arguments ``args`` (``args.out``: OUT) and return the record written to ``OUT/selection.json``.
+    """Run the staged search of this module (:func:`auto_plan` on :class:`kvpop.training.search.Search`, the one
+    search of ``kvpop demo --select`` too) of ``settings`` (``settings.out``: OUT) and return the record written
+    to ``OUT/selection.json``.
 
     ``served``: the budget every trial is scored at and the chosen run is written for (``--budget`` as
     :func:`kvpop.training.options.check_options` fills it in); ``given``: the searched options
     (:data:`SEARCHED`) the user gave, fixed at their values; ``lr_scorer``: the
     method's default scorer learning rate; ``train_model``: whether the model is trained (the label-source
-    stage); ``train(ns)``: one ``kvpop train`` run of the namespace ``ns`` (exit status); ``score(dir, part)``:
+    stage); ``train(overrides)``: one ``kvpop train`` run of the command's options with ``overrides`` (a dict of
+    option name to value, :meth:`_Trials.options`) set over them (its exit status); ``score(dir, part)``:
     the per-sequence validation scores of the run in ``dir`` on the ``"fit"`` or ``"select"`` sequences (lower is
     better); ``oracle(settings)``: the first stage's per-sequence scores of a label candidate on the select
-    sequences; ``split``: the record's ``split`` (``fit`` and ``select``, disjoint); ``fit_data(ns_dict)``: the
+    sequences; ``split``: the record's ``split`` (``fit`` and ``select``, disjoint); ``fit_data(out)``: the
     options a trial that allocates takes to measure its head budgets on the fit part alone (``valid_data``,
     ``valid_sequences``); ``criterion``: what ``score`` measures, for the record; ``inputs``: what the trials run
     under (:func:`kvpop.training.trial_records.search_inputs`; recorded in every trial, and a trial of other
     inputs is refused, never reused or continued)."""
-    from kvpop.training.search import auto_plan
-
-    out = Path(args.out)
-    s = _open_search(args, out, served=served, split=split, log=log, criterion=criterion, inputs=inputs)
-    trials = _Trials(args, out, served=served, train=train, score=score, oracle=oracle, fit_data=fit_data,
+    if not isinstance(settings, AutoSettings):
+        raise TypeError(f"search takes AutoSettings (kvpop.cli.auto builds them from the command's options), got "
+                        f"{type(settings).__name__}")
+    out = Path(settings.out)
+    s = _open_search(settings, out, served=served, split=split, log=log, criterion=criterion, inputs=inputs)
+    trials = _Trials(settings, out, served=served, train=train, score=score, oracle=oracle, fit_data=fit_data,
                      log=log)
 
     def options(key: str, values: list) -> list:
@@ -238,12 +328,12 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
 
     plan = auto_plan(labels=options("label", list(LABEL_CANDIDATES)),
                      lr_scorers=options("lr_scorer", [lr_scorer * f for f in LR_FACTORS]),
-                     train_budgets=train_budgets(served, args.sinks, args.window), given=given,
+                     train_budgets=train_budgets(served, settings.sinks, settings.window), given=given,
                      decay_nats=DECAY_NATS, train_model=train_model,
                      warm_start=train_model and "init_scorers" not in given)
     hint = "; raise --auto-budget to {need} to run every stage and the confirmation"
     best = s.run_plan(plan, trials.trained, oracle=trials.oracle_trial, steps_of=trials.steps_of, subdir="auto")
-    best, s.record["confirmation"] = s.confirm(best, trials.trained, seed=("seed", args.seed + 1),
+    best, s.record["confirmation"] = s.confirm(best, trials.trained, seed=("seed", settings.seed + 1),
                                                steps_of=trials.steps_of, subdir="auto",
                                                raise_hint="; raise --auto-budget to {need} to run it")
     s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
@@ -255,7 +345,40 @@ def search(args: argparse.Namespace, *, served: int, given: dict, lr_scorer: flo
     return s.record
 
 
-def _open_search(args: argparse.Namespace, out: Path, *, served: int, split: dict, log: Callable[[str], None],
+def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budgets: Sequence[int],
+              given: Mapping[str, Any], decay_nats: float, train_model: bool,
+              warm_start: bool = False) -> list[Stage]:
+    """``kvpop train --auto``'s stages (:class:`kvpop.training.search.Stage`s; :func:`search` gives the
+    candidates): ``label`` scored by each label's oracle (untrained; absent with one label), then, trained and
+    compared anew, in the order of what they won per trained step on the three instruments' validation records
+    (``studies/results/auto.md``): ``lr_scorer``, ``head_budgets`` (``allocate ablation`` against uniform),
+    ``train_budget``, when the model is trained ``target_source``, then ``decay`` (``decay_nats`` against the
+    paper's range; it won on none) and, when the model is trained and ``warm_start``, ``warm_start`` (the joint
+    run started from a scorer-only run's scorers, ``{"warm_start": "scorer-only"}``, against fresh ones; a trial
+    of it trains twice); a setting in ``given`` (the user's) is fixed and its stage left out."""
+    from kvpop.training.search import Stage
+
+    plan = []
+    start = {"decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
+             "target_source": given.get("target_source", "student"), "train_budget": None}
+    if len(labels) > 1:
+        plan.append(Stage("label", [{"label": x} for x in labels], start={}, trained=False))
+    else:
+        start = {"label": labels[0], **start}
+    plan.append(Stage("lr_scorer", [{"lr_scorer": lr} for lr in lr_scorers], start=start))
+    if "allocate" not in given:
+        plan.append(Stage("head_budgets", [{"allocate": "ablation"}]))
+    plan.append(Stage("train_budget", [{"train_budget": b} for b in train_budgets]))
+    if train_model and "target_source" not in given:
+        plan.append(Stage("target_source", [{"target_source": "teacher"}]))
+    if "decay_nats" not in given:
+        plan.append(Stage("decay", [{"decay_nats": decay_nats}]))
+    if train_model and warm_start:
+        plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}]))
+    return plan
+
+
+def _open_search(settings: AutoSettings, out: Path, *, served: int, split: dict, log: Callable[[str], None],
                  criterion: str, inputs: dict | None):
     """The :class:`~kvpop.training.search.Search` of ``OUT`` (a finished one only with ``--resume``; every
     trial of an earlier start checked against ``inputs`` first), its header, budget and the confirmation's
@@ -263,14 +386,15 @@ def _open_search(args: argparse.Namespace, out: Path, *, served: int, split: dic
     from kvpop.training.search import Search, resolution
     from kvpop.training.trial_records import check_trial_dirs
 
-    if (out / "selection.json").exists() and not args.resume:
+    if (out / "selection.json").exists() and not settings.resume:
         raise ValueError(f"--out {out} already holds a search (selection.json); add --resume to continue it, or "
                          f"choose another --out")
     if inputs is not None:
         check_trial_dirs(out, "auto", inputs)  # every trial of an earlier start, before any work
-    budget = parse_budget(args.auto_budget, args.steps)
+    steps = settings.steps
+    budget = parse_budget(settings.auto_budget, steps)
     header = {"criterion": f"{criterion}; the label stage: each label's oracle (NLL over dense)",
-              "steps_per_trial": args.steps, "served_budget": served, "split": split, "rule": RULE}
+              "steps_per_trial": steps, "served_budget": served, "split": split, "rule": RULE}
     if inputs is not None:
         header["search_inputs"] = inputs
     s = Search(out, header=header, budget=budget, log=log, prefix="[kvpop train --auto]", inputs=inputs)
@@ -278,8 +402,8 @@ def _open_search(args: argparse.Namespace, out: Path, *, served: int, split: dic
     log(f"[kvpop train --auto] validation split: {n_fit} fit sequences (head-budget allocation, early stopping), "
         f"{n_sel} select sequences (trial scores only); {resolution(n_sel)}")
     s.record["resolution"] = resolution(n_sel)
-    if budget[0] == "steps" and budget[1] - 2 * args.steps >= 2 * args.steps:
-        s.reserve(2 * args.steps)  # the confirmation's two retrained trials are paid for first
+    if budget[0] == "steps" and budget[1] - 2 * steps >= 2 * steps:
+        s.reserve(2 * steps)  # the confirmation's two retrained trials are paid for first
     return s
 
 
@@ -287,84 +411,90 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+AUTO_OFF = {"auto": False, "auto_budget": None, "preset": None, "auto_patience": None, "auto_eval_every": None}
+"""What every trial's ``kvpop train`` sets over the command's options: a trial is one plain run, not a search."""
+
+
 class _Trials:
     """The trials of one ``--auto`` search: a trial's ``kvpop train`` run (:meth:`trained`, with the joint run's
     warm start), its early stopping on the fit sequences (:meth:`validated`) and a label's oracle
     (:meth:`oracle_trial`); the collaborators (``train``, ``score``, ``oracle``, ``fit_data``) are
-    :func:`search`'s."""
+    :func:`search`'s.  A trial's run is a dict of option overrides (:meth:`options`), which ``train`` sets over
+    the command's own options."""
 
-    def __init__(self, args: argparse.Namespace, out: Path, *, served: int, train: Callable, score: Callable,
+    def __init__(self, settings: AutoSettings, out: Path, *, served: int, train: Callable, score: Callable,
                  oracle: Callable, fit_data: Callable | None, log: Callable[[str], None]) -> None:
-        self.args, self.out, self.served = args, out, served
-        self.train, self.score, self.oracle, self.fit_data, self.log = train, score, oracle, fit_data, log
-        self.progress = not getattr(args, "no_progress", False)
-        self.every, self.patience = early_stopping(args)
+        self.settings, self.out, self.served = settings, out, served
+        self.train_trial, self.score, self.oracle, self.fit_data, self.log = train, score, oracle, fit_data, log
+        self.progress = settings.progress
+        self.every, self.patience = early_stopping(settings.steps, settings.patience, settings.eval_every)
 
     def steps_of(self, settings: dict) -> int:
-        return self.args.steps * (2 if settings.get("warm_start") else 1)
+        return self.settings.steps * (2 if settings.get("warm_start") else 1)
 
     def oracle_trial(self, settings: dict, d: Path) -> dict:
         sel = self.oracle(settings)
         return {"score": _mean(sel), "per_sequence": sel, "steps": 0}
 
-    def train_to(self, ns: argparse.Namespace, d: Path, steps: int) -> None:
-        ns = copy.copy(ns)
-        ns.out, ns.steps, ns.resume = str(d), steps, (d / "last.pt").exists()
-        ns._auto_trial = True  # a trial of this search (not in its args.json): the search says how to resume
-        ns._progress_total = self.args.steps  # one count over the trial's validation segments
-        rc = self.train(ns)
+    def train_to(self, run: dict, d: Path, steps: int) -> None:
+        """The run of overrides ``run`` in ``d`` trained up to ``steps`` (resumed when it has a checkpoint)."""
+        # _auto_trial: a trial of this search (not in its args.json; the search says how to resume);
+        # _progress_total: one count over the trial's validation segments
+        rc = self.train_trial({**run, "out": str(d), "steps": steps, "resume": (d / "last.pt").exists(),
+                         "_auto_trial": True, "_progress_total": self.settings.steps})
         if rc != 0:
             raise _Stopped(rc)
 
     def _note(self, rec: dict, better: bool, before: bool) -> None:
         """A trial's validation told (with ``--progress``)."""
         if self.progress:
-            self.log(f"[kvpop train --auto]   validation at step {rec['step']}/{self.args.steps}: fit score "
+            self.log(f"[kvpop train --auto]   validation at step {rec['step']}/{self.settings.steps}: fit score "
                      f"{rec['fit_score']:.5f}{' (best so far)' if better else ''}"
                      f"{' (recorded before)' if before else ''}")
 
-    def validated(self, ns: argparse.Namespace, d: Path) -> dict:
-        """The run of ``ns`` in ``d``, validated on the fit sequences every ``every`` steps with ``patience`` (0:
-        never), its best fit state kept, then scored once on the select sequences."""
+    def validated(self, run: dict, d: Path) -> dict:
+        """The run of overrides ``run`` in ``d``, validated on the fit sequences every ``every`` steps with
+        ``patience`` (0: never), its best fit state kept, then scored once on the select sequences."""
         from kvpop.training.trial_records import check_score
 
-        steps = self.args.steps
+        steps = self.settings.steps
         if not self.patience:
-            self.train_to(ns, d, steps)
+            self.train_to(run, d, steps)
             sel = self.score(d, "select")
             return {"score": _mean(sel), "per_sequence": sel, "steps": steps}
 
         best, vals = early_stopped(d, total=steps, every=self.every, patience=self.patience,
-                                   train_to=lambda target: self.train_to(ns, d, target),
+                                   train_to=lambda target: self.train_to(run, d, target),
                                    fit_score=lambda: check_score(_mean(self.score(d, "fit")), d, '"fit_score"'),
                                    note=self._note)
         sel = self.score(d, "select")  # the best fit state, scored once on the select sequences
         return {"score": _mean(sel), "per_sequence": sel, "steps": vals[-1]["step"], "best_step": best["step"],
                 "validations": vals}
 
+    def options(self, settings: dict) -> tuple[dict, str | None]:
+        """``(overrides, warm start)``: the option overrides of the trial of ``settings`` (:data:`AUTO_OFF`, the
+        settings, ``budget`` the training budget: ``train_budget`` or the served one; the validation data of the
+        fit part when it allocates, none when it does not) and its ``warm_start``."""
+        run = {**AUTO_OFF, **settings}
+        run["budget"] = settings.get("train_budget") or self.served  # trained at; scored at `served` all the same
+        run.pop("train_budget", None)
+        warm = run.pop("warm_start", None)
+        if run.get("allocate", self.settings.allocate) is None:
+            run["valid_data"] = run["valid_sequences"] = None
+        elif self.fit_data is not None:  # the allocation measured on the fit sequences alone
+            run.update(self.fit_data(self.out))
+        return run, warm
+
     def trained(self, settings: dict, d: Path) -> dict:
         """The trial of ``settings`` in ``d``: ``kvpop train`` with them (trained at ``train_budget``, scored at
         the served budget), the joint run after its scorer-only warm start when ``warm_start`` says so."""
-        ns = copy.copy(self.args)
-        ns.auto, ns.auto_budget, ns.preset, ns.auto_patience, ns.auto_eval_every = False, None, None, None, None
-        for k, v in settings.items():
-            setattr(ns, k, v)
-        ns.budget = settings.get("train_budget") or self.served  # trained at; scored at `served` all the same
-        vars(ns).pop("train_budget", None)
-        warm = vars(ns).pop("warm_start", None)
-        if ns.allocate is None:
-            ns.valid_data = ns.valid_sequences = None
-        elif self.fit_data is not None:  # the allocation measured on the fit sequences alone
-            for k, v in self.fit_data(self.out).items():
-                setattr(ns, k, v)
+        run, warm = self.options(settings)
         before = 0
         if warm == "scorer-only":  # the scorers trained alone first, then the joint run starts from them
-            w = copy.copy(ns)
-            w.no_train_model = True
-            first = self.validated(w, d / "scorer-only")
+            first = self.validated({**run, "no_train_model": True}, d / "scorer-only")
             before = first["steps"]
-            ns.init_scorers = str(d / "scorer-only" / "scorers.safetensors")
-        r = self.validated(ns, d)
+            run["init_scorers"] = str(d / "scorer-only" / "scorers.safetensors")
+        r = self.validated(run, d)
         if warm == "scorer-only":
             r["scorer_only"] = first
         r["steps"] += before
@@ -447,22 +577,62 @@ def early_stopped(d: Path, *, total: int, every: int, patience: int, train_to: C
     return best, vals
 
 
-def early_stopping(args: argparse.Namespace) -> tuple[int, int]:
-    """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience``: each trial validated every ``every``
-    steps (default a quarter of ``--steps``, rounded up: at most four validations) and stopped after
-    ``patience`` (default :data:`PATIENCE`) validations without a better score on the fit sequences, its best
-    state kept;
-    ``patience`` 0: no early stopping, one validation after ``--steps``.  ValueError naming a bad value."""
-    patience = PATIENCE if getattr(args, "auto_patience", None) is None else args.auto_patience
-    every = getattr(args, "auto_eval_every", None)
+def early_stopping(steps: int, patience: int | None = None, every: int | None = None) -> tuple[int, int]:
+    """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience`` (``None``: not given) for trials of
+    ``steps`` (``--steps``): each trial validated every ``every`` steps (default a quarter of ``steps``, rounded
+    up: at most four validations) and stopped after ``patience`` (default :data:`PATIENCE`) validations without
+    a better score on the fit sequences, its best state kept; ``patience`` 0: no early stopping, one validation
+    after ``steps``.  ValueError naming a bad value."""
+    patience = PATIENCE if patience is None else patience
     if patience < 0:
         raise ValueError(f"--auto-patience must be >= 0, got {patience}")
-    if every is not None and not 1 <= every <= args.steps:
-        raise ValueError(f"--auto-eval-every must lie in [1, --steps {args.steps}], got {every}")
+    if every is not None and not 1 <= every <= steps:
+        raise ValueError(f"--auto-eval-every must lie in [1, --steps {steps}], got {every}")
     if every is not None and not patience:
         raise ValueError(f"--auto-eval-every {every} is the validation interval of early stopping, which "
                          f"--auto-patience 0 switches off: leave one of them out")
-    return (every or math.ceil(args.steps / 4)), patience
+    return (every or math.ceil(steps / 4)), patience
+
+
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM outside a trial's training steps (which stop after the step in flight themselves)."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.rc = 128 + signum
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM stop the search at once with :class:`_Signalled` (its finished trials, and the
+    interrupted one's checkpoints and validations, are kept for ``--resume``), so that the search says what
+    happened instead of dying silently; a trial's ``kvpop train`` installs its own handlers over these while it
+    trains (stopping after the step in flight), and they come back after it.  Outside the main thread: nothing; a
+    signal the caller ignores (``SIG_IGN``, e.g. SIGINT of a job started in the background by a script) stays
+    ignored."""
+
+    def __init__(self) -> None:
+        self._old: dict = {}
+
+    def _handler(self, signum: int, frame) -> None:
+        raise _Signalled(signum)
+
+    def install(self) -> _StopOnSignal:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # a signal ignored by the caller stays ignored
+            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)
+                         if signal.getsignal(s) is not signal.SIG_IGN}
+        return self
+
+    def restore(self) -> None:
+        import signal
+
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
 
 
 class _Stopped(Exception):

@@ -21,8 +21,9 @@ trials' wall time) skips a stage's trials once it would be overrun; the first tr
 What a trial *is* (one ``kvpop train`` run scored as ``kvpop eval --run`` serves it; one demo retrofit scored on
 the task's validation sequences) is the caller's ``run(settings, dir)``; what is searched is a plan:
 
-* :func:`auto_plan`: ``kvpop train --auto``'s stages (:mod:`kvpop.training.auto`: the label family by its oracle,
-  the scorer lr, the training budget, the decay range, head-adaptive budgets, the label source);
+* ``kvpop train --auto``'s stages: beside its trials, in :mod:`kvpop.training.auto` (``auto_plan``: the label
+  family by its oracle, the scorer lr, head-adaptive budgets, the training budget, the label source, the decay
+  range, the warm start);
 * ``kvpop demo --select``'s stages for each of the demo's retrofits: beside the demo, in :mod:`kvpop.demo.grid`
   (``select_plan`` over ``SELECT_GRID``; :mod:`kvpop.demo.search` runs them).
 
@@ -43,7 +44,7 @@ from .trial_records import check_score, file_record, read_trial, start_trial
 
 __all__ = ["Stage", "Search", "choose", "prefer", "paired", "resolution", "split_keys", "MARGIN_SE", "MIN_SELECT",
            "top_two", "confirm_choice",
-           "trial_tag", "auto_plan"]
+           "trial_tag"]
 
 
 MARGIN_SE = 2.0
@@ -411,37 +412,3 @@ class Search:
                 if self._spent.unit == "steps" else "more"
             out["raise"] = raise_hint.format(need=need)
         return out
-
-
-# --------------------------------------------------------------------------------------- kvpop train --auto
-
-
-def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budgets: Sequence[int],
-              given: Mapping[str, Any], decay_nats: float, train_model: bool,
-              warm_start: bool = False) -> list[Stage]:
-    """``kvpop train --auto``'s stages (:mod:`kvpop.training.auto` gives the candidates): ``label`` scored by each
-    label's oracle (untrained; absent with one label), then, trained and compared anew, in the order of what
-    they won per trained step on the three instruments' validation records (``studies/results/auto.md``):
-    ``lr_scorer``, ``head_budgets`` (``allocate ablation`` against uniform), ``train_budget``, when the model is
-    trained ``target_source``, then ``decay`` (``decay_nats`` against the paper's range; it won on none) and,
-    when the model is trained and ``warm_start``, ``warm_start`` (the joint run started from a scorer-only run's
-    scorers, ``{"warm_start": "scorer-only"}``, against fresh ones; a trial of it trains twice); a setting in
-    ``given`` (the user's) is fixed and its stage left out."""
-    plan = []
-    start = {"decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
-             "target_source": given.get("target_source", "student"), "train_budget": None}
-    if len(labels) > 1:
-        plan.append(Stage("label", [{"label": x} for x in labels], start={}, trained=False))
-    else:
-        start = {"label": labels[0], **start}
-    plan.append(Stage("lr_scorer", [{"lr_scorer": lr} for lr in lr_scorers], start=start))
-    if "allocate" not in given:
-        plan.append(Stage("head_budgets", [{"allocate": "ablation"}]))
-    plan.append(Stage("train_budget", [{"train_budget": b} for b in train_budgets]))
-    if train_model and "target_source" not in given:
-        plan.append(Stage("target_source", [{"target_source": "teacher"}]))
-    if "decay_nats" not in given:
-        plan.append(Stage("decay", [{"decay_nats": decay_nats}]))
-    if train_model and warm_start:
-        plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}]))
-    return plan

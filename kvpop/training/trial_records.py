@@ -248,16 +248,17 @@ def read_validations(f: Path) -> list[dict]:
     return out
 
 
-def search_inputs(args: Any, *, model_dir: Path | None) -> dict:
+def search_inputs(args: Any, *, model_dir: Path | None, overrides: dict | None = None) -> dict:
     """What ``kvpop train --auto`` runs its trials under: ``{"options": the resolved options (file paths resolved,
     :func:`kvpop.training.rundir.comparable`), "files": the fingerprints of --data, --valid-data, --init-scorers
-    and the model directory}``.  ``args``: the namespace with its defaults filled in
-    (:func:`kvpop.training.options.check_options`); ``model_dir``: the model directory the search loads.
-    ValueError naming a file that cannot be read."""
+    and the model directory}``.  ``args``: the options with their defaults filled in
+    (:func:`kvpop.training.options.check_options`), ``overrides`` (option name -> value) recorded in their place;
+    ``model_dir``: the model directory the search loads.  ValueError naming a file that cannot be read."""
     from .data import data_fingerprint
     from .rundir import arg_dict, comparable, data_print, model_print
 
-    options = {k: v for k, v in comparable(arg_dict(args)).items() if k not in AUTO_RESUMABLE}
+    given = {**arg_dict(args), **(overrides or {})}
+    options = {k: v for k, v in comparable(given).items() if k not in AUTO_RESUMABLE}
     files: dict[str, Any] = {"data": data_print(args.data), "model": model_print(model_dir)}
     for key, flag in (("valid_data", "--valid-data"), ("init_scorers", "--init-scorers")):
         path = getattr(args, key, None)

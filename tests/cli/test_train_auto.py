@@ -1,6 +1,5 @@
 """``kvpop train --auto``: the staged search on validation sequences, its record, the run it leaves, resuming
 without repeating a finished trial, and its refusals; ``--preset paper``."""
-import argparse
 import json
 from pathlib import Path
 
@@ -10,7 +9,7 @@ pytest.importorskip("transformers")
 from tiny import tiny_model  # noqa: E402
 
 from kvpop.cli import main  # noqa: E402
-from kvpop.training.auto import PAPER, apply_preset, oracle_excess, parse_budget, train_budgets  # noqa: E402
+from kvpop.training.auto import PAPER, oracle_excess, parse_budget, preset_values, train_budgets  # noqa: E402
 
 # the shipped tiny model on the task at S = 96 > budget 32; two validation sequences
 QUICK = ["--auto", "--task", "--seq-len", "96", "--budget", "32", "--sinks", "2", "--window", "8",
@@ -185,17 +184,15 @@ def test_parse_budget():
 
 
 def test_preset_paper_sets_the_paper_method_and_refuses_a_contradiction():
-    ns = argparse.Namespace(**{k: None for k in PAPER}, allocate=None, head_budgets=None)
-    apply_preset(ns, "paper")
-    assert (ns.label, ns.gamma_min, ns.gamma_init, ns.target_source, ns.target_lse) == \
+    given = {**{k: None for k in PAPER}, "allocate": None, "head_budgets": None}
+    ns = preset_values("paper", given)
+    assert (ns["label"], ns["gamma_min"], ns["gamma_init"], ns["target_source"], ns["target_lse"]) == \
         ("mean", 0.999, 0.9999, "student", "sparse")
-    ns = argparse.Namespace(**{k: None for k in PAPER}, allocate=None, head_budgets=None)
-    ns.label = "max"
+    assert "decay_nats" not in ns and preset_values(None, given) == {}
     with pytest.raises(ValueError, match="--label max contradicts it"):
-        apply_preset(ns, "paper")
-    ns.label, ns.allocate = None, "ablation"
+        preset_values("paper", {**given, "label": "max"})
     with pytest.raises(ValueError, match="uniform budgets"):
-        apply_preset(ns, "paper")
+        preset_values("paper", {**given, "allocate": "ablation"})
 
 
 def test_preset_paper_trains_the_paper_config(tmp_path):

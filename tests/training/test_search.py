@@ -9,7 +9,8 @@ import time
 import pytest
 
 from kvpop.demo.grid import JOINT_OF, RETROFITS, SCORER_ONLY, SELECT_GRID, select_plan
-from kvpop.training.search import Search, Stage, auto_plan, trial_tag
+from kvpop.training.auto import auto_plan
+from kvpop.training.search import Search, Stage, trial_tag
 
 
 def _objective(s):
@@ -270,13 +271,11 @@ def test_every_search_goes_through_the_one_rule(tmp_path, monkeypatch):
     from kvpop.training import auto
 
     calls.clear()
-    args = argparse.Namespace(out=str(tmp_path / "auto"), resume=False, steps=2, auto_budget="8", auto_patience=0,
-                              auto_eval_every=None, seed=0, sinks=2, window=8, allocate=None, valid_data=None,
-                              valid_sequences=None, init_scorers=None, no_train_model=True, budget=32, auto=True,
-                              preset=None, label=None, lr_scorer=None, decay_nats=None, target_source=None)
+    settings = auto.AutoSettings(out=str(tmp_path / "auto"), steps=2, seed=0, sinks=2, window=8, auto_budget="8",
+                                 patience=0)
     scores = iter(range(100))
-    rec = auto.search(args, served=32, given={"label": "mean"}, lr_scorer=1e-3, train_model=False,
-                      train=lambda ns: 0, score=lambda d, part: [float(next(scores) % 3), 1.0, 2.0],
+    rec = auto.search(settings, served=32, given={"label": "mean"}, lr_scorer=1e-3, train_model=False,
+                      train=lambda run: 0, score=lambda d, part: [float(next(scores) % 3), 1.0, 2.0],
                       oracle=lambda st: [0.0, 0.0, 0.0], split={"fit": [1, 2], "select": [3, 4, 5]},
                       log=lambda line: None)
     assert calls and calls == [d["stage"] for d in rec["decisions"]] and "confirmation" in calls
@@ -296,4 +295,4 @@ def test_every_search_goes_through_the_one_rule(tmp_path, monkeypatch):
     D.add_arguments(p)
     a = p.parse_args(["--quick", "--select", "--task", "kvtrace", "--out", str(tmp_path / "demo"), "--no-progress"])
     with pytest.raises(Reached):
-        DS.select(a, "kvtrace", tmp_path / "demo" / "kvtrace", DS.settings(a, "kvtrace"))
+        DS.select(D.options(a), "kvtrace", tmp_path / "demo" / "kvtrace", DS.settings(D.options(a), "kvtrace"))
