@@ -277,6 +277,43 @@ def test_fresh_realtext_test_split_is_reproducible_and_disjoint(tmp_path):
     assert C.file_hash(tmp_path / "test_fresh.jsonl") == shipped["jsonl_blake2b"]
 
 
+def test_second_fresh_realtext_split_excludes_every_earlier_split_and_is_reproducible(tmp_path):
+    """test_fresh2 (issue 43 item 3: the first fresh split was scored, so spent): no file of the shipped
+    validation / test splits nor of test_fresh, every file of the test bucket, its listing hash and JSONL hash
+    as recorded, and the stage's function remakes it from the record's hash seed and exclusions."""
+    import hashlib
+
+    from studies import evidence_realtext as RT
+    from studies import realtext_corpus as C
+
+    rec = json.loads((RT.SHIPPED / "test_fresh2.json").read_text())
+    first = json.loads((RT.SHIPPED / "test_fresh.json").read_text())
+    man = json.loads((RT.SHIPPED / "manifest.json").read_text())
+    new = set(rec["files"])
+    assert not new & (set(man["splits"]["test"]["files"]) | set(man["splits"]["validation"]["files"]))
+    assert not new & set(first["files"]) and rec["excluded_earlier_fresh_files"] == {"test_fresh.json": 29}
+    st = man["settings"]
+    assert all(C.split_of(k, st["seed"], st["valid_frac"], st["test_frac"]) == "test" for k in new)
+    assert rec["files_used_hash"] == hashlib.blake2b("\n".join(sorted(new)).encode(), digest_size=16).hexdigest()
+    assert C.file_hash(RT.SHIPPED / "test_fresh2.jsonl") == rec["jsonl_blake2b"] and rec["hash_seed"] != 2
+    lines = (RT.SHIPPED / "test_fresh2.jsonl").read_text().splitlines()
+    assert len(lines) == rec["records"] == 48 and all(len(json.loads(x)["input_ids"]) == 1024 for x in lines)
+    with pytest.raises(ValueError, match="name must be a new split"):
+        RT.fresh_test_split(tmp_path, tmp_path, n_records=1, name="validation")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="no files list"):
+        RT.fresh_test_split(tmp_path, tmp_path, n_records=1, name="x", exclude=(tmp_path / "bad.json",))
+    from importlib import metadata
+
+    if any(metadata.version(C.DISTRIBUTIONS.get(p, p)) != v for p, v in
+           ((p, rec["package_versions"][C.DISTRIBUTIONS.get(p, p)]) for p in st["packages"])):
+        pytest.skip("other package versions are installed than the split was made from: its files differ")
+    RT.fresh_test_split(tmp_path, tmp_path, n_records=48, hash_seed=rec["hash_seed"], name="test_fresh2",
+                        exclude=(RT.SHIPPED / "test_fresh.json",))
+    assert C.file_hash(tmp_path / "test_fresh2.jsonl") == rec["jsonl_blake2b"]
+    assert json.loads((tmp_path / "test_fresh2.json").read_text())["files"] == rec["files"]
+
+
 def test_dms_extension_one_factor_at_a_time_longer_only_while_it_helps_and_resumes(tmp_path, monkeypatch):
     """--stage dms-extend: the extension's trials start from the first choice, one factor at a time; 800 steps
     runs only because 600 helped; a rerun repeats no trial; the best of every trial becomes ``rechosen``."""
