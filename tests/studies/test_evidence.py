@@ -381,3 +381,66 @@ def test_realtext_select_writes_split_decisions_and_confirmation(tmp_path, monke
     assert rec["dms"]["chosen"]["settings"]["lr_gate"] == 0.1 and rec["confirmation"]["ran"]
     assert sorted(made[-2:]) == [(0.02, 1), (0.1, 1)]  # the top two by the rule, retrained with seed 1
     assert not any(d["paired"] for d in rec["decisions"] if d["stage"].startswith("kvpop"))  # shipped, old format
+
+
+def _cmp(**kw):
+    c = {"instrument": "realtext", "budget": 128, "a": "k", "b": "c", "mean_diff": -0.01, "ci95": [-0.02, -0.001],
+         "n_sequences": 4, "n_clusters": 2, "seeds": {"a": 2, "b": 2}, "method": "paired bootstrap", "split": "t2",
+         "reference": "original", "verdict": "a better", "lower_is_better": True}
+    return {**c, **kw}
+
+
+def _split_rows():
+    ps = {"k": [[0.1, 0.1, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2]], "c": [[0.3, 0.3, 0.2, 0.2], [0.2, 0.2, 0.3, 0.3]]}
+    return [_row(policy=p, seeds=[sum(x) / 4 for x in v], mean=sum(sum(x) / 4 for x in v) / 2,
+                 value=sum(sum(x) / 4 for x in v) / 2, min=min(sum(x) / 4 for x in v),
+                 max=max(sum(x) / 4 for x in v), split="t2", per_sequence=v, headline=False) for p, v in ps.items()]
+
+
+def test_ledger_takes_rows_of_a_second_split_per_sequence_values_and_comparisons():
+    """issue 43 item 2: rows of one policy on two splits are two rows; per_sequence averages to the seeds;
+    comparisons name rows of their split, say their seeds, and say "better" only where the interval excludes 0."""
+    rows = [_row(policy="k"), *_split_rows()]
+    ok = {"rows": rows, "comparisons": [_cmp(), _cmp(reference="same weights")]}
+    assert V.check_ledger(ok, "L") == rows and V.check_comparisons(ok, "L") == ok["comparisons"]
+    assert V.check_comparisons({"rows": rows}, "L") == []
+    bad_ps = [*_split_rows()]
+    bad_ps[0] = {**bad_ps[0], "per_sequence": [[0.1] * 4, [0.2] * 4]}
+    with pytest.raises(ValueError, match="per_sequence .* is not one list per seed"):
+        V.check_ledger({"rows": bad_ps}, "L")
+    with pytest.raises(ValueError, match="per_sequence must be a list, one per seed"):
+        V.check_ledger({"rows": [_row(per_sequence=[[0.1], [0.2, 0.3]])]}, "L")
+    with pytest.raises(ValueError, match="repeats row 0 .*split"):
+        V.check_ledger({"rows": [_row(split="t2"), _row(split="t2")]}, "L")
+    cases = [
+        (_cmp(verdict="no difference shown"), "verdict 'no difference shown', where its interval"),
+        (_cmp(ci95=[-0.001, 0.002], verdict="a better"), "says 'no difference shown'"),
+        (_cmp(b="x"), "b = 'x' is no row of realtext at B=128 scored on 't2'"),
+        (_cmp(split="other"), "a = 'k' is no row"),
+        (_cmp(seeds={"a": 3, "b": 2}), "seeds.a is 3, its row has 2"),
+        (_cmp(n_clusters=5), "5 clusters of 4 sequences"),
+        (_cmp(b="k"), "a and b are the same row"),
+        (_cmp(ci95=[0.1, -0.1]), "ci95 must be"),
+        ({k: v for k, v in _cmp().items() if k != "split"}, "lacks split"),
+    ]
+    for c, msg in cases:
+        with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("(", r"\(")):
+            V.check_ledger({"rows": rows, "comparisons": [c]}, "L")
+    with pytest.raises(ValueError, match="repeats comparison 0"):
+        V.check_ledger({"rows": rows, "comparisons": [_cmp(), _cmp()]}, "L")
+    with pytest.raises(ValueError, match="comparisons must be a list"):
+        V.check_ledger({"rows": rows, "comparisons": {}}, "L")
+
+
+def test_ledger_build_and_merge_carry_comparisons(tmp_path):
+    rows = [_row(policy="k"), *_split_rows()]
+    (tmp_path / "realtext").mkdir()
+    (tmp_path / "realtext" / "evidence_rows.json").write_text(json.dumps({"rows": rows, "comparisons": [_cmp()]}))
+    led = V.build_ledger(tmp_path)
+    assert led == {"rows": rows, "comparisons": [_cmp()]}
+    kv = [_row(instrument="kvtrace", metric="accuracy")]
+    merged, kept = V.merge_ledger({"rows": kv}, led["rows"], led["comparisons"])
+    assert kept == ["realtext"] and merged == {"rows": kv + rows, "comparisons": [_cmp()]}
+    merged, _ = V.merge_ledger(led, [_row(policy="old")], [])  # realtext rebuilt: its new comparisons only
+    assert merged == led
+    assert V.merge_ledger({"rows": kv}, [], []) == ({"rows": kv}, [])
