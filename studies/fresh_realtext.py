@@ -226,6 +226,53 @@ def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int 
             "runs": {row: {str(s): r for s, r in rows[row].items()} for row in ROWS if row in rows}}
 
 
+LEGENDS = {
+    AUTO_ROW: "kvpop train --auto's real-text choice (MLP scorer and model together, mean label, head budgets by "
+              "ablation, scorer lr 1e-3, model lr 1e-4; 6 trials), its best fit state of 250 steps",
+    "fixed-finetune[streaming]": "the same fine-tune (250 steps, data, model lr chosen on validation) under the fixed "
+                                 "StreamingLLM mask",
+    "fixed-finetune[random]": "the same slots and fine-tune, priority a frozen seeded untrained scorer",
+    "fixed-finetune[keynorm]": "the same slots and fine-tune, priority the pre-RoPE key norm (sign chosen on "
+                               "validation)",
+    "fixed-finetune[window-attention]": "the same slots and fine-tune, priority the attention the token got from "
+                                        "the window's queries",
+    ORACLE: "the same slots and fine-tune, priority the exact mean label (reads the future: an upper bound, not "
+            "causal)",
+    DENSE_FT: "the control's kvpop train at budget 1,023 of 1,024 (no eviction but at the last query), served densely",
+    UNTRAINED: "StreamingLLM, no training (deterministic: one scoring)",
+}
+
+
+def ledger_rows(rec: dict, trials: dict[str, int]) -> dict:
+    """``{"rows", "comparisons"}`` for the ledger from a :func:`record`: one row per (row, budget) of the fresh
+    split (``split``, ``per_sequence`` against the original dense model, ``headline`` false: the README's headline
+    table keeps the rows it had), and the record's comparisons in the ledger's keys.  ``trials``: the validation
+    trials each row's settings were chosen by."""
+    from .ledger import summarize
+
+    n, split = rec["n_sequences"], rec["split"]
+    rows = []
+    for f in rec["figures"]:
+        row, b = f["row"], f["budget"]
+        runs = rec["runs"][row]
+        seeds = sorted(runs, key=int)
+        per = [row_values(runs[s], row, b, "original") for s in seeds]
+        vals = [sum(x) / n for x in per]
+        rows.append({"instrument": "realtext", "policy": row, "recipe": {
+                         "runs": {s: runs[s]["dir"] for s in seeds}, "commands": {s: runs[s]["command"] for s in seeds},
+                         "sinks": SINKS, "window": WINDOW, "trained_at": None if row == UNTRAINED else 128},
+                     "steps": None if row == UNTRAINED else 250, "seeds": vals, **summarize(vals),
+                     "value": summarize(vals)["mean"], "metric": "delta_nll", "trials": trials.get(row, 0),
+                     "test_evaluations": rec["scorings"].get(f"{row}|seed{seeds[0]}", 0), "budget": b,
+                     "budget_fraction": b / SEQ_LEN, "headline": False, "legend": LEGENDS[row], "split": split,
+                     "per_sequence": per, "reference": "the original dense model", "not_causal": row in NOT_CAUSAL,
+                     "test_sequences": f"{n} records of {rec['split_file']}, scored from position "
+                                       f"{rec['settings']['scored_from']}"})
+    keep = ("instrument", "budget", "a", "b", "mean_diff", "ci95", "n_sequences", "n_clusters", "seeds", "method",
+            "split", "reference", "verdict", "lower_is_better", "n_boot", "seed")
+    return {"rows": rows, "comparisons": [{k: c[k] for k in keep if k in c} for c in rec["comparisons"]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.fresh_realtext", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run directory: the test log, evaluations and commands")

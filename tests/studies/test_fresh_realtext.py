@@ -88,12 +88,13 @@ def test_record_figures_and_intervals_from_the_log(tmp_path, monkeypatch):
             off = {F.AUTO_ROW: 0.0, F.UNTRAINED: 0.3}.get(row, 0.1) + 0.001 * s
             vals = {b: [x + off for x in base] for b in (64, 128, 256)}
             shift = [0.0] * n if row == F.UNTRAINED else [-0.002] * n
-            tl.once(f"{row}|seed{s}", lambda vals=vals, shift=shift: _result(vals, shift))
+            tl.once(f"{row}|seed{s}", lambda vals=vals, shift=shift: {**_result(vals, shift), "dir": None,
+                                                                      "command": "kvpop eval"})
     fake = {"runs": {r: {str(s): {"dir": "/x"} for s in range(3)} for r in F.ROWS}}
     scored = F.score_all(tmp_path, F.run_dirs(fake, None), data=data, n=n, only=())
     assert set(scored["rows"]) == set(F.ROWS) - {F.DENSE_FT}  # run_dirs without --dense-ft: not in the record
-    scored["rows"][F.DENSE_FT] = {s: _result({b: [0.5] * n for b in (64, 128, 256)}, [-0.002] * n)
-                                  for s in (0, 1, 2)}
+    scored["rows"][F.DENSE_FT] = {s: {**_result({b: [0.5] * n for b in (64, 128, 256)}, [-0.002] * n),
+                                      "dir": f"/d/seed{s}", "command": "kvpop eval"} for s in (0, 1, 2)}
     rec = F.record(scored, data=data, n=n, n_boot=500)
     assert rec["clusters"] == [0, 0, 1, 2, 2, 2] and rec["n_sequences"] == n and rec["not_causal"] == [F.ORACLE]
     fig = {(f["row"], f["budget"]): f for f in rec["figures"]}
@@ -109,6 +110,14 @@ def test_record_figures_and_intervals_from_the_log(tmp_path, monkeypatch):
     assert c["mean_diff"] == pytest.approx(-0.1) and c["verdict"] == "a better" and c["ci95"][1] < 0
     assert c["seeds"] == {"a": 3, "b": 3} and c["n_clusters"] == 3 and c["split"] == "split"
     assert [c["b"] for c in comps if c["a"] == F.ORACLE] == [F.STREAMING_CONTROL] * 6
+    rec["scorings"][f"{F.DENSE_FT}|seed0"] = 1  # (injected above, not logged)
+    led = F.ledger_rows(rec, {F.AUTO_ROW: 6})
+    assert ledger.check_ledger(led, "fresh") == led["rows"] and len(led["rows"]) == 3 * len(F.ROWS)
+    r = next(r for r in led["rows"] if r["policy"] == F.AUTO_ROW and r["budget"] == 128)
+    assert r["split"] == "split" and r["trials"] == 6 and not r["headline"] and len(r["per_sequence"]) == 3
+    assert r["mean"] == pytest.approx(fig[(F.AUTO_ROW, 128)]["vs_original_mean"]) and r["test_evaluations"] == 1
+    assert next(r for r in led["rows"] if r["policy"] == F.ORACLE)["not_causal"]
+    assert len(led["comparisons"]) == len(comps) and {"verdict", "seeds", "split"} <= set(led["comparisons"][0])
 
 
 def test_main_refuses_an_unknown_row_and_an_incomplete_record(tmp_path, capsys):
