@@ -273,6 +273,29 @@ def ledger_rows(rec: dict, trials: dict[str, int]) -> dict:
     return {"rows": rows, "comparisons": [{k: c[k] for k in keep if k in c} for c in rec["comparisons"]]}
 
 
+def write_ledger_runs(dest: Path, rec: dict, controls: dict) -> Path:
+    """``dest/realtext/evidence_rows.json``: the shipped archive's real-text rows (the earlier split's, as they
+    are) with :func:`ledger_rows` of ``rec`` (trials: ``controls``' ``trials_of``), checked by the ledger's rules
+    before it is written; the archive's other records copied beside it (so the ledger command's archive step
+    leaves them as they are)."""
+    import shutil
+
+    from .ledger import ARCHIVED, EVIDENCE_FILE, check_ledger
+
+    arch = EVIDENCE_FILE.parent / "evidence" / "realtext"
+    old = json.loads((arch / "evidence_rows.json").read_text())
+    new = ledger_rows(rec, {**controls.get("trials_of", {})})
+    obj = {**old, "rows": [r for r in old["rows"] if r.get("split") != rec["split"]] + new["rows"],
+           "comparisons": [c for c in old.get("comparisons", []) if c["split"] != rec["split"]] + new["comparisons"]}
+    check_ledger(obj, dest / "realtext" / "evidence_rows.json", instrument="realtext")
+    (dest / "realtext").mkdir(parents=True, exist_ok=True)
+    for name in ARCHIVED:
+        if name != "evidence_rows.json" and (arch / name).exists():
+            shutil.copy2(arch / name, dest / "realtext" / name)
+    write_json(dest / "realtext" / "evidence_rows.json", obj)
+    return dest / "realtext" / "evidence_rows.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.fresh_realtext", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="run directory: the test log, evaluations and commands")
@@ -280,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-ft", default=None, help="the dense fine-tune's seed directories' parent")
     p.add_argument("--only", nargs="*", default=None, help="score only these rows (a second process takes others)")
     p.add_argument("--record", default=None, help="score nothing: write the record (JSON) from the test log")
+    p.add_argument("--ledger-runs", default=None,
+                   help="--record: also write DIR/realtext/evidence_rows.json, the shipped archive's real-text rows "
+                        "with the fresh split's rows and comparisons (ledger_rows), and copy the archive's other "
+                        "records there, for python -m studies.evidence ledger --runs DIR")
     p.add_argument("--partial", action="store_true",
                    help="--record: write what is scored, the rest named in the record's missing (else refused)")
     a = p.parse_args(argv)
@@ -294,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
             if missing and not a.partial:
                 raise ValueError(f"not scored yet: {', '.join(missing)}; --record writes only a complete record "
                                  f"(or give --partial)")
-            write_json(Path(a.record), {**record(score_all(out, dirs, only=())), "missing": missing})
+            rec = {**record(score_all(out, dirs, only=())), "missing": missing}
+            write_json(Path(a.record), rec)
+            if a.ledger_runs:
+                write_ledger_runs(Path(a.ledger_runs), rec, json.loads(Path(a.controls).read_text()))
             return 0
         score_all(out, dirs, only=a.only)
         return 0

@@ -118,6 +118,19 @@ def test_record_figures_and_intervals_from_the_log(tmp_path, monkeypatch):
     assert r["mean"] == pytest.approx(fig[(F.AUTO_ROW, 128)]["vs_original_mean"]) and r["test_evaluations"] == 1
     assert next(r for r in led["rows"] if r["policy"] == F.ORACLE)["not_causal"]
     assert len(led["comparisons"]) == len(comps) and {"verdict", "seeds", "split"} <= set(led["comparisons"][0])
+    arch = tmp_path / "results" / "evidence" / "realtext"  # the shipped archive, its earlier split's rows kept
+    arch.mkdir(parents=True)
+    old = {"instrument": "realtext", "policy": F.AUTO_ROW, "recipe": {}, "steps": 250, "seeds": [0.1], "mean": 0.1,
+           "min": 0.1, "max": 0.1, "value": 0.1, "metric": "delta_nll", "trials": 6, "test_evaluations": 1,
+           "budget": 128, "budget_fraction": 0.125, "headline": True}
+    (arch / "evidence_rows.json").write_text(json.dumps({"rows": [old], "seeds": [0]}))
+    (arch / "test_log.jsonl").write_text("earlier\n")
+    monkeypatch.setattr(ledger, "EVIDENCE_FILE", tmp_path / "results" / "evidence.json")
+    for _ in range(2):  # a second write replaces the split's rows, never repeats them
+        F.write_ledger_runs(tmp_path / "L", rec, {"trials_of": {F.AUTO_ROW: 6}})
+    built = ledger.build_ledger(tmp_path / "L")
+    assert built["rows"] == [old, *led["rows"]] and built["comparisons"] == led["comparisons"]
+    assert (tmp_path / "L" / "realtext" / "test_log.jsonl").read_text() == "earlier\n"
 
 
 def test_main_refuses_an_unknown_row_and_an_incomplete_record(tmp_path, capsys):
