@@ -273,6 +273,33 @@ def ledger_rows(rec: dict, trials: dict[str, int]) -> dict:
     return {"rows": rows, "comparisons": [{k: c[k] for k in keep if k in c} for c in rec["comparisons"]]}
 
 
+def markdown(rec: dict) -> str:
+    """The record's tables (evidence.md): per row and budget the mean over seeds (min .. max) against the original
+    dense model and against the row's own weights served densely, with the dense shift; then every interval."""
+    def cell(per_seed: dict) -> str:
+        v = list(per_seed.values())
+        m = sum(v) / len(v)
+        return f"{m:+.4f}" + (f" ({min(v):+.4f} .. {max(v):+.4f})" if len(v) > 1 else "")
+
+    fig = {(f["row"], f["budget"]): f for f in rec["figures"]}
+    rows = list(dict.fromkeys(f["row"] for f in rec["figures"]))
+    bs = sorted({f["budget"] for f in rec["figures"]})
+    head = " | ".join(f"B={b} {ref}" for b in bs for ref in ("vs original", "vs same weights"))
+    out = [f"| row | seeds | {head} | dense shift |", "|---|---|" + "---|" * (2 * len(bs) + 1)]
+    for r in rows:
+        f0 = fig[(r, bs[0])]
+        name = f"{r} (not causal)" if f0["not_causal"] else r
+        cells = " | ".join(cell(fig[(r, b)][k]) for b in bs for k in ("vs_original", "vs_same_weights"))
+        out.append(f"| {name} | {len(f0['seeds'])} | {cells} | {f0['dense_shift_mean']:+.4f} |")
+    out += ["", "| B | reference | a | b | a - b | 95 % interval | seeds a / b | verdict |",
+            "|---|---|---|---|---|---|---|---|"]
+    for c in rec["comparisons"]:
+        out.append(f"| {c['budget']} | {c['reference']} | {c['a']} | {c['b']} | {c['mean_diff']:+.4f} | "
+                   f"[{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}] | {c['seeds']['a']} / {c['seeds']['b']} | "
+                   f"{c['verdict']} |")
+    return "\n".join(out) + "\n"
+
+
 def write_ledger_runs(dest: Path, rec: dict, controls: dict) -> Path:
     """``dest/realtext/evidence_rows.json``: the shipped archive's real-text rows (the earlier split's, as they
     are) with :func:`ledger_rows` of ``rec`` (trials: ``controls``' ``trials_of``), checked by the ledger's rules
@@ -302,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controls", required=True, help="controls.json (its runs: the final rows' seed directories)")
     p.add_argument("--dense-ft", default=None, help="the dense fine-tune's seed directories' parent")
     p.add_argument("--only", nargs="*", default=None, help="score only these rows (a second process takes others)")
-    p.add_argument("--record", default=None, help="score nothing: write the record (JSON) from the test log")
+    p.add_argument("--record", default=None,
+                   help="score nothing: write the record (FILE.json) and its tables (FILE.md) from the test log")
     p.add_argument("--ledger-runs", default=None,
                    help="--record: also write DIR/realtext/evidence_rows.json, the shipped archive's real-text rows "
                         "with the fresh split's rows and comparisons (ledger_rows), and copy the archive's other "
@@ -323,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"(or give --partial)")
             rec = {**record(score_all(out, dirs, only=())), "missing": missing}
             write_json(Path(a.record), rec)
+            Path(a.record).with_suffix(".md").write_text(markdown(rec))
             if a.ledger_runs:
                 write_ledger_runs(Path(a.ledger_runs), rec, json.loads(Path(a.controls).read_text()))
             return 0

@@ -153,3 +153,6 @@ def test_main_refuses_an_unknown_row_and_an_incomplete_record(tmp_path, capsys):
     assert set(rec["runs"]) == {F.AUTO_ROW, F.STREAMING_CONTROL} and "streaming|seed0" in rec["missing"]
     assert {c["b"] for c in rec["comparisons"]} == {F.STREAMING_CONTROL} and len(rec["comparisons"]) == 6
     assert len(tl.path.read_text().splitlines()) == 3  # nothing scored by --record
+    md = (tmp_path / "r.md").read_text()
+    assert "| kvpop-mlp-joint[auto] | 1 | +0.0000 | +0.0000 |" in md
+    assert "| 128 | original | kvpop-mlp-joint[auto] | fixed-finetune[streaming] | -0.0100 |" in md
