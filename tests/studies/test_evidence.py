@@ -110,8 +110,10 @@ def _runs(tmp_path, *instruments):
     ev = json.loads(V.EVIDENCE_FILE.read_text())
     for inst in instruments:
         (tmp_path / "runs" / inst).mkdir(parents=True)
+        comps = [c for c in ev.get("comparisons", []) if c["instrument"] == inst]
         V.write_json(tmp_path / "runs" / inst / "evidence_rows.json",
-                     {"rows": [r for r in ev["rows"] if r["instrument"] == inst]})
+                     {"rows": [r for r in ev["rows"] if r["instrument"] == inst], **({"comparisons": comps} if comps
+                                                                                      else {})})
     return tmp_path / "runs", ev
 
 
