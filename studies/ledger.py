@@ -336,9 +336,15 @@ def _fmt(r: dict) -> str:
     return f"{r['mean']:{sign}.{d}f}"
 
 
+def _shown(r: dict) -> str:
+    """A row's name in the tables: its policy, with the split it was scored on when it names one."""
+    return f"{r['policy']} on {r['split']}" if r.get("split") else r["policy"]
+
+
 def render_headline(evidence: dict, *, every_budget: bool = False) -> str:
     """The README's headline table of ``evidence`` (markdown): per instrument and headline budget (every
-    budget with ``every_budget``), each row's per-seed mean (min .. max), seeds, trials and steps."""
+    budget with ``every_budget``), each row's per-seed mean (min .. max), seeds, trials and steps; a row of a
+    named ``split`` is shown as "policy on split"."""
     lines = []
     for inst in INSTRUMENTS:
         rows = [r for r in evidence["rows"] if r["instrument"] == inst and (every_budget or r.get("headline"))]
@@ -352,15 +358,15 @@ def render_headline(evidence: dict, *, every_budget: bool = False) -> str:
                           + (f", L={L}" if L else "") for b, L in cols)
         lines += [f"**{inst}** — {what}; mean over seeds (min .. max), test split scored once", "",
                   f"| policy | {head} | seeds | trials | steps |", "|---|" + "---|" * (len(cols) + 3)]
-        names = list(dict.fromkeys(r["policy"] for r in rows))
+        names = list(dict.fromkeys(_shown(r) for r in rows))
         for name in names:
-            mine = {(r["budget"], r.get("length")): r for r in rows if r["policy"] == name}
+            mine = {(r["budget"], r.get("length")): r for r in rows if _shown(r) == name}
             any_r = next(iter(mine.values()))
             cells = [(_fmt(mine[c]) if c in mine else "-") for c in cols]
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {len(any_r['seeds'])} | {any_r['trials']} | "
                          f"{any_r['steps'] if any_r['steps'] is not None else '-'} |")
-        legend = [f"`{n}`: {next(r['legend'] for r in rows if r['policy'] == n)}" for n in names
-                  if next(r.get("legend") for r in rows if r["policy"] == n)]
+        legend = [f"`{n}`: {next(r['legend'] for r in rows if _shown(r) == n)}" for n in names
+                  if next(r.get("legend") for r in rows if _shown(r) == n)]
         if legend:
             lines += ["", "Legend: " + "; ".join(legend) + "."]
         lines.append("")

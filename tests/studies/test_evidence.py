@@ -446,3 +446,11 @@ def test_ledger_build_and_merge_carry_comparisons(tmp_path):
     merged, _ = V.merge_ledger(led, [_row(policy="old")], [])  # realtext rebuilt: its new comparisons only
     assert merged == led
     assert V.merge_ledger({"rows": kv}, [], []) == ({"rows": kv}, [])
+
+
+def test_tables_show_one_policy_on_two_splits_as_two_rows():
+    ev = {"rows": [_row(policy="k"), *_split_rows()]}
+    t = V.render_headline(ev, every_budget=True)
+    assert "| k | +0.2000 (+0.1000 .. +0.3000) |" in t and "| k on t2 | +0.1750 (+0.1500 .. +0.2000) |" in t
+    assert "| c on t2 |" in t and "`k on t2`: a row" in t
+    assert "on t2" not in V.render_headline(ev)  # headline rows only: the split's rows are not headline
