@@ -7,6 +7,9 @@ Stages (each resumable; ``--stage all`` runs them in order):
 1. ``split``: the fresh test split (:func:`fresh_test_split`): files of the corpus's test bucket (seed 0's hash)
    that no shipped split used, ordered by the hash with another seed, ``--test-records`` records; written
    beside the shipped splits as ``test_fresh.jsonl`` with ``test_fresh.json`` (its file list and hash).
+   ``--split-name NAME --hash-seed N`` makes another (``NAME.jsonl``), excluding the files of every earlier
+   ``test_fresh*.json`` too: ``test_fresh2`` (seed 3) replaced the spent ``test_fresh``, and the final rows'
+   one scoring on it is :mod:`studies.fresh_realtext`'s.
 2. ``select``: DMS's validation grid (:data:`DMS_GRID`, staged) chosen by :func:`studies.evidence.choose`;
    KVpop's recipe is the argmin of the shipped validation trials (``studies/results/realtext/validation``)
    by the same function; writes ``selection.json`` before anything touches the test split.
