@@ -99,7 +99,9 @@ GROUPS: tuple[Group, ...] = (
           "them between the README's walkthrough markers); python -m freshness stamp README.md#walkthrough"),
     Group("evidence ledger", (f"{STUDY_RESULTS}/evidence.json", f"{STUDY_RESULTS}/evidence.md", "README.md#evidence",
                               *(f"{STUDY_RESULTS}/evidence/{i}/evidence_rows.json" for i in ("kvtrace", "lookahead",
-                                                                                       "realtext"))),
+                                                                                       "realtext")),
+                              f"{STUDY_RESULTS}/evidence/realtext/fresh2.json",
+                              f"{STUDY_RESULTS}/evidence/realtext/fresh2.md"),
           (*_demo("kvtrace", _SYNTH_LEDGER), *_demo("lookahead", _SYNTH_LEDGER),
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
           "python -m studies.evidence synthetic / realtext (hours: see evidence.md), then "

@@ -33,12 +33,17 @@ The rules every instrument's runner keeps (``docs/DESIGN.md``, section "Evidence
 
 The ledger (``evidence.json``) is ``{"rows": [...]}``, one row per (instrument, policy, budget):
 ``instrument``, ``policy``, ``recipe``, ``steps``, ``seeds`` (per-seed values), ``mean``, ``min``, ``max``,
-``metric``, ``trials``, ``test_evaluations``, ``budget``, ``budget_fraction``, ``value`` (the mean).
+``metric``, ``trials``, ``test_evaluations``, ``budget``, ``budget_fraction``, ``value`` (the mean); a row may
+carry the ``split`` it was scored on (rows of one policy on two splits are two rows) and ``per_sequence`` (one list
+per seed).  Its ``comparisons`` (optional) are paired intervals between rows: ``instrument``, ``budget``, ``a``,
+``b``, ``mean_diff`` (a minus b), ``ci95``, ``n_sequences``, ``n_clusters``, ``seeds``, ``method``, ``split``
+(:func:`studies.ledger.check_comparisons`).
 The README's headline table is :func:`render_headline` of it (``tests/test_readme.py`` keeps them equal).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -108,7 +113,8 @@ def _ledger(a: argparse.Namespace) -> int:
         old = read_ledger(out) if out.exists() else []
     except ValueError as e:
         raise ValueError(f"{e}; the file is left as it is: move it away or give another --out") from None
-    led_rows, kept = merge_ledger(led_rows, old)
+    old_comps = json.loads(out.read_text(encoding="utf-8")).get("comparisons", []) if out.exists() else []
+    led_rows, kept = merge_ledger(led_rows, old, old_comps)
     write_json(out, led_rows)
     copied = archive(a.runs, dest)
     print(f"{out}: {len(led_rows['rows'])} rows; {len(copied)} records copied to {dest}"

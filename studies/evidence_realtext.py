@@ -7,6 +7,9 @@ Stages (each resumable; ``--stage all`` runs them in order):
 1. ``split``: the fresh test split (:func:`fresh_test_split`): files of the corpus's test bucket (seed 0's hash)
    that no shipped split used, ordered by the hash with another seed, ``--test-records`` records; written
    beside the shipped splits as ``test_fresh.jsonl`` with ``test_fresh.json`` (its file list and hash).
+   ``--split-name NAME --hash-seed N`` makes another (``NAME.jsonl``), excluding the files of every earlier
+   ``test_fresh*.json`` too: ``test_fresh2`` (seed 3) replaced the spent ``test_fresh``, and the final rows'
+   one scoring on it is :mod:`studies.fresh_realtext`'s.
 2. ``select``: DMS's validation grid (:data:`DMS_GRID`, staged) chosen by :func:`studies.evidence.choose`;
    KVpop's recipe is the argmin of the shipped validation trials (``studies/results/realtext/validation``)
    by the same function; writes ``selection.json`` before anything touches the test split.
@@ -140,18 +143,34 @@ def _per_sequence(results: dict, policy: str, budget: int) -> list[float] | None
     return None if each is None else [x for x in each if x is not None]  # None: a trace too short to score
 
 
-def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: int = 2) -> Path:
-    """``out_dir/test_fresh.jsonl``: records of test-bucket files (``split_of(key, seed=0) == "test"``) that
-    neither shipped split used, ordered by the seeded hash with ``hash_seed``, 2 records per file (the
-    corpus's rule); ``test_fresh.json`` lists the files and the hash.  The model never saw these files
-    (its pre-training read the train bucket only) and no earlier evaluation scored them."""
+def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: int = 2,
+                     name: str = "test_fresh", exclude: tuple[Path, ...] = (), command: str | None = None) -> Path:
+    """``out_dir/<name>.jsonl``: records of test-bucket files (``split_of(key, seed=0) == "test"``) that
+    neither shipped split used, nor any earlier fresh split (``exclude``: the ``<name>.json`` records of earlier
+    fresh splits, their ``files``), ordered by the seeded hash with ``hash_seed``, 2 records per file (the
+    corpus's rule); ``<name>.json`` lists the files, their listing's hash (``files_used_hash``, as the shipped
+    manifest hashes its splits' files), the files excluded and the JSONL's hash.  The model never saw these
+    files (its pre-training read the train bucket only) and no earlier evaluation scored them.  ValueError when
+    an ``exclude`` record lists no files, or ``name`` would overwrite a shipped split.  ``command``: the command
+    line that made it, kept in the record."""
+    import hashlib
     import sysconfig
 
     from studies import realtext_corpus as C
 
+    if name in ("train", "validation", "test") or not name.replace("_", "").isalnum():
+        raise ValueError(f"name must be a new split's name (letters, digits, _; not train/validation/test), "
+                         f"got {name!r}")
     shipped = json.loads((SHIPPED / "manifest.json").read_text())
     st = shipped["settings"]
     used = set(shipped["splits"]["test"]["files"]) | set(shipped["splits"]["validation"]["files"])
+    earlier: dict[str, int] = {}
+    for e in exclude:
+        files = json.loads(Path(e).read_text()).get("files")
+        if not isinstance(files, list) or not files:
+            raise ValueError(f"{e}: not a fresh split's record (no files list); exclude takes <split>.json files")
+        earlier[Path(e).name] = len(set(files) - used)
+        used |= set(files)
     site = Path(sysconfig.get_paths()["purelib"])
     files = C.list_files(site, st["packages"], stdlib=Path(sysconfig.get_paths()["stdlib"]))
     bucket = [(k, p) for k, p in files if C.split_of(k, st["seed"], st["valid_frac"], st["test_frac"]) == "test"
@@ -169,13 +188,18 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
             chosen.append(key)
     if len(records) < n_records:
         raise ValueError(f"only {len(records)} fresh test records could be made (asked for {n_records})")
-    path = out_dir / "test_fresh.jsonl"
+    path = out_dir / f"{name}.jsonl"
     path.write_text("".join(json.dumps({"input_ids": r}, separators=(",", ":")) + "\n" for r in records))
-    write_json(out_dir / "test_fresh.json", {
-        "rule": "files of the corpus's test bucket (split_of seed 0) used by no shipped split, ordered by the "
-                f"hash with seed {hash_seed}, at most {st['max_records_per_file']} records per file",
-        "records": len(records), "files": sorted(chosen), "excluded_shipped_files": len(used),
-        "package_versions": shipped["package_versions"], "jsonl_blake2b": C.file_hash(path),
+    rule = ("files of the corpus's test bucket (split_of seed 0) used by no shipped split"
+            + (f" nor by the earlier fresh splits {', '.join(sorted(earlier))}" if earlier else "")
+            + f", ordered by the hash with seed {hash_seed}, at most {st['max_records_per_file']} records per file")
+    write_json(out_dir / f"{name}.json", {
+        "rule": rule, **({"command": command} if command else {}), "records": len(records), "files": sorted(chosen),
+        "files_used_hash": hashlib.blake2b("\n".join(sorted(chosen)).encode(), digest_size=16).hexdigest(),
+        "excluded_shipped_files": len(set(shipped["splits"]["test"]["files"])
+                                      | set(shipped["splits"]["validation"]["files"])),
+        **({"excluded_earlier_fresh_files": earlier} if earlier else {}),
+        "hash_seed": hash_seed, "package_versions": C._versions(st["packages"]), "jsonl_blake2b": C.file_hash(path),
         "corpus_train_blake2b": C.file_hash(corpus / "train.jsonl") if (corpus / "train.jsonl").exists() else None})
     return path
 
@@ -337,9 +361,13 @@ def run(a: argparse.Namespace) -> int:
                   auto=Path(a.auto_run), seeds=seeds, jobs=a.jobs, train=not a.record_only)
         return 0
     stages = ("split", "select", "seeds", "test") if a.stage == "all" else (a.stage,)
-    fresh = SHIPPED / "test_fresh.jsonl"
+    fresh = SHIPPED / f"{a.split_name}.jsonl"
     if "split" in stages and not fresh.exists():
-        fresh_test_split(corpus, SHIPPED, n_records=a.test_records)
+        earlier = tuple(sorted(x for x in SHIPPED.glob("test_fresh*.json") if x.stem != a.split_name))
+        fresh_test_split(corpus, SHIPPED, n_records=a.test_records, hash_seed=a.hash_seed, name=a.split_name,
+                         exclude=earlier, command=f"python -m studies.evidence realtext --out {a.out} --corpus "
+                         f"{a.corpus} --stage split --split-name {a.split_name} --hash-seed {a.hash_seed} "
+                         f"--test-records {a.test_records}")
     if "select" in stages:
         _select(a, corpus, out, log)
     if a.stage == "dms-extend":
@@ -498,6 +526,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--stage controls: run nothing; write controls.json from the runs and evaluations there "
                         "(the rest named in its missing)")
     p.add_argument("--test-records", type=int, default=48, help="records of the fresh test split (default 48)")
+    p.add_argument("--split-name", default="test_fresh",
+                   help="--stage split / test: the fresh split's name (kvpop/data/realtext/NAME.jsonl and NAME.json; "
+                        "default test_fresh, the first one, now spent); a new name excludes the files of every "
+                        "earlier test_fresh*.json there")
+    p.add_argument("--hash-seed", type=int, default=2,
+                   help="--stage split: the seed of the hash that orders the candidate files (default 2, the first "
+                        "fresh split's; give a new one for a new split)")
     p.add_argument("--skip-dms", action="store_true",
                    help="--stage test: score every row but DMS's (their recipes are fixed; DMS's selection may still "
                         "run); a later --stage test scores DMS's and writes the rows")

@@ -110,8 +110,10 @@ def _runs(tmp_path, *instruments):
     ev = json.loads(V.EVIDENCE_FILE.read_text())
     for inst in instruments:
         (tmp_path / "runs" / inst).mkdir(parents=True)
+        comps = [c for c in ev.get("comparisons", []) if c["instrument"] == inst]
         V.write_json(tmp_path / "runs" / inst / "evidence_rows.json",
-                     {"rows": [r for r in ev["rows"] if r["instrument"] == inst]})
+                     {"rows": [r for r in ev["rows"] if r["instrument"] == inst], **({"comparisons": comps} if comps
+                                                                                      else {})})
     return tmp_path / "runs", ev
 
 
@@ -277,6 +279,43 @@ def test_fresh_realtext_test_split_is_reproducible_and_disjoint(tmp_path):
     assert C.file_hash(tmp_path / "test_fresh.jsonl") == shipped["jsonl_blake2b"]
 
 
+def test_second_fresh_realtext_split_excludes_every_earlier_split_and_is_reproducible(tmp_path):
+    """test_fresh2 (issue 43 item 3: the first fresh split was scored, so spent): no file of the shipped
+    validation / test splits nor of test_fresh, every file of the test bucket, its listing hash and JSONL hash
+    as recorded, and the stage's function remakes it from the record's hash seed and exclusions."""
+    import hashlib
+
+    from studies import evidence_realtext as RT
+    from studies import realtext_corpus as C
+
+    rec = json.loads((RT.SHIPPED / "test_fresh2.json").read_text())
+    first = json.loads((RT.SHIPPED / "test_fresh.json").read_text())
+    man = json.loads((RT.SHIPPED / "manifest.json").read_text())
+    new = set(rec["files"])
+    assert not new & (set(man["splits"]["test"]["files"]) | set(man["splits"]["validation"]["files"]))
+    assert not new & set(first["files"]) and rec["excluded_earlier_fresh_files"] == {"test_fresh.json": 29}
+    st = man["settings"]
+    assert all(C.split_of(k, st["seed"], st["valid_frac"], st["test_frac"]) == "test" for k in new)
+    assert rec["files_used_hash"] == hashlib.blake2b("\n".join(sorted(new)).encode(), digest_size=16).hexdigest()
+    assert C.file_hash(RT.SHIPPED / "test_fresh2.jsonl") == rec["jsonl_blake2b"] and rec["hash_seed"] != 2
+    lines = (RT.SHIPPED / "test_fresh2.jsonl").read_text().splitlines()
+    assert len(lines) == rec["records"] == 48 and all(len(json.loads(x)["input_ids"]) == 1024 for x in lines)
+    with pytest.raises(ValueError, match="name must be a new split"):
+        RT.fresh_test_split(tmp_path, tmp_path, n_records=1, name="validation")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="no files list"):
+        RT.fresh_test_split(tmp_path, tmp_path, n_records=1, name="x", exclude=(tmp_path / "bad.json",))
+    from importlib import metadata
+
+    if any(metadata.version(C.DISTRIBUTIONS.get(p, p)) != v for p, v in
+           ((p, rec["package_versions"][C.DISTRIBUTIONS.get(p, p)]) for p in st["packages"])):
+        pytest.skip("other package versions are installed than the split was made from: its files differ")
+    RT.fresh_test_split(tmp_path, tmp_path, n_records=48, hash_seed=rec["hash_seed"], name="test_fresh2",
+                        exclude=(RT.SHIPPED / "test_fresh.json",))
+    assert C.file_hash(tmp_path / "test_fresh2.jsonl") == rec["jsonl_blake2b"]
+    assert json.loads((tmp_path / "test_fresh2.json").read_text())["files"] == rec["files"]
+
+
 def test_dms_extension_one_factor_at_a_time_longer_only_while_it_helps_and_resumes(tmp_path, monkeypatch):
     """--stage dms-extend: the extension's trials start from the first choice, one factor at a time; 800 steps
     runs only because 600 helped; a rerun repeats no trial; the best of every trial becomes ``rechosen``."""
@@ -344,3 +383,74 @@ def test_realtext_select_writes_split_decisions_and_confirmation(tmp_path, monke
     assert rec["dms"]["chosen"]["settings"]["lr_gate"] == 0.1 and rec["confirmation"]["ran"]
     assert sorted(made[-2:]) == [(0.02, 1), (0.1, 1)]  # the top two by the rule, retrained with seed 1
     assert not any(d["paired"] for d in rec["decisions"] if d["stage"].startswith("kvpop"))  # shipped, old format
+
+
+def _cmp(**kw):
+    c = {"instrument": "realtext", "budget": 128, "a": "k", "b": "c", "mean_diff": -0.01, "ci95": [-0.02, -0.001],
+         "n_sequences": 4, "n_clusters": 2, "seeds": {"a": 2, "b": 2}, "method": "paired bootstrap", "split": "t2",
+         "reference": "original", "verdict": "a better", "lower_is_better": True}
+    return {**c, **kw}
+
+
+def _split_rows():
+    ps = {"k": [[0.1, 0.1, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2]], "c": [[0.3, 0.3, 0.2, 0.2], [0.2, 0.2, 0.3, 0.3]]}
+    return [_row(policy=p, seeds=[sum(x) / 4 for x in v], mean=sum(sum(x) / 4 for x in v) / 2,
+                 value=sum(sum(x) / 4 for x in v) / 2, min=min(sum(x) / 4 for x in v),
+                 max=max(sum(x) / 4 for x in v), split="t2", per_sequence=v, headline=False) for p, v in ps.items()]
+
+
+def test_ledger_takes_rows_of_a_second_split_per_sequence_values_and_comparisons():
+    """issue 43 item 2: rows of one policy on two splits are two rows; per_sequence averages to the seeds;
+    comparisons name rows of their split, say their seeds, and say "better" only where the interval excludes 0."""
+    rows = [_row(policy="k"), *_split_rows()]
+    ok = {"rows": rows, "comparisons": [_cmp(), _cmp(reference="same weights")]}
+    assert V.check_ledger(ok, "L") == rows and V.check_comparisons(ok, "L") == ok["comparisons"]
+    assert V.check_comparisons({"rows": rows}, "L") == []
+    bad_ps = [*_split_rows()]
+    bad_ps[0] = {**bad_ps[0], "per_sequence": [[0.1] * 4, [0.2] * 4]}
+    with pytest.raises(ValueError, match="per_sequence .* is not one list per seed"):
+        V.check_ledger({"rows": bad_ps}, "L")
+    with pytest.raises(ValueError, match="per_sequence must be a list, one per seed"):
+        V.check_ledger({"rows": [_row(per_sequence=[[0.1], [0.2, 0.3]])]}, "L")
+    with pytest.raises(ValueError, match="repeats row 0 .*split"):
+        V.check_ledger({"rows": [_row(split="t2"), _row(split="t2")]}, "L")
+    cases = [
+        (_cmp(verdict="no difference shown"), "verdict 'no difference shown', where its interval"),
+        (_cmp(ci95=[-0.001, 0.002], verdict="a better"), "says 'no difference shown'"),
+        (_cmp(b="x"), "b = 'x' is no row of realtext at B=128 scored on 't2'"),
+        (_cmp(split="other"), "a = 'k' is no row"),
+        (_cmp(seeds={"a": 3, "b": 2}), "seeds.a is 3, its row has 2"),
+        (_cmp(n_clusters=5), "5 clusters of 4 sequences"),
+        (_cmp(b="k"), "a and b are the same row"),
+        (_cmp(ci95=[0.1, -0.1]), "ci95 must be"),
+        ({k: v for k, v in _cmp().items() if k != "split"}, "lacks split"),
+    ]
+    for c, msg in cases:
+        with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("(", r"\(")):
+            V.check_ledger({"rows": rows, "comparisons": [c]}, "L")
+    with pytest.raises(ValueError, match="repeats comparison 0"):
+        V.check_ledger({"rows": rows, "comparisons": [_cmp(), _cmp()]}, "L")
+    with pytest.raises(ValueError, match="comparisons must be a list"):
+        V.check_ledger({"rows": rows, "comparisons": {}}, "L")
+
+
+def test_ledger_build_and_merge_carry_comparisons(tmp_path):
+    rows = [_row(policy="k"), *_split_rows()]
+    (tmp_path / "realtext").mkdir()
+    (tmp_path / "realtext" / "evidence_rows.json").write_text(json.dumps({"rows": rows, "comparisons": [_cmp()]}))
+    led = V.build_ledger(tmp_path)
+    assert led == {"rows": rows, "comparisons": [_cmp()]}
+    kv = [_row(instrument="kvtrace", metric="accuracy")]
+    merged, kept = V.merge_ledger({"rows": kv}, led["rows"], led["comparisons"])
+    assert kept == ["realtext"] and merged == {"rows": kv + rows, "comparisons": [_cmp()]}
+    merged, _ = V.merge_ledger(led, [_row(policy="old")], [])  # realtext rebuilt: its new comparisons only
+    assert merged == led
+    assert V.merge_ledger({"rows": kv}, [], []) == ({"rows": kv}, [])
+
+
+def test_tables_show_one_policy_on_two_splits_as_two_rows():
+    ev = {"rows": [_row(policy="k"), *_split_rows()]}
+    t = V.render_headline(ev, every_budget=True)
+    assert "| k | +0.2000 (+0.1000 .. +0.3000) |" in t and "| k on t2 | +0.1750 (+0.1500 .. +0.2000) |" in t
+    assert "| c on t2 |" in t and "`k on t2`: a row" in t
+    assert "on t2" not in V.render_headline(ev)  # headline rows only: the split's rows are not headline

@@ -1,0 +1,366 @@
+"""The real-text rows' one scoring on a fresh test split (issue 43 item 3, item 5; issue 44 item 1).
+
+The final rows of the same-structure controls (``controls.json``: ``kvpop-mlp-joint[auto]``, the four
+``fixed-finetune[...]`` controls at the learning rate validation chose, ``oracle[label]``, each with its seeds),
+the dense fine-tune (``fixed-finetune[dense]``: the control's ``kvpop train`` at budget 1,023 of 1,024, the most
+``kvpop train`` allows) and untrained StreamingLLM, scored on ``kvpop/data/realtext/test_fresh2.jsonl`` (no
+earlier split's file, nothing scored it before) through ``kvpop eval --data ... --run DIR`` at B = 64 / 128 /
+256, sinks 4, window 32, positions >= 256, against the original dense model; and against the row's own weights
+served densely (each sequence's dense NLL of ``DIR/model`` minus the original's, :func:`dense_per_sequence`).
+
+Every (row, seed) is scored through one :class:`studies.ledger.TestLog` (``OUT/test_log.jsonl``): at most once,
+ever.  ``--record`` scores nothing: it reads the log and writes the record (figures, paired intervals).
+
+    python -m studies.fresh_realtext --out DIR --controls studies/results/evidence/realtext/controls.json \\
+        --dense-ft RUNS/fixed-finetune[dense]/lr1e-4 [--only ROW ...]
+    python -m studies.fresh_realtext --out DIR --controls ... --dense-ft ... --record FILE
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .controls_realtext import (
+    AUTO_ROW,
+    EVAL_BUDGETS,
+    ORACLE,
+    SEQ_LEN,
+    SINKS,
+    STREAMING_CONTROL,
+    WINDOW,
+    clusters_of,
+    per_sequence,
+)
+from .ledger import TestLog, run_logged, write_json
+from .paths import DATA
+
+MODEL = DATA / "tiny_qwen3_code"
+SPLIT = DATA / "realtext" / "test_fresh2.jsonl"
+N_RECORDS = 48
+DENSE_FT = "fixed-finetune[dense]"
+UNTRAINED = "streaming"
+CONTROLS = ("fixed-finetune[streaming]", "fixed-finetune[random]", "fixed-finetune[keynorm]",
+            "fixed-finetune[window-attention]")
+ROWS = (AUTO_ROW, *CONTROLS, ORACLE, DENSE_FT, UNTRAINED)
+"""Every row scored, in the order they are scored (the KVpop row and its first control first)."""
+NOT_CAUSAL = (ORACLE,)
+"""Rows whose priority reads the future (an upper bound, not a policy a decoder can run)."""
+
+
+def dense_per_sequence(model_dir: Path, data: Path, n: int, *, seq_len: int = SEQ_LEN,
+                       start: int = max(EVAL_BUDGETS)) -> list[float]:
+    """Each of the first ``n`` sequences' dense NLL (nats/token) over the positions ``kvpop eval --data`` scores
+    (predictions from position ``start`` on: the largest budget), by the code it scores with
+    (``policy_logits(..., "dense")``, ``sequence_scores``), the records cut as ``kvpop eval --seq-len`` cuts them."""
+    import torch
+
+    from kvpop.evaluation.evaluate import policy_logits
+    from kvpop.evaluation.trace_eval import load_model, sequence_scores
+    from kvpop.training import data as data_io
+
+    model = load_model(str(model_dir))
+    records = data_io.read_jsonl(str(data), vocab_size=model.config.vocab_size)
+    traces = data_io.chunk(records, seq_len, source=f"--data {data}")[:n]
+    if len(traces) < n:
+        raise ValueError(f"{data} holds {len(traces)} sequences of {seq_len} tokens, fewer than n={n}")
+    out = []
+    with torch.no_grad():
+        for t in traces:
+            t = t.reshape(-1).long()
+            nll, _ = sequence_scores(policy_logits(model, t, "dense"), t, 0)
+            out.append(float(nll[start:].mean()))
+    return out
+
+
+def eval_command(run: Path | None, policy: str, data: Path, n: int, out: Path) -> list[str]:
+    """``kvpop eval --data`` of one (row, seed), as the controls' evaluations ran (``studies/controls_realtext``'s
+    ``eval_args``) on ``n`` sequences of ``data``."""
+    return ["kvpop", "eval", "--model", str(MODEL), "--data", str(data), "--seq-len", str(SEQ_LEN),
+            "--budgets", ",".join(map(str, EVAL_BUDGETS)), "--sinks", str(SINKS), "--window", str(WINDOW),
+            "--n-sequences", str(n), "--no-plot", "--no-progress", "--threads", "1",
+            *(["--run", str(run)] if run is not None else []), "--policies", f"dense,{policy}", "--out", str(out)]
+
+
+def same_weights(vs_original: dict[int, list[float]], shift: list[float]) -> dict[int, list[float]]:
+    """Per-sequence increase over the row's own weights served densely: over the original minus the dense shift
+    (the row's dense NLL minus the original's, on the same positions)."""
+    for b, v in vs_original.items():
+        if len(v) != len(shift):
+            raise ValueError(f"B={b}: {len(v)} sequences against a dense shift of {len(shift)}")
+    return {b: [x - s for x, s in zip(v, shift)] for b, v in vs_original.items()}
+
+
+def run_dirs(controls: dict, dense_ft: Path | None) -> dict[str, dict[int, Path | None]]:
+    """``{row: {seed: run directory}}`` of :data:`ROWS` (``None``: no run, the untrained rule)."""
+    out: dict[str, dict[int, Path | None]] = {}
+    for row in (AUTO_ROW, *CONTROLS, ORACLE):
+        seeds = controls["runs"].get(row)
+        if not seeds:
+            raise ValueError(f"controls.json has no runs of {row}")
+        out[row] = {int(s): Path(r["dir"]) for s, r in seeds.items()}
+    if dense_ft is not None:
+        out[DENSE_FT] = {int(d.name[4:]): d for d in sorted(Path(dense_ft).glob("seed*")) if (d / "done").exists()}
+    out[UNTRAINED] = {0: None}
+    return out
+
+
+def view_of(run: Path, view: Path, model: Path = MODEL) -> tuple[Path, str | None]:
+    """``run`` itself when its base model (``args.json``'s ``model``) is still there; else ``view``: a directory of
+    links to every file of ``run`` but ``args.json``, which is ``run``'s with ``model`` set to ``model`` (a run whose
+    base was the shipped model in a worktree since removed; the shipped model's files are the same bytes, which
+    the caller must have checked).  Returns the directory and the base it replaced (None: none)."""
+    args = json.loads((run / "args.json").read_text())
+    base = args.get("model")
+    if not isinstance(base, str) or Path(base).is_dir():
+        return run, None
+    if view.exists():
+        if json.loads((view / "args.json").read_text()).get("model") != str(model):
+            raise ValueError(f"{view} is there with another base model than {model}")
+        return view, base
+    view.mkdir(parents=True)
+    for f in run.iterdir():
+        if f.name not in ("args.json", "last.pt"):
+            (view / f.name).symlink_to(f.resolve())
+    (view / "args.json").write_text(json.dumps({**args, "model": str(model)}, indent=1))
+    return view, base
+
+
+def policy_of(row: str) -> str:
+    return {UNTRAINED: "streaming", STREAMING_CONTROL: "fixed-finetune", DENSE_FT: "fixed-finetune"}.get(
+        row, "kvpop-mlp-joint")
+
+
+def score_all(out: Path, dirs: dict, *, data: Path = SPLIT, n: int = N_RECORDS, only=None) -> dict:
+    """Score every (row, seed) of ``dirs`` (of ``only`` when given) not yet in the test log, each once; returns
+    ``{"original": [...], "rows": {row: {seed: result}}}`` of what the log holds.  A run whose base model is gone
+    is served through :func:`view_of` (``OUT/views/<row>/seed<s>``)."""
+    tl = TestLog(out)
+    log = out / "commands.log"
+    orig = tl.once("dense|original", lambda: {"dense_nll": dense_per_sequence(MODEL, data, n)})["dense_nll"]
+    rows: dict[str, dict[int, dict]] = {}
+    order = [*(r for r in (only or ()) if r in dirs), *(r for r in dirs if r not in (only or ()))]
+    for row in order:  # --only's rows in its order
+        for s, d in dirs[row].items():
+            key = f"{row}|seed{s}"
+            if key not in tl.entries and only is not None and row not in only:
+                continue
+
+            def evaluate(row=row, s=s, d=d, key=key) -> dict:
+                if d is not None:
+                    d = view_of(d, out / "views" / row / f"seed{s}")[0]
+                o = out / "test" / row / f"seed{s}"
+                cmd = eval_command(d, policy_of(row), data, n, o)
+                if not (o / "results.json").exists():
+                    run_logged(cmd, log, name=f"test {row} seed {s}")
+                res = json.loads((o / "results.json").read_text())
+                vo = per_sequence(res, policy_of(row))
+                own = orig if d is None else dense_per_sequence(d / "model", data, n)
+                dense_mean = next(r["dense_nll"] for r in res["rows"] if "dense_nll" in r)
+                if abs(dense_mean - sum(orig) / n) > 1e-6:
+                    raise ValueError(f"{key}: kvpop eval's dense NLL {dense_mean} is not the original's "
+                                     f"{sum(orig) / n} on the same positions")
+                shift = [a - b for a, b in zip(own, orig)]
+                return {"dir": None if d is None else str(d), "command": " ".join(cmd),
+                        "vs_original": {str(b): v for b, v in vo.items()},
+                        "vs_same_weights": {str(b): v for b, v in same_weights(vo, shift).items()},
+                        "dense_shift": shift, "dense_nll_original": sum(orig) / n, "dense_nll_same_weights":
+                            sum(own) / n}
+
+            rows.setdefault(row, {})[s] = tl.once(key, evaluate)
+    return {"original": orig, "rows": rows, "log": tl}
+
+
+def row_values(r: dict, row: str, b: int, ref: str) -> list[float]:
+    """A (row, seed)'s per-sequence values at ``b`` against ``ref`` (``original`` / ``same weights``): the dense
+    fine-tune's row is its weights served densely (its dense shift, at every budget; against its own weights 0)."""
+    if row == DENSE_FT:
+        return list(r["dense_shift"]) if ref == "original" else [0.0] * len(r["dense_shift"])
+    return list(r["vs_original" if ref == "original" else "vs_same_weights"][str(b)])
+
+
+def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int = 10_000) -> dict:
+    """The record: per (row, budget) the per-seed means against the original and the same weights, and the paired
+    intervals (clustered by source file, over sequences and seeds) of the KVpop row against every other row, and
+    of ``oracle[label]`` against the fixed-mask control, at every budget, against both references."""
+    from .paired import comparison
+
+    rows = scored["rows"]
+    clusters = clusters_of(data, n)
+    figures = []
+    for row in ROWS:
+        if row not in rows:
+            continue
+        for b in EVAL_BUDGETS:
+            f = {"row": row, "budget": b, "seeds": sorted(rows[row]), "not_causal": row in NOT_CAUSAL}
+            for ref, key in (("original", "vs_original"), ("same weights", "vs_same_weights")):
+                per_seed = {s: sum(row_values(rows[row][s], row, b, ref)) / n for s in sorted(rows[row])}
+                f[key] = per_seed
+                f[f"{key}_mean"] = sum(per_seed.values()) / len(per_seed)
+            f["dense_shift_mean"] = sum(sum(r["dense_shift"]) / n for r in rows[row].values()) / len(rows[row])
+            figures.append(f)
+    comps = []
+    pairs = [(AUTO_ROW, b) for b in ROWS if b != AUTO_ROW] + [(ORACLE, STREAMING_CONTROL)]
+    for a, other in pairs:
+        if a not in rows or other not in rows:
+            continue
+        for b in EVAL_BUDGETS:
+            for ref in ("original", "same weights"):
+                if other == DENSE_FT and ref == "same weights":
+                    continue  # the dense fine-tune served densely is its own weights' dense cache: 0 by definition
+                va = [row_values(rows[a][s], a, b, ref) for s in sorted(rows[a])]
+                vb = [row_values(rows[other][s], other, b, ref) for s in sorted(rows[other])]
+                c = comparison(instrument="realtext", budget=b, a=a, b=other, values_a=va, values_b=vb,
+                               lower_is_better=True, clusters=clusters, n_boot=n_boot)
+                comps.append({**c, "seeds": {"a": len(va), "b": len(vb)}, "reference": ref,
+                              "split": data.stem})
+    tl = scored["log"]
+    scorings = {k: 1 for k in tl.entries}
+    return {"instrument": "realtext", "split": data.stem, "split_file": f"kvpop/data/realtext/{data.name}",
+            "n_sequences": n, "clusters": clusters, "settings": {
+                "seq_len": SEQ_LEN, "sinks": SINKS, "window": WINDOW, "budgets": list(EVAL_BUDGETS),
+                "scored_from": max(EVAL_BUDGETS), "metric": "NLL increase over dense (nats/token), lower is better"},
+            "original_dense_nll": {"mean": sum(scored["original"]) / n, "per_sequence": scored["original"]},
+            "scorings": scorings, "not_causal": list(NOT_CAUSAL), "figures": figures, "comparisons": comps,
+            "runs": {row: {str(s): r for s, r in rows[row].items()} for row in ROWS if row in rows}}
+
+
+LEGENDS = {
+    AUTO_ROW: "kvpop train --auto's real-text choice (MLP scorer and model together, mean label, head budgets by "
+              "ablation, scorer lr 1e-3, model lr 1e-4; 6 trials), its best fit state of 250 steps",
+    "fixed-finetune[streaming]": "the same fine-tune (250 steps, data, model lr chosen on validation) under the fixed "
+                                 "StreamingLLM mask",
+    "fixed-finetune[random]": "the same slots and fine-tune, priority a frozen seeded untrained scorer",
+    "fixed-finetune[keynorm]": "the same slots and fine-tune, priority the pre-RoPE key norm (sign chosen on "
+                               "validation)",
+    "fixed-finetune[window-attention]": "the same slots and fine-tune, priority the attention the token got from "
+                                        "the window's queries",
+    ORACLE: "the same slots and fine-tune, priority the exact mean label (reads the future: an upper bound, not "
+            "causal)",
+    DENSE_FT: "the control's kvpop train at budget 1,023 of 1,024 (no eviction but at the last query), served densely",
+    UNTRAINED: "StreamingLLM, no training (deterministic: one scoring)",
+}
+
+
+def ledger_rows(rec: dict, trials: dict[str, int]) -> dict:
+    """``{"rows", "comparisons"}`` for the ledger from a :func:`record`: one row per (row, budget) of the fresh
+    split (``split``, ``per_sequence`` against the original dense model, ``headline`` false: the README's headline
+    table keeps the rows it had), and the record's comparisons in the ledger's keys.  ``trials``: the validation
+    trials each row's settings were chosen by."""
+    from .ledger import summarize
+
+    n, split = rec["n_sequences"], rec["split"]
+    rows = []
+    for f in rec["figures"]:
+        row, b = f["row"], f["budget"]
+        runs = rec["runs"][row]
+        seeds = sorted(runs, key=int)
+        per = [row_values(runs[s], row, b, "original") for s in seeds]
+        vals = [sum(x) / n for x in per]
+        rows.append({"instrument": "realtext", "policy": row, "recipe": {
+                         "runs": {s: runs[s]["dir"] for s in seeds}, "commands": {s: runs[s]["command"] for s in seeds},
+                         "sinks": SINKS, "window": WINDOW, "trained_at": None if row == UNTRAINED else 128},
+                     "steps": None if row == UNTRAINED else 250, "seeds": vals, **summarize(vals),
+                     "value": summarize(vals)["mean"], "metric": "delta_nll", "trials": trials.get(row, 0),
+                     "test_evaluations": rec["scorings"].get(f"{row}|seed{seeds[0]}", 0), "budget": b,
+                     "budget_fraction": b / SEQ_LEN, "headline": False, "legend": LEGENDS[row], "split": split,
+                     "per_sequence": per, "reference": "the original dense model", "not_causal": row in NOT_CAUSAL,
+                     "test_sequences": f"{n} records of {rec['split_file']}, scored from position "
+                                       f"{rec['settings']['scored_from']}"})
+    keep = ("instrument", "budget", "a", "b", "mean_diff", "ci95", "n_sequences", "n_clusters", "seeds", "method",
+            "split", "reference", "verdict", "lower_is_better", "n_boot", "seed")
+    return {"rows": rows, "comparisons": [{k: c[k] for k in keep if k in c} for c in rec["comparisons"]]}
+
+
+def markdown(rec: dict) -> str:
+    """The record's tables (evidence.md): per row and budget the mean over seeds (min .. max) against the original
+    dense model and against the row's own weights served densely, with the dense shift; then every interval."""
+    def cell(per_seed: dict) -> str:
+        v = list(per_seed.values())
+        m = sum(v) / len(v)
+        return f"{m:+.4f}" + (f" ({min(v):+.4f} .. {max(v):+.4f})" if len(v) > 1 else "")
+
+    fig = {(f["row"], f["budget"]): f for f in rec["figures"]}
+    rows = list(dict.fromkeys(f["row"] for f in rec["figures"]))
+    bs = sorted({f["budget"] for f in rec["figures"]})
+    head = " | ".join(f"B={b} {ref}" for b in bs for ref in ("vs original", "vs same weights"))
+    out = [f"| row | seeds | {head} | dense shift |", "|---|---|" + "---|" * (2 * len(bs) + 1)]
+    for r in rows:
+        f0 = fig[(r, bs[0])]
+        name = f"{r} (not causal)" if f0["not_causal"] else r
+        cells = " | ".join(cell(fig[(r, b)][k]) for b in bs for k in ("vs_original", "vs_same_weights"))
+        out.append(f"| {name} | {len(f0['seeds'])} | {cells} | {f0['dense_shift_mean']:+.4f} |")
+    out += ["", "| B | reference | a | b | a - b | 95 % interval | seeds a / b | verdict |",
+            "|---|---|---|---|---|---|---|---|"]
+    for c in rec["comparisons"]:
+        out.append(f"| {c['budget']} | {c['reference']} | {c['a']} | {c['b']} | {c['mean_diff']:+.4f} | "
+                   f"[{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}] | {c['seeds']['a']} / {c['seeds']['b']} | "
+                   f"{c['verdict']} |")
+    return "\n".join(out) + "\n"
+
+
+def write_ledger_runs(dest: Path, rec: dict, controls: dict) -> Path:
+    """``dest/realtext/evidence_rows.json``: the shipped archive's real-text rows (the earlier split's, as they
+    are) with :func:`ledger_rows` of ``rec`` (trials: ``controls``' ``trials_of``), checked by the ledger's rules
+    before it is written; the archive's other records copied beside it (so the ledger command's archive step
+    leaves them as they are)."""
+    import shutil
+
+    from .ledger import ARCHIVED, EVIDENCE_FILE, check_ledger
+
+    arch = EVIDENCE_FILE.parent / "evidence" / "realtext"
+    old = json.loads((arch / "evidence_rows.json").read_text())
+    new = ledger_rows(rec, {**controls.get("trials_of", {})})
+    obj = {**old, "rows": [r for r in old["rows"] if r.get("split") != rec["split"]] + new["rows"],
+           "comparisons": [c for c in old.get("comparisons", []) if c["split"] != rec["split"]] + new["comparisons"]}
+    check_ledger(obj, dest / "realtext" / "evidence_rows.json", instrument="realtext")
+    (dest / "realtext").mkdir(parents=True, exist_ok=True)
+    for name in ARCHIVED:
+        if name != "evidence_rows.json" and (arch / name).exists():
+            shutil.copy2(arch / name, dest / "realtext" / name)
+    write_json(dest / "realtext" / "evidence_rows.json", obj)
+    return dest / "realtext" / "evidence_rows.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m studies.fresh_realtext", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="run directory: the test log, evaluations and commands")
+    p.add_argument("--controls", required=True, help="controls.json (its runs: the final rows' seed directories)")
+    p.add_argument("--dense-ft", default=None, help="the dense fine-tune's seed directories' parent")
+    p.add_argument("--only", nargs="*", default=None, help="score only these rows (a second process takes others)")
+    p.add_argument("--record", default=None,
+                   help="score nothing: write the record (FILE.json) and its tables (FILE.md) from the test log")
+    p.add_argument("--ledger-runs", default=None,
+                   help="--record: also write DIR/realtext/evidence_rows.json, the shipped archive's real-text rows "
+                        "with the fresh split's rows and comparisons (ledger_rows), and copy the archive's other "
+                        "records there, for python -m studies.evidence ledger --runs DIR")
+    p.add_argument("--partial", action="store_true",
+                   help="--record: write what is scored, the rest named in the record's missing (else refused)")
+    a = p.parse_args(argv)
+    try:
+        out = Path(a.out)
+        dirs = run_dirs(json.loads(Path(a.controls).read_text()), Path(a.dense_ft) if a.dense_ft else None)
+        if a.only is not None and (bad := [r for r in a.only if r not in ROWS]):
+            raise ValueError(f"--only {bad}: not a row (rows: {', '.join(ROWS)})")
+        if a.record:
+            tl = TestLog(out)
+            missing = [f"{r}|seed{s}" for r, ss in dirs.items() for s in ss if f"{r}|seed{s}" not in tl.entries]
+            if missing and not a.partial:
+                raise ValueError(f"not scored yet: {', '.join(missing)}; --record writes only a complete record "
+                                 f"(or give --partial)")
+            rec = {**record(score_all(out, dirs, only=())), "missing": missing}
+            write_json(Path(a.record), rec)
+            Path(a.record).with_suffix(".md").write_text(markdown(rec))
+            if a.ledger_runs:
+                write_ledger_runs(Path(a.ledger_runs), rec, json.loads(Path(a.controls).read_text()))
+            return 0
+        score_all(out, dirs, only=a.only)
+        return 0
+    except ValueError as e:
+        print(f"fresh_realtext: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
