@@ -71,3 +71,15 @@ def test_the_tables_come_from_the_record():
 def test_bad_options(tmp_path, capsys, argv, msg):
     assert C.main(["--task", "kvtrace", "--out", str(tmp_path / "o"), *argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_record_only_trains_and_scores_nothing_and_names_what_is_missing(tmp_path):
+    rec = C.run_stage("kvtrace", tmp_path / "o", seeds=(0, 1), n_valid=2, train=False)
+    assert (tmp_path / "o" / "controls.json").exists() and not (tmp_path / "o" / "scores").exists()
+    assert rec["runs"] == {} and rec["comparisons"] == [] and rec["dense"] is None
+    assert rec["kvpop_row"]["name"] == "kvpop-mlp-joint[paper]" and rec["kvpop_row"]["trained_at"] == 40
+    assert rec["settings"]["budget"] == 128 and len(rec["split"]["fit"]) == len(rec["split"]["select"]) == 2
+    assert "score untrained[keynorm+]" in rec["missing"]
+    assert "fixed-finetune[keynorm] (its sign is not chosen yet)" in rec["missing"]
+    assert "kvpop-mlp-joint[paper] seed 1 (not trained)" in rec["missing"]
+    assert "oracle[label] lr0.0001 seed 0 (not trained)" in rec["missing"]
