@@ -22,6 +22,9 @@ What it does, in order (every training and every scoring is kept under ``--out``
 3. **The best KVpop row** (the chosen row of :func:`studies.evidence_synthetic.rows_of`: the demo's validated
    joint-MLP retrofit) retrained with every seed exactly as ``python -m studies.evidence synthetic`` trains it
    (its trained files are not shipped), served at the headline budget.
+   Beside it, ``dms[tuned]`` with every seed as the ledger trains it (the settings of
+   ``evidence/<task>/selection.json``, :func:`studies.evidence_synthetic.train_dms_row`), its gate threshold
+   calibrated on ``valid_seed(2000..2000+n-1)`` (:data:`CALIBRATE_FIRST`: not among the scored sequences).
 4. Every (row, seed) scored per sequence (accuracy at the graded positions, L_train, headline budget) on the
    validation sequences: the fit part ``valid_seed(0..n-1)`` and the select part ``valid_seed(1000..1000+n-1)``
    (:data:`kvpop.demo.search.SELECT_FIRST`); the choices above read the select part only; the record reports
@@ -57,6 +60,20 @@ LR_MODEL = (1e-4, 1e-3)
 """The controls' model learning rates, in order (the incumbent first): the two the synthetic evidence's
 ``fixed-finetune`` selection tried (``studies.evidence_synthetic.CONTROL_LR``)."""
 ORACLE, STREAMING_CONTROL = "oracle[label]", "fixed-finetune[streaming]"
+DMS_ROW = "dms[tuned]"
+CALIBRATE_FIRST = 2_000
+"""DMS's gate threshold is calibrated on ``valid_seed(CALIBRATE_FIRST..)`` (as many as each part holds): validation
+sequences that are not among the reported ones."""
+
+
+def dms_settings(task: str) -> dict:
+    """The ledger's ``dms[tuned]`` settings of ``task``: the choice in ``evidence/<task>/selection.json``."""
+    from .paths import RESULTS_DIR
+
+    sel = json.loads((RESULTS_DIR / "evidence" / task / "selection.json").read_text())
+    if not sel.get("final") or "chosen" not in sel.get("dms", {}):
+        raise ValueError(f"evidence/{task}/selection.json holds no final DMS choice")
+    return dict(sel["dms"]["chosen"]["settings"])
 
 
 def kvpop_row(task: str, s: dict) -> tuple[str, dict]:
@@ -174,7 +191,8 @@ class Stage:
     # scoring -------------------------------------------------------------------------------------------------
     def score(self, tag: str, make_model, policy: str) -> dict | None:
         """``scores/<tag>.json``: each validation sequence's accuracy (fit part, then select part) at the headline
-        budget under ``policy``; scored once."""
+        budget under ``policy`` (``dms``: at the gate threshold calibrated on the :data:`CALIBRATE_FIRST`
+        sequences); scored once."""
         f = self.out / "scores" / f"{tag}.json"
         if f.exists():
             return json.loads(f.read_text())
@@ -183,12 +201,21 @@ class Stage:
             return None
         t0 = time.time()
         model = make_model()
+        thr = None
+        if policy == "dms":
+            import torch
+
+            L = self.s["train_len"]
+            cal = torch.stack([self.mod.make_example(self.mod.valid_seed(CALIBRATE_FIRST + i), L)["input_ids"]
+                               for i in range(self.n_valid)])
+            thr = self.E.dms_calibrate(model, cal, self.budget)
         per = []
         for ex in self.examples:
-            c, g = self.E.sequence_correct(model, ex, policy, None if policy == "dense" else self.budget)
+            c, g = self.E.sequence_correct(model, ex, policy, None if policy == "dense" else self.budget,
+                                           threshold=thr)
             per.append(c / g)
         r = {"per_sequence": per, "budget": self.budget, "policy": policy,
-             "eval_seconds": round(time.time() - t0, 1)}
+             "eval_seconds": round(time.time() - t0, 1), **({"threshold": float(thr)} if thr is not None else {})}
         write_json(f, r)
         print(f"[controls {self.task}] {tag}: {mean(per):.4f} ({r['eval_seconds']} s)", flush=True)
         return r
@@ -285,6 +312,30 @@ class Stage:
                 "train_seconds": float(ts.read_text()) if ts.exists() else None}
 
 
+    # 4. DMS, as the ledger trains it ---------------------------------------------------------------------------
+    def dms(self, seed: int) -> dict | None:
+        from .evidence_synthetic import train_dms_row
+
+        c = dms_settings(self.task)
+        d = self.out / "dms" / f"seed{seed}"
+        if not (d / "done.json").exists():
+            if not self.train:
+                self.missing.append(f"{DMS_ROW} seed {seed} (not trained)")
+                return None
+            t0 = time.time()
+            train_dms_row(self.base, d, self.s, c, seed, self.mod)
+            (d / "train_seconds.txt").write_text(f"{time.time() - t0:.1f}\n")
+            print(f"[controls {self.task}] trained {DMS_ROW} seed {seed} in {time.time() - t0:.0f} s", flush=True)
+        r = self.score(f"dms/seed{seed}", lambda: self.E.policy_model(
+            self.base, "dms", scorers=d / "gates.safetensors", finetuned=self.E.load_base_model(d / "model"),
+            **self.pm), "dms")
+        if r is None:
+            return None
+        ts = d / "train_seconds.txt"
+        return {**r, "seed": seed, "dir": str(d), "settings": c,
+                "train_seconds": float(ts.read_text()) if ts.exists() else None}
+
+
 def run_stage(task: str, out: Path, *, seeds=(0, 1, 2), n_valid: int = 16, train: bool = True) -> dict:
     """Every step of the module docstring (``train`` false: none run, the record of what exists, the rest named in
     ``missing``); writes ``out/controls.json`` and returns it."""
@@ -313,6 +364,9 @@ def run_stage(task: str, out: Path, *, seeds=(0, 1, 2), n_valid: int = 16, train
             if r is not None:
                 rs[str(s)] = r
         runs[name] = rs
+    dms = {str(s): r for s in seeds if (r := st.dms(s)) is not None}
+    if dms:
+        runs[DMS_ROW] = dms
     for name, r in un["rows"].items():
         if r is not None and name != "dense":
             runs[name] = {"0": r}
@@ -323,7 +377,8 @@ def run_stage(task: str, out: Path, *, seeds=(0, 1, 2), n_valid: int = 16, train
                         "row's settings on valid_seed(1000..1005), and the lookahead row's head budgets were measured "
                         "on valid_seed(0..7)",
                   "fit": st.fit, "select": st.select, "reported_on": "all: the fit part, then the select part",
-                  "choices_on": "the select part"},
+                  "choices_on": "the select part",
+                  "dms_threshold_on": [st.mod.valid_seed(CALIBRATE_FIRST + i) for i in range(n_valid)]},
         "settings": {"length": st.s["train_len"], "train_length": st.s["train_length"], "sinks": st.s["sinks"],
                      "window": st.s["window"], "budget": st.budget, "trained_at": st.budget, "served_at": st.budget,
                      "steps": st.row["settings"]["steps"],

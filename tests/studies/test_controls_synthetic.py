@@ -2,6 +2,7 @@
 tables (tiny records, no model)."""
 import pytest
 
+from kvpop.demo import task as T
 from studies import controls_synthetic as C
 
 S = {"sinks": 4, "window": 32, "train_length": 1024, "tau": 1.0}
@@ -83,3 +84,15 @@ def test_record_only_trains_and_scores_nothing_and_names_what_is_missing(tmp_pat
     assert "fixed-finetune[keynorm] (its sign is not chosen yet)" in rec["missing"]
     assert "kvpop-mlp-joint[paper] seed 1 (not trained)" in rec["missing"]
     assert "oracle[label] lr0.0001 seed 0 (not trained)" in rec["missing"]
+    assert "dms[tuned] seed 1 (not trained)" in rec["missing"]
+    assert rec["split"]["dms_threshold_on"] == [T.valid_seed(2000), T.valid_seed(2001)]
+
+
+def test_the_dms_settings_are_the_ledgers_choice():
+    import json
+
+    from studies.paths import RESULTS_DIR
+
+    for task in ("kvtrace", "lookahead"):
+        sel = json.loads((RESULTS_DIR / "evidence" / task / "selection.json").read_text())
+        assert C.dms_settings(task) == sel["dms"]["chosen"]["settings"]
