@@ -106,6 +106,18 @@ GROUPS: tuple[Group, ...] = (
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
           "python -m studies.evidence synthetic / realtext (hours: see evidence.md), then "
           "python -m studies.evidence ledger and readme; python -m freshness stamp the files"),
+    Group("synthetic same-structure controls",
+          tuple(f"{STUDY_RESULTS}/evidence/{t}/controls.json" for t in ("kvtrace", "lookahead")),
+          (*_demo("kvtrace", ("kvpop-mlp-joint", "fixed-finetune")),
+           *_demo("lookahead", ("kvpop-mlp-joint", "fixed-finetune")), "forward/kvpop-mlp", "forward/streaming"),
+          "python -m studies.controls_synthetic --task kvtrace|lookahead --out OUT (about 20 minutes each on one "
+          "core: see evidence.md); cp OUT/controls.json studies/results/evidence/<task>/; python -m freshness stamp "
+          "the files"),
+    Group("real-text same-structure controls", (f"{STUDY_RESULTS}/evidence/realtext/controls.json",),
+          (*(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming"),
+          "python -m studies.evidence realtext --stage controls --out OUT --corpus CORPUS --auto-run AUTO (hours: "
+          "see evidence.md); cp OUT/controls.json studies/results/evidence/realtext/; python -m freshness stamp "
+          "the file"),
     Group("--auto records", (f"{STUDY_RESULTS}/auto.md", *_under(f"{STUDY_RESULTS}/auto")),
           (*_demo("kvtrace", ("kvpop-mlp-joint", "mlp-other-label")), *_demo("lookahead", ("kvpop-mlp-joint",)),
            "code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp"),

@@ -105,6 +105,24 @@ def shipped_trials(task: str, policy: str) -> int:
     return n
 
 
+def dms_config(s: dict, c: dict, seed: int):
+    """The :class:`~kvpop.demo.retrofit.RetrofitConfig` of DMS with settings ``c`` (:data:`DMS_GRID`'s keys) in the
+    demo's settings ``s``, seed ``seed``."""
+    from kvpop.demo import retrofit as R
+
+    return R.RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, sinks=s["sinks"],
+                            window=s["window"], lr_scorer=float(c["lr_gate"]), lr_model=float(c["lr_model"]),
+                            train_model=True, checkpoint_every=max(1, min(50, int(c["steps"]) // 4)), seed=seed)
+
+
+def train_dms_row(base, d: Path, s: dict, c: dict, seed: int, mod) -> Path:
+    """Train (or reuse) DMS with settings ``c`` and ``seed`` into ``d``, as the evidence's ``dms[tuned]`` rows."""
+    from kvpop.demo import retrofit as R
+
+    return R.retrofit_dms(base, d, dms_config(s, c, seed), target_keep=float(c["target_keep"]),
+                          schedule_frac=float(c["schedule_frac"]), resume=True, progress=False, task=mod)
+
+
 def _score(S, E, mod, model, policy: str, vcfg, fit) -> dict:
     """``{"score", "per_sequence"}``: ``policy``'s validation accuracy per select sequence (averaged over the
     budgets at L_train; DMS's gate threshold calibrated on the ``fit`` sequences) and their mean."""
@@ -138,14 +156,8 @@ def run(a: argparse.Namespace) -> int:
     control_steps = max(int(r["settings"]["steps"]) for r in kv_rows.values() if r["policy"].endswith("joint"))
     best_trials = max(shipped_trials(a.task, r["policy"]) for r in kv_rows.values() if r["chosen"])
 
-    def dms_cfg(c: dict, seed: int):
-        return R.RetrofitConfig(steps=int(c["steps"]), length=s["train_length"], batch=1, sinks=s["sinks"],
-                                window=s["window"], lr_scorer=float(c["lr_gate"]), lr_model=float(c["lr_model"]),
-                                train_model=True, checkpoint_every=max(1, min(50, int(c["steps"]) // 4)), seed=seed)
-
     def train_dms(d: Path, c: dict, seed: int) -> None:
-        R.retrofit_dms(base, d, dms_cfg(c, seed), target_keep=float(c["target_keep"]),
-                       schedule_frac=float(c["schedule_frac"]), resume=True, progress=False, task=mod)
+        train_dms_row(base, d, s, c, seed, mod)
 
     def dms_model(d: Path):
         return E.policy_model(base, "dms", scorers=d / "gates.safetensors", finetuned=E.load_base_model(d / "model"),

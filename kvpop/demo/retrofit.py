@@ -25,7 +25,7 @@ from torch import nn
 from kvpop.baselines.dms import DMSConfig, patch_dms, save_dms
 from kvpop.baselines.dms.budget import GATES
 from kvpop.core.checkpoint import load_scorers, save_scorers
-from kvpop.core.config import LABELS, KVpopConfig, decay_range_for_context
+from kvpop.core.config import LABELS, PRIORITY_SOURCES, KVpopConfig, decay_range_for_context
 from kvpop.core.lifecycle import carried, remove
 from kvpop.core.patching import make_teacher, patch
 from kvpop.policies import DEFAULT_SINKS, DEFAULT_WINDOW, JOINT, LABEL_SOURCES, LABEL_VARIANTS, SCORER_OF
@@ -34,8 +34,8 @@ from kvpop.training.train import TrainConfig, train
 
 from . import task as T
 
-__all__ = ["RetrofitConfig", "retrofit", "retrofit_dms", "retrofit_seed", "SCORER_OF", "JOINT", "LABEL_SOURCES",
-           "LABEL_VARIANTS", "DEFAULT_SINKS", "DEFAULT_WINDOW"]
+__all__ = ["RetrofitConfig", "retrofit", "retrofit_dms", "kv_config", "initial_scorers", "retrofit_seed", "SCORER_OF",
+           "JOINT", "LABEL_SOURCES", "LABEL_VARIANTS", "DEFAULT_SINKS", "DEFAULT_WINDOW"]
 
 
 
@@ -70,6 +70,11 @@ class RetrofitConfig:
             the training length, the mask being the label computed exactly from the frozen model; written
             with the importance to ``head_budgets.json`` (``kvpop eval --run`` and ``kvpop demo`` re-budget
             from it).
+        priority_source: where the priority's score comes from (``KVpopConfig.priority_source``, docs/DESIGN.md
+            section 12): ``"scorer"`` (default, learned) or a same-structure control whose priority is not
+            learned (``"random"``, ``"keynorm+"``, ``"keynorm-"``, ``"window-attention"``, ``"oracle-label"``:
+            no score loss, the scorer never updated; the model fine-tuned as in every joint retrofit).  A KVpop
+            policy's setting only (``fixed-finetune`` refuses another).
     """
 
     steps: int = 200
@@ -92,8 +97,14 @@ class RetrofitConfig:
     eval_every: int = 0
     patience: int = 0
     head_allocation: str | None = None
+    priority_source: str = "scorer"
 
     def __post_init__(self) -> None:
+        if self.priority_source not in PRIORITY_SOURCES:
+            raise ValueError(f"priority_source must be one of {list(PRIORITY_SOURCES)}, got {self.priority_source!r}")
+        if self.priority_source == "window-attention" and self.head_allocation is not None:
+            raise ValueError("priority_source='window-attention' is served with uniform budgets only: "
+                             "head_allocation must be None")
         if self.head_allocation not in (None, "ablation"):
             raise ValueError(f"head_allocation must be None (uniform budgets) or 'ablation', got "
                              f"{self.head_allocation!r}")
@@ -117,6 +128,8 @@ class RetrofitConfig:
         d = asdict(self)
         if self.head_allocation is None:  # a uniform retrofit stamps as it did before the option existed
             del d["head_allocation"]
+        if self.priority_source == "scorer":  # likewise a learned priority
+            del d["priority_source"]
         if self.init_scorers is not None:
             d["init_scorers"] = {"sha256": _content_sha256(self.init_scorers)}
         return d
@@ -164,6 +177,47 @@ def _train_data(cfg: RetrofitConfig, n: int, task_cfg: Any, task: Any) -> list[t
                             cfg.length, task_cfg)["input_ids"] for i in range(n)]
 
 
+def kv_config(policy: str, cfg: RetrofitConfig) -> KVpopConfig:
+    """The :class:`~kvpop.core.config.KVpopConfig` a retrofit of ``policy`` with ``cfg`` trains under (uniform
+    budgets: :func:`retrofit` shares them by head afterwards when ``cfg.head_allocation`` asks); ValueError naming
+    a setting the policy cannot take."""
+    trainable = ("fixed-finetune", *SCORER_OF)
+    if policy not in trainable:
+        raise ValueError(f"retrofit trains one of {list(trainable)}, got {policy!r}")
+    if policy == "fixed-finetune":
+        if cfg.init_scorers is not None or cfg.head_allocation is not None or cfg.priority_source != "scorer":
+            raise ValueError("init_scorers, head_allocation, priority_source: fixed-finetune trains no scorers (its "
+                             f"mask is StreamingLLM's), got priority_source={cfg.priority_source!r}")
+        return KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, mask_source="streaming",
+                           compute_loss=False, tau=cfg.tau)
+    if cfg.priority_source != "scorer" and policy not in JOINT:
+        raise ValueError(f"priority_source={cfg.priority_source!r} trains no scorer, so the scorer-only retrofit "
+                         f"{policy!r} would train nothing: use a joint policy ({list(JOINT)})")
+    return KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
+                       mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source, label=cfg.label,
+                       label_power=cfg.label_power, priority_source=cfg.priority_source, **cfg.decay_range())
+
+
+def initial_scorers(base: nn.Module, policy: str, path: str | os.PathLike, cfg: RetrofitConfig) -> Path:
+    """Save to ``path`` the scorers :func:`retrofit` of ``policy`` with ``cfg`` starts from (the same seeded
+    initialisation, no step trained; uniform budgets): served on ``base``'s weights, the *untrained* control of a
+    priority that is not learned (``cfg.priority_source``), whose training never updates them
+    (docs/DESIGN.md section 12)."""
+    if policy == "fixed-finetune" or cfg.init_scorers is not None or cfg.head_allocation is not None:
+        raise ValueError(f"initial_scorers: the seeded start of a KVpop policy with uniform budgets and no "
+                         f"init_scorers, got {policy!r} (init_scorers={cfg.init_scorers!r}, head_allocation="
+                         f"{cfg.head_allocation!r})")
+    kv = kv_config(policy, cfg)
+    model = copy.deepcopy(base)
+    _strip(model)
+    with _seeded(retrofit_seed(LABEL_VARIANTS.get(policy, policy), cfg.seed), model):
+        patch(model, kv)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_scorers(model, path)
+    return path
+
+
 def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: RetrofitConfig | None = None, *,
              resume: bool = True, progress: bool = True, task_cfg: Any = None, task: Any = T,
              validate: Callable[[nn.Module], float] | None = None) -> Path:
@@ -186,18 +240,7 @@ def retrofit(base: nn.Module, policy: str, out_dir: str | os.PathLike, cfg: Retr
     its last checkpoint (``train.pt/last.pt``).  Returns ``out_dir``.
     """
     cfg = cfg or RetrofitConfig()
-    trainable = ("fixed-finetune", *SCORER_OF)
-    if policy not in trainable:
-        raise ValueError(f"retrofit trains one of {list(trainable)}, got {policy!r}")
-    if policy == "fixed-finetune":
-        kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, mask_source="streaming",
-                         compute_loss=False, tau=cfg.tau)
-    else:
-        kv = KVpopConfig(sinks=cfg.sinks, window=cfg.window, budget=cfg.budget, scorer=SCORER_OF[policy],
-                         mask_source="scorer", tau=cfg.tau, target_source=cfg.target_source, label=cfg.label,
-                         label_power=cfg.label_power, **cfg.decay_range())
-    if policy == "fixed-finetune" and (cfg.init_scorers is not None or cfg.head_allocation is not None):
-        raise ValueError("init_scorers, head_allocation: fixed-finetune trains no scorers")
+    kv = kv_config(policy, cfg)
     if cfg.head_allocation is not None:
         kv = _allocate(base, kv, cfg, Path(out_dir), task_cfg if task_cfg is not None else task.DEFAULT, task)
     train_model = cfg.train_model or policy == "fixed-finetune" or policy in JOINT

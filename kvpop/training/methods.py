@@ -229,8 +229,8 @@ class KVpopMethod(TrainingMethod):
                 "gamma": f"{rec['gamma_min']:.6f}..{rec['gamma_max']:.6f}"}
 
     def note(self, rec: dict[str, float], seq_len: int) -> str | None:
-        if rec.get("decisions") != 0:
-            return None
+        if rec.get("decisions") != 0 or self.config.priority_source != "scorer":
+            return None  # a priority that is not learned has no L_score by design (docs/DESIGN.md section 12)
         return f"kvpop train: note: step {rec['step']}: {no_decision_reason(self.config, seq_len)}"
 
 

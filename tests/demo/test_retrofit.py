@@ -173,3 +173,40 @@ def test_head_adaptive_budgets_fixed_before_training(base, tmp_path):
     assert "head_allocation" not in uniform["settings"]  # uniform retrofits stamp as before the option
     with pytest.raises(ValueError, match="head_allocation must be"):
         _cfg(head_allocation="mass")
+
+
+@pytest.mark.parametrize(("kw", "msg"), [({"priority_source": "keynorm"}, "priority_source must be one of"),
+                                         ({"priority_source": "window-attention", "head_allocation": "ablation"},
+                                          "uniform budgets only")])
+def test_bad_priority_sources(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _cfg(**kw)
+
+
+def test_a_priority_source_needs_a_joint_kvpop_retrofit():
+    with pytest.raises(ValueError, match="fixed-finetune trains no scorers"):
+        R.kv_config("fixed-finetune", _cfg(priority_source="random"))
+    with pytest.raises(ValueError, match="would train nothing"):
+        R.kv_config("kvpop-mlp", _cfg(priority_source="keynorm+"))
+    assert R.kv_config("kvpop-mlp-joint", _cfg(priority_source="keynorm-")).priority_source == "keynorm-"
+    assert "priority_source" not in _cfg().stamp()  # a learned retrofit stamps as before the option existed
+    assert _cfg(priority_source="random").stamp()["priority_source"] == "random"
+
+
+def test_a_random_control_keeps_its_seeded_start(base, tmp_path):
+    """The untrained control's scorers (``initial_scorers``) are the retrofit's start, and a control's training
+    (no L_score) never moves them while the model learns; another seed starts elsewhere."""
+    cfg = _cfg(steps=2, priority_source="random")
+    start = R.initial_scorers(base, "kvpop-mlp-joint", tmp_path / "u" / "scorers.safetensors", cfg)
+    d = R.retrofit(base, "kvpop-mlp-joint", tmp_path / "r", cfg, progress=False)
+    a, b = load_file(start), _scorers(d)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert read_scorer_config(d / "scorers.safetensors").priority_source == "random"
+    moved = load_file(d / "model" / "model.safetensors")
+    same = dict(base.named_parameters())
+    assert any(not torch.equal(v, same[k].detach()) for k, v in moved.items() if k in same)
+    other = load_file(R.initial_scorers(base, "kvpop-mlp-joint", tmp_path / "o.safetensors",
+                                        _cfg(steps=2, priority_source="random", seed=1)))
+    assert any(not torch.equal(a[k], other[k]) for k in a)
+    with pytest.raises(ValueError, match="initial_scorers"):
+        R.initial_scorers(base, "fixed-finetune", tmp_path / "f.safetensors", _cfg())

@@ -100,3 +100,15 @@ def test_the_interface_says_what_a_method_must_provide():
     with pytest.raises(NotImplementedError):
         Bare(None).aux_loss(m)
     assert Bare(None).owns("model.layers.0.self_attn.kvpop.scorer.w") and not Bare(None).owns("lm_head.weight")
+
+
+def test_a_control_that_trains_no_scorer_is_not_told_its_l_score_is_zero():
+    """A step that ranked nothing gets the note for a learned priority, none for a priority that is not learned
+    (no L_score by design)."""
+    from kvpop.core.config import KVpopConfig
+
+    rec = {"step": 1, "decisions": 0}
+    cfg = KVpopConfig(sinks=2, window=4, budget=24)
+    assert "no token competed" in KVpopMethod(cfg).note(rec, 128)
+    assert KVpopMethod(cfg.replace(priority_source="keynorm+")).note(rec, 128) is None
+    assert KVpopMethod(cfg).note({"step": 1, "decisions": 3}, 128) is None
