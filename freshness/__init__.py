@@ -113,7 +113,8 @@ GROUPS: tuple[Group, ...] = (
           "python -m studies.controls_synthetic --task kvtrace|lookahead --out OUT (about 20 minutes each on one "
           "core: see evidence.md); cp OUT/controls.json studies/results/evidence/<task>/; python -m freshness stamp "
           "the files"),
-    Group("real-text same-structure controls", (f"{STUDY_RESULTS}/evidence/realtext/controls.json",),
+    Group("real-text same-structure controls", (f"{STUDY_RESULTS}/evidence/realtext/controls.json",
+                                                f"{STUDY_RESULTS}/evidence/realtext/issue44_trials.json"),
           (*(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming"),
           "python -m studies.evidence realtext --stage controls --out OUT --corpus CORPUS --auto-run AUTO (hours: "
           "see evidence.md); cp OUT/controls.json studies/results/evidence/realtext/; python -m freshness stamp "
