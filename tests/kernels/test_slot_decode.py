@@ -1,12 +1,14 @@
 """``packed_slot_decode``: the packed (head-adaptive) decode over a paged cache, float slots and 8-bit codes
 dequantised on load.  Oracle: ``kvpop.vllm.slots.decode_attention`` (float slots) and
 ``kvpop.vllm.quantized.decode_attention`` (codes and scales; its gather and dequantisation in PyTorch), on pages of
-stale bytes with shuffled block tables, budgets no multiple of the block size, rows shared by several layers."""
+stale bytes with shuffled block tables, budgets no multiple of the block size, rows shared by several layers; and
+``kvpop_kernels.reference.ragged_paged_decode`` over each head's slots gathered and dequantised one by one."""
 import pytest
 import torch
 
 from kvpop.vllm import quantized
 from kvpop.vllm.slots import PackedSlots, decode_attention
+from kvpop_kernels import reference
 from kvpop_kernels.slot_decode import packed_slot_decode
 
 D, G = 16, 3
@@ -53,6 +55,47 @@ def test_matches_pytorch_decode(backend, storage, budgets, rows, bs, base):
     got = packed_slot_decode(q, K, V, table, pos, b, offs, rows=rows, block_size=bs, scale=scale, k_scale=ks,
                              v_scale=vs, max_budget=max(budgets), block_n=16)
     torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=2e-5)
+
+
+def _brute_force(layout, K, V, ks, vs, table, pos, q, rows, bs, scale):
+    """Each request's attention by the reference, its heads' occupied slots read one at a time: packed index
+    ``u = offset_h + j`` (``j < min(pos + 1, B_h)``) at block ``table[n, u // (rows * bs)]``, row
+    ``(u // bs) % rows``, slot ``u % bs``; a code times its slot's scale."""
+    def read(x, s, blk, r, o):
+        c = x[blk, r, o]
+        c = c.view(torch.float8_e4m3fn) if c.dtype == torch.uint8 else c
+        return c.float() if s is None else c.float() * float(s[blk, r, o])
+
+    hkv, D = len(layout.budgets), K.shape[-1]
+    outs = []
+    for n in range(q.shape[0]):
+        bmax = max(layout.budgets)
+        pk, pv = torch.zeros(hkv, bmax, D), torch.zeros(hkv, bmax, D)
+        lengths = torch.zeros(hkv, dtype=torch.long)
+        for h, (b_h, off) in enumerate(zip(layout.budgets, layout.offsets)):
+            lengths[h] = min(int(pos[n]) + 1, b_h)
+            for j in range(int(lengths[h])):
+                u = layout.base + off + j
+                blk, r, o = int(table[n, u // (rows * bs)]), (u // bs) % rows, u % bs
+                pk[h, j], pv[h, j] = read(K, ks, blk, r, o), read(V, vs, blk, r, o)
+        tab = torch.arange(hkv)[:, None]  # head h's keys: one page of bmax slots, page h
+        out, _ = reference.ragged_paged_decode(q[n].float(), pk[:, :0], pv[:, :0], 0, pk, pv, tab, lengths,
+                                                scale=scale)
+        outs.append(out)
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("storage", ["float32", "int8", "fp8"])
+def test_matches_the_reference(backend, storage):
+    budgets, rows, bs, base = (13, 29, 6), 6, 4, 5
+    layout, K, V, ks, vs, table, pos, q = _case(storage, budgets, rows, bs, base, seed=7)
+    scale = D ** -0.5
+    b = torch.tensor(budgets, dtype=torch.int32)
+    offs = torch.tensor([base + o for o in layout.offsets], dtype=torch.int64)
+    got = packed_slot_decode(q, K, V, table, pos, b, offs, rows=rows, block_size=bs, scale=scale, k_scale=ks,
+                             v_scale=vs, block_n=16)
+    want = _brute_force(layout, K, V, ks, vs, table, pos, q, rows, bs, scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 def test_bad_arguments_named():
