@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--loss-chunk", type=int, default=None,
                      help="positions per chunk of the fused LM head + KL (default: ~128 MiB of float32 logits)")
     opt.add_argument("--score-weight", type=float, default=1.0, help="weight of L_score (default 1)")
+    opt.add_argument("--lm-weight", type=float, default=0.0,
+                     help="weight of the training data's next-token NLL beside the KL to the original model "
+                          "(default 0: the KL alone, which only asks the evicted model to imitate the original)")
     opt.add_argument("--no-train-model", action="store_true", help="train the scorers only (the model is frozen)")
     opt.add_argument("--seed", type=int, default=0, help="seed of the scorers, --tiny weights and data order")
 

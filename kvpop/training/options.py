@@ -98,6 +98,11 @@ def check_options(args: Any) -> None:
     for name in ("warmup_steps", "checkpoint_every"):
         if getattr(args, name) < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    lm = getattr(args, "lm_weight", 0.0)
+    if not (math.isfinite(lm) and lm >= 0):
+        _fail(f"--lm-weight must be a finite number >= 0, got {lm}")
+    if lm and args.no_train_model:
+        _fail(f"--lm-weight {lm:g} trains the model's weights on the data; with --no-train-model nothing would use it")
     for name in ("lr_model", "lr_scorer"):
         v = getattr(args, name)
         if v is not None and not (math.isfinite(v) and v > 0):
@@ -205,6 +210,7 @@ def train_config(args: Any, out: Path, *, data_fingerprint: str | None, model_fi
                        weight_decay=args.weight_decay, grad_accum=args.grad_accum,
                        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
                        warmup_steps=args.warmup_steps, top_k=args.top_k, score_weight=args.score_weight,
+                       lm_weight=getattr(args, "lm_weight", 0.0),
                        train_model=not args.no_train_model, activation_checkpointing=args.activation_checkpointing,
                        checkpoint_dir=str(out), checkpoint_every=args.checkpoint_every,
                        progress=not args.no_progress, progress_total=getattr(args, "_progress_total", None),

@@ -91,6 +91,7 @@ class TrainConfig:
     warmup_steps: int = 0
     top_k: int = 256
     score_weight: float = 1.0
+    lm_weight: float = 0.0
     train_model: bool = True
     activation_checkpointing: bool = False
     checkpoint_dir: str | None = None
@@ -118,10 +119,13 @@ class TrainConfig:
             raise ValueError(f"loss_chunk must be an int >= 1 or None (automatic), got {self.loss_chunk!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every > 0 needs checkpoint_dir")
+        if self.lm_weight and not self.train_model:
+            raise ValueError(f"lm_weight {self.lm_weight!r} needs train_model=True: the next-token NLL trains the "
+                             f"model's weights only (the scorers' inputs are detached)")
         if self.dist not in DIST_MODES:
             raise ValueError(f"dist must be one of {list(DIST_MODES)}, got {self.dist!r}")
         for name, low in (("lr_model", "> 0"), ("lr_scorer", "> 0"), ("weight_decay", ">= 0"),
-                          ("score_weight", ">= 0")):
+                          ("score_weight", ">= 0"), ("lm_weight", ">= 0")):
             v = getattr(self, name)
             if v is None and name.startswith("lr_"):
                 continue  # the method's default
@@ -198,27 +202,56 @@ class _Step(nn.Module):
     """One student forward returning ``(kl, the method's auxiliary loss, stats)``.
 
     The KL is computed where the model applies its LM head (:func:`kvpop.core.loss.fused_output_head`):
-    chunked, fused with the head, never holding ``[S, V]`` logits.  Under DDP both losses must be outputs
-    of the wrapped forward (or DDP takes the scorers and the head for unused parameters); under FSDP2 the
-    head's weight is unsharded only inside the root module's forward.
+    chunked, fused with the head, never holding ``[S, V]`` logits.  With ``lm_weight > 0`` the same head also
+    gives the next-token NLL of ``ids`` (:func:`next_token_nll`, another chunked pass) and the KL returned is
+    ``kl + lm_weight * nll``; ``stats["kl"]`` and ``stats["nll"]`` then hold the two terms.  Under DDP both
+    losses must be outputs of the wrapped forward (or DDP takes the scorers and the head for unused
+    parameters); under FSDP2 the head's weight is unsharded only inside the root module's forward.
     """
 
-    def __init__(self, model: nn.Module, method: TrainingMethod, chunk_size: int | None = None) -> None:
+    def __init__(self, model: nn.Module, method: TrainingMethod, chunk_size: int | None = None,
+                 lm_weight: float = 0.0) -> None:
         super().__init__()
         self.model = model
         self.method = method
         self.chunk_size = chunk_size
+        self.lm_weight = lm_weight
 
     def forward(self, ids: torch.Tensor, teacher: TeacherTopK | None = None):
+        lm = self.lm_weight > 0 and teacher is not None
         if teacher is None:  # scorers only: no head at all
             fn = lambda h, w, b: h.new_zeros((), dtype=torch.float32)  # noqa: E731
+        elif lm:
+            fn = lambda h, w, b: (fused_distill_loss(h, w, teacher, bias=b, chunk_size=self.chunk_size),  # noqa: E731
+                                  next_token_nll(h, w, ids, bias=b, chunk_size=self.chunk_size))
         else:
             fn = lambda h, w, b: fused_distill_loss(h, w, teacher, bias=b, chunk_size=self.chunk_size)  # noqa: E731
         with fused_output_head(self.model, fn) as res:
             self.model(ids, use_cache=False)
-        kl = res["value"]
         ls, stats = self.method.aux_loss(self.model)
-        return kl, ls.to(kl.device), stats
+        if not lm:
+            kl = res["value"]
+            return kl, ls.to(kl.device), stats
+        kl, nll = res["value"]
+        stats = {**stats, "kl": float(kl.detach()), "nll": float(nll.detach())}
+        return kl + self.lm_weight * nll, ls.to(kl.device), stats
+
+
+def next_token_nll(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *,
+                   bias: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """The mean next-token NLL of ``ids [B, S]`` under the logits ``hidden [B, S, H] @ weight^T (+ bias)``
+    (positions ``0 .. S-2`` predict ``1 .. S-1``), computed as :func:`fused_distill_loss` against a one-hot
+    teacher (the KL from a one-hot distribution is the NLL of its token): chunked, never holding ``[S, V]``."""
+    if ids.shape != hidden.shape[:-1]:
+        raise ValueError(f"ids {tuple(ids.shape)} must have the hidden states' positions {tuple(hidden.shape[:-1])}")
+    nxt = torch.zeros_like(ids)
+    nxt[..., :-1] = ids[..., 1:]
+    mask = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    mask[..., -1] = False
+    onehot = TeacherTopK(torch.zeros(ids.shape + (1,), dtype=torch.float32, device=hidden.device),
+                         nxt.unsqueeze(-1).to(hidden.device),
+                         torch.full(ids.shape, float("-inf"), dtype=torch.float32, device=hidden.device))
+    return fused_distill_loss(hidden, weight, onehot, bias=bias, mask=mask, chunk_size=chunk_size)
 
 
 def teacher_step(teacher: nn.Module, ids: torch.Tensor, top_k: int | None, *,
@@ -575,7 +608,7 @@ def _resume(run: _Run) -> None:
 def _runner(run: _Run) -> nn.Module:
     """The module one micro-batch runs through (the model's forward and the method's losses); DDP-wrapped
     with several ranks and no FSDP."""
-    runner: nn.Module = _Step(run.model, run.method, run.cfg.loss_chunk)
+    runner: nn.Module = _Step(run.model, run.method, run.cfg.loss_chunk, run.cfg.lm_weight)
     if run.world > 1 and not run.fsdp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -704,6 +737,7 @@ def _take_step(run: _Run, runner: nn.Module, batches) -> tuple[dict[str, float],
     run.sched.step()
     run.opt.zero_grad(set_to_none=True)
     run.step += 1
+    # with lm_weight > 0, kl_acc is KL + lm_weight * NLL and stats_acc's "kl" and "nll" (the terms) replace it
     rec = {"step": run.step, "kl": kl_acc, "score": ls_acc, **stats_acc, **gnorm}
     run.history.append(rec)
     if run.hist_path is not None:
