@@ -11,6 +11,10 @@ served densely (each sequence's dense NLL of ``DIR/model`` minus the original's,
 Every (row, seed) is scored through one :class:`studies.ledger.TestLog` (``OUT/test_log.jsonl``): at most once,
 ever.  ``--record`` scores nothing: it reads the log and writes the record (figures, paired intervals).
 
+``--split FILE`` scores another fresh split (``test_fresh3``: issue 44's final rows), ``--tag TEXT`` names rows
+whose recipe departs from the controls record's the same way (``--tag "lm 0.1"``: ``fixed-finetune[streaming,
+lm 0.1]``), with ``--controls`` a record of the same form holding those rows' seed directories.
+
     python -m studies.fresh_realtext --out DIR --controls studies/results/evidence/realtext/controls.json \\
         --dense-ft RUNS/fixed-finetune[dense]/lr1e-4 [--only ROW ...]
     python -m studies.fresh_realtext --out DIR --controls ... --dense-ft ... --record FILE
@@ -127,6 +131,14 @@ def view_of(run: Path, view: Path, model: Path = MODEL) -> tuple[Path, str | Non
     return view, base
 
 
+def tagged(row: str, tag: str | None) -> str:
+    """``row``'s name in a record whose rows' recipe departs from the controls record's by ``tag`` (untrained
+    StreamingLLM has no recipe to depart from): ``kvpop-mlp-joint[auto]`` -> ``kvpop-mlp-joint[auto, TAG]``."""
+    if not tag or row == UNTRAINED:
+        return row
+    return f"{row[:-1]}, {tag}]" if row.endswith("]") else f"{row}[{tag}]"
+
+
 def policy_of(row: str) -> str:
     return {UNTRAINED: "streaming", STREAMING_CONTROL: "fixed-finetune", DENSE_FT: "fixed-finetune"}.get(
         row, "kvpop-mlp-joint")
@@ -180,10 +192,12 @@ def row_values(r: dict, row: str, b: int, ref: str) -> list[float]:
     return list(r["vs_original" if ref == "original" else "vs_same_weights"][str(b)])
 
 
-def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int = 10_000) -> dict:
+def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int = 10_000, tag: str | None = None
+           ) -> dict:
     """The record: per (row, budget) the per-seed means against the original and the same weights, and the paired
     intervals (clustered by source file, over sequences and seeds) of the KVpop row against every other row, and
-    of ``oracle[label]`` against the fixed-mask control, at every budget, against both references."""
+    of ``oracle[label]`` against the fixed-mask control, at every budget, against both references.  Rows are
+    named by :func:`tagged` (``base``: the name in :data:`ROWS`); the test log's keys stay the base names."""
     from .paired import comparison
 
     rows = scored["rows"]
@@ -193,7 +207,8 @@ def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int 
         if row not in rows:
             continue
         for b in EVAL_BUDGETS:
-            f = {"row": row, "budget": b, "seeds": sorted(rows[row]), "not_causal": row in NOT_CAUSAL}
+            f = {"row": tagged(row, tag), "base": row, "budget": b, "seeds": sorted(rows[row]),
+                 "not_causal": row in NOT_CAUSAL}
             for ref, key in (("original", "vs_original"), ("same weights", "vs_same_weights")):
                 per_seed = {s: sum(row_values(rows[row][s], row, b, ref)) / n for s in sorted(rows[row])}
                 f[key] = per_seed
@@ -211,19 +226,19 @@ def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int 
                     continue  # the dense fine-tune served densely is its own weights' dense cache: 0 by definition
                 va = [row_values(rows[a][s], a, b, ref) for s in sorted(rows[a])]
                 vb = [row_values(rows[other][s], other, b, ref) for s in sorted(rows[other])]
-                c = comparison(instrument="realtext", budget=b, a=a, b=other, values_a=va, values_b=vb,
-                               lower_is_better=True, clusters=clusters, n_boot=n_boot)
+                c = comparison(instrument="realtext", budget=b, a=tagged(a, tag), b=tagged(other, tag), values_a=va,
+                               values_b=vb, lower_is_better=True, clusters=clusters, n_boot=n_boot)
                 comps.append({**c, "seeds": {"a": len(va), "b": len(vb)}, "reference": ref,
                               "split": data.stem})
     tl = scored["log"]
     scorings = {k: 1 for k in tl.entries}
     return {"instrument": "realtext", "split": data.stem, "split_file": f"kvpop/data/realtext/{data.name}",
-            "n_sequences": n, "clusters": clusters, "settings": {
+            "n_sequences": n, "clusters": clusters, "tag": tag, "settings": {
                 "seq_len": SEQ_LEN, "sinks": SINKS, "window": WINDOW, "budgets": list(EVAL_BUDGETS),
                 "scored_from": max(EVAL_BUDGETS), "metric": "NLL increase over dense (nats/token), lower is better"},
             "original_dense_nll": {"mean": sum(scored["original"]) / n, "per_sequence": scored["original"]},
             "scorings": scorings, "not_causal": list(NOT_CAUSAL), "figures": figures, "comparisons": comps,
-            "runs": {row: {str(s): r for s, r in rows[row].items()} for row in ROWS if row in rows}}
+            "runs": {tagged(row, tag): {str(s): r for s, r in rows[row].items()} for row in ROWS if row in rows}}
 
 
 LEGENDS = {
@@ -253,18 +268,19 @@ def ledger_rows(rec: dict, trials: dict[str, int]) -> dict:
     n, split = rec["n_sequences"], rec["split"]
     rows = []
     for f in rec["figures"]:
-        row, b = f["row"], f["budget"]
-        runs = rec["runs"][row]
+        name, row, b = f["row"], f.get("base", f["row"]), f["budget"]
+        runs = rec["runs"][name]
         seeds = sorted(runs, key=int)
         per = [row_values(runs[s], row, b, "original") for s in seeds]
         vals = [sum(x) / n for x in per]
-        rows.append({"instrument": "realtext", "policy": row, "recipe": {
+        legend = LEGENDS[row] + (f"; {rec['tag']}" if name != row else "")
+        rows.append({"instrument": "realtext", "policy": name, "recipe": {
                          "runs": {s: runs[s]["dir"] for s in seeds}, "commands": {s: runs[s]["command"] for s in seeds},
                          "sinks": SINKS, "window": WINDOW, "trained_at": None if row == UNTRAINED else 128},
                      "steps": None if row == UNTRAINED else 250, "seeds": vals, **summarize(vals),
-                     "value": summarize(vals)["mean"], "metric": "delta_nll", "trials": trials.get(row, 0),
+                     "value": summarize(vals)["mean"], "metric": "delta_nll", "trials": trials.get(name, 0),
                      "test_evaluations": rec["scorings"].get(f"{row}|seed{seeds[0]}", 0), "budget": b,
-                     "budget_fraction": b / SEQ_LEN, "headline": False, "legend": LEGENDS[row], "split": split,
+                     "budget_fraction": b / SEQ_LEN, "headline": False, "legend": legend, "split": split,
                      "per_sequence": per, "reference": "the original dense model", "not_causal": row in NOT_CAUSAL,
                      "test_sequences": f"{n} records of {rec['split_file']}, scored from position "
                                        f"{rec['settings']['scored_from']}"})
@@ -335,11 +351,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="--record: also write DIR/realtext/evidence_rows.json, the shipped archive's real-text rows "
                         "with the fresh split's rows and comparisons (ledger_rows), and copy the archive's other "
                         "records there, for python -m studies.evidence ledger --runs DIR")
+    p.add_argument("--split", default=str(SPLIT), help=f"the fresh split scored (default {SPLIT.name})")
+    p.add_argument("--tag", default=None, help="how every row but untrained StreamingLLM departs from the controls "
+                                               "record's recipe, put in their names (tagged)")
     p.add_argument("--partial", action="store_true",
                    help="--record: write what is scored, the rest named in the record's missing (else refused)")
     a = p.parse_args(argv)
     try:
-        out = Path(a.out)
+        out, data = Path(a.out), Path(a.split)
+        if not data.is_file():
+            raise ValueError(f"--split {data}: no such file")
         dirs = run_dirs(json.loads(Path(a.controls).read_text()), Path(a.dense_ft) if a.dense_ft else None)
         if a.only is not None and (bad := [r for r in a.only if r not in ROWS]):
             raise ValueError(f"--only {bad}: not a row (rows: {', '.join(ROWS)})")
@@ -349,13 +370,13 @@ def main(argv: list[str] | None = None) -> int:
             if missing and not a.partial:
                 raise ValueError(f"not scored yet: {', '.join(missing)}; --record writes only a complete record "
                                  f"(or give --partial)")
-            rec = {**record(score_all(out, dirs, only=())), "missing": missing}
+            rec = {**record(score_all(out, dirs, data=data, only=()), data=data, tag=a.tag), "missing": missing}
             write_json(Path(a.record), rec)
             Path(a.record).with_suffix(".md").write_text(markdown(rec))
             if a.ledger_runs:
                 write_ledger_runs(Path(a.ledger_runs), rec, json.loads(Path(a.controls).read_text()))
             return 0
-        score_all(out, dirs, only=a.only)
+        score_all(out, dirs, data=data, only=a.only)
         return 0
     except ValueError as e:
         print(f"fresh_realtext: {e}", file=sys.stderr)

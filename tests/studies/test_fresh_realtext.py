@@ -156,3 +156,34 @@ def test_main_refuses_an_unknown_row_and_an_incomplete_record(tmp_path, capsys):
     md = (tmp_path / "r.md").read_text()
     assert "| kvpop-mlp-joint[auto] | 1 | +0.0000 | +0.0000 |" in md
     assert "| 128 | original | kvpop-mlp-joint[auto] | fixed-finetune[streaming] | -0.0100 |" in md
+
+
+def test_tagged_names_and_a_tagged_record_on_another_split(tmp_path, capsys):
+    """--split scores another file and --tag names every row but untrained StreamingLLM by its recipe's departure,
+    in the figures, the intervals, the runs and the ledger rows; the test log keeps the base names."""
+    assert F.tagged(F.AUTO_ROW, "lm 0.1") == "kvpop-mlp-joint[auto, lm 0.1]"
+    assert F.tagged(F.UNTRAINED, "lm 0.1") == F.UNTRAINED and F.tagged(F.ORACLE, None) == F.ORACLE
+    ctrl = tmp_path / "controls.json"
+    ctrl.write_text(json.dumps({"runs": {r: {"0": {"dir": "/x"}} for r in (F.AUTO_ROW, *F.CONTROLS, F.ORACLE)}}))
+    assert F.main(["--out", str(tmp_path), "--controls", str(ctrl), "--split", str(tmp_path / "nope.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    tl = ledger.TestLog(tmp_path)
+    tl.once("dense|original", lambda: {"dense_nll": [1.0] * F.N_RECORDS})
+    for row, off in ((F.AUTO_ROW, 0.0), (F.STREAMING_CONTROL, 0.01), (F.UNTRAINED, 0.2)):
+        tl.once(f"{row}|seed0", lambda off=off: {**_result({b: [off] * F.N_RECORDS for b in (64, 128, 256)},
+                                                           [0.0] * F.N_RECORDS), "dir": None, "command": "c"})
+    data = _split(tmp_path / "other.jsonl", files=(2,) * 24)
+    assert F.main(["--out", str(tmp_path), "--controls", str(ctrl), "--record", str(tmp_path / "r.json"),
+                   "--partial", "--split", str(data), "--tag", "lm 0.1"]) == 0
+    rec = json.loads((tmp_path / "r.json").read_text())
+    names = {"kvpop-mlp-joint[auto, lm 0.1]", "fixed-finetune[streaming, lm 0.1]", F.UNTRAINED}
+    assert rec["split"] == "other" and rec["tag"] == "lm 0.1" and set(rec["runs"]) == names
+    assert {f["row"] for f in rec["figures"]} == names and len(rec["clusters"]) == F.N_RECORDS
+    assert {(c["a"], c["b"]) for c in rec["comparisons"]} == {
+        ("kvpop-mlp-joint[auto, lm 0.1]", "fixed-finetune[streaming, lm 0.1]"),
+        ("kvpop-mlp-joint[auto, lm 0.1]", F.UNTRAINED)}
+    rec["scorings"] = {k: 1 for k in tl.entries}
+    led = F.ledger_rows(rec, {"kvpop-mlp-joint[auto, lm 0.1]": 3})
+    assert ledger.check_ledger(led, "fresh") == led["rows"]
+    r = next(r for r in led["rows"] if r["policy"] == "kvpop-mlp-joint[auto, lm 0.1]" and r["budget"] == 128)
+    assert r["trials"] == 3 and r["legend"].endswith("; lm 0.1") and r["test_evaluations"] == 1
