@@ -96,10 +96,16 @@ def same_weights(vs_original: dict[int, list[float]], shift: list[float]) -> dic
     return {b: [x - s for x, s in zip(v, shift)] for b, v in vs_original.items()}
 
 
-def run_dirs(controls: dict, dense_ft: Path | None) -> dict[str, dict[int, Path | None]]:
-    """``{row: {seed: run directory}}`` of :data:`ROWS` (``None``: no run, the untrained rule)."""
+def run_dirs(controls: dict, dense_ft: Path | None, rows: tuple[str, ...] | None = None
+             ) -> dict[str, dict[int, Path | None]]:
+    """``{row: {seed: run directory}}`` of :data:`ROWS` (``None``: no run, the untrained rule); ``rows``: only
+    these of the KVpop row, the controls and the oracle (the KVpop row always; the untrained rule always)."""
     out: dict[str, dict[int, Path | None]] = {}
+    if rows is not None and (bad := [r for r in rows if r not in (AUTO_ROW, *CONTROLS, ORACLE)]):
+        raise ValueError(f"--rows {bad}: not a trained row (rows: {', '.join((AUTO_ROW, *CONTROLS, ORACLE))})")
     for row in (AUTO_ROW, *CONTROLS, ORACLE):
+        if rows is not None and row != AUTO_ROW and row not in rows:
+            continue
         seeds = controls["runs"].get(row)
         if not seeds:
             raise ValueError(f"controls.json has no runs of {row}")
@@ -351,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--record: also write DIR/realtext/evidence_rows.json, the shipped archive's real-text rows "
                         "with the fresh split's rows and comparisons (ledger_rows), and copy the archive's other "
                         "records there, for python -m studies.evidence ledger --runs DIR")
+    p.add_argument("--rows", nargs="*", default=None,
+                   help="only these trained rows (besides the KVpop row and untrained StreamingLLM): a smaller "
+                        "comparison, e.g. on a second corpus")
     p.add_argument("--split", default=str(SPLIT), help=f"the fresh split scored (default {SPLIT.name})")
     p.add_argument("--tag", default=None, help="how every row but untrained StreamingLLM departs from the controls "
                                                "record's recipe, put in their names (tagged)")
@@ -361,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         out, data = Path(a.out), Path(a.split)
         if not data.is_file():
             raise ValueError(f"--split {data}: no such file")
-        dirs = run_dirs(json.loads(Path(a.controls).read_text()), Path(a.dense_ft) if a.dense_ft else None)
+        dirs = run_dirs(json.loads(Path(a.controls).read_text()), Path(a.dense_ft) if a.dense_ft else None,
+                        None if a.rows is None else tuple(a.rows))
         if a.only is not None and (bad := [r for r in a.only if r not in ROWS]):
             raise ValueError(f"--only {bad}: not a row (rows: {', '.join(ROWS)})")
         if a.record:

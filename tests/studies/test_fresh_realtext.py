@@ -68,9 +68,14 @@ def test_run_dirs_takes_the_controls_runs_the_finished_dense_seeds_and_streaming
     d = F.run_dirs(ctrl, tmp_path)
     assert list(d) == list(F.ROWS) and d[F.DENSE_FT] == {0: tmp_path / "seed0"} and d[F.UNTRAINED] == {0: None}
     assert sorted(d[F.ORACLE]) == [0, 2]
+    sub = F.run_dirs(ctrl, None, rows=(F.STREAMING_CONTROL,))
+    assert list(sub) == [F.AUTO_ROW, F.STREAMING_CONTROL, F.UNTRAINED]
+    with pytest.raises(ValueError, match=r"--rows \['streaming'\]: not a trained row"):
+        F.run_dirs(ctrl, None, rows=("streaming",))
     del ctrl["runs"][F.ORACLE]
     with pytest.raises(ValueError, match=r"no runs of oracle\[label\]"):
         F.run_dirs(ctrl, None)
+    assert F.ORACLE not in F.run_dirs(ctrl, None, rows=(F.STREAMING_CONTROL,))
 
 
 def test_record_figures_and_intervals_from_the_log(tmp_path, monkeypatch):
