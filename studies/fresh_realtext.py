@@ -137,9 +137,12 @@ def view_of(run: Path, view: Path, model: Path = MODEL) -> tuple[Path, str | Non
     return view, base
 
 
-def tagged(row: str, tag: str | None) -> str:
-    """``row``'s name in a record whose rows' recipe departs from the controls record's by ``tag`` (untrained
-    StreamingLLM has no recipe to depart from): ``kvpop-mlp-joint[auto]`` -> ``kvpop-mlp-joint[auto, TAG]``."""
+def tagged(row: str, tag: str | dict[str, str] | None) -> str:
+    """``row``'s name in a record whose rows' recipe departs from the controls record's by ``tag`` (one for every
+    row, or ``{row: tag}``; untrained StreamingLLM has no recipe to depart from): ``kvpop-mlp-joint[auto]`` ->
+    ``kvpop-mlp-joint[auto, TAG]``."""
+    if isinstance(tag, dict):
+        tag = tag.get(row)
     if not tag or row == UNTRAINED:
         return row
     return f"{row[:-1]}, {tag}]" if row.endswith("]") else f"{row}[{tag}]"
@@ -198,8 +201,8 @@ def row_values(r: dict, row: str, b: int, ref: str) -> list[float]:
     return list(r["vs_original" if ref == "original" else "vs_same_weights"][str(b)])
 
 
-def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int = 10_000, tag: str | None = None
-           ) -> dict:
+def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int = 10_000,
+           tag: str | dict[str, str] | None = None) -> dict:
     """The record: per (row, budget) the per-seed means against the original and the same weights, and the paired
     intervals (clustered by source file, over sequences and seeds) of the KVpop row against every other row, and
     of ``oracle[label]`` against the fixed-mask control, at every budget, against both references.  Rows are
@@ -279,7 +282,8 @@ def ledger_rows(rec: dict, trials: dict[str, int]) -> dict:
         seeds = sorted(runs, key=int)
         per = [row_values(runs[s], row, b, "original") for s in seeds]
         vals = [sum(x) / n for x in per]
-        legend = LEGENDS[row] + (f"; {rec['tag']}" if name != row else "")
+        t = rec.get("tag")
+        legend = LEGENDS[row] + (f"; {t.get(row) if isinstance(t, dict) else t}" if name != row else "")
         rows.append({"instrument": "realtext", "policy": name, "recipe": {
                          "runs": {s: runs[s]["dir"] for s in seeds}, "commands": {s: runs[s]["command"] for s in seeds},
                          "sinks": SINKS, "window": WINDOW, "trained_at": None if row == UNTRAINED else 128},
@@ -362,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                         "comparison, e.g. on a second corpus")
     p.add_argument("--split", default=str(SPLIT), help=f"the fresh split scored (default {SPLIT.name})")
     p.add_argument("--tag", default=None, help="how every row but untrained StreamingLLM departs from the controls "
-                                               "record's recipe, put in their names (tagged)")
+                                               "record's recipe, put in their names (tagged; default: the "
+                                               "record's own \"tags\", {row: tag}, if it has them)")
     p.add_argument("--partial", action="store_true",
                    help="--record: write what is scored, the rest named in the record's missing (else refused)")
     a = p.parse_args(argv)
@@ -370,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         out, data = Path(a.out), Path(a.split)
         if not data.is_file():
             raise ValueError(f"--split {data}: no such file")
-        dirs = run_dirs(json.loads(Path(a.controls).read_text()), Path(a.dense_ft) if a.dense_ft else None,
+        controls = json.loads(Path(a.controls).read_text())
+        tag = a.tag if a.tag is not None else controls.get("tags")
+        dirs = run_dirs(controls, Path(a.dense_ft) if a.dense_ft else None,
                         None if a.rows is None else tuple(a.rows))
         if a.only is not None and (bad := [r for r in a.only if r not in ROWS]):
             raise ValueError(f"--only {bad}: not a row (rows: {', '.join(ROWS)})")
@@ -380,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             if missing and not a.partial:
                 raise ValueError(f"not scored yet: {', '.join(missing)}; --record writes only a complete record "
                                  f"(or give --partial)")
-            rec = {**record(score_all(out, dirs, data=data, only=()), data=data, tag=a.tag), "missing": missing}
+            rec = {**record(score_all(out, dirs, data=data, only=()), data=data, tag=tag), "missing": missing}
             write_json(Path(a.record), rec)
             Path(a.record).with_suffix(".md").write_text(markdown(rec))
             if a.ledger_runs:

@@ -168,6 +168,7 @@ def test_tagged_names_and_a_tagged_record_on_another_split(tmp_path, capsys):
     in the figures, the intervals, the runs and the ledger rows; the test log keeps the base names."""
     assert F.tagged(F.AUTO_ROW, "lm 0.1") == "kvpop-mlp-joint[auto, lm 0.1]"
     assert F.tagged(F.UNTRAINED, "lm 0.1") == F.UNTRAINED and F.tagged(F.ORACLE, None) == F.ORACLE
+    assert F.tagged(F.ORACLE, {F.ORACLE: "lm 1"}) == "oracle[label, lm 1]" and F.tagged(F.AUTO_ROW, {}) == F.AUTO_ROW
     ctrl = tmp_path / "controls.json"
     ctrl.write_text(json.dumps({"runs": {r: {"0": {"dir": "/x"}} for r in (F.AUTO_ROW, *F.CONTROLS, F.ORACLE)}}))
     assert F.main(["--out", str(tmp_path), "--controls", str(ctrl), "--split", str(tmp_path / "nope.jsonl")]) == 2
@@ -192,3 +193,10 @@ def test_tagged_names_and_a_tagged_record_on_another_split(tmp_path, capsys):
     assert ledger.check_ledger(led, "fresh") == led["rows"]
     r = next(r for r in led["rows"] if r["policy"] == "kvpop-mlp-joint[auto, lm 0.1]" and r["budget"] == 128)
     assert r["trials"] == 3 and r["legend"].endswith("; lm 0.1") and r["test_evaluations"] == 1
+    # without --tag, the record's own tags name the rows, one per row
+    ctrl.write_text(json.dumps({"runs": json.loads(ctrl.read_text())["runs"], "tags": {F.AUTO_ROW: "lm 0.1",
+                                                                                     F.STREAMING_CONTROL: "lm 1"}}))
+    assert F.main(["--out", str(tmp_path), "--controls", str(ctrl), "--record", str(tmp_path / "t.json"),
+                   "--partial", "--split", str(data)]) == 0
+    assert set(json.loads((tmp_path / "t.json").read_text())["runs"]) == {
+        "kvpop-mlp-joint[auto, lm 0.1]", "fixed-finetune[streaming, lm 1]", F.UNTRAINED}
