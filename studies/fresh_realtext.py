@@ -38,7 +38,7 @@ from .controls_realtext import (
     per_sequence,
 )
 from .ledger import TestLog, run_logged, write_json
-from .paths import DATA
+from .paths import DATA, ROOT
 
 MODEL = DATA / "tiny_qwen3_code"
 SPLIT = DATA / "realtext" / "test_fresh2.jsonl"
@@ -241,7 +241,9 @@ def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int 
                               "split": data.stem})
     tl = scored["log"]
     scorings = {k: 1 for k in tl.entries}
-    return {"instrument": "realtext", "split": data.stem, "split_file": f"kvpop/data/realtext/{data.name}",
+    where = Path(data).resolve()
+    split_file = str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(data)
+    return {"instrument": "realtext", "split": data.stem, "split_file": split_file,
             "n_sequences": n, "clusters": clusters, "tag": tag, "settings": {
                 "seq_len": SEQ_LEN, "sinks": SINKS, "window": WINDOW, "budgets": list(EVAL_BUDGETS),
                 "scored_from": max(EVAL_BUDGETS), "metric": "NLL increase over dense (nats/token), lower is better"},
