@@ -101,11 +101,13 @@ GROUPS: tuple[Group, ...] = (
                               *(f"{STUDY_RESULTS}/evidence/{i}/evidence_rows.json" for i in ("kvtrace", "lookahead",
                                                                                        "realtext")),
                               f"{STUDY_RESULTS}/evidence/realtext/fresh2.json",
-                              f"{STUDY_RESULTS}/evidence/realtext/fresh2.md"),
+                              f"{STUDY_RESULTS}/evidence/realtext/fresh2.md",
+                              *(f"{STUDY_RESULTS}/evidence/{t}/fresh_test.{x}" for t in TASKS for x in ("json", "md"))),
           (*_demo("kvtrace", _SYNTH_LEDGER), *_demo("lookahead", _SYNTH_LEDGER),
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
           "python -m studies.evidence synthetic / realtext (hours: see evidence.md), then "
-          "python -m studies.evidence ledger and readme; python -m freshness stamp the files"),
+          "python -m studies.evidence ledger and readme (the fresh splits: python -m studies.fresh_realtext and "
+          "python -m studies.fresh_synthetic, see evidence.md); python -m freshness stamp the files"),
     Group("synthetic same-structure controls",
           tuple(f"{STUDY_RESULTS}/evidence/{t}/controls.json" for t in ("kvtrace", "lookahead")),
           (*_demo("kvtrace", ("kvpop-mlp-joint", "fixed-finetune")),

@@ -159,6 +159,22 @@ def figures(runs: dict) -> list[dict]:
     return out
 
 
+def sequence_accuracies(E, model, examples, policy: str, budget: int, *, threshold=None) -> list[float]:
+    """Each example's accuracy at its graded positions under ``policy`` at ``budget`` (dense: the full cache),
+    teacher-forced (:func:`kvpop.evaluation.evaluate.sequence_correct`; ``threshold``: DMS's gate threshold)."""
+    per = []
+    for ex in examples:
+        c, g = E.sequence_correct(model, ex, policy, None if policy == "dense" else budget, threshold=threshold)
+        per.append(c / g)
+    return per
+
+
+def dms_model(E, base, d: Path, pm: dict):
+    """The model serving ``dms[tuned]`` from its run directory ``d`` (its gates and fine-tuned weights)."""
+    return E.policy_model(base, "dms", scorers=d / "gates.safetensors", finetuned=E.load_base_model(d / "model"),
+                          **pm)
+
+
 class Stage:
     """The runs of one task under ``out`` (module docstring): ``untrained/<source>``, ``controls/<row>/lr<lr>/
     seed<s>``, ``kvpop/<row>/seed<s>``, the scores ``scores/<tag>.json`` (each written once)."""
@@ -209,11 +225,7 @@ class Stage:
             cal = torch.stack([self.mod.make_example(self.mod.valid_seed(CALIBRATE_FIRST + i), L)["input_ids"]
                                for i in range(self.n_valid)])
             thr = self.E.dms_calibrate(model, cal, self.budget)
-        per = []
-        for ex in self.examples:
-            c, g = self.E.sequence_correct(model, ex, policy, None if policy == "dense" else self.budget,
-                                           threshold=thr)
-            per.append(c / g)
+        per = sequence_accuracies(self.E, model, self.examples, policy, self.budget, threshold=thr)
         r = {"per_sequence": per, "budget": self.budget, "policy": policy,
              "eval_seconds": round(time.time() - t0, 1), **({"threshold": float(thr)} if thr is not None else {})}
         write_json(f, r)
@@ -326,9 +338,7 @@ class Stage:
             train_dms_row(self.base, d, self.s, c, seed, self.mod)
             (d / "train_seconds.txt").write_text(f"{time.time() - t0:.1f}\n")
             print(f"[controls {self.task}] trained {DMS_ROW} seed {seed} in {time.time() - t0:.0f} s", flush=True)
-        r = self.score(f"dms/seed{seed}", lambda: self.E.policy_model(
-            self.base, "dms", scorers=d / "gates.safetensors", finetuned=self.E.load_base_model(d / "model"),
-            **self.pm), "dms")
+        r = self.score(f"dms/seed{seed}", lambda: dms_model(self.E, self.base, d, self.pm), "dms")
         if r is None:
             return None
         ts = d / "train_seconds.txt"

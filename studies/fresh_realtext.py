@@ -331,24 +331,10 @@ def markdown(rec: dict) -> str:
 def write_ledger_runs(dest: Path, rec: dict, controls: dict) -> Path:
     """``dest/realtext/evidence_rows.json``: the shipped archive's real-text rows (the earlier split's, as they
     are) with :func:`ledger_rows` of ``rec`` (trials: ``controls``' ``trials_of``), checked by the ledger's rules
-    before it is written; the archive's other records copied beside it (so the ledger command's archive step
-    leaves them as they are)."""
-    import shutil
+    before it is written; the archive's other records copied beside it (:func:`studies.ledger.write_split_rows`)."""
+    from .ledger import write_split_rows
 
-    from .ledger import ARCHIVED, EVIDENCE_FILE, check_ledger
-
-    arch = EVIDENCE_FILE.parent / "evidence" / "realtext"
-    old = json.loads((arch / "evidence_rows.json").read_text())
-    new = ledger_rows(rec, {**controls.get("trials_of", {})})
-    obj = {**old, "rows": [r for r in old["rows"] if r.get("split") != rec["split"]] + new["rows"],
-           "comparisons": [c for c in old.get("comparisons", []) if c["split"] != rec["split"]] + new["comparisons"]}
-    check_ledger(obj, dest / "realtext" / "evidence_rows.json", instrument="realtext")
-    (dest / "realtext").mkdir(parents=True, exist_ok=True)
-    for name in ARCHIVED:
-        if name != "evidence_rows.json" and (arch / name).exists():
-            shutil.copy2(arch / name, dest / "realtext" / name)
-    write_json(dest / "realtext" / "evidence_rows.json", obj)
-    return dest / "realtext" / "evidence_rows.json"
+    return write_split_rows(dest, "realtext", rec["split"], ledger_rows(rec, {**controls.get("trials_of", {})}))
 
 
 def main(argv: list[str] | None = None) -> int:
