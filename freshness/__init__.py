@@ -102,6 +102,8 @@ GROUPS: tuple[Group, ...] = (
                                                                                        "realtext")),
                               f"{STUDY_RESULTS}/evidence/realtext/fresh2.json",
                               f"{STUDY_RESULTS}/evidence/realtext/fresh2.md",
+                              f"{STUDY_RESULTS}/evidence/realtext/fresh3.json",
+                              f"{STUDY_RESULTS}/evidence/realtext/fresh3.md",
                               *(f"{STUDY_RESULTS}/evidence/{t}/fresh_test.{x}" for t in TASKS for x in ("json", "md"))),
           (*_demo("kvtrace", _SYNTH_LEDGER), *_demo("lookahead", _SYNTH_LEDGER),
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
@@ -116,7 +118,8 @@ GROUPS: tuple[Group, ...] = (
           "core: see evidence.md); cp OUT/controls.json studies/results/evidence/<task>/; python -m freshness stamp "
           "the files"),
     Group("real-text same-structure controls", (f"{STUDY_RESULTS}/evidence/realtext/controls.json",
-                                                f"{STUDY_RESULTS}/evidence/realtext/issue44_trials.json"),
+                                                f"{STUDY_RESULTS}/evidence/realtext/issue44_trials.json",
+                                                f"{STUDY_RESULTS}/evidence/realtext/issue44_lm.json"),
           (*(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming"),
           "python -m studies.evidence realtext --stage controls --out OUT --corpus CORPUS --auto-run AUTO (hours: "
           "see evidence.md); cp OUT/controls.json studies/results/evidence/realtext/; python -m freshness stamp "
