@@ -138,20 +138,22 @@ def decode_priorities_in_pages(sc: MLSTMScorer, log_gamma: torch.Tensor, pages: 
                                pos: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                v_leave: torch.Tensor) -> torch.Tensor:
     """:func:`decode_priorities` on states that stay in their pages (``pages [num_blocks, P]`` float32, row ``i``'s
-    state in pages ``blocks [N, E]``), the CPU backend's decode: the same bits, without copying the pages out and
+    state in pages ``blocks [N, E]``), the CPU backend's decode: the same bits, without copying the state out and
     back.  PyTorch cannot view floats spread over arbitrary pages as one tensor, so what the step computes with is
-    read once (an indexed read of ``C, n, m`` and the chunk's features, the state but the ring; of the ring only
-    the leaving token's key, ``D`` floats per head); the writes go in place into ``pages`` (``index_put_``), only
-    what changed: the new token's row of the chunk's features and its ring slot, and, for the rows whose chunk
-    completes at this step (or that start at position 0), ``C, n, m`` and the emptied features.  Host reads (which
-    rows complete): eager CPU use; the GPU backend takes :func:`decode_priorities_kernel`."""
+    read once: the pages holding ``C, n, m`` and the chunk's features (the state but the ring: 11 of 27 pages at
+    Qwen3-8B's shapes; whole pages, the cheapest read of them on a CPU) and of the ring only the leaving token's
+    key (``D`` floats per head).  The writes go in place into ``pages`` (``index_put_``), only what changed: the
+    new token's row of the chunk's features and its ring slot, and, for the rows whose chunk completes at this
+    step (or that start at position 0), ``C, n, m`` and the emptied features (their pages written back whole).
+    Host reads (which rows complete): eager CPU use; the GPU backend takes :func:`decode_priorities_kernel`."""
     _check_pages(sc, pages, blocks, k_new)
     w, L, d = sc.window, sc.chunk, sc.dim
     N, H, D = k_new.shape
     o = offsets(sc)
-    flat_pages, dev, pos = pages.view(-1), pages.device, pos.long()
-    addr = _addresses(pages, blocks, torch.arange(o[7], device=dev))
-    head = flat_pages[addr]  # [N, F - ring]: the one read of the state
+    flat_pages, dev, pos, P = pages.view(-1), pages.device, pos.long(), pages.shape[1]
+    head_pages = blocks[:, : -(-o[7] // P)].long()
+    buf = pages[head_pages].view(N, -1)  # the one read of the state: its pages but the ring's own
+    head = buf[:, : o[7]]
     fresh = pos == 0
     t = (pos - w).clamp_min(0)
     k_t = flat_pages[_ring_addresses(sc, pages, blocks, t)]
@@ -159,10 +161,9 @@ def decode_priorities_in_pages(sc: MLSTMScorer, log_gamma: torch.Tensor, pages: 
         _fill(unpack(sc, head, 7), fresh)
         k_t = torch.where(fresh[:, None, None], torch.zeros_like(k_t), k_t)
         flat_pages[_addresses(pages, blocks[fresh], torch.arange(o[7], o[8], device=dev))] = 0.0
+        buf[fresh, o[7]:] = 0.0  # the ring's start in the last page read (written back below)
     r = sc.decode_leaving(tuple(unpack(sc, head, 7)), k_new, v_new, pos, k_t.to(k_new.dtype), v_leave)
     whole = (pos % L == L - 1) | fresh
-    if bool(whole.any()):
-        flat_pages[addr[whole]] = head[whole]
     part = (~whole).nonzero().flatten()
     if part.numel():  # the new token's row j of kf, vf [Hkv, L, d] and ig, log f [Hkv, L]
         j = (pos[part] % L)[:, None, None]
@@ -171,6 +172,8 @@ def decode_priorities_in_pages(sc: MLSTMScorer, log_gamma: torch.Tensor, pages: 
         g = hs * L + j
         f = torch.cat([o[3] + kv, o[4] + kv, o[5] + g, o[6] + g], dim=2).view(part.numel(), -1)
         flat_pages[_addresses(pages, blocks[part], f)] = head[part].gather(1, f)
+    if bool(whole.any()):  # before the ring slot: the last of these pages may hold the ring's start
+        pages[head_pages[whole]] = buf[whole].view(-1, P)
     flat_pages[_ring_addresses(sc, pages, blocks, pos)] = k_new.float()
     return priority(r, t, log_gamma)
 
