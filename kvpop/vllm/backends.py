@@ -23,9 +23,11 @@ bfloat16 one).
 ``KVpopCPUBackend`` (CPU_ATTN) is what the tests run.  ``KVpopTritonBackend`` (TRITON_ATTN, CUDA) is
 written alongside and **untested on a GPU**: a pure-decode batch takes one fixed-shape path with no
 host synchronisation and no Python loop over requests (CUDA-graph capturable: padded rows of a graph
-batch write into the null block 0), then vLLM's unified Triton kernel over ``min(n, B)`` slots (head-adaptive
-budgets: ``kvpop_kernels.slot_decode.packed_slot_decode``); a batch with a prompt or chunk in it runs eagerly,
-request by request, through ``extend``.  ``kv_cache_dtype="int8_per_token_head"`` / ``"fp8_per_token_head"``:
+batch write their slots into the null block 0 and their mLSTM state nowhere), then vLLM's unified Triton
+kernel over ``min(n, B)`` slots (head-adaptive budgets: ``kvpop_kernels.slot_decode.packed_slot_decode``); a batch
+with a prompt or chunk in it runs eagerly, request by request, through ``extend``.  The mLSTM's state is read and
+written in its pages (``kvpop_kernels.mlstm_decode`` on a GPU, :func:`recurrent.decode_priorities_in_pages` on the
+CPU).  ``kv_cache_dtype="int8_per_token_head"`` / ``"fp8_per_token_head"``:
 kvpop's codes and scales in vLLM's own page (:mod:`kvpop.vllm.quantized`), dequantised on load by those kernels
 on a GPU, by kvpop's PyTorch attention on the CPU.
 """

@@ -13,7 +13,10 @@ cache's own state.  :func:`extend_priorities` (a prompt, or a later chunk, of on
 :func:`decode_priorities` (one token per request, fixed shapes, no host read) give the priority of every
 token when it leaves the window, from its read-out at ``t + w`` through the training's chunk function
 (``MLSTMScorer._chunk``) on the 128-token chunk that ``t + w`` falls in, so it has the bits of
-``ScorerHooks.prompt`` and ``ScorerHooks.leaving`` in transformers whatever vLLM's chunk boundaries are.
+``ScorerHooks.prompt`` and ``ScorerHooks.leaving`` in transformers whatever vLLM's chunk boundaries are.  The
+backends decode with the state left in its pages: :func:`decode_priorities_in_pages` (CPU, PyTorch, the bits of
+:func:`decode_priorities`; writes in place) and :func:`decode_priorities_kernel` (GPU, the Triton kernel
+``kvpop_kernels.mlstm_decode``; reads and writes in place, padded rows skipped).
 docs/DESIGN.md section 5, "How the vLLM plugin holds the cache".
 """
 from __future__ import annotations
