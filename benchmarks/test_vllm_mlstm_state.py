@@ -6,8 +6,9 @@ Group ``vllm-mlstm-state``.  One layer at Qwen3-8B's shapes: 8 KV heads of 128, 
 and 128-token chunks, pages of a bf16 cache with blocks of 16 (16,384 floats: 27 state pages a request); ``N``
 requests at positions ``1000 + r`` decode ``STEPS`` tokens (one chunk end each), the leaving token's value given.
 Rounds alternate (gathered, in place, gathered, ...), best of ``ROUNDS`` each; each path on its own copy of the
-pages, which must end equal (same work, same bits).  ``extra_info``: ms per step of each path, the ratio, the load
-average at every round, torch's threads.  (The GPU backend's in-place step is a Triton kernel,
+pages, which must end equal (same work, same bits).  ``work="state-io"`` times the same two paths with the mLSTM's
+arithmetic (``MLSTMScorer.decode_leaving``) replaced by a stub that returns zeros: the state's reads and writes
+alone.  ``extra_info``: ms per step of each path, the ratio, the load average at every round, torch's threads.  (The GPU backend's in-place step is a Triton kernel,
 ``kvpop_kernels.mlstm_decode``: not timed here, no GPU.)
 
 Run: ``pytest benchmarks/test_vllm_mlstm_state.py --benchmark-only``.  With ``--benchmark-disable`` (CI) the same
@@ -44,13 +45,16 @@ def _in_place(sc, lg, pages, blocks, pos, k, v, vl):
 
 
 @pytest.mark.benchmark(group="vllm-mlstm-state")
+@pytest.mark.parametrize("work", ["step", "state-io"])
 @pytest.mark.parametrize("N", [1, 4])
-def test_mlstm_state_gathered_against_in_place(benchmark, N):
+def test_mlstm_state_gathered_against_in_place(benchmark, N, work, monkeypatch):
     smoke = getattr(benchmark, "disabled", False)
     steps, rounds = (2, 1) if smoke else (STEPS, ROUNDS)
     torch.manual_seed(0)
     sc = MLSTMScorer(H, D, WINDOW, dim=DIM)
     lg = torch.linspace(-0.01, -0.001, H)
+    if work == "state-io":
+        monkeypatch.setattr(sc, "decode_leaving", lambda state, k, *a: torch.zeros(k.shape[:2]))
     E = R.state_blocks(sc, 4 * PAGE_FLOATS)
     nb = N * E + 1
     start = torch.randn(nb, PAGE_FLOATS)
@@ -82,4 +86,4 @@ def test_mlstm_state_gathered_against_in_place(benchmark, N):
     benchmark.extra_info.update(
         gathered_ms_per_step=1e3 * best["gathered"], in_place_ms_per_step=1e3 * best["in_place"],
         in_place_over_gathered=best["in_place"] / best["gathered"], state_pages=E, requests=N, steps=steps,
-        rounds=rounds, load_avg_1min=loads, torch_threads=torch.get_num_threads())
+        rounds=rounds, load_avg_1min=loads, torch_threads=torch.get_num_threads(), work=work)
