@@ -8,8 +8,8 @@ requests at positions ``1000 + r`` decode ``STEPS`` tokens (one chunk end each),
 Rounds alternate (gathered, in place, gathered, ...), best of ``ROUNDS`` each; each path on its own copy of the
 pages, which must end equal (same work, same bits).  ``work="state-io"`` times the same two paths with the mLSTM's
 arithmetic (``MLSTMScorer.decode_leaving``) replaced by a stub that returns zeros: the state's reads and writes
-alone.  ``extra_info``: ms per step of each path, the ratio, the load average at every round, torch's threads.  (The GPU backend's in-place step is a Triton kernel,
-``kvpop_kernels.mlstm_decode``: not timed here, no GPU.)
+alone.  ``extra_info``: ms per step of each path, the ratio, the load average at every round, torch's threads.
+(The GPU backend's in-place step is a Triton kernel, ``kvpop_kernels.mlstm_decode``: not timed here, no GPU.)
 
 Run: ``pytest benchmarks/test_vllm_mlstm_state.py --benchmark-only``.  With ``--benchmark-disable`` (CI) the same
 code runs once at smoke sizes (2 steps, one round).
