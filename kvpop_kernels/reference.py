@@ -37,6 +37,7 @@ __all__ = [
     "fixed_budget_decode",
     "quantized_fixed_budget_decode",
     "ragged_paged_decode",
+    "paged_mlstm_decode",
 ]
 
 
@@ -390,3 +391,61 @@ def ragged_paged_decode(q: torch.Tensor, fixed_k: torch.Tensor, fixed_v: torch.T
             lse[g] = torch.logsumexp(logits, dim=0)
             out[g] = torch.softmax(logits, dim=0) @ vv
     return out.to(q.dtype), lse
+
+
+def paged_mlstm_decode(pages: torch.Tensor, table: torch.Tensor, pos: torch.Tensor, kf: torch.Tensor,
+                       vf: torch.Tensor, ig: torch.Tensor, log_f: torch.Tensor, q: torch.Tensor, k_new: torch.Tensor,
+                       *, window: int, chunk: int) -> torch.Tensor:
+    """One mLSTM decode step per row by gather, compute, scatter: row ``n``'s ``E`` state pages are copied out
+    whole, read as ``C [H, d, d]``, ``n [H, d]``, ``m [H]``, ``kf, vf [H, L, d]``, ``ig, log f [H, L]``, ``ring
+    [H, w, D]``; the chunk's read-outs are formed for all ``L`` rows in the matrix (chunkwise-parallel) form in
+    float64 and row ``pos % L``'s kept; the state is carried on when the chunk completes; the pages are written
+    back whole.  ``pos == 0`` starts from the empty state, ``pos < 0`` skips the row (read-out 0).  Returns
+    ``h [N, H, d]`` float32; updates ``pages`` in place."""
+    N, H, d = kf.shape
+    L, w, D = chunk, window, k_new.shape[2]
+    P = pages.shape[1]
+    sizes = [H * d * d, H * d, H, H * L * d, H * L * d, H * L, H * L, H * w * D]
+    E = -(-sum(sizes) // P)
+    out = torch.zeros(N, H, d, dtype=torch.float32, device=kf.device)
+    for r in range(N):
+        p = int(pos[r])
+        if p < 0:
+            continue
+        blocks = [int(b) for b in table[r, :E]]
+        flat = torch.cat([pages[b] for b in blocks]).double()
+        parts = list(torch.split(flat[: sum(sizes)], sizes))
+        if p == 0:
+            for i, fill in enumerate((0.0, 0.0, float("-inf"), 0.0, 0.0, float("-inf"), 0.0, 0.0)):
+                parts[i] = torch.full_like(parts[i], fill)
+        C, nn, m = parts[0].view(H, d, d), parts[1].view(H, d), parts[2].view(H)
+        kb, vb, ib, lb = parts[3].view(H, L, d), parts[4].view(H, L, d), parts[5].view(H, L), parts[6].view(H, L)
+        ring = parts[7].view(H, w, D)
+        j = p % L
+        kb[:, j], vb[:, j], ib[:, j], lb[:, j] = kf[r].double(), vf[r].double(), ig[r].double(), log_f[r].double()
+        for h in range(H):
+            F = torch.cumsum(lb[h], 0)
+            logD = (F[:, None] - F[None, :] + ib[h][None, :]).masked_fill(
+                ~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+            inter = F + m[h]
+            M = torch.maximum(inter, logD.amax(1))
+            Q = torch.zeros(L, d, dtype=torch.float64)
+            Q[j] = q[r, h].double()
+            S = (Q @ kb[h].T) * torch.exp(logD - M[:, None])
+            a = torch.exp(inter - M)
+            num = S @ vb[h] + a[:, None] * (Q @ C[h])
+            den = S.sum(1) + a * (Q @ nn[h])
+            out[r, h] = (num / torch.maximum(den.abs(), torch.exp(-M))[:, None])[j].float()
+            if j == L - 1:
+                wj = torch.exp(F[-1] - F + ib[h] - M[-1])
+                carry = torch.exp(F[-1] + m[h] - M[-1])
+                C[h] = carry * C[h] + (kb[h] * wj[:, None]).T @ vb[h]
+                nn[h] = carry * nn[h] + (kb[h] * wj[:, None]).sum(0)
+                m[h] = M[-1]
+        if j == L - 1:
+            kb.zero_(), vb.zero_(), ib.fill_(float("-inf")), lb.zero_()
+        ring[:, p % w] = k_new[r].double()
+        new = torch.cat([x.reshape(-1) for x in parts] + [flat[sum(sizes):]]).float()
+        for e, b in enumerate(blocks):
+            pages[b] = new[e * P:(e + 1) * P]
+    return out

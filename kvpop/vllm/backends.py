@@ -23,9 +23,11 @@ bfloat16 one).
 ``KVpopCPUBackend`` (CPU_ATTN) is what the tests run.  ``KVpopTritonBackend`` (TRITON_ATTN, CUDA) is
 written alongside and **untested on a GPU**: a pure-decode batch takes one fixed-shape path with no
 host synchronisation and no Python loop over requests (CUDA-graph capturable: padded rows of a graph
-batch write into the null block 0), then vLLM's unified Triton kernel over ``min(n, B)`` slots (head-adaptive
-budgets: ``kvpop_kernels.slot_decode.packed_slot_decode``); a batch with a prompt or chunk in it runs eagerly,
-request by request, through ``extend``.  ``kv_cache_dtype="int8_per_token_head"`` / ``"fp8_per_token_head"``:
+batch write their slots into the null block 0 and their mLSTM state nowhere), then vLLM's unified Triton
+kernel over ``min(n, B)`` slots (head-adaptive budgets: ``kvpop_kernels.slot_decode.packed_slot_decode``); a batch
+with a prompt or chunk in it runs eagerly, request by request, through ``extend``.  The mLSTM's state is read and
+written in its pages (``kvpop_kernels.mlstm_decode`` on a GPU, :func:`recurrent.decode_priorities_in_pages` on the
+CPU).  ``kv_cache_dtype="int8_per_token_head"`` / ``"fp8_per_token_head"``:
 kvpop's codes and scales in vLLM's own page (:mod:`kvpop.vllm.quantized`), dequantised on load by those kernels
 on a GPU, by kvpop's PyTorch attention on the CPU.
 """
@@ -119,22 +121,25 @@ class _FixedBudgetImpl:
         return slots.UniformSlots(layer.kvpop_budget, hkv).addr(table, heads, slot[:, None].expand(N, hkv, m), bs)
 
     def _recurrent_decode(self, layer, state, rows, bt, V, pos, k_pre, value, valid=None):
-        """``(p_new, p_leave)`` ``[N, Hkv]`` of one decode token per request ``rows`` (fixed shapes, no host read;
-        rows not ``valid`` use block 0, vLLM's null block): the mLSTM's state absorbs the token and prices the one
-        leaving the window (its value read from its window slot, which the new token is about to take)."""
+        """``(p_new, p_leave)`` ``[N, Hkv]`` of one decode token per request ``rows``: the mLSTM's state absorbs the
+        token and prices the one leaving the window (its value read from its window slot, which the new token is
+        about to take).  The state is read and written in its pages: on the CPU by
+        :func:`recurrent.decode_priorities_in_pages` (PyTorch, the transformers cache's bits), on the GPU backend by
+        :func:`recurrent.decode_priorities_kernel` (a Triton kernel; fixed shapes, no host read; rows not ``valid``
+        write nowhere and read their slots from block 0, vLLM's null block)."""
         pages, st = state
         st = st[rows]
         if valid is not None:
             st = torch.where(valid[:, None], st, torch.zeros_like(st))
             bt = torch.where(valid[:, None], bt, torch.zeros_like(bt))
-        N, E = st.shape
-        idx = st.long().reshape(-1)
-        flat = pages[idx].view(N, -1)
         t = (pos.long() - layer.kvpop_window).clamp(min=0)
         v_leave = V[self._window_addr(layer, bt, t[:, None], V.shape[2])].squeeze(2)
         sc = layer.kvpop_recurrent[0]
-        p_leave = recurrent.decode_priorities(sc.scorer, sc.log_gamma(), flat, pos, k_pre, value, v_leave)
-        pages[idx] = flat.view(N * E, -1)
+        args = (sc.scorer, sc.log_gamma(), pages, st, pos, k_pre, value, v_leave)
+        if isinstance(self, TritonAttentionImpl):
+            p_leave = recurrent.decode_priorities_kernel(*args, valid=valid)
+        else:
+            p_leave = recurrent.decode_priorities_in_pages(*args)
         return torch.zeros_like(p_leave), p_leave
 
     def _recurrent_extend(self, layer, state, r: int, bt_row, K, V, pr, ctx: int, k_pre, value) -> torch.Tensor:

@@ -1,6 +1,17 @@
 """Compiling kernels for a GPU target in a process without Triton's interpreter (no GPU needed)."""
 import pytest
 
+PREAMBLE = r"""
+import json, sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except Exception as exc:
+    print(json.dumps({"skip": repr(exc)})); sys.exit(0)
+"""
+"""The start of a compile script: Triton's compiler API, or a ``{"skip": ...}`` line when it is not reachable."""
+
 
 def run_without_interpreter(script: str, *args: str, timeout: float = 900) -> dict:
     """Run ``script`` (Python source that prints one JSON line last) in a fresh process without

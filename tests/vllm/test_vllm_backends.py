@@ -90,8 +90,11 @@ def test_pure_decode_batch_with_a_padded_row():
 def test_pure_decode_batch_mlstm_state_pages():
     """The mLSTM scorer's pure-decode path: each request's state pages lead its block-table row (their count from
     ``recurrent.state_blocks``); the step equals ``recurrent.decode_priorities`` + ``slots.decode_step`` on the real
-    rows alone, over the rows' slot blocks, with the leaving token's value read from its window slot; a padded row
-    writes into the null block only; the kernel is handed the slot columns of the block table."""
+    rows alone, over the rows' slot blocks, with the leaving token's value read from its window slot, the state
+    updated in its pages by ``kvpop_kernels.mlstm_decode`` (Triton's interpreter here: the state and the priorities
+    within float32 rounding of the gathered PyTorch step's, the slots' keys and values exact); a padded row writes
+    its slots into the null block only and its state nowhere (the kernel skips it); the kernel is handed the slot
+    columns of the block table."""
     from kvpop import KVpopConfig, KVpopLayer
     from kvpop.vllm import recurrent
 
@@ -130,10 +133,14 @@ def test_pure_decode_batch_mlstm_state_pages():
         pages[st] = flat.view(3 * E, -1)
         slots.decode_step(K, V, *ref_tables, bt[:3, E:], pos, k[:3], v[:3], torch.zeros(3, hkv), sinks=2, window=4,
                           budget=12, p_leave=p_leave)
-        live = torch.arange(1, nb)
-        torch.testing.assert_close(kv[live], ref_kv[live], rtol=0, atol=0)
+        state_blocks = bt[:3, :E].long().reshape(-1)
+        torch.testing.assert_close(kv[state_blocks], ref_kv[state_blocks], rtol=2e-5, atol=2e-5)
+        others = torch.tensor([b for b in range(1, nb) if b not in state_blocks.tolist()])
+        torch.testing.assert_close(kv[others], ref_kv[others], rtol=0, atol=0)
         sp, pr = impl._kvpop_tables
-        assert torch.equal(sp[live], ref_tables[0][live]) and torch.equal(pr[live], ref_tables[1][live])
+        live = torch.arange(1, nb)
+        assert torch.equal(sp[live], ref_tables[0][live])
+        torch.testing.assert_close(pr[live], ref_tables[1][live], rtol=1e-4, atol=1e-4)
         assert torch.equal(calls[-1].block_table, bt[:, E:])
     assert len(calls) == 15
 

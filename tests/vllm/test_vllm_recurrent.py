@@ -120,3 +120,69 @@ def test_state_blocks():
     assert R.state_blocks(sc, 4 * F) == 1 and R.state_blocks(sc, 4 * F - 4) == 2
     with pytest.raises(ValueError, match="page of 6 bytes"):
         R.state_blocks(sc, 6)
+
+
+def _paged_case(sc, N, P, seed):
+    """States of ``N`` rows in shuffled pages of ``P`` floats full of garbage (block 0 never used), and the same
+    states as flat rows."""
+    g = torch.Generator().manual_seed(seed)
+    E = R.state_blocks(sc, 4 * P)
+    nb = N * E + 3
+    pages = torch.randn(nb, P, generator=g)
+    blocks = (torch.randperm(nb - 1, generator=g)[: N * E] + 1).view(N, E).int()
+    return pages, blocks, E
+
+
+@pytest.mark.parametrize("path", ["in_pages", "kernel"])
+def test_in_place_decode_equals_the_gathered_one(path):
+    """``decode_priorities_in_pages`` (the CPU backend's) gives :func:`decode_priorities`'s bits on the same states
+    gathered out of their pages, and leaves the pages as gathering, updating and scattering back would (every
+    float, the stale tail of the last page too); ``decode_priorities_kernel`` (the GPU backend's: Triton's
+    interpreter here) the same within float32 rounding, with the scorer's own gates (the sharpened input gate of
+    ``_scorer`` makes some read-outs' denominators cancel, where float32 sums in another order differ by ~1e-3).
+    Three rows start at 0, 70 and 120 in pages of 301 floats (odd: the state's parts straddle pages) and decode
+    60 steps (rows 1 and 2 across the 128-token chunk's end)."""
+    sc, lg = _scorer(4)
+    if path == "kernel":
+        torch.manual_seed(4)
+        sc = MLSTMScorer(H, D, W, dim=16, hidden=24)
+    N, P = 3, 301
+    pages, blocks, E = _paged_case(sc, N, P, 0)
+    flat_pages = pages.clone()
+    starts = torch.tensor([0, 70, 120])
+    fn = R.decode_priorities_in_pages if path == "in_pages" else R.decode_priorities_kernel
+    torch.manual_seed(5)
+    for step in range(60):
+        pos = starts + step
+        k, v, vl = torch.randn(N, H, D), torch.randn(N, H, D), torch.randn(N, H, D)
+        idx = blocks.long().reshape(-1)
+        flat = flat_pages[idx].view(N, -1)
+        want = R.decode_priorities(sc, lg, flat, pos, k, v, vl)
+        flat_pages[idx] = flat.view(N * E, -1)
+        got = fn(sc, lg, pages, blocks, pos, k, v, vl)
+        if path == "in_pages":
+            assert torch.equal(got, want), f"step {step}"
+            assert torch.equal(pages, flat_pages), f"step {step}"
+        else:
+            live = pos >= W  # the others' priorities are never read
+            torch.testing.assert_close(got[live], want[live], atol=1e-4, rtol=1e-3)
+            torch.testing.assert_close(pages, flat_pages, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_path_padded_rows_write_nowhere():
+    """A padded row of a CUDA-graph batch (``valid`` False) handed to ``decode_priorities_kernel`` with the block
+    table row of a live request (stale) and the null block: the pages are exactly what the real rows alone make
+    of them; its priorities are finite (nobody reads them)."""
+    sc, lg = _scorer(6)
+    N, P = 2, 301
+    pages, blocks, E = _paged_case(sc, N, P, 1)
+    ref = pages.clone()
+    torch.manual_seed(7)
+    pos = torch.tensor([200, 135])
+    k, v, vl = torch.randn(N + 2, H, D), torch.randn(N + 2, H, D), torch.randn(N + 2, H, D)
+    R.decode_priorities_kernel(sc, lg, ref, blocks, pos, k[:N], v[:N], vl[:N])
+    padded = torch.cat([blocks, blocks[:1], torch.zeros(1, E, dtype=blocks.dtype)])
+    valid = torch.tensor([True, True, False, False])
+    got = R.decode_priorities_kernel(sc, lg, pages, padded, torch.tensor([200, 135, 0, 0]), k, v, vl, valid=valid)
+    assert torch.equal(pages, ref)
+    assert bool(got.isfinite().all())
