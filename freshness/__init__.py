@@ -104,6 +104,8 @@ GROUPS: tuple[Group, ...] = (
                               f"{STUDY_RESULTS}/evidence/realtext/fresh2.md",
                               f"{STUDY_RESULTS}/evidence/realtext/fresh3.json",
                               f"{STUDY_RESULTS}/evidence/realtext/fresh3.md",
+                              f"{STUDY_RESULTS}/evidence/realtext2/fresh_corpus2.json",
+                              f"{STUDY_RESULTS}/evidence/realtext2/fresh_corpus2.md",
                               *(f"{STUDY_RESULTS}/evidence/{t}/fresh_test.{x}" for t in TASKS for x in ("json", "md"))),
           (*_demo("kvtrace", _SYNTH_LEDGER), *_demo("lookahead", _SYNTH_LEDGER),
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
