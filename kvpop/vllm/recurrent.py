@@ -176,7 +176,7 @@ def decode_priorities_in_pages(sc: MLSTMScorer, log_gamma: torch.Tensor, pages: 
         f = torch.cat([o[3] + kv, o[4] + kv, o[5] + g, o[6] + g], dim=2).view(part.numel(), -1)
         flat_pages[_addresses(pages, blocks[part], f)] = head[part].gather(1, f)
     if bool(whole.any()):  # before the ring slot: the last of these pages may hold the ring's start
-        pages[head_pages[whole]] = buf[whole].view(-1, P)
+        pages[head_pages[whole].reshape(-1)] = buf[whole].reshape(-1, P)  # rows x pages, one page a row
     flat_pages[_ring_addresses(sc, pages, blocks, pos)] = k_new.float()
     return priority(r, t, log_gamma)
 

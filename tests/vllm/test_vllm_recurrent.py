@@ -140,16 +140,17 @@ def test_in_place_decode_equals_the_gathered_one(path):
     float, the stale tail of the last page too); ``decode_priorities_kernel`` (the GPU backend's: Triton's
     interpreter here) the same within float32 rounding, with the scorer's own gates (the sharpened input gate of
     ``_scorer`` makes some read-outs' denominators cancel, where float32 sums in another order differ by ~1e-3).
-    Three rows start at 0, 70 and 120 in pages of 301 floats (odd: the state's parts straddle pages) and decode
-    60 steps (rows 1 and 2 across the 128-token chunk's end)."""
+    Four rows start at 0, 70, 120 and 248 in pages of 301 floats (odd: the state's parts straddle pages) and decode
+    60 steps (rows 1, 2 and 3 across the 128-token chunk's end; rows 2 and 3 complete their chunks at the same step,
+    so that step writes two rows' pages back at once)."""
     sc, lg = _scorer(4)
     if path == "kernel":
         torch.manual_seed(4)
         sc = MLSTMScorer(H, D, W, dim=16, hidden=24)
-    N, P = 3, 301
+    N, P = 4, 301
     pages, blocks, E = _paged_case(sc, N, P, 0)
     flat_pages = pages.clone()
-    starts = torch.tensor([0, 70, 120])
+    starts = torch.tensor([0, 70, 120, 248])
     fn = R.decode_priorities_in_pages if path == "in_pages" else R.decode_priorities_kernel
     torch.manual_seed(5)
     for step in range(60):
