@@ -30,6 +30,8 @@ rows, reading each live row's state but the ring and writing it back whole (a fa
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._utils import empty, use_triton
@@ -40,14 +42,20 @@ try:
 except Exception:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["paged_mlstm_decode", "state_offsets"]
+__all__ = ["paged_mlstm_decode", "state_offsets", "state_shapes"]
+
+
+def state_shapes(H: int, d: int, L: int, w: int, D: int) -> list[tuple[int, ...]]:
+    """The shapes of ``C, n, m, kf, vf, ig, log f, ring`` in a row's state, in their order: the one layout rule
+    of the mLSTM's state in its pages (``kvpop.vllm.recurrent`` reads it from here)."""
+    return [(H, d, d), (H, d), (H,), (H, L, d), (H, L, d), (H, L), (H, L), (H, w, D)]
 
 
 def state_offsets(H: int, d: int, L: int, w: int, D: int) -> list[int]:
     """Where ``C, n, m, kf, vf, ig, log f, ring`` start among a row's state floats, and the end ``F``."""
     out = [0]
-    for size in (H * d * d, H * d, H, H * L * d, H * L * d, H * L, H * L, H * w * D):
-        out.append(out[-1] + size)
+    for shape in state_shapes(H, d, L, w, D):
+        out.append(out[-1] + math.prod(shape))
     return out
 
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["TeacherTopK", "teacher_topk", "distill_loss", "fused_teacher_topk", "fused_distill_loss",
+__all__ = ["TeacherTopK", "teacher_topk", "distill_loss", "fused_teacher_topk", "fused_distill_loss", "next_token_nll",
            "fused_output_head", "default_chunk_size"]
 
 _CHUNK_BYTES = 128 * 2**20  # one [chunk, V] float32 buffer of the fused head
@@ -289,6 +289,23 @@ def fused_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: Teac
     h = hidden.reshape(-1, hidden.shape[-1])
     return _FusedKL.apply(h, weight, bias, t.logp.detach().float(), t.indices.long(), t.rest.detach().float(), w,
                           C, _compute_dtype(hidden, weight))
+
+
+def next_token_nll(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *,
+                   bias: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """The mean next-token NLL of ``ids [B, S]`` under the logits ``hidden [B, S, H] @ weight^T (+ bias)``
+    (positions ``0 .. S-2`` predict ``1 .. S-1``), computed as :func:`fused_distill_loss` against a one-hot
+    teacher (the KL from a one-hot distribution is the NLL of its token): chunked, never holding ``[S, V]``."""
+    if ids.shape != hidden.shape[:-1]:
+        raise ValueError(f"ids {tuple(ids.shape)} must have the hidden states' positions {tuple(hidden.shape[:-1])}")
+    nxt = torch.zeros_like(ids)
+    nxt[..., :-1] = ids[..., 1:]
+    mask = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    mask[..., -1] = False
+    onehot = TeacherTopK(torch.zeros(ids.shape + (1,), dtype=torch.float32, device=hidden.device),
+                         nxt.unsqueeze(-1).to(hidden.device),
+                         torch.full(ids.shape, float("-inf"), dtype=torch.float32, device=hidden.device))
+    return fused_distill_loss(hidden, weight, onehot, bias=bias, mask=mask, chunk_size=chunk_size)
 
 
 @contextlib.contextmanager

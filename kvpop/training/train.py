@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvpop.core.distill import next_token_nll
 from kvpop.core.loss import TeacherTopK, fused_distill_loss, fused_output_head, fused_teacher_topk
 
 from .methods import METHODS, TrainingMethod, method_for
@@ -235,23 +236,6 @@ class _Step(nn.Module):
         kl, nll = res["value"]
         stats = {**stats, "kl": float(kl.detach()), "nll": float(nll.detach())}
         return kl + self.lm_weight * nll, ls.to(kl.device), stats
-
-
-def next_token_nll(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, *,
-                   bias: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
-    """The mean next-token NLL of ``ids [B, S]`` under the logits ``hidden [B, S, H] @ weight^T (+ bias)``
-    (positions ``0 .. S-2`` predict ``1 .. S-1``), computed as :func:`fused_distill_loss` against a one-hot
-    teacher (the KL from a one-hot distribution is the NLL of its token): chunked, never holding ``[S, V]``."""
-    if ids.shape != hidden.shape[:-1]:
-        raise ValueError(f"ids {tuple(ids.shape)} must have the hidden states' positions {tuple(hidden.shape[:-1])}")
-    nxt = torch.zeros_like(ids)
-    nxt[..., :-1] = ids[..., 1:]
-    mask = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    mask[..., -1] = False
-    onehot = TeacherTopK(torch.zeros(ids.shape + (1,), dtype=torch.float32, device=hidden.device),
-                         nxt.unsqueeze(-1).to(hidden.device),
-                         torch.full(ids.shape, float("-inf"), dtype=torch.float32, device=hidden.device))
-    return fused_distill_loss(hidden, weight, onehot, bias=bias, mask=mask, chunk_size=chunk_size)
 
 
 def teacher_step(teacher: nn.Module, ids: torch.Tensor, top_k: int | None, *,

@@ -27,14 +27,14 @@ import torch
 
 from kvpop.core.priority import priority
 from kvpop.core.scorers import MLSTMScorer, scorer_features
+from kvpop_kernels.mlstm_decode import state_shapes
 
 __all__ = ["state_floats", "state_blocks", "unpack", "reset", "extend_priorities", "decode_priorities",
            "decode_priorities_in_pages", "decode_priorities_kernel"]
 
 
 def _shapes(sc: MLSTMScorer) -> list[tuple[int, ...]]:
-    H, d, L, w, D = sc.num_kv_heads, sc.dim, sc.chunk, sc.window, sc.head_dim
-    return [(H, d, d), (H, d), (H,), (H, L, d), (H, L, d), (H, L), (H, L), (H, w, D)]
+    return state_shapes(sc.num_kv_heads, sc.dim, sc.chunk, sc.window, sc.head_dim)
 
 
 _FILL = (0.0, 0.0, float("-inf"), 0.0, 0.0, float("-inf"), 0.0, 0.0)

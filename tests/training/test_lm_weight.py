@@ -12,7 +12,8 @@ from tiny import SMALL, tiny_model  # noqa: E402
 
 import kvpop  # noqa: E402
 from kvpop.cli import main  # noqa: E402
-from kvpop.training.train import TrainConfig, next_token_nll, train  # noqa: E402
+from kvpop.core.distill import next_token_nll  # noqa: E402
+from kvpop.training.train import TrainConfig, train  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
