@@ -142,6 +142,7 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
             f"policy={cfg.policy!r} is defined only while decoding through kvpop.KVpopCache; a full-sequence "
             f"forward supports the policies {registered_policies(static=True)}"
         )
+    query, key, value = autocast_inputs(query, key, value)
     B, Hq, S, D = query.shape
     Hkv = key.shape[1]
     if k_pre is None or k_pre.shape != value.shape:
@@ -209,6 +210,17 @@ def sequence_attention(layer: KVpopLayer, query: torch.Tensor, key: torch.Tensor
     return out, lse
 
 
+def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, the attention's inputs in autocast's dtype, as SDPA takes them.  The kernels are not
+    autocast-aware and want one dtype, and under ``--bf16`` Qwen3's q/k norms (float32 weights) give float32
+    queries and keys beside a bf16 ``v_proj`` (found by the first GPU run, 2026-12-04)."""
+    dev = xs[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return xs
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(x.to(dt) for x in xs)
+
+
 def streaming_policy(cfg: KVpopConfig) -> bool:
     """True when the mask is the constant-priority StreamingLLM pattern (no scorer involved)."""
     return cfg.mask_source == "streaming" or cfg.policy == "streaming"
@@ -237,6 +249,7 @@ def target_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         raise ValueError(f"kvpop teacher targets need attention dropout 0, got {dropout}")
     if query.shape[2] != key.shape[2]:
         raise NotImplementedError("kvpop teacher targets need a full-sequence forward (no cache)")
+    query, key, value = autocast_inputs(query, key, value)
     B, Hkv, S = key.shape[0], key.shape[1], key.shape[2]
     with torch.no_grad():
         never = torch.full((B, Hkv, S), NEVER, dtype=torch.int32, device=query.device)

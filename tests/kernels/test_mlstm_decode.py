@@ -61,6 +61,36 @@ def test_padded_rows_write_nowhere(backend):
     assert torch.equal(pages, before) and torch.equal(out, torch.zeros(3, H, d))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(H, d, L, W, D, P), (8, 64, 128, 16, 128, 4096)], ids=["odd", "qwen3-8b"])
+def test_gpu_steps_match_the_reference(shape):
+    """The Triton step compiled for this GPU: the odd shapes above and Qwen3-8B's scorer shapes (d 64, chunk 128,
+    head dim 128, 16 KB pages), rows at 0, mid-chunk, one padded, over a chunk end; read-outs and pages against
+    the reference on CPU copies (float32 dots: tf32 tolerance)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    h, dd, ll, ww, hd, pp = shape
+    g = torch.Generator().manual_seed(11)
+    N = 4
+    E = -(-state_offsets(h, dd, ll, ww, hd)[-1] // pp)
+    nb = N * E + 4
+    ref = torch.randn(nb, pp, generator=g) * 0.1
+    table = (torch.randperm(nb - 1, generator=g)[: N * E] + 1).view(N, E).to(torch.int32)
+    table[2] = table[0]
+    pages = ref.cuda()
+    pos = torch.tensor([0, ll - 3, -1, ll + 5])
+    for _ in range(ll // 2 + 4):
+        args = [torch.randn(N, h, dd, generator=g) for _ in range(2)]
+        args += [torch.randn(N, h, generator=g), -torch.rand(N, h, generator=g), torch.randn(N, h, dd, generator=g),
+                 torch.randn(N, h, hd, generator=g)]
+        got = paged_mlstm_decode(pages, table.cuda(), pos.cuda(), *(a.cuda() for a in args), window=ww, chunk=ll)
+        want = reference.paged_mlstm_decode(ref, table, pos, *args, window=ww, chunk=ll)
+        torch.testing.assert_close(got.cpu(), want, atol=3e-3, rtol=3e-3)
+        torch.testing.assert_close(pages.cpu(), ref, atol=3e-3, rtol=3e-3)
+        ref.copy_(pages.cpu())  # carry the GPU's state on, so the tolerance does not compound
+        pos = torch.where(pos >= 0, pos + 1, pos)
+
+
 def test_bad_arguments_named():
     pages, table = _case(2, 0)
     g = torch.Generator().manual_seed(0)

@@ -201,7 +201,8 @@ def test_public_api_exports_never():
 @pytest.mark.parametrize("S", [1000, 4096])
 def test_gpu_matches_cpu_path(S):
     p = torch.randn(2, 8, S)
-    p[:, :, ::7] = p[:, :, 3::7][..., : p[:, :, ::7].shape[-1]]  # some ties
+    tie = torch.arange(0, S - 3, 7)
+    p[:, :, tie] = p[:, :, tie + 3]  # some ties (any S: the first GPU run found S = 4096 broke the slicing)
     kw = dict(sinks=4, window=256, k=300)
     from kvpop_kernels.schedule import _cpu_schedule
 
