@@ -47,8 +47,15 @@ DENSE_FT = "fixed-finetune[dense]"
 UNTRAINED = "streaming"
 CONTROLS = ("fixed-finetune[streaming]", "fixed-finetune[random]", "fixed-finetune[keynorm]",
             "fixed-finetune[window-attention]")
+DMS_ROW = "dms[tuned]"
+"""DMS, the learned rival, at the settings its real-text search chose (``selection.json``'s ``dms.rechosen``):
+scored only where a controls record lists its runs (issue 44 item 4's larger model)."""
 ROWS = (AUTO_ROW, *CONTROLS, ORACLE, DENSE_FT, UNTRAINED)
-"""Every row scored, in the order they are scored (the KVpop row and its first control first)."""
+"""Every row scored by default, in the order they are scored (the KVpop row and its first control first)."""
+ORDER = (AUTO_ROW, *CONTROLS, ORACLE, DMS_ROW, DENSE_FT, UNTRAINED)
+"""Every row a record can hold (:data:`ROWS` and DMS), in the record's order."""
+STEPS = {DMS_ROW: 600}
+"""Training steps of rows that did not train the controls' 250."""
 NOT_CAUSAL = (ORACLE,)
 """Rows whose priority reads the future (an upper bound, not a policy a decoder can run)."""
 
@@ -78,10 +85,10 @@ def dense_per_sequence(model_dir: Path, data: Path, n: int, *, seq_len: int = SE
     return out
 
 
-def eval_command(run: Path | None, policy: str, data: Path, n: int, out: Path) -> list[str]:
+def eval_command(run: Path | None, policy: str, data: Path, n: int, out: Path, model: Path = MODEL) -> list[str]:
     """``kvpop eval --data`` of one (row, seed), as the controls' evaluations ran (``studies/controls_realtext``'s
-    ``eval_args``) on ``n`` sequences of ``data``."""
-    return ["kvpop", "eval", "--model", str(MODEL), "--data", str(data), "--seq-len", str(SEQ_LEN),
+    ``eval_args``) on ``n`` sequences of ``data``; ``model``: the base model (the original dense reference)."""
+    return ["kvpop", "eval", "--model", str(model), "--data", str(data), "--seq-len", str(SEQ_LEN),
             "--budgets", ",".join(map(str, EVAL_BUDGETS)), "--sinks", str(SINKS), "--window", str(WINDOW),
             "--n-sequences", str(n), "--no-plot", "--no-progress", "--threads", "1",
             *(["--run", str(run)] if run is not None else []), "--policies", f"dense,{policy}", "--out", str(out)]
@@ -101,9 +108,12 @@ def run_dirs(controls: dict, dense_ft: Path | None, rows: tuple[str, ...] | None
     """``{row: {seed: run directory}}`` of :data:`ROWS` (``None``: no run, the untrained rule); ``rows``: only
     these of the KVpop row, the controls and the oracle (the KVpop row always; the untrained rule always)."""
     out: dict[str, dict[int, Path | None]] = {}
-    if rows is not None and (bad := [r for r in rows if r not in (AUTO_ROW, *CONTROLS, ORACLE)]):
-        raise ValueError(f"--rows {bad}: not a trained row (rows: {', '.join((AUTO_ROW, *CONTROLS, ORACLE))})")
-    for row in (AUTO_ROW, *CONTROLS, ORACLE):
+    trained = (AUTO_ROW, *CONTROLS, ORACLE, DMS_ROW)
+    if rows is not None and (bad := [r for r in rows if r not in trained]):
+        raise ValueError(f"--rows {bad}: not a trained row (rows: {', '.join(trained)})")
+    for row in trained:
+        if row == DMS_ROW and rows is None:
+            continue  # DMS only where asked for by name
         if rows is not None and row != AUTO_ROW and row not in rows:
             continue
         seeds = controls["runs"].get(row)
@@ -114,6 +124,12 @@ def run_dirs(controls: dict, dense_ft: Path | None, rows: tuple[str, ...] | None
         out[DENSE_FT] = {int(d.name[4:]): d for d in sorted(Path(dense_ft).glob("seed*")) if (d / "done").exists()}
     out[UNTRAINED] = {0: None}
     return out
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it, else as given."""
+    where = Path(path).resolve()
+    return str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(path)
 
 
 def view_of(run: Path, view: Path, model: Path = MODEL) -> tuple[Path, str | None]:
@@ -139,27 +155,31 @@ def view_of(run: Path, view: Path, model: Path = MODEL) -> tuple[Path, str | Non
 
 def tagged(row: str, tag: str | dict[str, str] | None) -> str:
     """``row``'s name in a record whose rows' recipe departs from the controls record's by ``tag`` (one for every
-    row, or ``{row: tag}``; untrained StreamingLLM has no recipe to depart from): ``kvpop-mlp-joint[auto]`` ->
-    ``kvpop-mlp-joint[auto, TAG]``."""
+    row, or ``{row: tag}``; untrained StreamingLLM has no recipe to depart from, so only a dict naming it tags it,
+    e.g. with its base model): ``kvpop-mlp-joint[auto]`` -> ``kvpop-mlp-joint[auto, TAG]``."""
     if isinstance(tag, dict):
-        tag = tag.get(row)
-    if not tag or row == UNTRAINED:
+        tag = tag.get(row)  # a dict may tag untrained StreamingLLM too (a base model's name, not a recipe)
+    elif row == UNTRAINED:
+        tag = None
+    if not tag:
         return row
     return f"{row[:-1]}, {tag}]" if row.endswith("]") else f"{row}[{tag}]"
 
 
 def policy_of(row: str) -> str:
-    return {UNTRAINED: "streaming", STREAMING_CONTROL: "fixed-finetune", DENSE_FT: "fixed-finetune"}.get(
+    return {UNTRAINED: "streaming", STREAMING_CONTROL: "fixed-finetune", DENSE_FT: "fixed-finetune",
+            DMS_ROW: "dms"}.get(
         row, "kvpop-mlp-joint")
 
 
-def score_all(out: Path, dirs: dict, *, data: Path = SPLIT, n: int = N_RECORDS, only=None) -> dict:
+def score_all(out: Path, dirs: dict, *, data: Path = SPLIT, n: int = N_RECORDS, only=None,
+              model: Path = MODEL) -> dict:
     """Score every (row, seed) of ``dirs`` (of ``only`` when given) not yet in the test log, each once; returns
     ``{"original": [...], "rows": {row: {seed: result}}}`` of what the log holds.  A run whose base model is gone
     is served through :func:`view_of` (``OUT/views/<row>/seed<s>``)."""
     tl = TestLog(out)
     log = out / "commands.log"
-    orig = tl.once("dense|original", lambda: {"dense_nll": dense_per_sequence(MODEL, data, n)})["dense_nll"]
+    orig = tl.once("dense|original", lambda: {"dense_nll": dense_per_sequence(model, data, n)})["dense_nll"]
     rows: dict[str, dict[int, dict]] = {}
     order = [*(r for r in (only or ()) if r in dirs), *(r for r in dirs if r not in (only or ()))]
     for row in order:  # --only's rows in its order
@@ -170,9 +190,9 @@ def score_all(out: Path, dirs: dict, *, data: Path = SPLIT, n: int = N_RECORDS, 
 
             def evaluate(row=row, s=s, d=d, key=key) -> dict:
                 if d is not None:
-                    d = view_of(d, out / "views" / row / f"seed{s}")[0]
+                    d = view_of(d, out / "views" / row / f"seed{s}", model)[0]
                 o = out / "test" / row / f"seed{s}"
-                cmd = eval_command(d, policy_of(row), data, n, o)
+                cmd = eval_command(d, policy_of(row), data, n, o, model)
                 if not (o / "results.json").exists():
                     run_logged(cmd, log, name=f"test {row} seed {s}")
                 res = json.loads((o / "results.json").read_text())
@@ -202,7 +222,7 @@ def row_values(r: dict, row: str, b: int, ref: str) -> list[float]:
 
 
 def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int = 10_000,
-           tag: str | dict[str, str] | None = None) -> dict:
+           tag: str | dict[str, str] | None = None, model: Path = MODEL) -> dict:
     """The record: per (row, budget) the per-seed means against the original and the same weights, and the paired
     intervals (clustered by source file, over sequences and seeds) of the KVpop row against every other row, and
     of ``oracle[label]`` against the fixed-mask control, at every budget, against both references.  Rows are
@@ -212,7 +232,7 @@ def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int 
     rows = scored["rows"]
     clusters = clusters_of(data, n)
     figures = []
-    for row in ROWS:
+    for row in ORDER:
         if row not in rows:
             continue
         for b in EVAL_BUDGETS:
@@ -225,7 +245,7 @@ def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int 
             f["dense_shift_mean"] = sum(sum(r["dense_shift"]) / n for r in rows[row].values()) / len(rows[row])
             figures.append(f)
     comps = []
-    pairs = [(AUTO_ROW, b) for b in ROWS if b != AUTO_ROW] + [(ORACLE, STREAMING_CONTROL)]
+    pairs = [(AUTO_ROW, b) for b in ORDER if b != AUTO_ROW] + [(ORACLE, STREAMING_CONTROL)]
     for a, other in pairs:
         if a not in rows or other not in rows:
             continue
@@ -241,15 +261,15 @@ def record(scored: dict, *, data: Path = SPLIT, n: int = N_RECORDS, n_boot: int 
                               "split": data.stem})
     tl = scored["log"]
     scorings = {k: 1 for k in tl.entries}
-    where = Path(data).resolve()
-    split_file = str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(data)
+    split_file = _shown(data)
     return {"instrument": "realtext", "split": data.stem, "split_file": split_file,
             "n_sequences": n, "clusters": clusters, "tag": tag, "settings": {
-                "seq_len": SEQ_LEN, "sinks": SINKS, "window": WINDOW, "budgets": list(EVAL_BUDGETS),
+                "model": _shown(model), "seq_len": SEQ_LEN, "sinks": SINKS, "window": WINDOW,
+                "budgets": list(EVAL_BUDGETS),
                 "scored_from": max(EVAL_BUDGETS), "metric": "NLL increase over dense (nats/token), lower is better"},
             "original_dense_nll": {"mean": sum(scored["original"]) / n, "per_sequence": scored["original"]},
             "scorings": scorings, "not_causal": list(NOT_CAUSAL), "figures": figures, "comparisons": comps,
-            "runs": {tagged(row, tag): {str(s): r for s, r in rows[row].items()} for row in ROWS if row in rows}}
+            "runs": {tagged(row, tag): {str(s): r for s, r in rows[row].items()} for row in ORDER if row in rows}}
 
 
 LEGENDS = {
@@ -265,6 +285,8 @@ LEGENDS = {
     ORACLE: "the same slots and fine-tune, priority the exact mean label (reads the future: an upper bound, not "
             "causal)",
     DENSE_FT: "the control's kvpop train at budget 1,023 of 1,024 (no eviction but at the last query), served densely",
+    DMS_ROW: "DMS (learned per-token eviction gates, the model fine-tuned with them) at the settings its real-text "
+             "search chose on validation (gate lr 1e-2, model lr 3e-4, 600 steps, target keep 0.125)",
     UNTRAINED: "StreamingLLM, no training (deterministic: one scoring)",
 }
 
@@ -289,7 +311,7 @@ def ledger_rows(rec: dict, trials: dict[str, int]) -> dict:
         rows.append({"instrument": "realtext", "policy": name, "recipe": {
                          "runs": {s: runs[s]["dir"] for s in seeds}, "commands": {s: runs[s]["command"] for s in seeds},
                          "sinks": SINKS, "window": WINDOW, "trained_at": None if row == UNTRAINED else 128},
-                     "steps": None if row == UNTRAINED else 250, "seeds": vals, **summarize(vals),
+                     "steps": None if row == UNTRAINED else STEPS.get(row, 250), "seeds": vals, **summarize(vals),
                      "value": summarize(vals)["mean"], "metric": "delta_nll", "trials": trials.get(name, 0),
                      "test_evaluations": rec["scorings"].get(f"{row}|seed{seeds[0]}", 0), "budget": b,
                      "budget_fraction": b / SEQ_LEN, "headline": False, "legend": legend, "split": split,
@@ -356,32 +378,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default=None, help="how every row but untrained StreamingLLM departs from the controls "
                                                "record's recipe, put in their names (tagged; default: the "
                                                "record's own \"tags\", {row: tag}, if it has them)")
+    p.add_argument("--model", default=str(MODEL),
+                   help="the base model every row was fine-tuned from and the original dense reference (default the "
+                        "shipped tiny_qwen3_code; issue 44 item 4: the pre-trained 3M-parameter model)")
     p.add_argument("--partial", action="store_true",
                    help="--record: write what is scored, the rest named in the record's missing (else refused)")
     a = p.parse_args(argv)
     try:
-        out, data = Path(a.out), Path(a.split)
+        out, data, model = Path(a.out), Path(a.split), Path(a.model)
         if not data.is_file():
             raise ValueError(f"--split {data}: no such file")
+        if not (model / "config.json").is_file():
+            raise ValueError(f"--model {model}: no config.json there (a model directory is needed)")
         controls = json.loads(Path(a.controls).read_text())
         tag = a.tag if a.tag is not None else controls.get("tags")
         dirs = run_dirs(controls, Path(a.dense_ft) if a.dense_ft else None,
                         None if a.rows is None else tuple(a.rows))
-        if a.only is not None and (bad := [r for r in a.only if r not in ROWS]):
-            raise ValueError(f"--only {bad}: not a row (rows: {', '.join(ROWS)})")
+        if a.only is not None and (bad := [r for r in a.only if r not in ORDER]):
+            raise ValueError(f"--only {bad}: not a row (rows: {', '.join(ORDER)})")
         if a.record:
             tl = TestLog(out)
             missing = [f"{r}|seed{s}" for r, ss in dirs.items() for s in ss if f"{r}|seed{s}" not in tl.entries]
             if missing and not a.partial:
                 raise ValueError(f"not scored yet: {', '.join(missing)}; --record writes only a complete record "
                                  f"(or give --partial)")
-            rec = {**record(score_all(out, dirs, data=data, only=()), data=data, tag=tag), "missing": missing}
+            rec = {**record(score_all(out, dirs, data=data, only=(), model=model), data=data, tag=tag, model=model),
+                   "missing": missing}
             write_json(Path(a.record), rec)
             Path(a.record).with_suffix(".md").write_text(markdown(rec))
             if a.ledger_runs:
                 write_ledger_runs(Path(a.ledger_runs), rec, json.loads(Path(a.controls).read_text()))
             return 0
-        score_all(out, dirs, data=data, only=a.only)
+        score_all(out, dirs, data=data, only=a.only, model=model)
         return 0
     except ValueError as e:
         print(f"fresh_realtext: {e}", file=sys.stderr)

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from pathlib import Path
+
 from studies import fresh_realtext as F
 from studies import ledger
 
@@ -200,3 +202,43 @@ def test_tagged_names_and_a_tagged_record_on_another_split(tmp_path, capsys):
                    "--partial", "--split", str(data)]) == 0
     assert set(json.loads((tmp_path / "t.json").read_text())["runs"]) == {
         "kvpop-mlp-joint[auto, lm 0.1]", "fixed-finetune[streaming, lm 1]", F.UNTRAINED}
+
+
+def test_dms_row_and_another_base_model(tmp_path, capsys):
+    """Issue 44 item 4's comparison at a larger model: ``dms[tuned]`` is scored only where ``--rows`` names it (its
+    policy ``dms``, its 600 steps in the ledger), ``--model`` is the base every eval and the dense reference use
+    (recorded in the settings; refused without a config.json), and a dict tag may name untrained StreamingLLM
+    (the base model's size) so that its row is not the small model's on the same split."""
+    assert F.policy_of(F.DMS_ROW) == "dms"
+    cmd = F.eval_command(Path("/r"), "dms", Path("/d.jsonl"), 4, Path("/o"), Path("/big"))
+    assert cmd[cmd.index("--model") + 1] == "/big" and cmd[cmd.index("--run") + 1] == "/r"
+    assert F.tagged(F.UNTRAINED, {F.UNTRAINED: "3M"}) == "streaming[3M]"
+    assert F.tagged(F.DMS_ROW, {F.DMS_ROW: "3M"}) == "dms[tuned, 3M]"
+    runs = {r: {"0": {"dir": f"/x/{i}"}} for i, r in enumerate((F.AUTO_ROW, F.STREAMING_CONTROL, F.DMS_ROW))}
+    assert F.DMS_ROW not in F.run_dirs({"runs": runs}, None, (F.STREAMING_CONTROL,))
+    assert F.run_dirs({"runs": runs}, None, (F.STREAMING_CONTROL, F.DMS_ROW))[F.DMS_ROW] == {0: Path("/x/2")}
+    ctrl = tmp_path / "controls.json"
+    tags = {F.AUTO_ROW: "3M", F.STREAMING_CONTROL: "3M", F.DMS_ROW: "3M", F.UNTRAINED: "3M"}
+    ctrl.write_text(json.dumps({"runs": runs, "tags": tags}))
+    base = ["--out", str(tmp_path), "--controls", str(ctrl), "--rows", F.STREAMING_CONTROL, F.DMS_ROW]
+    assert F.main([*base, "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    tl = ledger.TestLog(tmp_path)
+    tl.once("dense|original", lambda: {"dense_nll": [1.0] * F.N_RECORDS})
+    for row, off in ((F.AUTO_ROW, 0.0), (F.STREAMING_CONTROL, 0.01), (F.DMS_ROW, 0.03), (F.UNTRAINED, 0.2)):
+        tl.once(f"{row}|seed0", lambda off=off: {**_result({b: [off] * F.N_RECORDS for b in (64, 128, 256)},
+                                                           [0.0] * F.N_RECORDS), "dir": None, "command": "c"})
+    data = _split(tmp_path / "other.jsonl", files=(2,) * 24)
+    assert F.main([*base, "--record", str(tmp_path / "r.json"), "--split", str(data), "--model",
+                   str(F.MODEL)]) == 0
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert rec["settings"]["model"] == "kvpop/data/tiny_qwen3_code" and not rec["missing"]
+    names = {"kvpop-mlp-joint[auto, 3M]", "fixed-finetune[streaming, 3M]", "dms[tuned, 3M]", "streaming[3M]"}
+    assert set(rec["runs"]) == names
+    c = next(c for c in rec["comparisons"] if c["b"] == "dms[tuned, 3M]" and c["budget"] == 128
+             and c["reference"] == "original")
+    assert c["a"] == "kvpop-mlp-joint[auto, 3M]" and abs(c["mean_diff"] + 0.03) < 1e-12
+    rec["scorings"] = {k: 1 for k in tl.entries}
+    led = F.ledger_rows(rec, {})
+    assert {r["steps"] for r in led["rows"] if r["policy"] == "dms[tuned, 3M]"} == {600}
+    assert {r["steps"] for r in led["rows"] if r["policy"] == "streaming[3M]"} == {None}
