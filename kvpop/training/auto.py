@@ -19,6 +19,13 @@ before it:
    (``--init-scorers``; the trial trains both, twice ``--steps``) against fresh scorers, when the model is
    trained and ``--init-scorers`` is not given.
 
+``fixed_mask`` runs right after ``lr_scorer`` when the model is trained and ``--mask-source`` is not given: the
+same fine-tune under the fixed StreamingLLM mask (``--mask-source streaming``: no learned eviction), the rival
+that beat every learned priority on held-out real code at 12.5 % memory (``studies/results/evidence.md``, issue
+44).  When it wins by the rule, the stages that vary the learned scorer alone (``target_source``, ``decay``,
+``warm_start``; :func:`learned_mask`) do not run, the record's ``chosen.served_as`` is ``fixed-finetune``, and
+the run is served as that: its ``model/`` with the streaming policy.
+
 The trained stages come in the order of what each won per trained step on the three instruments' validation
 records (``studies/results/auto.md``): the scorer lr mattered on all three, head-adaptive budgets won
 on two (lookahead, real text), the training budget on two (kvtrace, lookahead) but lost by 2-8x on real
@@ -89,7 +96,7 @@ LABEL_CANDIDATES = ("mean", "max")
 DECAY_NATS = 8.0
 """The third stage's alternative to the paper's decay range: ``--decay-nats 8`` (``gamma_min = exp(-8 / --seq-len)``,
 ``kvpop.decay_range_for_context``; the value the demo's selection grid tried)."""
-SEARCHED = ("label", "decay_nats", "lr_scorer", "allocate", "target_source", "init_scorers")
+SEARCHED = ("label", "decay_nats", "lr_scorer", "allocate", "target_source", "init_scorers", "mask_source")
 """The settings the search chooses; one the user gave is kept as given (its stage has that one candidate)."""
 LR_FACTORS = (1.0, 3.0, 10.0)
 """The second stage's scorer learning rates, as factors of the method's default (the demo's selection chose
@@ -336,12 +343,18 @@ def search(settings: AutoSettings, *, served: int, given: dict, lr_scorer: float
     best, s.record["confirmation"] = s.confirm(best, trials.trained, seed=("seed", settings.seed + 1),
                                                steps_of=trials.steps_of, subdir="auto",
                                                raise_hint="; raise --auto-budget to {need} to run it")
-    s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"]}
+    fixed = not learned_mask(best["settings"])
+    s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"],
+                          "served_as": "fixed-finetune" if fixed else "kvpop"}
     s.record["summary"] = s.summary(raise_hint=hint, confirmation=s.record["confirmation"])
     s.save()
     _adopt(out, out / best["dir"], served)
     log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
         f"{len(s.record['trials'])} trials, {s.spent['steps']} trained steps; the run is {out}")
+    if fixed:
+        log(f"[kvpop train --auto] no learned eviction beat the same fine-tune under the fixed StreamingLLM mask on "
+            f"this validation: serve {out / 'model'} with the streaming policy (vLLM: \"kvpop_policy\": "
+            f"\"streaming\"; kvpop eval --run {out} serves it as fixed-finetune)")
     return s.record
 
 
@@ -366,16 +379,24 @@ def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budge
     else:
         start = {"label": labels[0], **start}
     plan.append(Stage("lr_scorer", [{"lr_scorer": lr} for lr in lr_scorers], start=start))
+    if train_model and "mask_source" not in given:
+        plan.append(Stage("fixed_mask", [{"mask_source": "streaming"}]))
     if "allocate" not in given:
         plan.append(Stage("head_budgets", [{"allocate": "ablation"}]))
     plan.append(Stage("train_budget", [{"train_budget": b} for b in train_budgets]))
     if train_model and "target_source" not in given:
-        plan.append(Stage("target_source", [{"target_source": "teacher"}]))
+        plan.append(Stage("target_source", [{"target_source": "teacher"}], when=learned_mask))
     if "decay_nats" not in given:
-        plan.append(Stage("decay", [{"decay_nats": decay_nats}]))
+        plan.append(Stage("decay", [{"decay_nats": decay_nats}], when=learned_mask))
     if train_model and warm_start:
-        plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}]))
+        plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}], when=learned_mask))
     return plan
+
+
+def learned_mask(settings: Mapping[str, Any]) -> bool:
+    """Whether the trials of ``settings`` train under the learned scorer's mask (not the ``fixed_mask`` stage's
+    StreamingLLM mask, under which the label source, the decay range and a warm start change nothing served)."""
+    return settings.get("mask_source") in (None, "scorer")
 
 
 def _open_search(settings: AutoSettings, out: Path, *, served: int, split: dict, log: Callable[[str], None],
@@ -517,6 +538,9 @@ def summary_lines(record: dict) -> list[str]:
     if sm.get("resolution"):
         lines.append(f"what the select part resolved: {sm['resolution']}")
     part, skipped = sm.get("partly_skipped_for_budget", []), sm.get("skipped_for_budget", [])
+    if sm.get("not_applicable"):
+        lines.append(f"stages of the learned scorer not run (the fixed mask was chosen): "
+                     f"{', '.join(sm['not_applicable'])}")
     if part:
         lines.append(f"stages cut short by the budget: {', '.join(part)}")
     if skipped:

@@ -187,12 +187,15 @@ class Stage:
     variation that changes nothing is not run again).  ``start`` a dict: the stage starts anew from the best
     settings so far (none before the first stage) updated by ``start``; the trials before are no longer compared
     (their score measured something else: the oracle's stage before the trained ones).  ``trained``: whether
-    the trials train (only those count against the search's budget)."""
+    the trials train (only those count against the search's budget).  ``when``: a test of the best settings so
+    far; a stage whose test fails runs nothing (status ``"not applicable"``), e.g. a stage varying the learned
+    scorer once a fixed mask was chosen."""
 
     name: str
     variations: Sequence[Mapping[str, Any]]
     start: Mapping[str, Any] | None = None
     trained: bool = True
+    when: Callable[[Mapping[str, Any]], bool] | None = None
 
 
 def trial_tag(settings: Mapping[str, Any]) -> str:
@@ -321,12 +324,18 @@ class Search:
         prev: dict = {}
         group: list[dict] = []
         for st in plan:
+            if st.when is not None and st.start is not None:
+                raise ValueError(f"stage {st.name!r}: a stage that starts anew cannot be conditional (when)")
             if st.start is not None:
                 base, best, group = {**prev, **st.start}, None, []
             elif best is None:
                 raise ValueError(f"stage {st.name!r} varies the best settings so far, but no trial ran before it")
             else:
                 base = best["settings"]
+            if st.when is not None and not st.when(base):
+                self.record["stages"].append({**(extra or {}), "stage": st.name, "trained": st.trained, "ran": 0,
+                                              "skipped": 0, "status": "not applicable"})
+                continue
             ran = skipped = 0
             for v in st.variations:
                 s = {**base, **v}
@@ -393,13 +402,15 @@ class Search:
         return chosen, rec
 
     def summary(self, *, raise_hint: str = "", confirmation: Mapping[str, Any] | None = None) -> dict:
-        """What ran: ``{"ran": [stage names], "partly_skipped_for_budget": [...], "skipped_for_budget": [...],
+        """What ran: ``{"ran": [stage names], "not_applicable": [...], "partly_skipped_for_budget": [...],
+        "skipped_for_budget": [...],
         "raise": text, "resolution": text}``; ``resolution``: :func:`resolution` at the median spread of the
         paired differences the decisions saw; ``raise``: ``raise_hint`` (what to raise, in words) with ``{need}``
         the steps a budget of steps needs to run every skipped trial and a ``confirmation`` that did not run for
         the budget, absent when nothing was skipped."""
         st = self.record["stages"]
         out = {"ran": [s["stage"] for s in st if s["status"] == "ran"],
+               "not_applicable": [s["stage"] for s in st if s["status"] == "not applicable"],
                "partly_skipped_for_budget": [s["stage"] for s in st if s["status"] == "partly skipped for budget"],
                "skipped_for_budget": [s["stage"] for s in st if s["status"] == "skipped for budget"]}
         paired_ = [d for d in self.record["decisions"] if d.get("paired") and d.get("se") is not None]

@@ -81,7 +81,8 @@ def test_resume_continues_without_repeating_a_finished_trial(searched, tmp_path,
     assert "(reused)" in printed.err
     # stdout says what ran: the split, the stages run and skipped for the budget, and what to raise
     assert "validation split: 2 fit sequences" in printed.out and "2 select sequences" in printed.out
-    assert "stages skipped for the budget: head_budgets" in printed.out and "raise --auto-budget to" in printed.out
+    assert "stages skipped for the budget: fixed_mask, head_budgets" in printed.out
+    assert "raise --auto-budget to" in printed.out
     assert "confirmation not run" in printed.out
     trials = _trials(out)
     assert {t["dir"]: (out / t["dir"] / "trial.json").stat().st_mtime_ns for t in trials
@@ -290,7 +291,7 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
     out = tmp_path / "run"
     assert main(["train", *QUICK, "--steps", "4", "--auto-patience", "1", "--auto-eval-every", "1", "--label", "mean",
                  "--lr-scorer", "1e-3", "--decay-nats", "8", "--allocate", "ablation", "--target-source", "student",
-                 "--auto-budget", "40", "--out", str(out)]) == 0
+                 "--mask-source", "scorer", "--auto-budget", "40", "--out", str(out)]) == 0
     rec = json.loads((out / "selection.json").read_text())
     assert [t["stage"] for t in rec["trials"]] == ["lr_scorer", "train_budget", "train_budget", "warm_start",
                                                    "confirmation", "confirmation"]
@@ -325,6 +326,42 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
               "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="--auto-patience 1 is an option of --auto"):
         main(["train", "--task", "--steps", "4", "--auto-patience", "1", "--out", str(tmp_path / "x")])
+
+
+def test_the_fixed_mask_fine_tune_is_chosen_where_it_wins(tmp_path, monkeypatch, capsys):
+    """The ``fixed_mask`` stage: the same fine-tune under the fixed StreamingLLM mask, right after the scorer's
+    learning rate; when it wins by the rule on the select part, the learned scorer's own stages do not run, the
+    record says it is served as ``fixed-finetune``, stdout says how to serve it, and ``kvpop eval --run OUT``
+    serves it as that (the model fine-tuned, the fixed mask)."""
+    import kvpop.cli.auto as A
+    from kvpop.cli.trained import read_run
+
+    def score(d, part):  # the fixed-mask trial is better on every select sequence
+        fixed = json.loads((Path(d) / "args.json").read_text())["mask_source"] == "streaming"
+        return [0.1, 0.2] if fixed else [0.3, 0.4]
+
+    monkeypatch.setattr(A, "_task_scorer", lambda source, task, seeds, length, budget: score)
+    out = tmp_path / "run"
+    assert main(["train", *QUICK, "--steps", "2", "--auto-patience", "0", "--label", "mean", "--lr-scorer", "1e-3",
+                 "--auto-budget", "30", "--out", str(out)]) == 0
+    rec = json.loads((out / "selection.json").read_text())
+    assert [t["stage"] for t in rec["trials"]][:2] == ["lr_scorer", "fixed_mask"]
+    assert rec["trials"][1]["settings"]["mask_source"] == "streaming"
+    (d,) = [d for d in rec["decisions"] if d["stage"] == "fixed_mask"]
+    assert d["adopted"]
+    status = {s["stage"]: s["status"] for s in rec["stages"]}
+    assert status["target_source"] == status["decay"] == status["warm_start"] == "not applicable"
+    assert status["head_budgets"] == status["train_budget"] == "ran"  # they shape the fixed mask's slots too
+    assert rec["chosen"]["served_as"] == "fixed-finetune" and rec["chosen"]["settings"]["mask_source"] == "streaming"
+    printed = capsys.readouterr()
+    assert "stages of the learned scorer not run (the fixed mask was chosen): target_source, decay, warm_start" \
+        in printed.out
+    assert '"kvpop_policy": "streaming"' in printed.err  # the search's log, beside its trials'
+    assert "no learned eviction beat the same fine-tune under the fixed StreamingLLM mask" in printed.err
+    assert read_run(str(out)).policy == "fixed-finetune"
+    assert main(["eval", "--run", str(out), "--train-len", "96", "--lengths", "96", "--budgets", "32",
+                 "--n-sequences", "1", "--policies", "fixed-finetune", "--no-plot", "--no-progress",
+                 "--out", str(tmp_path / "ev")]) == 0
 
 
 def test_auto_on_valid_data_splits_the_records_and_allocates_on_the_fit_part(tmp_path):

@@ -121,14 +121,43 @@ def test_the_first_trained_trial_runs_whatever_the_budget_and_bad_plans_are_refu
 def test_auto_plan_leaves_out_what_the_user_gave():
     full = auto_plan(labels=["mean", "max"], lr_scorers=[1e-3, 1e-2], train_budgets=[50, 40], given={},
                      decay_nats=8.0, train_model=True, warm_start=True)
-    assert [st.name for st in full] == ["label", "lr_scorer", "head_budgets", "train_budget", "target_source",
-                                        "decay", "warm_start"]
+    assert [st.name for st in full] == ["label", "lr_scorer", "fixed_mask", "head_budgets", "train_budget",
+                                        "target_source", "decay", "warm_start"]
+    assert full[2].variations == [{"mask_source": "streaming"}]
+    # the stages of the learned scorer alone do not run once the fixed mask is chosen
+    assert [st.name for st in full if st.when is not None] == ["target_source", "decay", "warm_start"]
+    assert all(not st.when({"mask_source": "streaming"}) and st.when({"lr_scorer": 1e-3})
+               for st in full if st.when is not None)
+    # the user's --mask-source is kept as given; the fixed mask needs the model trained
+    given = auto_plan(labels=["mean"], lr_scorers=[1e-3], train_budgets=[], given={"mask_source": "scorer"},
+                      decay_nats=8.0, train_model=True)
+    assert "fixed_mask" not in [st.name for st in given]
     assert not full[0].trained and full[1].start == {"decay_nats": None, "allocate": None,
                                                      "target_source": "student", "train_budget": None}
     fixed = auto_plan(labels=["max"], lr_scorers=[1e-3], train_budgets=[], given={"allocate": "ablation",
                       "decay_nats": 4.0}, decay_nats=8.0, train_model=False)
     assert [st.name for st in fixed] == ["lr_scorer", "train_budget"]
     assert fixed[0].start["label"] == "max" and fixed[0].start["allocate"] == "ablation"
+
+
+def test_a_conditional_stage_runs_only_where_its_test_holds(tmp_path):
+    """``Stage.when``: tested on the best settings so far; a failing stage runs nothing and says so."""
+    scores = {(): 0.5, (("m", "fixed"),): 0.1, (("m", "fixed"), ("x", 2)): 0.0}
+
+    def run(c, d):
+        return {"score": scores[tuple(sorted((k, v) for k, v in c.items() if k != "lr"))],
+                "per_sequence": [scores[tuple(sorted((k, v) for k, v in c.items() if k != "lr"))]] * 8}
+
+    s = Search(tmp_path / "a")
+    plan = [Stage("lr", [{"lr": 1}], start={}), Stage("mask", [{"m": "fixed"}]),
+            Stage("x", [{"x": 2}], when=lambda st: st.get("m") != "fixed")]
+    best = s.run_plan(plan, run)
+    assert best["settings"] == {"lr": 1, "m": "fixed"}
+    assert [(x["stage"], x["status"]) for x in s.record["stages"]] == [("lr", "ran"), ("mask", "ran"),
+                                                                       ("x", "not applicable")]
+    assert s.summary()["not_applicable"] == ["x"]
+    with pytest.raises(ValueError, match="cannot be conditional"):
+        Search(tmp_path / "b").run_plan([Stage("x", [{"x": 1}], start={}, when=lambda st: True)], run)
 
 
 def test_the_demo_select_plans_reach_every_grid_value():
