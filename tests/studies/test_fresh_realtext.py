@@ -3,10 +3,9 @@ scoring's arithmetic, the views of runs whose base is gone, the record and the r
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from studies import fresh_realtext as F
 from studies import ledger
