@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     auto = p.add_argument_group("settings chosen for you (kvpop.training.auto)")
     auto.add_argument("--auto", action="store_true",
                       help="choose the label, scorer lr, training budget, decay range, head budgets, label "
-                           "source and the joint run's warm start on validation data (--valid-data, or the task's "
+                           "source and the joint run's warm start on validation data, and whether a learned mask "
+                           "beats the same fine-tune under the fixed StreamingLLM mask (--valid-data, or the task's "
                            "validation sequences with --task), split into fit and select parts, a --steps run per "
                            "trial, the top two confirmed with a second seed; writes OUT/selection.json and OUT as "
                            "the chosen run (--resume continues a search)")
