@@ -51,3 +51,19 @@ def test_teacher_targets_under_autocast():
         assert got[i].dtype == torch.float32 and bool(torch.isfinite(got[i]).all())
         rel = (got[i] - want[i]).norm() / want[i].norm()
         assert float(rel) < 0.05, (i, float(rel))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_dms_under_autocast(train):
+    """DMS's attention takes the same route: its evaluation runs the sparse kernel, which refused the mix too."""
+    from kvpop.baselines import dms as D
+
+    model = tiny_model()
+    D.patch_dms(model, sinks=2, window=4)
+    model.train(train)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.set_grad_enabled(train), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids).logits
+    assert bool(torch.isfinite(out).all())
+    if train:
+        out.float().logsumexp(-1).mean().backward()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kvpop_kernels
-from kvpop.core.attention import register_attention
+from kvpop.core.attention import autocast_inputs, register_attention
 
 from .cache import DMSCache, cache_attention
 from .gates import DMSLayer, dms_attention, gate_evict_at, gumbel_sigmoid, logistic_noise
@@ -47,6 +47,7 @@ def dms_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
         raise RuntimeError(f"DMS: the input of attention layer {layer.layer_idx} was not captured "
                            f"(got {None if hidden is None else tuple(hidden.shape)})")
     cfg = layer.config
+    query, key, value = autocast_inputs(query, key, value)  # --bf16: q/k float32 beside a bf16 v, as in KVpop's
     logits = layer.logits(hidden)  # [B, Hkv, S_new]
     if isinstance(cache, DMSCache):
         out = cache_attention(cache, module, query, key, value, logits, scaling, kwargs.get("position_ids"))
