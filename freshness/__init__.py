@@ -106,6 +106,10 @@ GROUPS: tuple[Group, ...] = (
                               f"{STUDY_RESULTS}/evidence/realtext/fresh3.md",
                               f"{STUDY_RESULTS}/evidence/realtext2/fresh_corpus2.json",
                               f"{STUDY_RESULTS}/evidence/realtext2/fresh_corpus2.md",
+                              f"{STUDY_RESULTS}/evidence/realtext/fresh3_3m.json",
+                              f"{STUDY_RESULTS}/evidence/realtext/fresh3_3m.md",
+                              f"{STUDY_RESULTS}/evidence/realtext2/fresh_corpus2_3m.json",
+                              f"{STUDY_RESULTS}/evidence/realtext2/fresh_corpus2_3m.md",
                               *(f"{STUDY_RESULTS}/evidence/{t}/fresh_test.{x}" for t in TASKS for x in ("json", "md"))),
           (*_demo("kvtrace", _SYNTH_LEDGER), *_demo("lookahead", _SYNTH_LEDGER),
            *(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming", "forward/dms"),
@@ -121,7 +125,8 @@ GROUPS: tuple[Group, ...] = (
           "the files"),
     Group("real-text same-structure controls", (f"{STUDY_RESULTS}/evidence/realtext/controls.json",
                                                 f"{STUDY_RESULTS}/evidence/realtext/issue44_trials.json",
-                                                f"{STUDY_RESULTS}/evidence/realtext/issue44_lm.json"),
+                                                f"{STUDY_RESULTS}/evidence/realtext/issue44_lm.json",
+                                                f"{STUDY_RESULTS}/evidence/realtext/issue44_twostage.json"),
           (*(f"code/{m}" for m in CODE_METHODS), "forward/kvpop-mlp", "forward/streaming"),
           "python -m studies.evidence realtext --stage controls --out OUT --corpus CORPUS --auto-run AUTO (hours: "
           "see evidence.md); cp OUT/controls.json studies/results/evidence/realtext/; python -m freshness stamp "
