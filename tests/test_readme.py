@@ -176,8 +176,10 @@ def test_readme_realtext_controls_table_is_the_records():
             assert f"{fig[(row, b)]:+.4f}" == v, (name, b, fig[(row, b)], v)
     third = json.loads((ev / "fresh3.json").read_text())  # issue 44: the --lm-weight rows, scored once
     corpus2 = json.loads((ev.parent / "realtext2" / "fresh_corpus2.json").read_text())
-    comps = [c for rec in (test, valid, third, corpus2)
-             for c in rec["comparisons"] + rec.get("oracle_against_control", []) if c["reference"] == "original"]
+    big = [json.loads(f.read_text())  # issue 44 item 4: the 3.2M model
+           for f in (ev / "fresh3_3m.json", ev.parent / "realtext2" / "fresh_corpus2_3m.json")]
+    comps = [c for rec in (test, valid, third, corpus2, *big)  # "against each row's own weights": same weights
+             for c in rec["comparisons"] + rec.get("oracle_against_control", [])]
     quoted = re.findall(r"([+-][0-9.]+) \[([+-][0-9.]+), ([+-][0-9.]+)\]", _claim_section())
     assert len(quoted) >= 6, quoted
     for mean, lo, hi in quoted:
@@ -200,3 +202,9 @@ def test_readme_realtext_controls_table_is_the_records():
           and c["a"] == "kvpop-mlp-joint[auto, lm 0.1]"}  # not the oracle against the control
     assert v2["fixed-finetune[streaming, lm 0.1]"] == "b better"
     assert "does not beat a fine-tune under a fixed rule at 12.5 % memory" in " ".join(_claim_section().split())
+    # issue 44 item 4: the same at 3.2M parameters on both corpora (no difference shown against the control)
+    for rec in big:
+        v = {c["b"]: c["verdict"] for c in rec["comparisons"] if c["reference"] == "original" and c["budget"] == 128
+             and c["a"] == "kvpop-mlp-joint[auto, lm 0.1, 3.2M params]"}
+        assert v["fixed-finetune[streaming, lm 0.1, 3.2M params]"] == "no difference shown"
+    assert "at 0.82M parameters nor at 3.2M" in " ".join(_claim_section().split())
