@@ -29,7 +29,7 @@ def block_classes(ev: torch.Tensor, *, sinks: int, window: int, block: int) -> t
     below = j < i
     full = below & ((kv_hi < sinks) | (kv_lo > q_hi - window) | (e_min > q_hi))
     empty = (j > i) | (below & (kv_lo >= sinks) & (kv_hi <= q_lo - window) & (e_max <= q_lo))
-    return ~full & ~empty, full.expand(B, H, n, n)
+    return ~full & ~empty, full  # both [B, Hkv, n, n]: e_min and e_max carry the batch and head
 
 
 def eviction_block_mask(ev: torch.Tensor, mask_mod, *, sinks: int, window: int, hq: int, block: int = 128):

@@ -343,7 +343,7 @@ def search(settings: AutoSettings, *, served: int, given: dict, lr_scorer: float
     best, s.record["confirmation"] = s.confirm(best, trials.trained, seed=("seed", settings.seed + 1),
                                                steps_of=trials.steps_of, subdir="auto",
                                                raise_hint="; raise --auto-budget to {need} to run it")
-    fixed = not learned_mask(best["settings"])
+    fixed = not learned_mask({"mask_source": given.get("mask_source"), **best["settings"]})
     s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"],
                           "served_as": "fixed-finetune" if fixed else "kvpop"}
     s.record["summary"] = s.summary(raise_hint=hint, confirmation=s.record["confirmation"])
@@ -372,6 +372,10 @@ def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budge
     from kvpop.training.search import Stage
 
     plan = []
+
+    def learned(settings: Mapping[str, Any]) -> bool:  # the user's --mask-source is in no trial's settings
+        return learned_mask({"mask_source": given.get("mask_source"), **settings})
+
     start = {"decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
              "target_source": given.get("target_source", "student"), "train_budget": None}
     if len(labels) > 1:
@@ -385,18 +389,19 @@ def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budge
         plan.append(Stage("head_budgets", [{"allocate": "ablation"}]))
     plan.append(Stage("train_budget", [{"train_budget": b} for b in train_budgets]))
     if train_model and "target_source" not in given:
-        plan.append(Stage("target_source", [{"target_source": "teacher"}], when=learned_mask))
+        plan.append(Stage("target_source", [{"target_source": "teacher"}], when=learned))
     if "decay_nats" not in given:
-        plan.append(Stage("decay", [{"decay_nats": decay_nats}], when=learned_mask))
+        plan.append(Stage("decay", [{"decay_nats": decay_nats}], when=learned))
     if train_model and warm_start:
-        plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}], when=learned_mask))
+        plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}], when=learned))
     return plan
 
 
 def learned_mask(settings: Mapping[str, Any]) -> bool:
-    """Whether the trials of ``settings`` train under the learned scorer's mask (not the ``fixed_mask`` stage's
-    StreamingLLM mask, under which the label source, the decay range and a warm start change nothing served)."""
-    return settings.get("mask_source") in (None, "scorer")
+    """Whether the trials of ``settings`` are served by their scorers: any training mask but the fixed
+    StreamingLLM one (the ``fixed_mask`` stage's, or the user's ``--mask-source streaming``), under which the label
+    source, the decay range and a warm start change nothing served."""
+    return settings.get("mask_source") != "streaming"
 
 
 def _open_search(settings: AutoSettings, out: Path, *, served: int, split: dict, log: Callable[[str], None],

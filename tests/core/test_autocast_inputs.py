@@ -67,3 +67,5 @@ def test_dms_under_autocast(train):
     assert bool(torch.isfinite(out).all())
     if train:
         out.float().logsumexp(-1).mean().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(bool(torch.isfinite(g).all()) for g in grads)

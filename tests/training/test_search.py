@@ -132,6 +132,17 @@ def test_auto_plan_leaves_out_what_the_user_gave():
     given = auto_plan(labels=["mean"], lr_scorers=[1e-3], train_budgets=[], given={"mask_source": "scorer"},
                       decay_nats=8.0, train_model=True)
     assert "fixed_mask" not in [st.name for st in given]
+    # the oracle's mask is served by its scorers (learned); the user's own --mask-source streaming is the fixed mask
+    from kvpop.training.auto import learned_mask
+
+    assert learned_mask({"mask_source": "teacher"}) and learned_mask({})
+    assert not learned_mask({"mask_source": "streaming"})
+    fixed = auto_plan(labels=["mean"], lr_scorers=[1e-3], train_budgets=[], given={"mask_source": "streaming"},
+                      decay_nats=8.0, train_model=True, warm_start=True)
+    assert all(not st.when({"lr_scorer": 1e-3}) for st in fixed if st.when is not None)
+    teacher = auto_plan(labels=["mean"], lr_scorers=[1e-3], train_budgets=[], given={"mask_source": "teacher"},
+                        decay_nats=8.0, train_model=True, warm_start=True)
+    assert all(st.when({"lr_scorer": 1e-3}) for st in teacher if st.when is not None)
     assert not full[0].trained and full[1].start == {"decay_nats": None, "allocate": None,
                                                      "target_source": "student", "train_budget": None}
     fixed = auto_plan(labels=["max"], lr_scorers=[1e-3], train_budgets=[], given={"allocate": "ablation",
