@@ -131,6 +131,15 @@ GROUPS: tuple[Group, ...] = (
           "python -m studies.evidence realtext --stage controls --out OUT --corpus CORPUS --auto-run AUTO (hours: "
           "see evidence.md); cp OUT/controls.json studies/results/evidence/realtext/; python -m freshness stamp "
           "the file"),
+    Group("the paper's method exactly", tuple(f"{STUDY_RESULTS}/evidence/{t}/paper_exact.{x}"
+                                               for t in ("kvtrace", "lookahead", "realtext") for x in ("json", "md")),
+          (*_demo("kvtrace", ("kvpop-mlp-joint", "fixed-finetune")),
+           *_demo("lookahead", ("kvpop-mlp-joint", "fixed-finetune")), *(f"code/{m}" for m in CODE_METHODS),
+           "forward/kvpop-mlp", "forward/streaming"),
+          "python -m studies.paper_exact synthetic --task kvtrace|lookahead --out OUT --test and python -m "
+          "studies.paper_exact realtext --out OUT --data CORPUS/train.jsonl --test (about 10 minutes per synthetic "
+          "task and 40 for real text on one core: see evidence.md); cp OUT/paper_exact.* "
+          "studies/results/evidence/<instrument>/; python -m freshness stamp the files"),
     Group("--auto records", (f"{STUDY_RESULTS}/auto.md", *_under(f"{STUDY_RESULTS}/auto")),
           (*_demo("kvtrace", ("kvpop-mlp-joint", "mlp-other-label")), *_demo("lookahead", ("kvpop-mlp-joint",)),
            "code/kvpop-mlp-joint", "code/dense", "forward/kvpop-mlp"),

@@ -328,7 +328,7 @@ def test_realtext(out: Path, rec: dict, split_record: Path, *, n_boot: int = 10_
     mine = {str(s): r for s, r in scored["rows"][ROW].items()}
     comps = []
     for other, seeds in fr["runs"].items():
-        base = next((f["base"] for f in fr["figures"] if f["row"] == other), other)
+        base = next((f.get("base", other) for f in fr["figures"] if f["row"] == other), other)
         for b in EVAL_BUDGETS:
             for ref in ("original", "same weights"):
                 if base == DENSE_FT and ref == "same weights":
