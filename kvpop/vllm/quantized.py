@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from kvpop_kernels.layout import quantize, slot_of
+from kvpop_kernels.layout import quantize
 
 from . import slots
 
@@ -179,35 +179,13 @@ def _addresses(layout, table: torch.Tensor, bs: int):
 def decode_step(K, V, k_scale, v_scale, slot_pos, slot_prio, block_table, pos, k_new, v_new, p_new, *, sinks: int,
                 window: int, layout, valid: torch.Tensor | None = None) -> None:
     """:func:`slots.decode_step` on quantised codes (``K, V`` int8 or fp8-byte views of the cache): the new token
-    is quantised per KV head, the token leaving the window moves with its codes and its scales.  ``valid``: as in
-    :func:`slots.decode_step` (rows marked False, a CUDA-graph batch's padding, touch the null block 0 only)."""
-    if valid is not None:
-        block_table = torch.where(valid[:, None], block_table, torch.zeros_like(block_table))
-    s, w = sinks, window
-    bs = K.shape[2]
-    N, hkv = p_new.shape
-    dev = K.device
-    pos = pos.long().clamp(min=0)
+    is quantised per KV head, the token leaving the window moves with its codes and its scales (``moved``).
+    ``valid``: as in :func:`slots.decode_step` (rows marked False, a CUDA-graph batch's padding, touch the null
+    block 0 only)."""
     kq, ks = _codes(k_new, K)
     vq, vs = _codes(v_new, V)
-    heads = torch.arange(hkv, device=dev)[None, :].expand(N, hkv)
-    at = layout.addr(block_table, heads, slot_of(pos, sinks=s, window=w)[:, None].expand(N, hkv), bs)
-    ks_leave, vs_leave = k_scale[at], v_scale[at]  # the scales of the token about to leave the window
-    slots.decode_step(K, V, slot_pos, slot_prio, block_table, pos, kq, vq, p_new, sinks=s, window=w, layout=layout)
-    if max(layout.budgets) > s + w:  # where the leaving token went: the long-range slot holding its position now
-        (blk, row, off), j, b = _addresses(layout, block_table, bs)
-        lr = (j >= s + w)[None, None] & (j[None, None] < b[None, :, None]) & (j[None, None] <= pos[:, None, None])
-        t_leave = pos - w
-        hit = lr & (slot_pos[blk, row, off].long() == t_leave[:, None, None]) & (t_leave >= s)[:, None, None]
-        jj = hit.float().argmax(dim=-1, keepdim=True)
-        moved = hit.any(dim=-1)
-        # a head whose leaving token was dropped rewrites its new token's slot (set below), not a slot that may
-        # lie past the request's allocation (slots.decode_step says why)
-        dst = tuple(torch.where(moved, x.gather(2, jj).squeeze(2), a) for x, a in zip((blk, row, off), at))
-        k_scale[dst] = torch.where(moved, ks_leave, k_scale[dst])
-        v_scale[dst] = torch.where(moved, vs_leave, v_scale[dst])
-    k_scale[at] = ks
-    v_scale[at] = vs
+    slots.decode_step(K, V, slot_pos, slot_prio, block_table, pos, kq, vq, p_new, sinks=sinks, window=window,
+                      layout=layout, valid=valid, moved=((k_scale, ks), (v_scale, vs)))
 
 
 @torch.no_grad()
@@ -216,8 +194,13 @@ def decode_attention(K, V, k_scale, v_scale, block_table, pos, q, *, layout, sca
     """:func:`slots.decode_attention` over the dequantised slots (float32, fixed shapes; a stale slot's bytes
     may be a NaN code: read as 0, never attended)."""
     def load(at):
-        return (_dequant(K[at], k_scale[at]).nan_to_num_(0.0, 0.0, 0.0),
-                _dequant(V[at], v_scale[at]).nan_to_num_(0.0, 0.0, 0.0))
+        flats, memo = slots._flats(K, V, k_scale, v_scale)
+        kc, vc, ks, vs = (f.get(slots._indices(f, at, memo, "all")) for f in flats)
+        if kc.dtype == torch.int8:
+            return kc.float(), vc.float(), ks, vs
+        # float8 bytes: a stale slot's may be a NaN code (never attended, but 0 * NaN is NaN)
+        return (kc.view(_FP8).float().nan_to_num_(0.0, 0.0, 0.0), vc.view(_FP8).float().nan_to_num_(0.0, 0.0, 0.0),
+                ks, vs)
 
     return slots.decode_attention(K, V, block_table, pos, q, layout=layout, scale=scale, load=load, valid=valid)
 

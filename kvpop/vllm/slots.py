@@ -12,6 +12,7 @@ the cache".
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -27,6 +28,74 @@ def _rows_of(table: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
     """``table [N, nb]`` gathered at ``page [N, ...]``."""
     n = table.shape[0]
     return table.long().gather(1, page.reshape(n, -1)).reshape(page.shape)
+
+
+class _Flat:
+    """One tensor of the cache (``[num_blocks, rows, bs, D]`` slots or ``[num_blocks, rows, bs]`` side table) read
+    and written by a linear index: ``(block, row, offset)`` -> ``block * u0 + row * u1 + offset * u2`` into a view
+    of its storage whose rows (of ``D``, or single entries) start every ``g`` elements (``g`` the strides' greatest
+    common divisor), where one ``index_select`` / ``index_copy_`` replaces an advanced index of three tensors
+    (several times faster per step on a CPU).  Where those rows overlap (``g < D``: a page holding codes and
+    scales side by side) only reads take the view; a view whose last dimension is not contiguous (a transposed
+    ``[D, bs]`` block) keeps the three-tensor index throughout (``units`` None)."""
+
+    __slots__ = ("x", "view", "units", "overlap")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        st, sh = x.stride(), x.shape
+        row = sh[3] if x.dim() == 4 else 1
+        if x.dim() == 4 and st[3] != 1 and sh[3] > 1:
+            self.view = self.units = None
+            self.overlap = False
+            return
+        g = math.gcd(*st[:3]) or 1
+        self.units = tuple(v // g for v in st[:3])
+        self.overlap = g < row
+        m = sum((n - 1) * u for n, u in zip(sh[:3], self.units)) + 1
+        self.view = x.as_strided((m, row) if x.dim() == 4 else (m,), (g, 1) if x.dim() == 4 else (g,))
+
+    def index(self, at):
+        """The linear index ``[...]`` of the addresses ``at = (block, row, offset)`` (the tuple itself when this
+        tensor keeps the three-tensor index)."""
+        if self.units is None:
+            return at
+        if isinstance(at, _At):
+            return at.linear(self.units)
+        u0, u1, u2 = self.units
+        return at[0] * u0 + at[1] * u1 + at[2] * u2
+
+    def get(self, i) -> torch.Tensor:
+        if self.units is None:
+            return self.x[i]
+        out = self.view.index_select(0, i.reshape(-1))
+        return out.view(*i.shape, *self.view.shape[1:])
+
+    @property
+    def writes_linear(self) -> bool:
+        """Whether :meth:`put` takes a linear index (else the ``(block, row, offset)`` addresses)."""
+        return self.units is not None and not self.overlap
+
+    def put(self, i, v: torch.Tensor) -> None:
+        """Write ``v`` at ``i``: a linear index where :attr:`writes_linear`, else the addresses."""
+        if not self.writes_linear:
+            self.x[i] = v.to(self.x.dtype)
+            return
+        self.view.index_copy_(0, i.reshape(-1), v.to(self.x.dtype).expand(*i.shape, *self.view.shape[1:])
+                              .reshape(-1, *self.view.shape[1:]))
+
+
+def _flats(*xs: torch.Tensor) -> tuple[list[_Flat], dict]:
+    """:class:`_Flat` of each tensor, and a memo for :func:`_indices` (tensors of equal strides share indices)."""
+    return [_Flat(x) for x in xs], {}
+
+
+def _indices(f: _Flat, at, memo: dict, key):
+    """``f.index(at)``, computed once per (addresses ``key``, strides)."""
+    k = (key, f.units)
+    if k not in memo:
+        memo[k] = f.index(at)
+    return memo[k]
 
 
 class UniformSlots:
@@ -95,9 +164,13 @@ def _layout(layout, budget, hkv):
 def _head_slots(layout, n_max: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slots ``[0, n_max)`` of every head: ``(j [n_max], slots [Hkv, n_max] clamped to each head's budget,
     budgets [Hkv])``; a padded slot (``j >= B_h``) addresses the head's last slot, to be masked."""
-    b = torch.tensor(layout.budgets, dtype=torch.long, device=device)
-    j = torch.arange(n_max, device=device)
-    return j, torch.minimum(j[None, :], b[:, None] - 1), b
+    memo = _memo(layout)
+    k = ("slots", n_max, device)
+    if k not in memo:
+        b = torch.tensor(layout.budgets, dtype=torch.long, device=device)
+        j = torch.arange(n_max, device=device)
+        memo[k] = (j, torch.minimum(j[None, :], b[:, None] - 1), b)
+    return memo[k]
 
 
 def gather_slots(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_prio: torch.Tensor,
@@ -114,11 +187,73 @@ def gather_slots(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_
     return K[at], V[at], slot_pos[at], slot_prio[at]
 
 
+_MEMO: dict = {}
+
+
+def _memo(layout) -> dict:
+    """The constant index tensors of a layout (by its kind, budgets, rows and base: a layout made anew for every
+    forward shares them)."""
+    key = (type(layout).__name__, tuple(layout.budgets), getattr(layout, "rows", None), getattr(layout, "base", 0))
+    return _MEMO.setdefault(key, {})
+
+
+class _At(tuple):
+    """Physical addresses ``(block, row, offset)`` whose rows and offsets are constants of a layout (:func:`_fixed`):
+    a linear index is ``block * u0`` plus a constant made once per strides (:meth:`_Flat.index`)."""
+
+    def __new__(cls, blk: torch.Tensor, row: torch.Tensor, off: torch.Tensor, memo: dict):
+        t = super().__new__(cls, (blk, row.expand_as(blk), off.expand_as(blk)))
+        t.fixed, t.memo = (row, off), memo
+        return t
+
+    def linear(self, units) -> torch.Tensor:
+        c = self.memo.get(units)
+        if c is None:
+            row, off = self.fixed
+            c = self.memo[units] = row * units[1] + off * units[2]
+        return self[0] * units[0] + c
+
+
+def _fixed(layout, key, slots: torch.Tensor, bs: int):
+    """``(page column, row, offset, memo)`` ``[Hkv, m]`` of every head's ``slots [Hkv, m]`` (the part of an address
+    that does not depend on the request), made once per layout, ``key`` and block size."""
+    memo = _memo(layout)
+    k = (key, bs, slots.device)
+    if k not in memo:
+        hkv, m = slots.shape
+        pages = (getattr(layout, "base", 0) + sum(layout.budgets)) // bs + 2
+        ident = torch.arange(pages, device=slots.device)[None]
+        heads = torch.arange(hkv, device=slots.device)[:, None].expand(hkv, m)
+        memo[k] = (*(x[0] for x in layout.addr(ident, heads[None], slots[None], bs)), {})
+    return memo[k]
+
+
+def _addr_of(block_table: torch.Tensor, fixed) -> _At:
+    """Physical ``(block, row, offset)`` ``[N, Hkv, m]`` of the requests of ``block_table`` at :func:`_fixed`'s
+    addresses."""
+    col, row, off, memo = fixed
+    n = block_table.shape[0]
+    blk = block_table.long().gather(1, col.reshape(1, -1).expand(n, -1)).view(n, *col.shape)
+    return _At(blk, row, off, memo)
+
+
+def _lr_slots(layout, s: int, w: int, device):
+    """``(j [k_max], slots [Hkv, k_max] clamped to each head's budget, has [Hkv, k_max], budgets [Hkv])`` of the
+    long-range slots (made once per layout)."""
+    memo = _memo(layout)
+    k = ("lr", s, w, device)
+    if k not in memo:
+        j, lr, b = _head_slots(layout, max(layout.budgets), device)
+        j, lr = j[s + w:], lr[:, s + w:]
+        memo[k] = (j, lr, j[None, :] < b[:, None], b)
+    return memo[k]
+
+
 @torch.no_grad()
 def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_prio: torch.Tensor,
                 block_table: torch.Tensor, pos: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 p_new: torch.Tensor, *, sinks: int, window: int, budget: int | None = None, layout=None,
-                valid: torch.Tensor | None = None, p_leave: torch.Tensor | None = None) -> None:
+                valid: torch.Tensor | None = None, p_leave: torch.Tensor | None = None, moved=()) -> None:
     """The eviction step and cache write of one new token for each of ``N`` requests (in place).
 
     Args:
@@ -142,6 +277,9 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
     sink or ring slot.  Attention is the caller's (over ``min(pos + 1, B_h)`` slots).  Every write is a
     fixed-shape scatter into slots the row owns (``[0, min(pos + 1, B_h))``, allocated by vLLM): a head that
     keeps nothing rewrites its new token's slot with its own content before the new token takes it.
+        moved: pairs ``(table, new)`` of more side tables ``[num_blocks, rows, bs]`` (a quantised cache's
+            scales) whose entry moves with the token leaving the window and whose new token's entry is ``new
+            [N, Hkv]``.
     """
     s, w = sinks, window
     bs = K.shape[2]
@@ -151,17 +289,17 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
     pos = pos.long().clamp(min=0)
     if valid is not None:
         block_table = torch.where(valid[:, None], block_table, torch.zeros_like(block_table))
+    (fk, fv, fp, fr, *fm), memo = _flats(K, V, slot_pos, slot_prio, *(t for t, _ in moved))
     heads = torch.arange(hkv, device=dev)[None, :].expand(N, hkv)
     new_slot = torch.where(pos < s, pos, s + (pos - s).clamp(min=0) % w)  # also the leaving token's slot
     at = layout.addr(block_table, heads, new_slot[:, None].expand(N, hkv), bs)  # [N, Hkv] each
     k_max = max(layout.budgets) - s - w
     if k_max > 0:
         t_leave = pos - w
-        j, lr, b = _head_slots(layout, s + w + k_max, dev)
-        j, lr = j[s + w:], lr[:, s + w:]  # [k_max], [Hkv, k_max]
-        has = j[None, :] < b[:, None]  # slot j exists in head h
-        lr_at = layout.addr(block_table, heads[..., None].expand(N, hkv, k_max), lr[None].expand(N, -1, -1), bs)
-        lp, lt = slot_prio[lr_at], slot_pos[lr_at].long()  # [N, Hkv, k_max]
+        j, lr, has, b = _lr_slots(layout, s, w, dev)  # [k_max], [Hkv, k_max] x 2, [Hkv]
+        lr_at = _addr_of(block_table, _fixed(layout, ("lr", s, w), lr, bs))  # [N, Hkv, k_max] each
+        lp = fr.get(_indices(fr, lr_at, memo, "lr"))
+        lt = fp.get(_indices(fp, lr_at, memo, "lr")).long()
         filled = (j[None, None, :] < pos[:, None, None])  # slot j holds a token iff j < min(pos, B_h)
         lp = torch.where(filled, lp, torch.full_like(lp, float("-inf")))
         lt = torch.where(filled, lt, torch.full_like(lt, -1))
@@ -170,22 +308,33 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
         low_p = lp.amin(dim=-1)  # [N, Hkv]
         older = torch.where(lp == low_p[..., None], lt, torch.full_like(lt, _I32MAX))
         low_t, jj = older.min(dim=-1)  # first index among equal values: the lowest slot
-        ring_p = slot_prio[at].nan_to_num(nan=float("-inf")) if p_leave is None else p_leave.float()
+        ring_p = fr.get(_indices(fr, at, memo, "at")).nan_to_num(nan=float("-inf")) if p_leave is None \
+            else p_leave.float()
         keep = ((t_leave >= s)[:, None] & (b > s + w)[None]
                 & ((ring_p > low_p) | ((ring_p == low_p) & (low_t < t_leave[:, None]))))
         # a head that keeps nothing rewrites the new token's own slot (overwritten below), never the lowest
         # long-range slot: that one may be past the request's allocation, where a stale block-table column can
-        # name a block another request writes in this same scatter
-        dst = tuple(torch.where(keep, x.gather(2, jj[..., None]).squeeze(2), a) for x, a in zip(lr_at, at))
-        k4 = keep[..., None]
-        K[dst] = torch.where(k4, K[at], K[dst])
-        V[dst] = torch.where(k4, V[at], V[dst])
-        slot_pos[dst] = torch.where(keep, t_leave[:, None].to(slot_pos.dtype), slot_pos[dst])
-        slot_prio[dst] = torch.where(keep, ring_p, slot_prio[dst])
-    K[at] = k_new.to(K.dtype)
-    V[at] = v_new.to(V.dtype)
-    slot_pos[at] = pos[:, None].expand(N, hkv).to(slot_pos.dtype)
-    slot_prio[at] = p_new.float()
+        # name a block another request writes in this same scatter.  So every head moves its leaving token to
+        # ``dst`` (its own slot where it keeps nothing: a no-op before the new token's write)
+        dst_at = None
+        for f in (fk, fv, fp, fr, *fm):
+            if f.writes_linear:
+                ia, il = _indices(f, at, memo, "at"), _indices(f, lr_at, memo, "lr")
+                dst = torch.where(keep, il.gather(2, jj[..., None]).squeeze(2), ia)
+            else:
+                if dst_at is None:
+                    dst_at = tuple(torch.where(keep, x.gather(2, jj[..., None]).squeeze(2), a)
+                                   for x, a in zip(lr_at, at))
+                dst = dst_at
+            if f is fp:
+                f.put(dst, t_leave[:, None].expand(N, hkv))
+            elif f is fr:
+                f.put(dst, ring_p)
+            else:
+                f.put(dst, f.get(_indices(f, at, memo, "at")))
+    for f, new in ((fk, k_new), (fv, v_new), (fp, pos[:, None].expand(N, hkv)), (fr, p_new.float()),
+                   *zip(fm, (n for _, n in moved))):
+        f.put(_indices(f, at, memo, "at") if f.writes_linear else at, new)
 
 
 @torch.no_grad()
@@ -195,22 +344,31 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor
     """Attention ``[N, Hq, D]`` of one query per request ``q [N, Hq, D]`` over the ``min(pos + 1, B_h)``
     occupied slots of each KV head (after :func:`decode_step`), in float32; fixed shapes, no host read
     (the packed layout's decode, where vLLM's kernels, one length for every head, do not apply).
-    ``load(at)``, if given, reads the slots at the physical addresses ``at`` as float32 keys and values
-    (finite everywhere; fp8 slots dequantised)."""
+    ``load(at)``, if given, reads the slots at the physical addresses ``at``: ``(keys, values, key scales,
+    value scales)``, the codes as float32 ``[N, Hkv, Bmax, D]`` (finite everywhere) and their scales ``[N, Hkv,
+    Bmax]`` (or None), folded into the logits and the weights rather than into every element of a slot."""
     N, hq, d = q.shape
     hkv = len(layout.budgets)
     bs = K.shape[2]
     if valid is not None:
         block_table = torch.where(valid[:, None], block_table, torch.zeros_like(block_table))
     j, slots, b = _head_slots(layout, max(layout.budgets), K.device)
-    heads = torch.arange(hkv, device=K.device)[None, :, None].expand(N, hkv, j.numel())
-    at = layout.addr(block_table, heads, slots[None].expand(N, -1, -1), bs)
-    kk, vv = (K[at].float(), V[at].float()) if load is None else load(at)  # [N, Hkv, Bmax, D]
+    at = _addr_of(block_table, _fixed(layout, "all", slots, bs))  # [N, Hkv, Bmax] each
+    ksc = vsc = None
+    if load is None:
+        (fk, fv), memo = _flats(K, V)
+        kk, vv = fk.get(_indices(fk, at, memo, "all")).float(), fv.get(_indices(fv, at, memo, "all")).float()
+    else:
+        kk, vv, ksc, vsc = load(at)  # [N, Hkv, Bmax, D] x 2, [N, Hkv, Bmax] x 2 (or None)
     n = torch.minimum(pos.long().clamp(min=0)[:, None] + 1, b[None])  # [N, Hkv]
     seen = j[None, None, :] < n[..., None]
-    logits = torch.einsum("nhgd,nhjd->nhgj", q.float().view(N, hkv, hq // hkv, d), kk) * scale
+    logits = torch.matmul(q.float().view(N, hkv, hq // hkv, d), kk.transpose(-1, -2))  # [N, Hkv, g, Bmax]
+    logits = logits * (scale if ksc is None else (ksc * scale)[:, :, None, :])
     logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
-    out = torch.einsum("nhgj,nhjd->nhgd", torch.softmax(logits, dim=-1), vv)
+    p = torch.softmax(logits, dim=-1)
+    if vsc is not None:  # a stale scale may be any float: never multiplied into an unseen slot's 0
+        p = p * torch.where(seen, vsc, torch.zeros_like(vsc))[:, :, None, :]
+    out = torch.matmul(p, vv)
     return out.reshape(N, hq, d).to(q.dtype)
 
 

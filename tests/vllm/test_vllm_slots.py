@@ -226,3 +226,38 @@ def test_decode_step_writes_only_owned_slots():
         diff[a_own] = False  # A's own slot 0 holds A's token
         diff[0] = False  # the null block: the padded row's
         assert not diff.any(), f"writes outside the rows' own slots at {diff.nonzero().tolist()}"
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "transposed", "page rows", "odd rows", "side table", "page scales"])
+def test_linear_access_equals_the_advanced_index(kind):
+    """``slots._Flat`` (one linear ``index_select`` / ``index_copy_``) reads and writes what advanced indexing with
+    the three address tensors does, on every view the backends hand it: contiguous and transposed slots, a page
+    whose rows hold codes and scales side by side (overlapping rows: writes by address), side tables and the
+    scales' strided view."""
+    from kvpop.vllm.slots import _Flat
+
+    torch.manual_seed(0)
+    nb, rows, bs = 5, 3, 4
+    if kind == "contiguous":
+        x = torch.randn(nb, rows, bs, D)
+    elif kind == "transposed":
+        x = torch.randn(nb, rows, D, bs).transpose(2, 3)
+    elif kind == "page rows":  # [K codes D | scale 1 | V codes D | scale 1] per slot, as a per-token-head page
+        x = torch.randn(nb, rows, bs, 2 * D + 2)[..., :D]
+    elif kind == "odd rows":  # rows of D every D + 1, pages one longer: rows start at any element (they overlap)
+        n = bs * (D + 1) + 1
+        x = torch.randn(nb * rows * n).as_strided((nb, rows, bs, D), (rows * n, n, D + 1, 1))
+    elif kind == "side table":
+        x = torch.randn(nb, rows, bs)
+    else:
+        x = torch.randn(nb, rows, bs, 2 * D + 2)[..., D]
+    f = _Flat(x)
+    assert (f.units is None) == (kind == "transposed") and f.overlap == (kind == "odd rows")
+    at = (torch.randint(0, nb, (6, 2)), torch.randint(0, rows, (6, 2)), torch.randint(0, bs, (6, 2)))
+    assert torch.equal(f.get(f.index(at)), x[at])
+    uniq = (torch.tensor([[0, 1], [4, 2]]), torch.tensor([[2, 0], [1, 1]]), torch.tensor([[3, 3], [0, 1]]))
+    new = torch.randn(*uniq[0].shape, *x.shape[3:])
+    want = x.clone()
+    want[uniq] = new
+    f.put(f.index(uniq) if f.writes_linear else uniq, new)
+    assert torch.equal(x, want)
