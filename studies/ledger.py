@@ -312,13 +312,14 @@ def merge_ledger(new: dict, old_rows: list[dict], old_comparisons: Sequence[dict
 ARCHIVED = ("selection.json", "test_log.jsonl", "evidence_rows.json", "commands.log")
 
 
-def write_split_rows(dest: str | os.PathLike, instrument: str, split: str, new: dict) -> Path:
+def write_split_rows(dest: str | os.PathLike, instrument: str, split: str, new: dict, *, merge: bool = False) -> Path:
     """``dest/<instrument>/evidence_rows.json``: the shipped archive's rows of ``instrument`` (beside
     :data:`EVIDENCE_FILE`) but those of ``split``, then ``new["rows"]`` (all of ``split``), and likewise the
     archive's comparisons and ``new["comparisons"]``; checked by :func:`check_ledger` before it is written (a
     second write replaces the split's rows, never repeats them).  The archive's other records (:data:`ARCHIVED`)
     are copied beside it, so that ``python -m studies.evidence ledger --runs DEST``'s archive step leaves them
-    as they are."""
+    as they are.  ``merge``: the rows of ``new`` join the split's rows (from ``dest``'s file when it is there, else
+    the archive's) instead of replacing them; rows and comparisons of the same policy are replaced."""
     import shutil
 
     bad = [r.get("policy") for r in new["rows"] if r.get("split") != split or r.get("instrument") != instrument]
@@ -326,11 +327,17 @@ def write_split_rows(dest: str | os.PathLike, instrument: str, split: str, new: 
     if bad:
         raise ValueError(f"rows or comparisons not of {instrument}'s split {split!r}: {', '.join(map(str, bad))}")
     arch = EVIDENCE_FILE.parent / "evidence" / instrument
-    old = json.loads((arch / "evidence_rows.json").read_text())
-    obj = {**old, "rows": [r for r in old["rows"] if r.get("split") != split] + new["rows"],
-           "comparisons": [c for c in old.get("comparisons", []) if c["split"] != split]
-           + list(new.get("comparisons", []))}
     out = Path(dest) / instrument / "evidence_rows.json"
+    old = json.loads((out if merge and out.exists() else arch / "evidence_rows.json").read_text())
+    if merge:  # more rows of the split: the split's rows of other policies stay (and their comparisons)
+        mine = {r["policy"] for r in new["rows"]}
+        obj = {**old, "rows": [r for r in old["rows"] if r.get("split") != split or r["policy"] not in mine]
+               + new["rows"], "comparisons": [c for c in old.get("comparisons", []) if c["split"] != split
+                                               or c.get("a") not in mine] + list(new.get("comparisons", []))}
+    else:
+        obj = {**old, "rows": [r for r in old["rows"] if r.get("split") != split] + new["rows"],
+               "comparisons": [c for c in old.get("comparisons", []) if c["split"] != split]
+               + list(new.get("comparisons", []))}
     check_ledger(obj, out, instrument=instrument)
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in ARCHIVED:

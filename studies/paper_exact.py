@@ -350,6 +350,60 @@ def test_realtext(out: Path, rec: dict, split_record: Path, *, n_boot: int = 10_
 
 # ---------------------------------------------------------------------------------------------------------------
 
+KEEP = ("instrument", "budget", "a", "b", "mean_diff", "ci95", "n_sequences", "n_clusters", "seeds", "method",
+        "split", "reference", "verdict", "lower_is_better", "n_boot", "seed")
+"""The comparison keys the ledger keeps."""
+
+
+def ledger_rows(rec: dict) -> dict[str, dict]:
+    """``{split: {"rows", "comparisons"}}`` for the ledger from a record with its tests: the row at the headline
+    budget (real text: at each budget, against the original dense model) with its per-sequence values, scored once
+    (``headline`` false), and its intervals on that split."""
+    from .ledger import summarize
+
+    out = {}
+    trials = len(rec["selection"]["trials"])
+    for t in rec.get("tests", []):
+        runs = t["runs"][ROW]
+        seeds = sorted(runs, key=int)
+        once = max(t["scorings"].get(f"{ROW}|seed{x}", 0) for x in seeds)
+        rows = []
+        if rec["instrument"] == "realtext":
+            from .controls_realtext import EVAL_BUDGETS, SEQ_LEN, SINKS, WINDOW
+            from .fresh_realtext import row_values
+
+            for b in EVAL_BUDGETS:
+                per = [row_values(runs[x], ROW, b, "original") for x in seeds]
+                vals = [sum(v) / len(v) for v in per]
+                rows.append({"instrument": "realtext", "policy": ROW, "recipe": {
+                    "runs": {x: runs[x]["dir"] for x in seeds}, "commands": {x: runs[x]["command"] for x in seeds},
+                    "sinks": SINKS, "window": WINDOW, "trained_at": 128, "settings": rec["selection"]["chosen"]},
+                    "steps": 250, "seeds": vals, **summarize(vals), "value": summarize(vals)["mean"],
+                    "metric": "delta_nll", "trials": trials, "test_evaluations": once, "budget": b,
+                    "budget_fraction": b / SEQ_LEN, "headline": False, "legend": LEGEND, "split": t["split"],
+                    "per_sequence": per, "reference": "the original dense model", "not_causal": False,
+                    "test_sequences": f"{len(per[0])} records of the split {t['split']}, scored from position 256"})
+        else:
+            st = rec["settings"]
+            per = [list(runs[x]["per_sequence"]) for x in seeds]
+            vals = [sum(v) / len(v) for v in per]
+            fr = json.loads(Path(t["record"]).read_text()) if Path(t["record"]).exists() else None
+            dense = None if fr is None else sum(fr["runs"]["dense"]["0"]["per_sequence"]) / len(
+                fr["runs"]["dense"]["0"]["per_sequence"])
+            rows.append({"instrument": rec["instrument"], "policy": ROW, "recipe": {
+                "runs": {x: runs[x]["dir"] for x in seeds}, "settings": runs[seeds[0]]["settings"],
+                "sinks": 4, "window": 32, "served_at": st["budget"], "trained_at": st["trained_at"]},
+                "steps": int(st["steps"]), "seeds": vals, **summarize(vals), "value": summarize(vals)["mean"],
+                "metric": "accuracy", "trials": trials, "test_evaluations": once, "budget": st["budget"],
+                "length": st["length"], "budget_fraction": st["budget"] / st["length"], "headline": False,
+                "dense": dense, "legend": LEGEND, "split": t["split"], "per_sequence": per, "not_causal": False,
+                "test_sequences": f"{t['test_sequences']} at {st['length']} tokens"})
+        comps = [{**{k: c[k] for k in KEEP if k in c}, "split": t["split"],
+                  "seeds": c.get("seeds") or {"a": c["seeds_a"], "b": c["seeds_b"]}} for c in t["comparisons"]]
+        out[t["split"]] = {"rows": rows, "comparisons": comps}
+    return out
+
+
 def markdown(rec: dict) -> str:
     """The record's tables: the trials and decisions, then each interval (validation, then each test split)."""
     out = [f"**{rec['instrument']}**: chosen {rec['selection']['chosen']}", "",
@@ -391,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--test", action="store_true", help="then score the row once on the fresh test split")
         q.add_argument("--record-only", action="store_true", help="train and score nothing: the record of what "
                                                                   "exists")
+        q.add_argument("--ledger-runs", default=None,
+                       help="with --test: also add the row to DIR/<instrument>/evidence_rows.json (the shipped "
+                            "archive's rows, or DIR's own when there), for python -m studies.evidence ledger --runs "
+                            "DIR")
     a = p.parse_args(argv)
     try:
         import torch
@@ -416,6 +474,13 @@ def main(argv: list[str] | None = None) -> int:
                                 for sp in a.splits.split(",") if sp]
         write_json(out / "paper_exact.json", rec)
         (out / "paper_exact.md").write_text(markdown(rec))
+        if a.ledger_runs:
+            if not rec.get("tests"):
+                raise ValueError("--ledger-runs needs --test (the ledger holds rows scored on a test split)")
+            from .ledger import write_split_rows
+
+            for split, new in ledger_rows(rec).items():
+                write_split_rows(a.ledger_runs, rec["instrument"], split, new, merge=True)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"python -m studies.paper_exact: error: {e}", file=sys.stderr)
         return 2

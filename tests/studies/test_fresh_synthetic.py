@@ -172,6 +172,14 @@ def test_record_figures_comparisons_and_ledger_rows_match_a_recomputation(tmp_pa
     assert (tmp_path / "L" / "kvtrace" / "selection.json").read_text() == "{}"
     with pytest.raises(ValueError, match="not of kvtrace's split 'other'"):
         ledger.write_split_rows(tmp_path / "L", "kvtrace", "other", led)
+    # merge: one more row of the split joins the rows already written (twice: replaced, never repeated)
+    extra = {**by[KV], "policy": "kvpop-mlp-joint[paper-exact]"}
+    more = {"rows": [extra], "comparisons": [{**led["comparisons"][0], "a": extra["policy"]}]}
+    for _ in range(2):
+        ledger.write_split_rows(tmp_path / "L", "kvtrace", F.SPLIT, more, merge=True)
+    built = ledger.build_ledger(tmp_path / "L")
+    assert built["rows"] == [old, *led["rows"], extra]
+    assert built["comparisons"] == [*led["comparisons"], *more["comparisons"]]
 
 
 def test_main_refuses_few_sequences_and_an_unscored_record(tmp_path, capsys):
@@ -200,14 +208,17 @@ def test_the_shipped_record_was_scored_once_and_its_intervals_and_ledger_rows_fo
         r = paired_interval(va, vb, n_boot=x["n_boot"], seed=x["seed"])
         assert x["mean_diff"] == pytest.approx(r.mean_diff, abs=1e-12) and x["ci95"] == list(r.ci95)
         assert x["n_sequences"] == F.N_TEST
+    # the split's rows in the ledger: this record's, and the paper's exact method scored once on the same split
+    exact = next(t for t in json.loads((d / "paper_exact.json").read_text())["tests"] if t["split"] == F.SPLIT)
+    every = {**rec["runs"], **exact["runs"]}
     rows = [r for r in json.loads((RESULTS_DIR / "evidence.json").read_text())["rows"]
             if r["instrument"] == task and r.get("split") == F.SPLIT]
-    assert {r["policy"] for r in rows} == set(rec["runs"])
+    assert {r["policy"] for r in rows} == set(every)
     for r in rows:
-        runs = rec["runs"][r["policy"]]
+        runs = every[r["policy"]]
         assert r["per_sequence"] == [runs[s]["per_sequence"] for s in sorted(runs, key=int)]
     led = json.loads((RESULTS_DIR / "evidence.json").read_text())
     comps = [c for c in ledger.check_comparisons(led, "evidence.json") if c["instrument"] == task
              and c["split"] == F.SPLIT]
     assert [(c["a"], c["b"], c["verdict"]) for c in comps] == [(x["a"], x["b"], x["verdict"])
-                                                              for x in rec["comparisons"]]
+                                                              for x in rec["comparisons"] + exact["comparisons"]]
