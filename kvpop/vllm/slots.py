@@ -361,9 +361,13 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor
     else:
         kk, vv, ksc, vsc = load(at)  # [N, Hkv, Bmax, D] x 2, [N, Hkv, Bmax] x 2 (or None)
     n = torch.minimum(pos.long().clamp(min=0)[:, None] + 1, b[None])  # [N, Hkv]
-    seen = j[None, None, :] < n[..., None]
+    seen = j[None, None, :] < n[..., None]  # every row sees slot 0 at least (n >= 1): no empty softmax
+    if ksc is None:  # one fused attention over the padded slots, the unseen masked
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float().view(N, hkv, hq // hkv, d), kk, vv, attn_mask=seen[:, :, None, :], scale=scale)
+        return out.reshape(N, hq, d).to(q.dtype)
     logits = torch.matmul(q.float().view(N, hkv, hq // hkv, d), kk.transpose(-1, -2))  # [N, Hkv, g, Bmax]
-    logits = logits * (scale if ksc is None else (ksc * scale)[:, :, None, :])
+    logits = logits * (ksc * scale)[:, :, None, :]
     logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
     p = torch.softmax(logits, dim=-1)
     if vsc is not None:  # a stale scale may be any float: never multiplied into an unseen slot's 0
