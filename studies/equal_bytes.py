@@ -499,8 +499,10 @@ def run_test(inst: Instrument, out: Path, plan: dict, chosen: dict) -> dict:
 def comparisons(inst_name: str, budget: int, runs: dict, plan: dict, chosen: dict, *, clusters=None,
                 lower_is_better: bool, n_boot: int = 10_000) -> list[dict]:
     """The paired intervals: each 8-bit row against the 16-bit row at equal bytes and against the 16-bit row at
-    ``B`` (equal slots)."""
-    from .paired import comparison
+    ``B`` (equal slots).  Each also carries ``seeds_paired``: the same bootstrap with one seed draw for both rows
+    (``pair_seeds``: every row of a seed serves that seed's scorer and weights, so the rows' seeds are paired by
+    design); the verdict the record states is the house's (seeds drawn independently), the wider one."""
+    from .paired import comparison, paired_interval, verdict
 
     B = plan["budget"]
     eq = row_name(BF16, chosen["budget"], chosen["window"])
@@ -513,7 +515,9 @@ def comparisons(inst_name: str, budget: int, runs: dict, plan: dict, chosen: dic
             vb = [runs[b][s]["per_sequence"] for s in sorted(runs[b], key=int)]
             c = comparison(instrument=inst_name, budget=budget, a=a, b=b, values_a=va, values_b=vb,
                            lower_is_better=lower_is_better, clusters=clusters, n_boot=n_boot)
-            out.append({**c, "at": what})
+            ps = paired_interval(va, vb, clusters=clusters, n_boot=n_boot, pair_seeds=True)
+            out.append({**c, "at": what, "seeds_paired": {"mean_diff": ps.mean_diff, "ci95": list(ps.ci95),
+                                                          "verdict": verdict(ps, lower_is_better=lower_is_better)}})
     return out
 
 
@@ -628,12 +632,13 @@ def markdown(rec: dict) -> str:
                        + ", ".join(fmt(v) for v in f["per_seed"].values()) + " | "
                        + ", ".join(str(v) for v in f["decode_seconds"].values()) + " |")
     if test and test["comparisons"]:
-        out += ["", "| a | b | at | a - b | 95 % interval | seeds a / b | clusters | verdict |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["", "| a | b | at | a - b | 95 % interval | seeds a / b | clusters | verdict | interval, seeds "
+                    "paired | verdict, seeds paired |", "|---|---|---|---|---|---|---|---|---|---|"]
         for c in test["comparisons"]:
+            ps = c["seeds_paired"]
             out.append(f"| {c['a']} | {c['b']} | {c['at']} | {c['mean_diff']:+.4f} | [{c['ci95'][0]:+.4f}, "
                        f"{c['ci95'][1]:+.4f}] | {c['seeds_a']} / {c['seeds_b']} | {c['n_clusters']} | "
-                       f"{c['verdict']} |")
+                       f"{c['verdict']} | [{ps['ci95'][0]:+.4f}, {ps['ci95'][1]:+.4f}] | {ps['verdict']} |")
     if test and test["missing"]:
         out += ["", f"not scored yet: {', '.join(test['missing'])}"]
     return "\n".join(out) + "\n"

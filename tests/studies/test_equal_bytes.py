@@ -119,6 +119,8 @@ def test_selection_trials_rows_and_intervals(tiny_run):
         lo, hi = c["ci95"]
         assert lo <= c["mean_diff"] <= hi
         assert c["verdict"] == ("no difference shown" if lo <= 0 <= hi else "a better" if hi < 0 else "b better")
+        ps = c["seeds_paired"]  # one seed draw for both rows: the same point, an interval of its own
+        assert ps["mean_diff"] == pytest.approx(c["mean_diff"]) and ps["ci95"][0] <= ps["mean_diff"] <= ps["ci95"][1]
     # the 8-bit rows keep the same slots as the 16-bit row at B (streaming): close, but not the same bits
     fig = {f["row"]: f for f in test["figures"]}
     assert abs(fig["int8@B=40,w=32"]["mean"] - fig["bf16@B=40,w=32"]["mean"]) < 0.05
@@ -140,6 +142,27 @@ def test_a_second_run_scores_nothing_again(tiny_run, monkeypatch):
     assert again["selection"]["chosen"] == rec["selection"]["chosen"]
     assert len(again["commands"]) == 2 and again["commands"][-1].endswith("again")
     assert len((out / "test" / "test_log.jsonl").read_text().splitlines()) == 8
+
+
+def test_paired_seeds_remove_what_the_rows_share():
+    """Rows served by the same seed's scorer share that seed's offset: the seeds-paired interval removes it, the
+    house's (seeds drawn independently) keeps it; both have the same point."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.rand(40, generator=g)
+    offset = {"0": -0.3, "1": 0.0, "2": 0.3}
+    plan = {"budget": 64}
+    chosen = {"budget": 37, "window": 16}
+    names = {"int8": 0.02, "fp8": 0.02, "bf16": 0.0}
+    runs = {Q.row_name(d, 64, 32): {s: {"per_sequence": (base + o + x).tolist()} for s, o in offset.items()}
+            for d, x in names.items()}
+    runs[Q.row_name("bf16", 37, 16)] = {s: {"per_sequence": (base + o - 0.1).tolist()} for s, o in offset.items()}
+    comps = Q.comparisons("t", 64, runs, plan, chosen, lower_is_better=False, n_boot=2000)
+    for c in comps:
+        ps = c["seeds_paired"]
+        assert ps["mean_diff"] == pytest.approx(c["mean_diff"])
+        assert ps["ci95"][1] - ps["ci95"][0] < 1e-6 < c["ci95"][1] - c["ci95"][0]
+        assert ps["verdict"] == "a better"
+    assert {c["verdict"] for c in comps} == {"no difference shown"}
 
 
 def test_check_bytes_refuses_a_count_that_moved(tiny_run):
