@@ -216,3 +216,29 @@ def test_refuses_a_file_as_out(tmp_path, capsys):
     f.write_text("")
     assert Q.main(["--instrument", "kvtrace", "--out", str(f)]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("instrument", Q.INSTRUMENTS)
+def test_shipped_records_agree_with_their_logs(instrument):
+    """The shipped record of each instrument: its tables are the JSON's, every (row, seed) is its test log's one
+    scoring, the bytes hold (equal-bytes row no more than the 8-bit rows, one slot more would be), and the
+    intervals are those its per-sequence values give."""
+    from studies.paths import RESULTS_DIR
+
+    d = RESULTS_DIR / "evidence" / instrument
+    rec = json.loads((d / "equal_bytes.json").read_text())
+    assert (d / "equal_bytes.md").read_text() == Q.markdown(rec)
+    log = [json.loads(x) for x in (d / "equal_bytes_test_log.jsonl").read_text().splitlines()]
+    assert len({e["key"] for e in log}) == len(log) == 12
+    test, plan, chosen = rec["test"], rec["bytes"], rec["selection"]["chosen"]
+    for e in log:
+        row, seed = e["key"].split("|seed")
+        assert test["runs"][row][seed]["per_sequence"] == e["result"]["per_sequence"]
+    Q.check_bytes(test["runs"], plan, chosen)
+    c = next(c for c in plan["candidates"] if c["window"] == chosen["window"])
+    assert c["bytes_per_sequence"] <= plan["target"] < c["next_budget_bytes"]
+    again = Q.comparisons(instrument, rec["budget"], test["runs"], plan, chosen, clusters=test["clusters"],
+                          lower_is_better=not rec["higher_is_better"])
+    for a, b in zip(again, test["comparisons"]):
+        assert a["ci95"] == pytest.approx(b["ci95"]) and a["verdict"] == b["verdict"]
+        assert a["seeds_paired"]["ci95"] == pytest.approx(b["seeds_paired"]["ci95"])
