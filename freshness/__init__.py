@@ -150,6 +150,14 @@ GROUPS: tuple[Group, ...] = (
            "forward/kvpop-mlp-fp8", "forward/streaming", *_demo("lookahead", ("kvpop-mlp-joint",))),
           "python -m studies.quantized (see quantized.md); python -m freshness stamp "
           f"{STUDY_RESULTS}/quantized.md"),
+    Group("quantised slots at equal bytes",
+          tuple(f"{STUDY_RESULTS}/evidence/{t}/equal_bytes.{x}" for t in ("kvtrace", "lookahead", "realtext")
+                for x in ("json", "md")),
+          ("code/kvpop-mlp-joint", "forward/kvpop-mlp", "forward/kvpop-mlp-int8", "forward/kvpop-mlp-fp8",
+           *_demo("kvtrace", ("kvpop-mlp-joint",)), *_demo("lookahead", ("kvpop-mlp-joint",))),
+          "python -m studies.equal_bytes --instrument realtext|kvtrace|lookahead --out OUT --stage all (about 6, 13 "
+          "and 2 minutes on one core: see evidence.md); cp OUT/equal_bytes.* studies/results/evidence/<instrument>/; "
+          "python -m freshness stamp the files"),
     Group("real-text study", (f"{STUDY_RESULTS}/realtext.md",),
           (*(f"code/{m}" for m in CODE_METHODS), *_FWD_ALL),
           "python -m studies.realtext (hours: see realtext.md); python -m freshness stamp "

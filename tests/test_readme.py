@@ -218,3 +218,24 @@ def test_readme_realtext_controls_table_is_the_records():
         rec = json.loads((ev.parent / task / "paper_exact.json").read_text())
         fig = next(f for f in rec["tests"][0]["figures"] if f["row"] == "kvpop-mlp-joint[paper-exact]")
         assert f"{task} {fig['mean']:.3f}" in words, (task, fig["mean"])
+
+
+def test_readme_equal_bytes_row_is_the_records():
+    """The README's 8-bit-at-equal-bytes row (issue 43 item 6) quotes each instrument's once-scored record: the
+    figures, the interval and the verdicts at equal bytes."""
+    import json
+
+    line = next(x for x in README.read_text(encoding="utf-8").splitlines() if x.startswith("| 8-bit slots"))
+    ev = ROOT / "studies" / "results" / "evidence"
+    words = {"a better": "8-bit better", "no difference shown": "no difference shown"}
+    for task, fmt in (("realtext", "{:+.4f}"), ("kvtrace", "{:.3f}"), ("lookahead", "{:.3f}")):
+        test = json.loads((ev / task / "equal_bytes.json").read_text())["test"]
+        fig = {f["row"]: f["mean"] for f in test["figures"]}
+        eq = [c for c in test["comparisons"] if c["at"] == "equal bytes"]
+        assert len({c["verdict"] for c in eq}) == 1, eq  # int8 and fp8 read alike
+        c = next(c for c in eq if c["a"].startswith("int8"))
+        label = "real text int8" if task == "realtext" else task
+        assert f"{label} {fmt.format(fig[c['a']])} vs {fmt.format(fig[c['b']])}" in line, (task, fig)
+        assert words[c["verdict"]] in line.split(label, 1)[1].split(";")[0], (task, c)
+        if task == "realtext":
+            assert f"{c['mean_diff']:+.4f} [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" in line
