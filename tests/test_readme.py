@@ -239,3 +239,19 @@ def test_readme_equal_bytes_row_is_the_records():
         assert words[c["verdict"]] in line.split(label, 1)[1].split(";")[0], (task, c)
         if task == "realtext":
             assert f"{c['mean_diff']:+.4f} [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" in line
+
+
+def test_the_papers_rows_name_their_departures():
+    """Issue 43 item 4: a row the ledger's tables (the README's, evidence.md's generated block) call the paper's
+    recipe either is its exact method (``[paper-exact]``) or names how it departs; the plain
+    ``kvpop-mlp-joint[paper]`` name appears in none of their rows (the records' own tables keep the name they
+    were scored under)."""
+    from studies.ledger import DEPARTURES
+
+    ev = (ROOT / "studies" / "results" / "evidence.md").read_text(encoding="utf-8")
+    block = ev.split("<!-- evidence:start", 1)[1].split("<!-- evidence:end")[0]
+    for text in (README.read_text(encoding="utf-8"), block):
+        rows = [x for x in text.splitlines() if x.startswith("| kvpop-mlp-joint[paper")]
+        assert rows and not [x for x in rows if x.startswith("| kvpop-mlp-joint[paper] ")], rows
+    table = README.read_text(encoding="utf-8")
+    assert all(f"| {name} |" in table for name in DEPARTURES.values())
