@@ -165,14 +165,10 @@ class _Dense(slots.UniformSlots):
 
 def _addresses(layout, table: torch.Tensor, bs: int):
     """Physical addresses ``[N, Hkv, Bmax]`` of every head's slots ``[0, Bmax)`` of the requests of ``table``
-    (a padded slot ``j >= B_h`` addresses the head's last slot), and ``(j [Bmax], budgets [Hkv])``."""
-    dev = table.device
-    b = torch.tensor(layout.budgets, dtype=torch.long, device=dev)
-    j = torch.arange(int(b.max()), device=dev)
-    sl = torch.minimum(j[None, :], b[:, None] - 1)  # [Hkv, Bmax]
-    n, hkv = table.shape[0], b.numel()
-    heads = torch.arange(hkv, device=dev)[None, :, None].expand(n, hkv, j.numel())
-    return layout.addr(table, heads, sl[None].expand(n, -1, -1), bs), j, b
+    (a padded slot ``j >= B_h`` addresses the head's last slot), and ``(j [Bmax], budgets [Hkv])``: the decode
+    attention's addresses (``slots._head_slots``, the layout's constants made once)."""
+    j, sl, b = slots._head_slots(layout, max(layout.budgets), table.device)
+    return tuple(slots._addr_of(table, slots._fixed(layout, "all", sl, bs))), j, b
 
 
 @torch.no_grad()
