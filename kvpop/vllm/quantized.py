@@ -189,16 +189,14 @@ def decode_attention(K, V, k_scale, v_scale, block_table, pos, q, *, layout, sca
                      valid: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`slots.decode_attention` over the dequantised slots (float32, fixed shapes; a stale slot's bytes
     may be a NaN code: read as 0, never attended)."""
-    def load(at):
-        flats, memo = slots._flats(K, V, k_scale, v_scale)
-        kc, vc, ks, vs = (f.get(slots._indices(f, at, memo, "all")) for f in flats)
-        if kc.dtype == torch.int8:
-            return kc.float(), vc.float(), ks, vs
-        # float8 bytes: a stale slot's may be a NaN code (never attended, but 0 * NaN is NaN)
-        return (kc.view(_FP8).float().nan_to_num_(0.0, 0.0, 0.0), vc.view(_FP8).float().nan_to_num_(0.0, 0.0, 0.0),
-                ks, vs)
+    if K.dtype == torch.int8:
+        codes = None
+    else:  # float8 bytes: a stale slot's may be a NaN code (never attended, but 0 * NaN is NaN)
+        def codes(x):
+            return x.view(_FP8).float().nan_to_num_(0.0, 0.0, 0.0)
+    return slots.decode_attention(K, V, block_table, pos, q, layout=layout, scale=scale, valid=valid,
+                                  scales=(k_scale, v_scale), codes=codes)
 
-    return slots.decode_attention(K, V, block_table, pos, q, layout=layout, scale=scale, load=load, valid=valid)
 
 
 @torch.no_grad()

@@ -337,43 +337,101 @@ def decode_step(K: torch.Tensor, V: torch.Tensor, slot_pos: torch.Tensor, slot_p
         f.put(_indices(f, at, memo, "at") if f.writes_linear else at, new)
 
 
+def _chunk_view(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """``x [num_blocks, rows, bs, ...]`` as chunks ``x[block, row]`` (``[bs, ...]`` each, any inner strides) of one
+    view of its storage, ``(view [m, bs, ...], (u0, u1))``: chunk ``(block, row)`` is ``view[block * u0 + row *
+    u1]``, so one ``index_select`` reads many whole chunks (a gather of ``bs``-slot runs, not of single slots)."""
+    st = x.stride()
+    g = math.gcd(st[0], st[1]) or 1
+    u = (st[0] // g, st[1] // g)
+    m = (x.shape[0] - 1) * u[0] + (x.shape[1] - 1) * u[1] + 1
+    if x.dim() == 3 and st[2] == 1 or x.dim() == 4 and st[3] == 1 and st[2] == x.shape[3]:
+        return x.as_strided((m, math.prod(x.shape[2:])), (g, 1)), u  # a chunk one flat run: index_select's fast path
+    return x.as_strided((m, *x.shape[2:]), (g, *st[2:])), u
+
+
+def _runs(layout, bs: int, device):
+    """The chunks (runs of ``bs`` slots in one page row) that hold each head's slots, made once per layout: ``(fixed
+    [Hkv, R]`` (:func:`_fixed` of each chunk's first slot), ``slot [Hkv, R * bs]``: the head's slot index at each
+    position of its chunks laid end to end, ``_I32MAX`` where the position is not one of its slots)``.
+
+    Both layouts lay a head's slots ``0, 1, ...`` one after another through whole chunks (the uniform one from
+    offset 0 of each block's row ``h``; the packed one from offset ``lo_h`` of the row holding its slot 0, on
+    through the next rows and pages), so head ``h``'s slot ``j`` is at position ``lo_h + j`` of its chunks;
+    a head with fewer chunks than the most repeats its last (every position past its slots is masked)."""
+    memo = _memo(layout)
+    k = ("runs", bs, device)
+    if k not in memo:
+        b = torch.tensor(layout.budgets, dtype=torch.long, device=device)
+        hkv = b.numel()
+        pages = (getattr(layout, "base", 0) + sum(layout.budgets)) // bs + 2
+        ident = torch.arange(pages, device=device)[None]
+        heads = torch.arange(hkv, device=device)[:, None]
+        lo = layout.addr(ident, heads[None], torch.zeros(1, hkv, 1, dtype=torch.long, device=device), bs)[2]
+        lo = lo.reshape(hkv)
+        n_runs = -(-(lo + b) // bs)  # [Hkv]
+        r = torch.arange(int(n_runs.max()), device=device)
+        first = (r[None] * bs - lo[:, None]).clamp(min=0)  # [Hkv, R]: the slot at the start of each chunk
+        first = torch.minimum(first, b[:, None] - 1)
+        jj = torch.arange(r.numel() * bs, device=device)[None] - lo[:, None]  # [Hkv, R * bs]
+        slot = torch.where((jj >= 0) & (jj < b[:, None]), jj, torch.full_like(jj, _I32MAX))
+        memo[k] = (_fixed(layout, ("runs",), first, bs), slot)
+    return memo[k]
+
+
 @torch.no_grad()
 def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor, pos: torch.Tensor,
                      q: torch.Tensor, *, layout, scale: float, valid: torch.Tensor | None = None,
-                     load=None) -> torch.Tensor:
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None, codes=None) -> torch.Tensor:
     """Attention ``[N, Hq, D]`` of one query per request ``q [N, Hq, D]`` over the ``min(pos + 1, B_h)``
     occupied slots of each KV head (after :func:`decode_step`), in float32; fixed shapes, no host read
     (the packed layout's decode, where vLLM's kernels, one length for every head, do not apply).
-    ``load(at)``, if given, reads the slots at the physical addresses ``at``: ``(keys, values, key scales,
-    value scales)``, the codes as float32 ``[N, Hkv, Bmax, D]`` (finite everywhere) and their scales ``[N, Hkv,
-    Bmax]`` (or None), folded into the logits and the weights rather than into every element of a slot."""
+
+    The slots are read a chunk at a time (:func:`_runs`: each head's runs of ``bs`` slots, one ``index_select``
+    per tensor), every position of a chunk that is not one of the head's occupied slots masked; what a masked
+    position holds must be finite (vLLM's cache starts zeroed and holds only what the model wrote; 8-bit float
+    codes go through ``codes``).  ``scales``: ``(key scales, value scales)`` ``[num_blocks, rows, bs]`` of
+    quantised slots, folded into the logits and the softmax weights rather than into every element; ``codes``
+    maps a chunk's stored elements to float32 (default ``.float()``)."""
     N, hq, d = q.shape
     hkv = len(layout.budgets)
+    g = hq // hkv
     bs = K.shape[2]
     if valid is not None:
         block_table = torch.where(valid[:, None], block_table, torch.zeros_like(block_table))
-    j, slots, b = _head_slots(layout, max(layout.budgets), K.device)
-    at = _addr_of(block_table, _fixed(layout, "all", slots, bs))  # [N, Hkv, Bmax] each
-    ksc = vsc = None
-    if load is None:
-        (fk, fv), memo = _flats(K, V)
-        kk, vv = fk.get(_indices(fk, at, memo, "all")).float(), fv.get(_indices(fv, at, memo, "all")).float()
-    else:
-        kk, vv, ksc, vsc = load(at)  # [N, Hkv, Bmax, D] x 2, [N, Hkv, Bmax] x 2 (or None)
-    n = torch.minimum(pos.long().clamp(min=0)[:, None] + 1, b[None])  # [N, Hkv]
-    seen = j[None, None, :] < n[..., None]  # every row sees slot 0 at least (n >= 1): no empty softmax
-    if ksc is None:  # one fused attention over the padded slots, the unseen masked
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.float().view(N, hkv, hq // hkv, d), kk, vv, attn_mask=seen[:, :, None, :], scale=scale)
-        return out.reshape(N, hq, d).to(q.dtype)
-    logits = torch.matmul(q.float().view(N, hkv, hq // hkv, d), kk.transpose(-1, -2))  # [N, Hkv, g, Bmax]
+    (col, row, _, memo), slot = _runs(layout, bs, K.device)
+    P = slot.shape[1]
+    blk = block_table.long().gather(1, col.reshape(1, -1).expand(N, -1))  # [N, Hkv * R]
+
+    lin: dict = {}
+
+    def read(x):
+        view, u = _chunk_view(x)
+        i = lin.get(u)
+        if i is None:
+            c = memo.get(("row", u))
+            if c is None:
+                c = memo[("row", u)] = row.reshape(-1) * u[1]
+            i = lin[u] = (blk * u[0] + c).reshape(-1)
+        return view.index_select(0, i).view(N * hkv, P, *x.shape[3:])
+
+    to_float = codes or (lambda x: x.float())
+    kk, vv = to_float(read(K)), to_float(read(V))  # [N * Hkv, P, D]
+    # slot j of a head is seen iff j < min(pos + 1, B_h) (``slot`` is _I32MAX past B_h and off its slots)
+    seen = slot[None] <= pos.long().clamp(min=0)[:, None, None]  # [N, Hkv, P]
+    qg = q.float().reshape(N * hkv, g, d)
+    if scales is None:
+        bias = torch.where(seen, 0.0, float("-inf")).view(N * hkv, 1, P).expand(-1, g, -1)
+        logits = torch.baddbmm(bias, qg, kk.transpose(1, 2), alpha=scale)  # [N * Hkv, g, P]
+        return torch.bmm(torch.softmax(logits, dim=-1), vv).view(N, hq, d).to(q.dtype)
+    ksc, vsc = (read(x).view(N, hkv, P) for x in scales)
+    logits = torch.bmm(qg, kk.transpose(1, 2)).view(N, hkv, g, P)
     logits = logits * (ksc * scale)[:, :, None, :]
     logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
     p = torch.softmax(logits, dim=-1)
-    if vsc is not None:  # a stale scale may be any float: never multiplied into an unseen slot's 0
-        p = p * torch.where(seen, vsc, torch.zeros_like(vsc))[:, :, None, :]
-    out = torch.matmul(p, vv)
-    return out.reshape(N, hq, d).to(q.dtype)
+    # a stale scale may be any float: never multiplied into an unseen position's 0
+    p = p * torch.where(seen, vsc, torch.zeros_like(vsc))[:, :, None, :]
+    return torch.bmm(p.view(N * hkv, g, P), vv).view(N, hq, d).to(q.dtype)
 
 
 @torch.no_grad()

@@ -261,3 +261,42 @@ def test_linear_access_equals_the_advanced_index(kind):
     want[uniq] = new
     f.put(f.index(uniq) if f.writes_linear else uniq, new)
     assert torch.equal(x, want)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "transposed", "page rows", "odd rows", "side table"])
+def test_chunk_view_reads_whole_block_rows(kind):
+    """``slots._chunk_view``: one ``index_select`` of chunk ``(block, row)`` is ``x[block, row]`` (its ``bs`` slots)
+    on every view the backends hand ``decode_attention``."""
+    from kvpop.vllm.slots import _chunk_view
+
+    torch.manual_seed(1)
+    nb, rows, bs = 5, 3, 4
+    x = {"contiguous": lambda: torch.randn(nb, rows, bs, D),
+         "transposed": lambda: torch.randn(nb, rows, D, bs).transpose(2, 3),
+         "page rows": lambda: torch.randn(nb, rows, bs, 2 * D + 2)[..., :D],
+         "odd rows": lambda: torch.randn(nb * rows * (bs * (D + 1) + 1)).as_strided(
+             (nb, rows, bs, D), (rows * (bs * (D + 1) + 1), bs * (D + 1) + 1, D + 1, 1)),
+         "side table": lambda: torch.randn(nb, rows, bs)}[kind]()
+    view, (u0, u1) = _chunk_view(x)
+    blk, row = torch.tensor([4, 0, 2, 4]), torch.tensor([2, 1, 0, 2])
+    got = view.index_select(0, blk * u0 + row * u1).view(4, *x.shape[2:])
+    assert torch.equal(got, x[blk, row])
+
+
+@pytest.mark.parametrize("layout", [UniformSlots(13, 3), PackedSlots((5, 17, 3), 4, 0), PackedSlots((9, 2, 30), 4, 25)])
+def test_runs_put_each_slot_where_the_layout_does(layout):
+    """``slots._runs``: head ``h``'s slot ``j`` is at position ``lo_h + j`` of its chunks laid end to end, and that
+    position of that chunk is the layout's address of the slot; positions that are not its slots are marked."""
+    from kvpop.vllm.slots import _runs
+
+    bs = 4
+    (col, row, _, _), slot = _runs(layout, bs, torch.device("cpu"))
+    table = torch.randperm(40)[None]  # one request's pages, shuffled
+    for h, b in enumerate(layout.budgets):
+        j = torch.arange(b)
+        blk, r, off = layout.addr(table, torch.full((1, b), h), j[None], bs)
+        p = (slot[h] < 2**31 - 1).nonzero().flatten()
+        assert torch.equal(slot[h, p], j)  # every slot once, in order, at consecutive positions
+        chunk = p // bs
+        assert torch.equal(table[0, col[h, chunk]], blk[0]) and torch.equal(row[h, chunk], r[0])
+        assert torch.equal(p % bs, off[0])
