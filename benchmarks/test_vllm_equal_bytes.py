@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import statistics
 
 import pytest
@@ -42,6 +41,7 @@ pytest.importorskip("vllm.entrypoints.llm")
 import kvpop.vllm  # noqa: E402
 
 from . import test_vllm_capacity as cap  # noqa: E402
+from .tools.timing import median_interval  # noqa: E402
 
 MODEL, BLOCK, BUDGET = cap.MODEL, cap.BLOCK, cap.BUDGET
 LAYERS, HKV, D = 2, 2, 32
@@ -148,9 +148,3 @@ def test_head_adaptive_against_uniform_speed(benchmark, kv_dtype, scorer_file, h
         target=TARGET, verdict=verdict, tokens_per_s_each=each, load_avg_1min=loads, requests=SPEED_REQUESTS,
         new_tokens=SPEED_NEW, engine_cores_in_process=True)
 
-
-def median_interval(xs, resamples: int, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile-bootstrap interval of the median of ``xs`` (``resamples`` draws, seeded)."""
-    g = random.Random(seed)
-    meds = sorted(statistics.median(g.choices(xs, k=len(xs))) for _ in range(resamples))
-    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]

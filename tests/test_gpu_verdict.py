@@ -252,3 +252,19 @@ def test_the_recorder_writes_each_benchmark_as_it_finishes(tmp_path):
     assert (recs["test_skip"]["outcome"], recs["test_skip"]["reason"]) == ("skipped", "needs CUDA")
     assert recs["test_fail"]["outcome"] == "failed" and "boom" in recs["test_fail"]["reason"]
     assert recs["test_fail"]["extra_info"] == {"speedup": 1}
+
+
+def test_median_interval_brackets_the_median_and_is_seeded():
+    """``benchmarks.tools.timing.median_interval``: the same draws for the same seed, an interval around the sample
+    median that narrows with agreeing rounds, a point for equal rounds, and a clear error for no rounds."""
+    timing = importlib.import_module("benchmarks.tools.timing")
+    xs = [0.95, 0.99, 0.97, 0.80, 0.96, 1.02, 0.94, 0.98, 0.93]
+    lo, hi = timing.median_interval(xs, 2000, seed=0)
+    assert lo <= sorted(xs)[4] <= hi and lo >= min(xs) and hi <= max(xs)
+    assert (lo, hi) == timing.median_interval(xs, 2000, seed=0)
+    assert lo > 0.9  # one slow round (0.80) does not pull the median's interval below the others
+    assert timing.median_interval([0.9] * 5, 100) == (0.9, 0.9)
+    wide = timing.median_interval([0.5, 1.5, 0.6, 1.4, 1.0], 2000, seed=0)
+    assert wide[1] - wide[0] > hi - lo
+    with pytest.raises(ValueError, match="at least one value"):
+        timing.median_interval([], 10)

@@ -1,8 +1,10 @@
 """Small timing helpers shared by the benchmark files."""
 from __future__ import annotations
 
+import random
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,3 +37,14 @@ def timed(fn: Callable[[], object]) -> Callable[[], object]:
         return out
 
     return run
+
+
+def median_interval(xs: Sequence[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of the median of ``xs`` (``resamples`` draws with replacement, from
+    ``random.Random(seed)``): a verdict on a ratio of paired rounds that one slow round cannot flip."""
+    if len(xs) == 0 or resamples < 1:
+        raise ValueError(f"median_interval needs at least one value and one resample, got {len(xs)} values and "
+                         f"resamples={resamples}")
+    g = random.Random(seed)
+    meds = sorted(statistics.median(g.choices(list(xs), k=len(xs))) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[max(int(0.975 * resamples) - 1, 0)]
