@@ -388,11 +388,11 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor
     (the packed layout's decode, where vLLM's kernels, one length for every head, do not apply).
 
     The slots are read a chunk at a time (:func:`_runs`: each head's runs of ``bs`` slots, one ``index_select``
-    per tensor), every position of a chunk that is not one of the head's occupied slots masked; what a masked
-    position holds must be finite (vLLM's cache starts zeroed and holds only what the model wrote; 8-bit float
-    codes go through ``codes``).  ``scales``: ``(key scales, value scales)`` ``[num_blocks, rows, bs]`` of
-    quantised slots, folded into the logits and the softmax weights rather than into every element; ``codes``
-    maps a chunk's stored elements to float32 (default ``.float()``)."""
+    per tensor), every position of a chunk that is not one of the head's occupied slots masked: its logit is
+    replaced (its key may hold any bytes), its value must be finite (vLLM's cache starts zeroed and holds only
+    what the model wrote; 8-bit float codes go through ``codes``).  ``scales``: ``(key scales, value scales)``
+    ``[num_blocks, rows, bs]`` of quantised slots, folded into the logits and the softmax weights rather than
+    into every element; ``codes`` maps a chunk's stored elements to float32 (default ``.float()``)."""
     N, hq, d = q.shape
     hkv = len(layout.budgets)
     g = hq // hkv
@@ -401,8 +401,7 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor
         block_table = torch.where(valid[:, None], block_table, torch.zeros_like(block_table))
     (col, row, _, memo), slot = _runs(layout, bs, K.device)
     P = slot.shape[1]
-    blk = block_table.long().gather(1, col.reshape(1, -1).expand(N, -1))  # [N, Hkv * R]
-
+    blk = block_table.gather(1, col.reshape(1, -1).expand(N, -1))  # [N, Hkv * R], the table's dtype
     lin: dict = {}
 
     def read(x):
@@ -412,26 +411,23 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor
             c = memo.get(("row", u))
             if c is None:
                 c = memo[("row", u)] = row.reshape(-1) * u[1]
-            i = lin[u] = (blk * u[0] + c).reshape(-1)
-        return view.index_select(0, i).view(N * hkv, P, *x.shape[3:])
+            i = lin[u] = torch.add(c, blk, alpha=u[0]).view(-1)  # int64 (c is), whatever the table holds
+        return view.index_select(0, i).view(N, hkv, P, *x.shape[3:])
 
     to_float = codes or (lambda x: x.float())
-    kk, vv = to_float(read(K)), to_float(read(V))  # [N * Hkv, P, D]
+    kk, vv = to_float(read(K)), to_float(read(V))  # [N, Hkv, P, D]
     # slot j of a head is seen iff j < min(pos + 1, B_h) (``slot`` is _I32MAX past B_h and off its slots)
-    seen = slot[None] <= pos.long().clamp(min=0)[:, None, None]  # [N, Hkv, P]
-    qg = q.float().reshape(N * hkv, g, d)
+    unseen = slot[:, None, :] > pos.long().clamp(min=0).view(N, 1, 1, 1)  # [N, Hkv, 1, P]
+    logits = torch.matmul(q.float().view(N, hkv, g, d), kk.transpose(-1, -2))  # [N, Hkv, g, P]
     if scales is None:
-        bias = torch.where(seen, 0.0, float("-inf")).view(N * hkv, 1, P).expand(-1, g, -1)
-        logits = torch.baddbmm(bias, qg, kk.transpose(1, 2), alpha=scale)  # [N * Hkv, g, P]
-        return torch.bmm(torch.softmax(logits, dim=-1), vv).view(N, hq, d).to(q.dtype)
-    ksc, vsc = (read(x).view(N, hkv, P) for x in scales)
-    logits = torch.bmm(qg, kk.transpose(1, 2)).view(N, hkv, g, P)
-    logits = logits * (ksc * scale)[:, :, None, :]
-    logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
+        logits = logits.masked_fill_(unseen, float("-inf")).mul_(scale)
+        return torch.matmul(torch.softmax(logits, dim=-1), vv).view(N, hq, d).to(q.dtype)
+    ksc, vsc = (read(x) for x in scales)  # [N, Hkv, P]
+    logits = logits.mul_((ksc * scale)[:, :, None, :]).masked_fill_(unseen, float("-inf"))
     p = torch.softmax(logits, dim=-1)
     # a stale scale may be any float: never multiplied into an unseen position's 0
-    p = p * torch.where(seen, vsc, torch.zeros_like(vsc))[:, :, None, :]
-    return torch.bmm(p.view(N * hkv, g, P), vv).view(N, hq, d).to(q.dtype)
+    p = p.mul_(vsc.masked_fill(unseen[:, :, 0], 0.0)[:, :, None, :])
+    return torch.matmul(p, vv).view(N, hq, d).to(q.dtype)
 
 
 @torch.no_grad()
