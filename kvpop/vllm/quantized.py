@@ -198,7 +198,6 @@ def decode_attention(K, V, k_scale, v_scale, block_table, pos, q, *, layout, sca
                                   scales=(k_scale, v_scale), codes=codes)
 
 
-
 @torch.no_grad()
 def extend(K, V, k_scale, v_scale, slot_pos, slot_prio, block_row, ctx: int, q, k, v, p, *, sinks: int,
            window: int, scale: float, layout) -> torch.Tensor:
