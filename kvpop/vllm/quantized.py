@@ -165,8 +165,8 @@ class _Dense(slots.UniformSlots):
 
 def _addresses(layout, table: torch.Tensor, bs: int):
     """Physical addresses ``[N, Hkv, Bmax]`` of every head's slots ``[0, Bmax)`` of the requests of ``table``
-    (a padded slot ``j >= B_h`` addresses the head's last slot), and ``(j [Bmax], budgets [Hkv])``: the decode
-    attention's addresses (``slots._head_slots``, the layout's constants made once)."""
+    (a padded slot ``j >= B_h`` addresses the head's last slot), and ``(j [Bmax], budgets [Hkv])``, from the
+    layout's constants made once (``slots._head_slots``, ``slots._fixed``)."""
     j, sl, b = slots._head_slots(layout, max(layout.budgets), table.device)
     return tuple(slots._addr_of(table, slots._fixed(layout, "all", sl, bs))), j, b
 

@@ -364,11 +364,7 @@ def _runs(layout, bs: int, device):
     if k not in memo:
         b = torch.tensor(layout.budgets, dtype=torch.long, device=device)
         hkv = b.numel()
-        pages = (getattr(layout, "base", 0) + sum(layout.budgets)) // bs + 2
-        ident = torch.arange(pages, device=device)[None]
-        heads = torch.arange(hkv, device=device)[:, None]
-        lo = layout.addr(ident, heads[None], torch.zeros(1, hkv, 1, dtype=torch.long, device=device), bs)[2]
-        lo = lo.reshape(hkv)
+        lo = _fixed(layout, ("slot 0",), torch.zeros(hkv, 1, dtype=torch.long, device=device), bs)[2].reshape(hkv)
         n_runs = -(-(lo + b) // bs)  # [Hkv]
         r = torch.arange(int(n_runs.max()), device=device)
         first = (r[None] * bs - lo[:, None]).clamp(min=0)  # [Hkv, R]: the slot at the start of each chunk
