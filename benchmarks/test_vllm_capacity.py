@@ -9,10 +9,13 @@ of ``POOL_BLOCKS`` blocks per layer and ``max_model_len = LENGTH``; ``N_REQUESTS
 * ``dense``: vLLM's own ``Qwen3ForCausalLM`` (every token cached: ``LENGTH / 32`` blocks per request);
 * ``kvpop-B128``: the plugin, ``kvpop`` policy, budget 128 (sinks 4, window 32): ``128 / 32 = 4``
   blocks per request, whatever its length;
-* ``kvpop-heads-B128``: the plugin with head-adaptive budgets of the same total (``HEAD_BUDGETS``, mean
-  128): every layer's and head's slots in one packed block of layer 0's cache, whose pages hold
-  ``layers x KV heads`` rows, so the same ``POOL_BLOCKS`` count is the same bytes as the uniform pool's
-  and a request holds the same 4 blocks (from its first token);
+* ``kvpop-heads-slots-B128``: the plugin with head-adaptive budgets of the same total (``HEAD_BUDGETS``, mean
+  128), packed slot to slot (``kvpop_pack="slots"``): every layer's and head's slots in one packed block of
+  layer 0's cache, whose pages hold ``layers x KV heads`` rows, so the same ``POOL_BLOCKS`` count is the same
+  bytes as the uniform pool's and a request holds the same 4 blocks (from its first token);
+* ``kvpop-heads-B128``: the same budgets packed as the CPU backend packs an unquantised cache by default, each
+  head from a row's first slot (``kvpop_pack="rows"``: vLLM's own kernel attends them): 576 packed slots,
+  5 blocks a request (``packed_pages``);
 * ``kvpop-mlstm-B128``: the plugin with the mLSTM scorer (uniform budget 128): a request also holds its
   scorer state's pages (``kvpop.vllm.recurrent``: ``STATE_BLOCKS`` more blocks, from its first token).
 
@@ -88,10 +91,20 @@ def _state_blocks(scorers: str) -> int:
     return state_blocks(build_scorer(kvpop.read_scorer_config(scorers), 2, 32), BLOCK * 2 * 2 * 32 * 4)
 
 
-def _engine(scorers: str | None, *, n_requests: int, pool_blocks: int | None):
+def packed_pages(pack: str) -> int:
+    """Blocks a request of ``HEAD_BUDGETS`` holds, its heads packed by ``pack`` (``"rows"`` / ``"slots"``)."""
+    from kvpop.core.config import KVpopConfig
+    from kvpop.vllm.model import packed_rows_slots
+
+    config = KVpopConfig(sinks=SINKS, window=WINDOW, budget=BUDGET, head_budgets=HEAD_BUDGETS)
+    rows, packed = packed_rows_slots(config, BLOCK if pack == "rows" else 1)
+    return -(-packed // (rows * BLOCK))
+
+
+def _engine(scorers: str | None, *, n_requests: int, pool_blocks: int | None, pack: str | None = None):
     from vllm import LLM
 
-    extra = {} if scorers is None else {"hf_overrides": kvpop.vllm.hf_overrides(scorers)}
+    extra = {} if scorers is None else {"hf_overrides": kvpop.vllm.hf_overrides(scorers, pack=pack)}
     if pool_blocks is not None:
         extra["num_gpu_blocks_override"] = pool_blocks
     return LLM(model=MODEL, skip_tokenizer_init=True, dtype="float32", max_model_len=LENGTH, block_size=BLOCK,
@@ -107,11 +120,13 @@ def _scorers_for(provider: str, request) -> str | None:
 
 
 @pytest.mark.benchmark(group="vllm-capacity")
-@pytest.mark.parametrize("provider", ["dense", f"kvpop-B{BUDGET}", f"kvpop-heads-B{BUDGET}", f"kvpop-mlstm-B{BUDGET}"])
+@pytest.mark.parametrize("provider", ["dense", f"kvpop-B{BUDGET}", f"kvpop-heads-slots-B{BUDGET}",
+                                      f"kvpop-heads-B{BUDGET}", f"kvpop-mlstm-B{BUDGET}"])
 def test_capacity(benchmark, provider, request, monkeypatch):
     _env(monkeypatch)
     scorers = _scorers_for(provider, request)
-    llm = _engine(scorers, n_requests=N_REQUESTS, pool_blocks=POOL_BLOCKS)
+    pack = "slots" if "slots" in provider else "rows" if "heads" in provider else None
+    llm = _engine(scorers, n_requests=N_REQUESTS, pool_blocks=POOL_BLOCKS, pack=pack)
     reported = llm.llm_engine.vllm_config.cache_config.kv_cache_max_concurrency
     n, secs, running, preempted = _run_batch(benchmark, llm, N_REQUESTS)
     benchmark.extra_info.update(
@@ -123,7 +138,12 @@ def test_capacity(benchmark, provider, request, monkeypatch):
         benchmark.extra_info.update(state_blocks=held - BUDGET // BLOCK)
         assert reported == pytest.approx(POOL_BLOCKS / held)
         assert max(running) == (POOL_BLOCKS - 1) // held
-    elif provider != "dense":  # the fixed budget (either layout): every request fits at once, none is preempted
+    elif pack is not None:  # head-adaptive: the packed block's pages, from the first token
+        held = packed_pages(pack)
+        benchmark.extra_info.update(pack=pack, blocks_per_request=held)
+        assert reported == pytest.approx(POOL_BLOCKS / held)
+        assert max(running) == min(N_REQUESTS, (POOL_BLOCKS - 1) // held)
+    elif provider != "dense":  # the fixed budget: every request fits at once, none is preempted
         assert reported == pytest.approx(POOL_BLOCKS / (BUDGET // BLOCK))
         assert max(running) == N_REQUESTS and preempted == 0
     else:

@@ -16,8 +16,10 @@ requests running per engine step (mean, peak), preemptions, engine steps, genera
 machine's load average (a shared 2-core CPU: the timing shows the scheduling, not kernel speed).
 
 Group ``vllm-packed-speed``: the plugin's uniform and head-adaptive budgets of one total (``HEAD_BUDGETS``, mean
-128; float32 cache and ``int8_per_token_head``), both engines alive in one process with their engine cores in
-it too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: only the engine being timed runs; with a core process each, the
+128; float32 cache and ``int8_per_token_head``; with the float32 cache the packed block starts each head at a row,
+the CPU backend's default there, so vLLM's C++ kernel attends both layouts and the head-adaptive request holds 5
+blocks against 4; each engine's pool holds the whole batch), both engines alive in one process with their engine
+cores in it too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: only the engine being timed runs; with a core process each, the
 idle engine's process shared the 2 cores and one engine's rounds ranged over 2x), ``SPEED_REQUESTS`` requests of
 ``PROMPT + SPEED_NEW`` tokens, ``ROUNDS`` pairs of rounds in the order uniform, head-adaptive, then
 head-adaptive, uniform, and so on (so that neither always runs first): ``ratio`` is the head-adaptive best
@@ -109,7 +111,10 @@ def test_head_adaptive_against_uniform_speed(benchmark, kv_dtype, scorer_file, h
     swapped every pair; best, median and paired ratios with a bootstrap interval."""
     cap._env(monkeypatch)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    engines = {name: _engine(f, dtype="float32", kv_cache_dtype=kv_dtype, blocks=4 * SPEED_REQUESTS + 1,
+    # each engine's pool holds the batch: the packed block of an unquantised CPU cache starts each head at a row
+    pack = "rows" if kv_dtype == "auto" else "slots"
+    pages = {"uniform": -(-BUDGET // BLOCK), "head-adaptive": cap.packed_pages(pack)}
+    engines = {name: _engine(f, dtype="float32", kv_cache_dtype=kv_dtype, blocks=pages[name] * SPEED_REQUESTS + 1,
                              max_model_len=LENGTH, n=SPEED_REQUESTS)
                for name, f in (("uniform", scorer_file), ("head-adaptive", head_scorer_file))}
     each = {name: [] for name in engines}
@@ -146,5 +151,5 @@ def test_head_adaptive_against_uniform_speed(benchmark, kv_dtype, scorer_file, h
         uniform_median=med["uniform"], head_adaptive_median=med["head-adaptive"], rounds=ROUNDS,
         pair_ratios=pairs, pair_ratio_median=statistics.median(pairs), pair_ratio_interval=(lo, hi),
         target=TARGET, verdict=verdict, tokens_per_s_each=each, load_avg_1min=loads, requests=SPEED_REQUESTS,
-        new_tokens=SPEED_NEW, engine_cores_in_process=True)
+        new_tokens=SPEED_NEW, engine_cores_in_process=True, blocks_per_request=pages)
 

@@ -47,12 +47,17 @@ def register() -> None:
     MODELS_CONFIG_MAP[ARCHITECTURE] = KVpopEngineCheck
 
 
-def hf_overrides(scorers: str | None = None, *, policy: str = "kvpop", **config: Any) -> dict[str, Any]:
+def hf_overrides(scorers: str | None = None, *, policy: str = "kvpop", pack: str | None = None,
+                 **config: Any) -> dict[str, Any]:
     """The ``hf_overrides`` that serve a Qwen3 checkpoint with the plugin.
 
     Args:
         scorers: path of a kvpop scorer file (``kvpop.save_scorers``); required for ``policy="kvpop"``.
         policy: ``"kvpop"`` or ``"streaming"``.
+        pack: head-adaptive budgets only: ``"rows"`` starts each head's slots at a row of the packed block (at
+            most ``block_size - 1`` more slots a head; what the CPU backend attends with vLLM's own kernel, its
+            default for an unquantised cache), ``"slots"`` packs them slot to slot (the bytes of the uniform cache
+            of the same total; the default elsewhere).
         **config: ``KVpopConfig`` fields (``sinks``, ``window``, ``budget``) that override the file's.
 
     Example: ``hf_overrides("scorers.safetensors", budget=2048)``; ``hf_overrides(policy="streaming",
@@ -65,6 +70,8 @@ def hf_overrides(scorers: str | None = None, *, policy: str = "kvpop", **config:
         out["kvpop_scorers"] = str(scorers)
     if config:
         out["kvpop_config"] = dict(config)
+    if pack is not None:
+        out["kvpop_pack"] = pack
     settings = resolve(out)  # a mistake fails here, in the caller's process, with the same message
     if settings.scorers is not None:
         check_scorer_file(settings.scorers)  # NaN or overflowing weights too

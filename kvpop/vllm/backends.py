@@ -262,7 +262,13 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
             state = self._state(layer, kv_cache, bt)
             bt = bt[:, state[1].shape[1]:]
         dec = ((qlen == 1) & (ctx > 0)).nonzero().flatten()
-        if dec.numel() and layer.kvpop_layout is not None:
+        if dec.numel() and layer.kvpop_layout is not None and layer.kvpop_layout.starts_rows(bs):
+            tok = qsl_t[dec]
+            sp, pr = self._tables(K, layer)
+            slots.decode_step(K, V, sp, pr, bt[dec], ctx[dec], key[tok], value[tok], prio[tok],
+                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, layout=layer.kvpop_layout)
+            output[tok] = self._rows_attention(layer, kv_cache, bt[dec], ctx[dec], query[tok])
+        elif dec.numel() and layer.kvpop_layout is not None:
             tok = qsl_t[dec]
             output[tok] = self._packed_decode(layer, K, V, bt[dec], ctx[dec], query[tok], key[tok], value[tok],
                                               prio[tok]).to(output.dtype)
@@ -293,6 +299,36 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
         if ext:
             self._extend_rows(layer, ext, qsl_t.tolist(), ctx.tolist(), bt, query, key, value, prio, K, V, output,
                               k_pre=k_pre, state=state)
+
+
+    def _rows_attention(self, layer, kv_cache: torch.Tensor, bt: torch.Tensor, pos: torch.Tensor,
+                        query: torch.Tensor) -> torch.Tensor:
+        """The decode attention of a packed layout whose heads start rows (``kvpop.vllm.model.packed_align``) by
+        vLLM's own C++ kernel: the cache viewed as blocks of one row (``[num_blocks * rows, 1, bs, D]``, a row
+        being one KV head's part of a block, in whatever layout the ISA stores it) and each (request, KV head) one
+        sequence of its rows, ``min(pos + 1, B_h)`` long (``slots.row_sequences``), its ``g`` query heads the
+        sequence's heads.  ``[N, Hq, D]``."""
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        nb, rows, bs, _ = kv_cache.shape
+        n, hq, d = query.shape
+        hkv = len(layer.kvpop_layout.budgets)
+        region_k, region_v = kv_cache.view(nb * rows, 1, 2 * bs, d).chunk(2, dim=2)
+        table, seen = slots.row_sequences(bt, pos, layout=layer.kvpop_layout, bs=bs)
+        q = query.reshape(n * hkv, hq // hkv, d).contiguous()
+        out = torch.empty_like(q)
+        qsl = torch.arange(n * hkv + 1, dtype=torch.int32)
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=n * hkv, num_heads=hq // hkv, num_kv_heads=1, head_dim=d, seq_lens=seen, dtype=query.dtype,
+            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=region_k, value_cache=region_v, output=out, query_start_loc=qsl, seq_lens=seen,
+            scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
+            scheduler_metadata=sched, s_aux=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype)
+        return out.view(n, hq, d)
 
 
 class KVpopCPUBuilder(CPUAttentionMetadataBuilder):

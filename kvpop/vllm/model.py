@@ -35,7 +35,7 @@ from kvpop.core.priority import priority
 
 from .quantized import check_cache_dtype
 from .settings import Settings, check_scorer_file, resolve
-from .slots import PackedSlots
+from .slots import PackedSlots, aligned
 from .spec import FixedBudgetSpec
 
 __all__ = ["KVpopQwen3ForCausalLM", "KVpopAttention", "OP_NAME", "load_scorer_file", "check_engine",
@@ -84,13 +84,35 @@ def _backend() -> type:
     raise NotImplementedError(f"the kvpop vLLM plugin runs on CPU and CUDA platforms, not {current_platform}")
 
 
-def packed_layout(settings: Settings, layer_idx: int, num_layers: int, num_kv_heads: int) -> PackedSlots:
+def packed_align(block_size: int | None, kv_cache_dtype: str | None, pack: str | None = None) -> int:
+    """Where the packed block starts each head (:class:`PackedSlots` ``align``): at a row's first slot
+    (``block_size``) for ``pack="rows"``, and by default on a CPU with an unquantised cache, where the CPU backend
+    then attends each packed head with vLLM's own C++ kernel (``KVpopCPUImpl._rows_attention``) for at most
+    ``block_size - 1`` more slots a head; slot to slot (1) for ``pack="slots"`` and by default elsewhere (the GPU
+    backend's Triton kernel and the 8-bit caches' PyTorch attention read any offset)."""
+    if pack == "slots" or not block_size:
+        return 1
+    if pack == "rows" or (current_platform.is_cpu() and kv_cache_dtype in (None, "auto")):
+        return int(block_size)
+    return 1
+
+
+def packed_rows_slots(config, align: int) -> tuple[int, int]:
+    """``(rows, slots)`` of the packed block of ``config.head_budgets``: ``L * Hkv`` rows a page, and the packed
+    slots every layer's heads take, each head's budget rounded up to ``align``."""
+    hb = config.head_budgets
+    return sum(len(r) for r in hb), sum(aligned(b, align) for r in hb for b in r)
+
+
+def packed_layout(settings: Settings, layer_idx: int, num_layers: int, num_kv_heads: int,
+                  align: int = 1) -> PackedSlots:
     """Layer ``layer_idx``'s place in the packed block of a head-adaptive model: pages of ``num_layers *
-    num_kv_heads`` rows (so the block of ``sum_{l,h} B[l][h] = L * Hkv * B`` slots is ``ceil(B / bs)`` pages,
-    those of a uniform layer), the layers one after another (docs/DESIGN.md section 5)."""
+    num_kv_heads`` rows, the layers one after another, each head from a multiple of ``align`` (:func:`packed_align`;
+    at ``align = 1`` the block of ``sum_{l,h} B[l][h] = L * Hkv * B`` slots is ``ceil(B / bs)`` pages, those of a
+    uniform layer; docs/DESIGN.md section 5)."""
     c = settings.config
-    base = sum(sum(c.layer_budgets(i, num_kv_heads)) for i in range(layer_idx))
-    return PackedSlots(c.layer_budgets(layer_idx, num_kv_heads), num_layers * num_kv_heads, base)
+    base = sum(aligned(b, align) for i in range(layer_idx) for b in c.layer_budgets(i, num_kv_heads))
+    return PackedSlots(c.layer_budgets(layer_idx, num_kv_heads), num_layers * num_kv_heads, base, align)
 
 
 class KVpopAttention(Attention):
@@ -109,7 +131,10 @@ class KVpopAttention(Attention):
         super().__init__(*args, attn_backend=_backend(), **kwargs)
         self.kvpop_sinks, self.kvpop_window, self.kvpop_budget = c.sinks, c.window, c.budget
         if c.head_budgets is not None:
-            self.kvpop_layout = packed_layout(settings, layer_idx, num_layers, self.num_kv_heads)
+            cache = kwargs.get("cache_config") or get_current_vllm_config().cache_config
+            align = packed_align(cache.block_size, self.kv_cache_dtype, settings.pack)
+            self.kvpop_layout = packed_layout(settings, layer_idx, num_layers, self.num_kv_heads, align)
+            self.kvpop_packed = packed_rows_slots(c, align)
         self.kvpop_recurrent: tuple = ()
         """``(KVpopLayer,)`` for the mLSTM scorer (a tuple: the layer's parameters stay where the model holds
         them); its state pages sit in front of each request's slots."""
@@ -136,9 +161,15 @@ class KVpopAttention(Attention):
         if self.kvpop_layout is None:
             state = kvpop_state_blocks(self, base.page_size_bytes)
             return FixedBudgetSpec(**fields, budget=self.kvpop_budget, state_blocks=state)
-        # layer 0 owns the packed block of every layer: pages of L * Hkv rows, ceil(B / bs) of them
-        fields["num_kv_heads"] = self.kvpop_layout.rows
-        return FixedBudgetSpec(**fields, budget=self.kvpop_budget, whole=True)
+        # layer 0 owns the packed block of every layer: pages of L * Hkv rows, ceil(slots / (L * Hkv * bs)) of them
+        lay = self.kvpop_layout
+        if lay.align > 1 and lay.align != base.block_size:
+            raise RuntimeError(f"kvpop: the packed layout starts heads at multiples of {lay.align} slots (the block "
+                               f"size when the model was built), but the KV cache's block size is now "
+                               f"{base.block_size}; pass block_size= to the engine")
+        rows, packed = self.kvpop_packed
+        fields["num_kv_heads"] = rows
+        return FixedBudgetSpec(**fields, budget=-(-packed // rows), whole=True)
 
 
 class KVpopQwen3Attention(Qwen3Attention):
@@ -290,11 +321,16 @@ def _check_packed(vllm_config, settings: Settings) -> None:
                          f"tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
                          f"{par.pipeline_parallel_size}")
     bs = vllm_config.cache_config.block_size
-    B, n = settings.config.budget, vllm_config.model_config.max_model_len
-    if bs is not None and -(-B // bs) > -(-n // bs):
-        raise ValueError(f"with head-adaptive budgets a request holds ceil(B / block_size) = {-(-B // bs)} blocks "
-                         f"from its first token, more than a request of max_model_len={n} may hold: pass "
-                         f"max_model_len >= {B} (the mean budget)")
+    n = vllm_config.model_config.max_model_len
+    if bs is None:
+        return
+    rows, packed = packed_rows_slots(settings.config, packed_align(bs, vllm_config.cache_config.cache_dtype,
+                                                                   settings.pack))
+    pages = -(-packed // (rows * bs))
+    if pages > -(-n // bs):
+        raise ValueError(f"with head-adaptive budgets a request holds its packed block of {pages} blocks from its "
+                         f"first token ({packed} slots in pages of {rows} rows of block_size={bs}), more than a "
+                         f"request of max_model_len={n} may hold: pass max_model_len >= {pages * bs}")
 
 
 def load_scorer_file(path: str, layers: dict[str, KVpopLayer]) -> set[str]:

@@ -11,7 +11,8 @@ from kvpop import KVpopConfig, read_scorer_config
 __all__ = ["Settings", "resolve", "check_scorer_file", "POLICIES"]
 
 POLICIES = ("kvpop", "streaming")
-_KEYS = ("kvpop_scorers", "kvpop_policy", "kvpop_config")
+_KEYS = ("kvpop_scorers", "kvpop_policy", "kvpop_config", "kvpop_pack")
+PACKS = ("rows", "slots")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,10 @@ class Settings:
     config: KVpopConfig
     policy: str
     scorers: str | None
+    pack: str | None = None
+    """How the packed block of head-adaptive budgets lays heads: ``"rows"`` (each head from a row's first slot),
+    ``"slots"`` (slot to slot: the bytes of the uniform cache of the same total), None: rows where the CPU backend
+    attends them with vLLM's kernel, else slots (``kvpop.vllm.model.packed_align``)."""
 
     @property
     def uses_scorer(self) -> bool:
@@ -101,13 +106,18 @@ def resolve(cfg: Any) -> Settings:
     Head-adaptive budgets (``head_budgets``, from the file or ``kvpop_config``) are served in the packed layout;
     another ``budget`` for a file with them shares the new total by the importance they were allocated from
     (``head_budgets.json`` beside the file, as ``kvpop train --allocate`` writes it), else ``ValueError``.
-    A ``kvpop*`` key other than ``kvpop_scorers``, ``kvpop_policy`` and ``kvpop_config`` is refused by name.
+    ``kvpop_pack`` (``"rows"`` / ``"slots"``, default by the backend) lays out that packed block (:class:`Settings`).
+    A ``kvpop*`` key other than these four is refused by name.
     """
     _check_keys(cfg)
     policy = _get(cfg, "kvpop_policy") or "kvpop"
     if policy not in POLICIES:
         raise ValueError(f"kvpop_policy must be one of {list(POLICIES)} in vLLM, got {policy!r} (the attention-"
                          f"scored baselines tova/h2o need attention weights that a paged kernel does not return)")
+    pack = _get(cfg, "kvpop_pack")
+    if pack is not None and pack not in PACKS:
+        raise ValueError(f"kvpop_pack must be one of {list(PACKS)} (how head-adaptive budgets' heads are packed: "
+                         f"each from a row's first slot, or slot to slot), got {pack!r}")
     scorers = _get(cfg, "kvpop_scorers")
     overrides = _get(cfg, "kvpop_config") or {}
     if not isinstance(overrides, Mapping):
@@ -133,4 +143,4 @@ def resolve(cfg: Any) -> Settings:
         raise ValueError(f"{scorers} was trained with priority_source={config.priority_source!r} (a control whose "
                          f"priority is not the scorer's); the vLLM plugin serves scorer priorities only: serve it with "
                          f"kvpop.KVpopCache in transformers")
-    return Settings(config=config, policy=policy, scorers=None if scorers is None else str(scorers))
+    return Settings(config=config, policy=policy, scorers=None if scorers is None else str(scorers), pack=pack)

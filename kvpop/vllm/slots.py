@@ -110,21 +110,43 @@ class UniformSlots:
         return _rows_of(table, slots // bs), heads, slots % bs
 
 
+def aligned(budget: int, align: int) -> int:
+    """``budget`` rounded up to a multiple of ``align``: the packed slots a head takes (:class:`PackedSlots`)."""
+    return -(-int(budget) // align) * align
+
+
 class PackedSlots:
     """Head-adaptive budgets: head ``h`` of this layer holds ``budgets[h]`` slots, at packed index
-    ``u = base + offset_h + j`` (``offset_h`` the prefix sum of the budgets, ``base`` that of the layers
-    before this one), page ``u // (rows * bs)``, row ``(u // bs) % rows``, offset ``u % bs`` of pages of
-    ``rows`` rows of ``bs`` slots."""
+    ``u = base + offset_h + j`` (``offset_h`` the prefix sum of the budgets, each rounded up to a multiple of
+    ``align``; ``base`` the slots the layers before this one take), page ``u // (rows * bs)``, row
+    ``(u // bs) % rows``, offset ``u % bs`` of pages of ``rows`` rows of ``bs`` slots.
 
-    def __init__(self, budgets, rows: int, base: int = 0) -> None:
+    ``align = 1`` packs the heads slot to slot; ``align = bs`` (with ``base`` a multiple of it) starts every
+    head at offset 0 of a row, so a head's slots are whole rows and then a prefix of one: what vLLM's own
+    attention kernel reads as a sequence of blocks (the CPU backend's ``_rows_attention``), for at most
+    ``align - 1`` unused slots after each head."""
+
+    def __init__(self, budgets, rows: int, base: int = 0, align: int = 1) -> None:
         self.budgets = tuple(int(b) for b in budgets)
-        self.rows, self.base = int(rows), int(base)
-        self.offsets = tuple(itertools.accumulate((0,) + self.budgets[:-1]))
+        self.rows, self.base, self.align = int(rows), int(base), int(align)
+        if self.align < 1:
+            raise ValueError(f"align must be a positive number of slots, got {align}")
+        self.offsets = tuple(itertools.accumulate((0,) + tuple(aligned(b, self.align) for b in self.budgets[:-1])))
         self._offs: dict = {}
 
     @property
     def total(self) -> int:
         return sum(self.budgets)
+
+    @property
+    def span(self) -> int:
+        """Packed slots the layer's heads take, the unused ones after each head included (the next layer's
+        ``base`` is this layer's ``base + span``)."""
+        return sum(aligned(b, self.align) for b in self.budgets)
+
+    def starts_rows(self, bs: int) -> bool:
+        """Whether every head's slot 0 is at offset 0 of a row of ``bs`` slots."""
+        return all((self.base + o) % bs == 0 for o in self.offsets)
 
     def device_args(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(budgets int32, packed index of each head's slot 0 int64)`` ``[Hkv]`` on ``device`` (made once:
@@ -193,7 +215,8 @@ _MEMO: dict = {}
 def _memo(layout) -> dict:
     """The constant index tensors of a layout (by its kind, budgets, rows and base: a layout made anew for every
     forward shares them)."""
-    key = (type(layout).__name__, tuple(layout.budgets), getattr(layout, "rows", None), getattr(layout, "base", 0))
+    key = (type(layout).__name__, tuple(layout.budgets), getattr(layout, "rows", None), getattr(layout, "base", 0),
+           getattr(layout, "align", 1))
     return _MEMO.setdefault(key, {})
 
 
@@ -221,7 +244,7 @@ def _fixed(layout, key, slots: torch.Tensor, bs: int):
     k = (key, bs, slots.device)
     if k not in memo:
         hkv, m = slots.shape
-        pages = (getattr(layout, "base", 0) + sum(layout.budgets)) // bs + 2
+        pages = (getattr(layout, "base", 0) + getattr(layout, "span", sum(layout.budgets))) // bs + 2
         ident = torch.arange(pages, device=slots.device)[None]
         heads = torch.arange(hkv, device=slots.device)[:, None].expand(hkv, m)
         memo[k] = (*(x[0] for x in layout.addr(ident, heads[None], slots[None], bs)), {})
@@ -373,6 +396,29 @@ def _runs(layout, bs: int, device):
         slot = torch.where((jj >= 0) & (jj < b[:, None]), jj, torch.full_like(jj, _I32MAX))
         memo[k] = (_fixed(layout, ("runs",), first, bs), slot)
     return memo[k]
+
+
+def row_sequences(block_table: torch.Tensor, pos: torch.Tensor, *, layout: PackedSlots,
+                  bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed layout whose heads start rows (:meth:`PackedSlots.starts_rows`) as sequences for vLLM's attention
+    kernels: each (request, KV head) one sequence of one KV head whose blocks are the cache's rows (row ``row`` of
+    block ``b`` is block ``b * rows + row`` of the cache viewed ``[num_blocks * rows, 1, ...]``), so its
+    ``min(pos + 1, B_h)`` occupied slots are the sequence's first positions.  ``(block table [N * Hkv, R] int32,
+    seq_lens [N * Hkv] int32)`` of the requests of ``block_table [N, >= pages]`` at ``pos [N]`` (after
+    :func:`decode_step`)."""
+    if not layout.starts_rows(bs):
+        raise ValueError(f"row_sequences needs every head to start a row of {bs} slots; this layout packs them "
+                         f"from offsets {[layout.base + o for o in layout.offsets]} (align={layout.align})")
+    (col, row, _, memo), _ = _runs(layout, bs, block_table.device)  # [Hkv, R] each
+    n, (hkv, r) = block_table.shape[0], col.shape
+    c = memo.get("row_sequences")
+    if c is None:
+        c = memo["row_sequences"] = (row.reshape(1, -1).to(torch.int32), layout.device_args(block_table.device)[0])
+    rows, budgets = c
+    blk = block_table.gather(1, col.reshape(1, -1).expand(n, -1)).to(torch.int32)
+    table = torch.add(rows, blk, alpha=layout.rows).view(n * hkv, r)
+    seen = torch.minimum(pos.to(torch.int32).clamp(min=0).add(1)[:, None], budgets[None]).view(n * hkv)
+    return table, seen
 
 
 @torch.no_grad()

@@ -242,3 +242,71 @@ def test_pure_decode_batch_per_token_head(cache_dtype, budgets):
             want = quantized.decode_attention(K, V, ks, vs, bt[:3], pos, q[:3], layout=layout, scale=8 ** -0.5)
             torch.testing.assert_close(out[:3], want, rtol=1e-5, atol=1e-5)
     assert len(calls) == (13 if budgets is None else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_packed_rows_attention_equals_kvpops(dtype):
+    """The CPU backend's packed decode attention when every head starts a row (``KVpopCPUImpl._rows_attention``:
+    vLLM's C++ kernel over the cache viewed as blocks of one row) equals ``slots.decode_attention`` (kvpop's PyTorch
+    attention over the same slots, the keys read in the layout the ISA stores them) for requests below, at and past
+    their heads' budgets, within float32 / bfloat16 rounding; stale bytes everywhere else in the cache."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvpop.vllm.backends import KVpopCPUImpl, _cpu_block_layout, _logical
+
+    torch.manual_seed(4)
+    hkv, bs, D, hq, n = 2, 32, 32, 4, 5
+    budgets = ((36, 70), (33, 5))  # two layers; each head from a row's first slot
+    rows = 2 * hkv
+    layouts, base = [], 0
+    for b in budgets:
+        layouts.append(slots.PackedSlots(b, rows, base, align=bs))
+        base += layouts[-1].span
+    pages = -(-base // (rows * bs))
+    nb = n * pages + 1
+    kv = torch.randn(nb, rows, bs, 2 * D).to(dtype)  # the CPU backend's cache: per block and row, keys then values
+    isa = _get_attn_isa(dtype, bs, D)
+    tk, tv = _cpu_block_layout(isa, dtype, bs, D)
+    region_k, region_v = kv.view(nb, rows, 2 * bs, D).chunk(2, dim=2)
+    K, V = _logical(region_k, tk), _logical(region_v, tv)
+    impl = object.__new__(KVpopCPUImpl)
+    impl.kv_cache_dtype, impl.scale = "auto", D ** -0.5
+    bt = (torch.randperm(nb - 1)[: n * pages] + 1).view(n, pages).int()
+    pos = torch.tensor([0, 3, 34, 69, 500])
+    for lay in layouts:
+        layer = _Layer()
+        layer.kvpop_layout, layer.isa, layer._k_scale_float, layer._v_scale_float = lay, isa, 1.0, 1.0
+        q = torch.randn(n, hq, D).to(dtype)
+        got = impl._rows_attention(layer, kv, bt, pos, q)
+        want = slots.decode_attention(K, V, bt, pos, q, layout=lay, scale=D ** -0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_packed_align_defaults_and_the_block_fits_max_model_len():
+    """``packed_align``: rows (the block size) on this CPU with an unquantised cache, slots (1) with an 8-bit one,
+    ``kvpop_pack`` over the default; the start-up check counts the packed block's pages as laid out, and names
+    the ``max_model_len`` that fits them."""
+    from types import SimpleNamespace
+
+    from kvpop.core.config import KVpopConfig
+    from kvpop.vllm.model import _check_packed, packed_align, packed_rows_slots
+    from kvpop.vllm.settings import Settings
+
+    assert packed_align(32, "auto") == 32 and packed_align(32, None) == 32
+    assert packed_align(32, "int8_per_token_head") == 1 and packed_align(32, "fp8") == 1
+    assert packed_align(32, "auto", "slots") == 1 and packed_align(16, "fp8", "rows") == 16
+    config = KVpopConfig(sinks=4, window=32, budget=128, head_budgets=((36, 220), (100, 156)))
+    assert packed_rows_slots(config, 1) == (4, 512) and packed_rows_slots(config, 32) == (4, 576)
+
+    def engine_config(n, dtype="auto"):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+                               cache_config=SimpleNamespace(block_size=32, cache_dtype=dtype),
+                               model_config=SimpleNamespace(max_model_len=n))
+
+    for pack, n_ok in ((None, 160), ("slots", 128)):  # 5 pages of 4 rows x 32 slots, or 4
+        settings = Settings(config=config, policy="kvpop", scorers=None, pack=pack)
+        _check_packed(engine_config(n_ok), settings)
+        with pytest.raises(ValueError, match=rf"packed block of {n_ok // 32} blocks.*pass max_model_len >= {n_ok}"):
+            _check_packed(engine_config(n_ok - 32), settings)
+    _check_packed(engine_config(128, "int8_per_token_head"), Settings(config=config, policy="kvpop", scorers=None))

@@ -250,16 +250,38 @@ def _force_one_preemption(llm, after: int) -> dict:
     return seen
 
 
-def test_head_budgets_compiled_chunked_preempted(head_budget_run, monkeypatch):
+@pytest.mark.parametrize("pack", [None, "slots"], ids=["rows-by-default", "slots"])
+def test_head_budgets_compiled_chunked_preempted(head_budget_run, pack, monkeypatch):
     """Head-adaptive budgets (a ``kvpop train`` run) served compiled, prompts of 7 to 1,200 tokens prefilled in
     chunks of 96 while others decode, 200 new tokens each, one request preempted mid-decode and recomputed: every
     request's greedy tokens equal transformers + KVpopCache's, log-probabilities within 1e-4; the pool of exactly
-    4 x ceil(B / bs) blocks holds all four at once (the packed block is a uniform layer's pages)."""
+    4 packed blocks holds all four at once.  On a CPU with a float32 cache each head starts a row by default (its
+    slots read by vLLM's own attention kernel), so the packed block is at most ``bs - 1`` slots a head more than a
+    uniform layer's ``ceil(B / bs)`` pages; ``kvpop_pack="slots"`` packs them slot to slot in exactly those pages
+    (kvpop's PyTorch attention)."""
+    from kvpop.vllm.backends import KVpopCPUImpl
+    from kvpop.vllm.model import packed_rows_slots
+
     model, scorers = head_budget_run
+    config = kvpop.read_scorer_config(scorers)
+    rows, packed = packed_rows_slots(config, 1 if pack == "slots" else BLOCK)
+    pages = -(-packed // (rows * BLOCK))
+    assert packed - sum(map(sum, config.head_budgets)) <= rows * (BLOCK - 1) and pages >= -(-BUDGET // BLOCK)
+    assert pack != "slots" or pages == -(-BUDGET // BLOCK)
+    rows_calls = []
+    rows_attention = KVpopCPUImpl._rows_attention
+
+    def counted(self, *args):
+        rows_calls.append(1)
+        return rows_attention(self, *args)
+
+    monkeypatch.setattr(KVpopCPUImpl, "_rows_attention", counted)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process: preempt by hand
     llm = engine(scorers, "kvpop", model=model, enforce_eager=False, max_num_batched_tokens=96, async_scheduling=False,
-                 num_gpu_blocks_override=4 * (-(-BUDGET // BLOCK)) + 1)
+                 num_gpu_blocks_override=4 * pages + 1,
+                 hf_overrides=kvpop.vllm.hf_overrides(scorers, policy="kvpop", pack=pack))
     _four_requests_one_preempted(llm, model, scorers, [7, 60, 300, 1200], seed=10, after=40, what="head budgets")
+    assert bool(rows_calls) == (pack is None), f"vLLM's kernel attended {len(rows_calls)} decode batches"
 
 
 def _four_requests_one_preempted(llm, model: str, scorers: str, lengths: list[int], *, seed: int, after: int,

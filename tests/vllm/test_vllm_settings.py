@@ -160,3 +160,16 @@ def test_engine_config_refuses_in_the_callers_process(tmp_path):
     assert len(load_scorer_file(ok, layers)) == len([k for m in layers.values() for k in m.state_dict()])
     with pytest.raises(ValueError, match="non-finite value"):
         load_scorer_file(nan, layers)
+
+
+def test_kvpop_pack_is_rows_slots_or_the_backends_default():
+    """``kvpop_pack`` (how head-adaptive budgets' heads sit in the packed block) reaches the settings; another value
+    is refused by name with the allowed ones."""
+    from kvpop.vllm import hf_overrides
+
+    base = {"kvpop_policy": "streaming", "kvpop_config": {"budget": 64, "window": 16}}
+    assert resolve(base).pack is None
+    assert resolve({**base, "kvpop_pack": "rows"}).pack == "rows"
+    assert hf_overrides(policy="streaming", pack="slots", budget=64, window=16)["kvpop_pack"] == "slots"
+    with pytest.raises(ValueError, match=r"kvpop_pack must be one of \['rows', 'slots'\].*got 'row'"):
+        resolve({**base, "kvpop_pack": "row"})

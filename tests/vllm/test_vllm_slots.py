@@ -43,7 +43,7 @@ def _run(seqs, s, w, B, bs, transposed, seed, layouts=None):
         layouts, rows, nblk = [None], HKV, -(-B // bs)
     else:
         rows = layouts[0].rows
-        nblk = -(-sum(lay.total for lay in layouts) // (rows * bs))
+        nblk = -(-(layouts[-1].base + layouts[-1].span) // (rows * bs))
     num_blocks = nblk * len(seqs) + 3
     K, V, spos, sprio = _paged(num_blocks, bs, transposed, rows)
     perm = list(range(num_blocks))
@@ -141,22 +141,25 @@ def test_matches_one_sparse_forward(s, w, B, bs, transposed, ties):
     _check(seqs, outs, state, s, w, [UniformSlots(B, HKV)])
 
 
+@pytest.mark.parametrize("aligned", [False, True], ids=["slot-to-slot", "heads-start-rows"])
 @pytest.mark.parametrize("s,w,budgets,bs,transposed,ties", [
     # two layers of two KV heads in pages of 4 rows: layer totals 24 and 16 (mean 10), heads straddle pages
     (2, 5, ((9, 15), (7, 9)), 4, True, False),
     (4, 8, ((12, 28), (20, 20)), 8, False, True),  # a head with no long-range slot; two equal heads
     (0, 3, ((4, 11), (9, 6)), 2, False, True),     # no sinks, small blocks
 ])
-def test_packed_matches_one_sparse_forward(s, w, budgets, bs, transposed, ties):
+def test_packed_matches_one_sparse_forward(s, w, budgets, bs, transposed, ties, aligned):
     """Head-adaptive budgets, the layers of a model packed one after another into shared pages (the
-    plugin's layout): every layer equals one sparse forward with each head's own k, its slots hold the
+    plugin's layout; packed slot to slot, or each head from a row's first slot as the CPU backend packs an
+    unquantised cache): every layer equals one sparse forward with each head's own k, its slots hold the
     kept set, and no layer or head writes into another's slots."""
     torch.manual_seed(hash((s, w, budgets, bs)) % 1000)
     rows = 2 * HKV
     layouts, base = [], 0
     for b in budgets:
-        layouts.append(PackedSlots(b, rows, base))
-        base += sum(b)
+        layouts.append(PackedSlots(b, rows, base, align=bs if aligned else 1))
+        base += layouts[-1].span
+    assert all(lay.starts_rows(bs) for lay in layouts) == aligned
     seqs = _seqs((1, 7, 29, 61), len(budgets), ties)
     outs, state = _run(seqs, s, w, None, bs, transposed, seed=bs, layouts=layouts)
     _check(seqs, outs, state, s, w, layouts)
@@ -300,3 +303,34 @@ def test_runs_put_each_slot_where_the_layout_does(layout):
         chunk = p // bs
         assert torch.equal(table[0, col[h, chunk]], blk[0]) and torch.equal(row[h, chunk], r[0])
         assert torch.equal(p % bs, off[0])
+
+
+@pytest.mark.parametrize("budgets,base,bs", [((5, 17, 3), 0, 4), ((9, 2, 30), 32, 8), ((1, 16, 7), 4, 1)])
+def test_row_sequences_are_each_heads_occupied_slots(budgets, base, bs):
+    """``slots.row_sequences`` on a layout whose heads start rows: sequence ``(request, head)``'s first ``seq_len``
+    positions, read block by block from the cache viewed as blocks of one row, are the head's slots ``0 ..
+    min(pos + 1, B_h) - 1`` where the layout puts them; a layout packed slot to slot is refused by name."""
+    from kvpop.vllm.slots import row_sequences
+
+    torch.manual_seed(3)
+    rows, n = 4, 3
+    lay = PackedSlots(budgets, rows, base, align=bs)
+    assert lay.starts_rows(bs) and lay.offsets[1] % bs == 0 and lay.span == sum(-(-b // bs) * bs for b in budgets)
+    pages = -(-(base + lay.span) // (rows * bs))
+    x = torch.randn(n * pages + 2, rows, bs)  # one number per slot: where a sequence's position reads from
+    table = torch.randperm(x.shape[0])[: n * pages].view(n, pages)
+    pos = torch.tensor([0, 6, 40])
+    seq_table, seen = row_sequences(table.int(), pos, layout=lay, bs=bs)
+    assert seq_table.dtype == torch.int32 and seen.dtype == torch.int32
+    blocks = x.view(-1, bs)  # [num_blocks * rows, bs]: row r of block b is block b * rows + r
+    for i in range(n):
+        for h, b in enumerate(budgets):
+            m = min(int(pos[i]) + 1, b)
+            assert int(seen[i * len(budgets) + h]) == m
+            got = blocks[seq_table[i * len(budgets) + h].long()].reshape(-1)[:m]
+            blk, r, off = lay.addr(table[i:i + 1], torch.full((1, m), h), torch.arange(m)[None], bs)
+            assert torch.equal(got, x[blk[0], r[0], off[0]])
+    with pytest.raises(ValueError, match=r"start a row of 4 slots.*align=1"):
+        row_sequences(table.int(), pos, layout=PackedSlots((5, 17, 3), rows, 0), bs=4)
+    with pytest.raises(ValueError, match="align must be a positive number of slots, got 0"):
+        PackedSlots((5, 17), rows, 0, align=0)
