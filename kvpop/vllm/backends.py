@@ -232,9 +232,6 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
     def kvpop_forward(self, layer, query, key, value, prio, kv_cache, meta, output, k_pre=None) -> None:
         if meta is None:  # warm-up / profiling run
             return
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
         self._check_supported()
         nb, hkv, bs, _ = kv_cache.shape
         region_k, region_v = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
@@ -279,22 +276,8 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
                 layer, state, dec, bt[dec], V, ctx[dec], k_pre[tok], value[tok])
             slots.decode_step(K, V, sp, pr, bt[dec], ctx[dec], key[tok], value[tok], p_new,
                               sinks=layer.kvpop_sinks, window=layer.kvpop_window, budget=B, p_leave=p_leave)
-            nd = dec.numel()
-            q = query[tok].contiguous()
-            out = torch.empty_like(q)
-            d_qsl = torch.arange(nd + 1, dtype=torch.int32)
-            d_seq = (ctx[dec] + 1).clamp(max=B).to(torch.int32)
-            d_bt = bt[dec].contiguous()
-            sched = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=nd, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
-                seq_lens=d_seq, dtype=query.dtype, query_start_loc=d_qsl, causal=True, sliding_window_size=-1,
-                isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
-            ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=region_k, value_cache=region_v, output=out, query_start_loc=d_qsl,
-                seq_lens=d_seq, scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1,
-                block_table=d_bt, softcap=0, scheduler_metadata=sched, s_aux=None, k_scale=layer._k_scale_float,
-                v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
-            output[tok] = out
+            output[tok] = self._vllm_decode_attention(layer, query[tok], region_k, region_v, bt[dec],
+                                                      (ctx[dec] + 1).clamp(max=B).to(torch.int32))
         ext = ((qlen > 1) | ((qlen == 1) & (ctx == 0))).nonzero().flatten().tolist()
         if ext:
             self._extend_rows(layer, ext, qsl_t.tolist(), ctx.tolist(), bt, query, key, value, prio, K, V, output,
@@ -308,27 +291,37 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
         being one KV head's part of a block, in whatever layout the ISA stores it) and each (request, KV head) one
         sequence of its rows, ``min(pos + 1, B_h)`` long (``slots.row_sequences``), its ``g`` query heads the
         sequence's heads.  ``[N, Hq, D]``."""
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
         nb, rows, bs, _ = kv_cache.shape
         n, hq, d = query.shape
         hkv = len(layer.kvpop_layout.budgets)
         region_k, region_v = kv_cache.view(nb * rows, 1, 2 * bs, d).chunk(2, dim=2)
         table, seen = slots.row_sequences(bt, pos, layout=layer.kvpop_layout, bs=bs)
-        q = query.reshape(n * hkv, hq // hkv, d).contiguous()
+        out = self._vllm_decode_attention(layer, query.reshape(n * hkv, hq // hkv, d), region_k, region_v, table,
+                                          seen)
+        return out.view(n, hq, d)
+
+    def _vllm_decode_attention(self, layer, q: torch.Tensor, region_k: torch.Tensor, region_v: torch.Tensor,
+                               table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """vLLM's ``cpu_attention_with_kv_cache`` for one query per sequence ``q [S, heads, D]`` over the first
+        ``seq_lens [S]`` (int32) positions of the blocks ``table [S, >= blocks]`` of ``region_k`` / ``region_v``
+        (``[blocks, kv heads, bs, D]``-shaped CPU_ATTN regions); ``[S, heads, D]``."""
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        q = q.contiguous()
         out = torch.empty_like(q)
-        qsl = torch.arange(n * hkv + 1, dtype=torch.int32)
+        n, heads, d = q.shape
+        qsl = torch.arange(n + 1, dtype=torch.int32)
         sched = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=n * hkv, num_heads=hq // hkv, num_kv_heads=1, head_dim=d, seq_lens=seen, dtype=query.dtype,
-            query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=layer.isa,
+            num_reqs=n, num_heads=heads, num_kv_heads=region_k.shape[1], head_dim=d, seq_lens=seq_lens,
+            dtype=q.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=layer.isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
         ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=region_k, value_cache=region_v, output=out, query_start_loc=qsl, seq_lens=seen,
-            scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
-            scheduler_metadata=sched, s_aux=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype)
-        return out.view(n, hq, d)
+            query=q, key_cache=region_k, value_cache=region_v, output=out, query_start_loc=qsl, seq_lens=seq_lens,
+            scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table.contiguous(),
+            softcap=0, scheduler_metadata=sched, s_aux=None, k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+        return out
 
 
 class KVpopCPUBuilder(CPUAttentionMetadataBuilder):
