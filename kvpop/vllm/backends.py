@@ -283,7 +283,6 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
             self._extend_rows(layer, ext, qsl_t.tolist(), ctx.tolist(), bt, query, key, value, prio, K, V, output,
                               k_pre=k_pre, state=state)
 
-
     def _rows_attention(self, layer, kv_cache: torch.Tensor, bt: torch.Tensor, pos: torch.Tensor,
                         query: torch.Tensor) -> torch.Tensor:
         """The decode attention of a packed layout whose heads start rows (``kvpop.vllm.model.packed_align``) by

@@ -134,6 +134,9 @@ def resolve(cfg: Any) -> Settings:
     if scorers is not None and config.structural_mismatch(base):
         raise ValueError(f"kvpop_config changes the scorer's structure ({config.structural_mismatch(base)}); only "
                          f"the cache shape (budget, sinks, window of an MLP scorer) may differ from the file")
+    if pack is not None and config.head_budgets is None:
+        raise ValueError(f"kvpop_pack={pack!r} lays out the packed block of head-adaptive budgets; these budgets are "
+                         f"uniform (budget={config.budget} for every head): drop kvpop_pack")
     if policy == "kvpop" and config.scorer == "mlstm" and config.head_budgets is not None:
         raise ValueError(
             f"the vLLM plugin serves the mLSTM scorer with uniform budgets only; {scorers} holds an 'mlstm' scorer "

@@ -167,9 +167,13 @@ def test_kvpop_pack_is_rows_slots_or_the_backends_default():
     is refused by name with the allowed ones."""
     from kvpop.vllm import hf_overrides
 
-    base = {"kvpop_policy": "streaming", "kvpop_config": {"budget": 64, "window": 16}}
+    base = {"kvpop_policy": "streaming", "kvpop_config": {"budget": 64, "window": 16, "sinks": 4,
+                                                          "head_budgets": ((20, 108), (64, 64))}}
     assert resolve(base).pack is None
     assert resolve({**base, "kvpop_pack": "rows"}).pack == "rows"
-    assert hf_overrides(policy="streaming", pack="slots", budget=64, window=16)["kvpop_pack"] == "slots"
+    assert hf_overrides(policy="streaming", pack="slots", **base["kvpop_config"])["kvpop_pack"] == "slots"
     with pytest.raises(ValueError, match=r"kvpop_pack must be one of \['rows', 'slots'\].*got 'row'"):
         resolve({**base, "kvpop_pack": "row"})
+    uniform = {"kvpop_policy": "streaming", "kvpop_config": {"budget": 64, "window": 16}, "kvpop_pack": "rows"}
+    with pytest.raises(ValueError, match=r"kvpop_pack='rows' lays out .* head-adaptive.*uniform \(budget=64"):
+        resolve(uniform)
