@@ -20,6 +20,7 @@ from torch import nn
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_pp_group
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -37,6 +38,8 @@ from .quantized import check_cache_dtype
 from .settings import Settings, check_scorer_file, resolve
 from .slots import PackedSlots, aligned
 from .spec import FixedBudgetSpec
+
+logger = init_logger(f"vllm.{__name__}")  # a child of "vllm": its handler prints it
 
 __all__ = ["KVpopQwen3ForCausalLM", "KVpopAttention", "OP_NAME", "load_scorer_file", "check_engine",
            "KVpopEngineCheck"]
@@ -104,6 +107,23 @@ def packed_rows_slots(config, align: int) -> tuple[int, int]:
     return sum(len(r) for r in hb), sum(aligned(b, align) for r in hb for b in r)
 
 
+def packing_summary(config, align: int, block_size: int) -> str:
+    """One line on how the packed block of ``config.head_budgets`` is laid out in blocks of ``block_size`` (logged
+    at start-up): its slots and blocks a request, and what the other packing would take."""
+    rows, packed = packed_rows_slots(config, align)
+    _, tight = packed_rows_slots(config, 1)
+
+    def blocks(slots: int) -> str:
+        n = -(-slots // (rows * block_size))
+        return f"{n} block{'s' if n != 1 else ''}"
+
+    if align == 1:
+        return (f"kvpop: head-adaptive budgets packed slot to slot: {packed} slots, {blocks(packed)} of {block_size} "
+                f"a request (the uniform cache's bytes)")
+    return (f"kvpop: head-adaptive budgets packed with each head from a row (kvpop_pack='rows'): {packed} slots, "
+            f"{blocks(packed)} of {block_size} a request; kvpop_pack='slots' takes {tight} slots, {blocks(tight)}")
+
+
 def packed_layout(settings: Settings, layer_idx: int, num_layers: int, num_kv_heads: int,
                   align: int = 1) -> PackedSlots:
     """Layer ``layer_idx``'s place in the packed block of a head-adaptive model: pages of ``num_layers *
@@ -135,6 +155,7 @@ class KVpopAttention(Attention):
             align = packed_align(cache.block_size, self.kv_cache_dtype, settings.pack)
             self.kvpop_layout = packed_layout(settings, layer_idx, num_layers, self.num_kv_heads, align)
             self.kvpop_packed = packed_rows_slots(c, align)
+            self.kvpop_config = c
         self.kvpop_recurrent: tuple = ()
         """``(KVpopLayer,)`` for the mLSTM scorer (a tuple: the layer's parameters stay where the model holds
         them); its state pages sit in front of each request's slots."""
@@ -168,6 +189,7 @@ class KVpopAttention(Attention):
                                f"size when the model was built), but the KV cache's block size is now "
                                f"{base.block_size}; pass block_size= to the engine")
         rows, packed = self.kvpop_packed
+        logger.info_once(packing_summary(self.kvpop_config, lay.align, base.block_size))
         fields["num_kv_heads"] = rows
         return FixedBudgetSpec(**fields, budget=-(-packed // rows), whole=True)
 

@@ -310,3 +310,19 @@ def test_packed_align_defaults_and_the_block_fits_max_model_len():
         with pytest.raises(ValueError, match=rf"packed block of {n_ok // 32} blocks.*pass max_model_len >= {n_ok}"):
             _check_packed(engine_config(n_ok - 32), settings)
     _check_packed(engine_config(128, "int8_per_token_head"), Settings(config=config, policy="kvpop", scorers=None))
+
+
+def test_packing_summary_names_both_packings():
+    """The start-up line on the packed block: its slots and blocks a request, and the other packing's."""
+    from kvpop.core.config import KVpopConfig
+    from kvpop.vllm.model import packing_summary
+
+    config = KVpopConfig(sinks=4, window=32, budget=128, head_budgets=((36, 220), (100, 156)))
+    assert packing_summary(config, 32, 32) == (
+        "kvpop: head-adaptive budgets packed with each head from a row (kvpop_pack='rows'): 576 slots, 5 blocks of "
+        "32 a request; kvpop_pack='slots' takes 512 slots, 4 blocks")
+    assert packing_summary(config, 1, 32) == (
+        "kvpop: head-adaptive budgets packed slot to slot: 512 slots, 4 blocks of 32 a request (the uniform cache's "
+        "bytes)")
+    assert packing_summary(config, 128, 128).endswith("768 slots, 2 blocks of 128 a request; kvpop_pack='slots' "
+                                                      "takes 512 slots, 1 block")
