@@ -197,14 +197,15 @@ def test_mlstm_under_tensor_parallelism_is_refused_by_name(scorer, tmp_path):
 
 
 @pytest.mark.parametrize("cache_dtype", ["int8_per_token_head", "fp8_per_token_head"])
-@pytest.mark.parametrize("budgets", [None, (8, 16)], ids=["uniform", "head-adaptive"])
-def test_pure_decode_batch_per_token_head(cache_dtype, budgets):
+@pytest.mark.parametrize("budgets,align", [(None, 1), ((8, 16), 1), ((7, 13), 4)],
+                         ids=["uniform", "head-adaptive", "head-adaptive-rows"])
+def test_pure_decode_batch_per_token_head(cache_dtype, budgets, align):
     """The GPU backend's per-token-head path on a pure-decode batch with a padded row (seq_len 0, its block-table row
     naming a live request's blocks): the page after each step equals ``quantized.decode_step`` on the real rows
     alone outside the null block; under uniform budgets vLLM's kernel is handed ``seq_lens`` clamped to ``B`` and its
     own scale views (``_k_scale_cache``, what it dequantises with on load) read kvpop's scales; under head-adaptive
-    budgets the output (``kvpop_kernels.packed_slot_decode``, here its PyTorch path) is ``quantized.decode_attention``'s
-    within 1e-5."""
+    budgets (packed slot to slot, or with heads starting rows as ``kvpop_pack="rows"`` lays them) the output
+    (``kvpop_kernels.packed_slot_decode``, here its PyTorch path) is ``quantized.decode_attention``'s within 1e-5."""
     from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
     from kvpop.vllm import quantized
@@ -213,7 +214,7 @@ def test_pure_decode_batch_per_token_head(cache_dtype, budgets):
     nb, hkv, bs, D, hq = 10, 2, 4, 8, 4
     layer = _Layer()
     if budgets is not None:
-        layer.kvpop_layout = slots.PackedSlots(budgets, hkv)
+        layer.kvpop_layout = slots.PackedSlots(budgets, hkv, align=align)  # align 4: heads start rows of bs = 4
     dtype = torch.int8 if cache_dtype.startswith("int8") else torch.uint8
     kv = torch.randint(0, 256, (nb, hkv, bs, 2 * (D + 4)), dtype=torch.uint8).view(dtype)
     calls = []
