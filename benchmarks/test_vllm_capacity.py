@@ -91,13 +91,14 @@ def _state_blocks(scorers: str) -> int:
     return state_blocks(build_scorer(kvpop.read_scorer_config(scorers), 2, 32), BLOCK * 2 * 2 * 32 * 4)
 
 
-def packed_pages(pack: str) -> int:
-    """Blocks a request of ``HEAD_BUDGETS`` holds, its heads packed by ``pack`` (``"rows"`` / ``"slots"``)."""
+def packed_pages(kv_cache_dtype: str = "auto", pack: str | None = None) -> int:
+    """Blocks a request of ``HEAD_BUDGETS`` holds in blocks of ``BLOCK``, its heads packed as the plugin packs them
+    for this cache dtype and ``kvpop_pack`` (``kvpop.vllm.model.packed_align``)."""
     from kvpop.core.config import KVpopConfig
-    from kvpop.vllm.model import packed_rows_slots
+    from kvpop.vllm.model import packed_align, packed_rows_slots
 
     config = KVpopConfig(sinks=SINKS, window=WINDOW, budget=BUDGET, head_budgets=HEAD_BUDGETS)
-    rows, packed = packed_rows_slots(config, BLOCK if pack == "rows" else 1)
+    rows, packed = packed_rows_slots(config, packed_align(BLOCK, kv_cache_dtype, pack))
     return -(-packed // (rows * BLOCK))
 
 
@@ -139,7 +140,7 @@ def test_capacity(benchmark, provider, request, monkeypatch):
         assert reported == pytest.approx(POOL_BLOCKS / held)
         assert max(running) == (POOL_BLOCKS - 1) // held
     elif pack is not None:  # head-adaptive: the packed block's pages, from the first token
-        held = packed_pages(pack)
+        held = packed_pages(pack=pack)
         benchmark.extra_info.update(pack=pack, blocks_per_request=held)
         assert reported == pytest.approx(POOL_BLOCKS / held)
         assert max(running) == min(N_REQUESTS, (POOL_BLOCKS - 1) // held)

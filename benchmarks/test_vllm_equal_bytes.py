@@ -112,8 +112,7 @@ def test_head_adaptive_against_uniform_speed(benchmark, kv_dtype, scorer_file, h
     cap._env(monkeypatch)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # each engine's pool holds the batch: the packed block of an unquantised CPU cache starts each head at a row
-    pack = "rows" if kv_dtype == "auto" else "slots"
-    pages = {"uniform": -(-BUDGET // BLOCK), "head-adaptive": cap.packed_pages(pack)}
+    pages = {"uniform": -(-BUDGET // BLOCK), "head-adaptive": cap.packed_pages(kv_dtype)}
     engines = {name: _engine(f, dtype="float32", kv_cache_dtype=kv_dtype, blocks=pages[name] * SPEED_REQUESTS + 1,
                              max_model_len=LENGTH, n=SPEED_REQUESTS)
                for name, f in (("uniform", scorer_file), ("head-adaptive", head_scorer_file))}

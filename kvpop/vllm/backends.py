@@ -164,11 +164,15 @@ class _FixedBudgetImpl:
         p[: p_t.shape[1] - n_old] = p_t[:, n_old:].T
         return p
 
-    def _packed_decode(self, layer, K, V, bt, pos, query, key, value, prio, valid=None) -> torch.Tensor:
-        """Eviction, write and attention of one token per request in the packed layout (fixed shapes)."""
+    def _packed_decode(self, layer, K, V, bt, pos, query, key, value, prio, valid=None, attend=None) -> torch.Tensor:
+        """Eviction, write and attention of one token per request in the packed layout (fixed shapes); ``attend(bt,
+        pos, query)`` attends instead of kvpop's decode where given (the CPU backend's vLLM kernel over heads that
+        start rows)."""
         sp, pr = self._tables(K, layer)
         slots.decode_step(K, V, sp, pr, bt, pos, key, value, prio, sinks=layer.kvpop_sinks,
                           window=layer.kvpop_window, layout=layer.kvpop_layout, valid=valid)
+        if attend is not None:
+            return attend(bt, pos, query)
         if isinstance(self, TritonAttentionImpl):
             return self._packed_attention(layer, K, V, bt, pos, query, valid=valid)
         return slots.decode_attention(K, V, bt, pos, query, layout=layer.kvpop_layout, scale=self.scale, valid=valid)
@@ -259,16 +263,12 @@ class KVpopCPUImpl(_FixedBudgetImpl, CPUAttentionBackendImpl):
             state = self._state(layer, kv_cache, bt)
             bt = bt[:, state[1].shape[1]:]
         dec = ((qlen == 1) & (ctx > 0)).nonzero().flatten()
-        if dec.numel() and layer.kvpop_layout is not None and layer.kvpop_layout.starts_rows(bs):
+        if dec.numel() and layer.kvpop_layout is not None:
             tok = qsl_t[dec]
-            sp, pr = self._tables(K, layer)
-            slots.decode_step(K, V, sp, pr, bt[dec], ctx[dec], key[tok], value[tok], prio[tok],
-                              sinks=layer.kvpop_sinks, window=layer.kvpop_window, layout=layer.kvpop_layout)
-            output[tok] = self._rows_attention(layer, kv_cache, bt[dec], ctx[dec], query[tok])
-        elif dec.numel() and layer.kvpop_layout is not None:
-            tok = qsl_t[dec]
+            rows = layer.kvpop_layout.starts_rows(bs)  # then vLLM's kernel reads each head's rows
+            attend = functools.partial(self._rows_attention, layer, kv_cache) if rows else None
             output[tok] = self._packed_decode(layer, K, V, bt[dec], ctx[dec], query[tok], key[tok], value[tok],
-                                              prio[tok]).to(output.dtype)
+                                              prio[tok], attend=attend).to(output.dtype)
         elif dec.numel():
             sp, pr = self._tables(K, layer)
             tok = qsl_t[dec]

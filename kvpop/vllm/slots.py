@@ -145,8 +145,11 @@ class PackedSlots:
         return sum(aligned(b, self.align) for b in self.budgets)
 
     def starts_rows(self, bs: int) -> bool:
-        """Whether every head's slot 0 is at offset 0 of a row of ``bs`` slots."""
-        return all((self.base + o) % bs == 0 for o in self.offsets)
+        """Whether every head's slot 0 is at offset 0 of a row of ``bs`` slots (worked out once per ``bs``)."""
+        k = ("starts rows", bs)
+        if k not in self._offs:
+            self._offs[k] = all((self.base + o) % bs == 0 for o in self.offsets)
+        return self._offs[k]
 
     def device_args(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(budgets int32, packed index of each head's slot 0 int64)`` ``[Hkv]`` on ``device`` (made once:
@@ -427,7 +430,8 @@ def decode_attention(K: torch.Tensor, V: torch.Tensor, block_table: torch.Tensor
                      scales: tuple[torch.Tensor, torch.Tensor] | None = None, codes=None) -> torch.Tensor:
     """Attention ``[N, Hq, D]`` of one query per request ``q [N, Hq, D]`` over the ``min(pos + 1, B_h)``
     occupied slots of each KV head (after :func:`decode_step`), in float32; fixed shapes, no host read
-    (the packed layout's decode, where vLLM's kernels, one length for every head, do not apply).
+    (the packed layout's decode where vLLM's kernels, one length for every head, do not apply: heads packed slot to
+    slot, or a quantised cache).
 
     The slots are read a chunk at a time (:func:`_runs`: each head's runs of ``bs`` slots, one ``index_select``
     per tensor), every position of a chunk that is not one of the head's occupied slots masked: its logit is

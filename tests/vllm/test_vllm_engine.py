@@ -260,11 +260,11 @@ def test_head_budgets_compiled_chunked_preempted(head_budget_run, pack, monkeypa
     uniform layer's ``ceil(B / bs)`` pages; ``kvpop_pack="slots"`` packs them slot to slot in exactly those pages
     (kvpop's PyTorch attention)."""
     from kvpop.vllm.backends import KVpopCPUImpl
-    from kvpop.vllm.model import packed_rows_slots
+    from kvpop.vllm.model import packed_align, packed_rows_slots
 
     model, scorers = head_budget_run
     config = kvpop.read_scorer_config(scorers)
-    rows, packed = packed_rows_slots(config, 1 if pack == "slots" else BLOCK)
+    rows, packed = packed_rows_slots(config, packed_align(BLOCK, "auto", pack))
     pages = -(-packed // (rows * BLOCK))
     assert packed - sum(map(sum, config.head_budgets)) <= rows * (BLOCK - 1) and pages >= -(-BUDGET // BLOCK)
     assert pack != "slots" or pages == -(-BUDGET // BLOCK)
