@@ -76,12 +76,12 @@ if triton is not None:
                 PR + n64 * s_pr_n + h64 * s_pr_h + koff * s_pr_j, sp_off)
 
     @triton.jit
-    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, LP, POS, MID_O, MID_L, DST, META, KS, VS, KNS, VNS,
+    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, POS, MID_O, MID_L, CP, CT, CJ, META, KS, VS, KNS, VNS,
                        s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
                        HKV, B, D, K_LR, SINKS, WINDOW, CHUNK, NS, qk_scale, T_ALL, K_ALL,
                        G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                        PACKED: tl.constexpr, QUANT: tl.constexpr):
         row = tl.program_id(0)  # (batch row, KV head) flattened: row = n * HKV + h
         split = tl.program_id(1)
@@ -94,7 +94,6 @@ if triton is not None:
             s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, K_LR, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
         ksp = KS + sp_off  # a quantised layout's per-slot scales (QUANT only; never read otherwise)
         vsp = VS + sp_off
-        t_new = pos - WINDOW
         slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
         LR0 = SINKS + WINDOW
         g = tl.arange(0, G_PAD)
@@ -106,63 +105,58 @@ if triton is not None:
         qf = q.to(tl.float32)
         if UPCAST:
             q = qf
+        mrow = qh * (2 * NS + 1)  # this query head's partials: [0, NS) without, [NS, 2 NS) with the
+        #                           chunk's candidate, 2 NS the leaving token
 
-        # -- 1. eviction decision: lowest-ranked long-range slot (same result in every program whose chunk
-        #    holds slots of this head; a program past the head's B slots writes an empty partial only)
+        # -- 1. this chunk's eviction candidate: its lowest-ranked long-range slot (lowest priority, then the
+        #    oldest position, then the lowest index; none: +inf / INT32_MAX / INT32_MAX).  Stage 2 takes the
+        #    lowest of the head's candidates, which is the head's lowest-ranked slot: each program reads only
+        #    the priorities of its own chunk, so no program's latency grows with the head's k_h.
         start = split * CHUNK
-        k_scan = tl.where(start < B, K_LR, 0)
+        end = tl.minimum(start + CHUNK, B)
         best_p = float("inf")
         best_t = _INT32_MAX_C
-        best_j = -1
-        for j0 in range(0, k_scan, BLOCK_K):  # (names unique to this loop: no accidental loop carries)
-            jj = j0 + tl.arange(0, BLOCK_K)
-            jj_ok = jj < K_LR
-            pr_blk = tl.load(prp + jj * s_pr_j, mask=jj_ok, other=float("inf"))
+        best_j = _INT32_MAX_C
+        for c0 in range(tl.maximum(start, LR0), end, BLOCK_N):  # (names unique to this loop)
+            cc = c0 + tl.arange(0, BLOCK_N)
+            cc_ok = cc < end
+            pr_blk = tl.load(prp + (cc - LR0) * s_pr_j, mask=cc_ok, other=float("inf"))
             bmin = tl.min(pr_blk, axis=0)
-            cand = jj_ok & (pr_blk == bmin)
-            t_blk = tl.load(spp + (LR0 + jj) * s_sp_b, mask=cand, other=_INT32_MAX_C)
+            cand = cc_ok & (pr_blk == bmin)
+            t_blk = tl.load(spp + cc * s_sp_b, mask=cand, other=_INT32_MAX_C)
             tmin = tl.min(t_blk, axis=0)
-            jmin = tl.min(tl.where(cand & (t_blk == tmin), jj, _INT32_MAX_C), axis=0)
+            jmin = tl.min(tl.where(cand & (t_blk == tmin), cc - LR0, _INT32_MAX_C), axis=0)
             better = (bmin < best_p) | ((bmin == best_p) & (tmin < best_t))
             best_p = tl.where(better, bmin, best_p)
             best_t = tl.where(better, tmin, best_t)
             best_j = tl.where(better, jmin, best_j)
-        lp = tl.load(LP + row)
-        lp = tl.where(lp != lp, float("-inf"), lp)  # NaN ranks as -inf
-        keep = (t_new >= SINKS) & (best_j >= 0) & ((lp > best_p) | ((lp == best_p) & (t_new > best_t)))
-        keep = keep & (pos_bad == 0)
-        dst = tl.where(keep, LR0 + best_j, -1)
-        tl.store(DST + row, dst, mask=split == 0)
+        crow = row * NS + split
+        tl.store(CP + crow, best_p)
+        tl.store(CT + crow, best_t)
+        tl.store(CJ + crow, best_j)
+        has_c = best_j < _INT32_MAX_C
+        c_slot = tl.where(has_c, best_j, -1 - LR0) + LR0  # -1: no candidate in this chunk
 
-        # -- 3. the keys not in the cache yet (split 0 only): the new token and the kept leaving one
+        # -- 2. the new token (not in the cache yet; split 0 only)
         first = split == 0
-        kn = tl.load(KN + row.to(tl.int64) * D + d, mask=d_ok, other=0.0).to(tl.float32)
-        vn = tl.load(VN + row.to(tl.int64) * D + d, mask=d_ok, other=0.0).to(tl.float32)
-        # (a block bound instead of `d_ok & scalar`: the interpreter broadcasts int1 scalars to int32)
-        lv_ok = d < tl.where(keep & first, D, 0)
-        kl = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
-        vl = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
-        if QUANT:  # dequantised on load: codes times the slot's (or the new token's) scale
-            kn = kn * tl.load(KNS + row)
-            vn = vn * tl.load(VNS + row)
-            kl = kl * tl.load(ksp + slot_new * s_sp_b)
-            vl = vl * tl.load(vsp + slot_new * s_sp_b)
+        nd_ok = d < tl.where(first, D, 0)  # (a block bound, not `d_ok & scalar`: the interpreter
+        #                                    broadcasts int1 scalars to int32)
+        kn = tl.load(KN + row.to(tl.int64) * D + d, mask=nd_ok, other=0.0).to(tl.float32)
+        vn = tl.load(VN + row.to(tl.int64) * D + d, mask=nd_ok, other=0.0).to(tl.float32)
+        if QUANT:  # dequantised on load: codes times the new token's scale
+            kn = kn * tl.load(KNS + row, mask=first, other=0.0)
+            vn = vn * tl.load(VNS + row, mask=first, other=0.0)
         s_new = tl.sum(qf * kn[None, :], axis=1) * qk_scale
-        s_lv = tl.sum(qf * kl[None, :], axis=1) * qk_scale
-        s_new = tl.where(first, s_new, float("-inf"))
-        s_lv = tl.where(first & keep, s_lv, float("-inf"))
-        m_i = tl.maximum(s_new, s_lv)
+        m_i = tl.where(first, s_new, float("-inf"))
         m0 = tl.where(m_i == float("-inf"), 0.0, m_i)
-        p_new = tl.exp2(s_new - m0)
-        p_lv = tl.exp2(s_lv - m0)
-        l_i = p_new + p_lv
-        acc = p_new[:, None] * vn[None, :] + p_lv[:, None] * vl[None, :]
+        l_i = tl.exp2(m_i - m0)
+        acc = l_i[:, None] * vn[None, :]
 
-        # -- 2. this split's chunk of slots (base-2 online softmax, fp32 accumulation)
-        end = tl.minimum(start + CHUNK, B)
+        # -- 3. this split's chunk of slots but the new token's (stale) and the candidate (base-2 online
+        #    softmax, fp32 accumulation)
         for n0 in range(start, end, BLOCK_N):
             nn = n0 + tl.arange(0, BLOCK_N)
-            n_ok = (nn < end) & (nn != slot_new) & (nn != dst)
+            n_ok = (nn < end) & (nn != slot_new) & (nn != c_slot)
             sp = tl.load(spp + nn * s_sp_b, mask=n_ok, other=-1)
             valid = n_ok & (sp >= 0)
             kv_mask = valid[:, None] & d_ok[None, :]
@@ -174,16 +168,44 @@ if triton is not None:
                 k = (k.to(tl.float32) * k_sc[:, None]).to(q.dtype)
                 v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
             m_i, l_i, acc = online_softmax_tile(q, k, v, valid, qk_scale, m_i, l_i, acc, UPCAST)
+        # partial without the candidate (-inf / 0 for an empty chunk; NaN for a refused row)
+        store_split(MID_O, MID_L, mrow + split, m_i, l_i, acc, pos_bad, g_ok, d, d_ok, D)
 
-        # -- 4. partial output and natural-log LSE of this split (-inf / 0 for an empty chunk; NaN for a
-        #    row whose position the guard refused)
-        store_split(MID_O, MID_L, qh * NS + split, m_i, l_i, acc, pos_bad, g_ok, d, d_ok, D)
+        # -- 4. the same partial with the candidate (stage 2 uses it unless the candidate is evicted)
+        c_safe = tl.where(has_c, c_slot, 0).to(tl.int64)
+        c_sp = tl.load(spp + c_safe * s_sp_b, mask=has_c, other=-1)
+        cd_ok = d < tl.where(has_c & (c_sp >= 0), D, 0)
+        k_c = tl.load(kc + c_safe * s_kc_b + d * s_kc_d, mask=cd_ok, other=0.0).to(tl.float32)
+        v_c = tl.load(vc + c_safe * s_vc_b + d * s_vc_d, mask=cd_ok, other=0.0).to(tl.float32)
+        if QUANT:
+            k_c = k_c * tl.load(ksp + c_safe * s_sp_b, mask=has_c, other=0.0)
+            v_c = v_c * tl.load(vsp + c_safe * s_sp_b, mask=has_c, other=0.0)
+        s_c = tl.where(has_c & (c_sp >= 0), tl.sum(qf * k_c[None, :], axis=1) * qk_scale, float("-inf"))
+        m_c = tl.maximum(m_i, s_c)
+        m_cs = tl.where(m_c == float("-inf"), 0.0, m_c)
+        alpha = tl.exp2(m_i - m_cs)
+        beta = tl.exp2(s_c - m_cs)
+        store_split(MID_O, MID_L, mrow + NS + split, m_c, l_i * alpha + beta,
+                    acc * alpha[:, None] + beta[:, None] * v_c[None, :], pos_bad, g_ok, d, d_ok, D)
+
+        # -- 5. the leaving token t_new = pos - w, still in ring slot slot_new, as a partial of its own (split
+        #    0 only; stage 2 adds it if the head keeps it)
+        lv_ok = d < tl.where(first & (pos - WINDOW >= SINKS), D, 0)
+        kl = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
+        vl = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
+        if QUANT:
+            kl = kl * tl.load(ksp + slot_new * s_sp_b, mask=first, other=0.0)
+            vl = vl * tl.load(vsp + slot_new * s_sp_b, mask=first, other=0.0)
+        s_lv = tl.sum(qf * kl[None, :], axis=1) * qk_scale
+        store_split(MID_O, MID_L, mrow + 2 * NS, s_lv, tl.full([G_PAD], 1.0, tl.float32),
+                    tl.zeros([G_PAD, BLOCK_D], tl.float32) + vl[None, :], pos_bad, g < tl.where(first, G, 0),
+                    d, d_ok, D)
 
     @triton.jit
-    def _decode_stage2(MID_O, MID_L, OUT, LSE, DST, LP, KN, VN, KC, VC, SP, PR, POS, META, KS, VS, KNS, VNS,
-                       s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
+    def _decode_stage2(MID_O, MID_L, CP, CT, CJ, OUT, LSE, LP, KN, VN, KC, VC, SP, PR, POS, META, KS, VS, KNS,
+                       VNS, s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
-                       HKV, D, NS, SINKS, WINDOW, T_ALL, K_ALL,
+                       HKV, B, D, K_LR, NS, CHUNK, SINKS, WINDOW, T_ALL, K_ALL,
                        G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr,
                        QUANT: tl.constexpr):
         qh = tl.program_id(0)  # one program per query head of every batch row (batch-flat)
@@ -192,25 +214,59 @@ if triton is not None:
         h64 = (row % HKV).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
+        pos, pos_bad, B, K_LR, kc, vc, spp, prp, sp_off = _row_head(
+            POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b, s_sp_n, s_sp_h,
+            s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, K_LR, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
+        t_new = pos - WINDOW
+        slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
+        LR0 = SINKS + WINDOW
+        ns_h = tl.minimum(tl.maximum((B + CHUNK - 1) // CHUNK, 1), NS)  # the splits holding this head's slots
 
-        # -- LSE merge of the splits (natural log)
-        o, lse = merge_splits(MID_O, MID_L, qh.to(tl.int64) * NS, NS, D, d, d_ok, BLOCK_S, BLOCK_D)
+        # -- 1. the eviction decision: the lowest of the head's chunk candidates (the order of stage 1)
+        best_p = float("inf")
+        best_t = _INT32_MAX_C
+        best_j = _INT32_MAX_C
+        for i0 in range(0, ns_h, BLOCK_S):  # (names unique to this loop)
+            ci = i0 + tl.arange(0, BLOCK_S)
+            ci_ok = ci < ns_h
+            p_blk = tl.load(CP + row * NS + ci, mask=ci_ok, other=float("inf"))
+            bmin = tl.min(p_blk, axis=0)
+            cand = ci_ok & (p_blk == bmin)
+            t_blk = tl.load(CT + row * NS + ci, mask=cand, other=_INT32_MAX_C)
+            tmin = tl.min(t_blk, axis=0)
+            j_blk = tl.load(CJ + row * NS + ci, mask=cand & (t_blk == tmin), other=_INT32_MAX_C)
+            jmin = tl.min(j_blk, axis=0)
+            better = (bmin < best_p) | ((bmin == best_p) & (tmin < best_t))
+            best_p = tl.where(better, bmin, best_p)
+            best_t = tl.where(better, tmin, best_t)
+            best_j = tl.where(better, jmin, best_j)
+        lp = tl.load(LP + row)
+        lp = tl.where(lp != lp, float("-inf"), lp)  # NaN ranks as -inf
+        keep = (t_new >= SINKS) & (best_j < _INT32_MAX_C) & ((lp > best_p) | ((lp == best_p) & (t_new > best_t)))
+        keep = keep & (pos_bad == 0)
+        dst_c = tl.where(keep, LR0 + best_j, 0).to(tl.int64)
+
+        # -- 2. LSE merge of the splits (natural log): each split's partial with its candidate, but the
+        #    evicted one's without it; then the leaving token when kept
+        mrow = qh.to(tl.int64) * (2 * NS + 1)
+        o, lse = merge_splits(MID_O, MID_L, mrow + NS, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D,
+                              tl.where(keep, (LR0 + best_j) // CHUNK, -1), -NS)
+        lse_lv = tl.load(MID_L + mrow + 2 * NS, mask=keep, other=float("-inf"))
+        o_lv = tl.load(MID_O + (mrow + 2 * NS) * D + d, mask=d < tl.where(keep, D, 0), other=0.0)
+        m_lv = tl.maximum(lse, lse_lv)
+        m_lv = tl.where(m_lv == float("-inf"), 0.0, m_lv)
+        a_lv = tl.exp(lse - m_lv)
+        b_lv = tl.exp(lse_lv - m_lv)
+        w_lv = tl.where(a_lv + b_lv > 0, a_lv + b_lv, 1.0)
+        o = tl.where(keep, (o * a_lv + o_lv * b_lv) / w_lv, o)
+        lse = tl.where(keep, m_lv + tl.log(w_lv), lse)
         tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
         tl.store(LSE + qh, lse)
 
-        # -- the cache update of KV head h, by its first query head's program only: no other
-        #    program of this launch touches these slots, and stage 1 (which read them) is done
+        # -- 3. the cache update of KV head h, by its first query head's program only: no other program of
+        #    this launch reads the cache, and stage 1 (which read it) is done
         if qh % G == 0:
-            pos, pos_bad, _b, _k, kc, vc, spp, prp, sp_off = _row_head(
-                POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b, s_sp_n,
-                s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, 0, 0, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
-            t_new = pos - WINDOW
-            slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
-            LR0 = SINKS + WINDOW
-            dst = tl.load(DST + row)
-            kept = dst >= 0
-            dst_c = tl.where(kept, dst, 0).to(tl.int64)
-            kd_ok = d < tl.where(kept, D, 0)  # d_ok & kept (the interpreter broadcasts int1 scalars badly)
+            kd_ok = d < tl.where(keep, D, 0)  # d_ok & keep (the interpreter broadcasts int1 scalars badly)
             ring_k = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=kd_ok)
             ring_v = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=kd_ok)
             tl.debug_barrier()  # every thread has read ring slot r before anyone overwrites it
@@ -219,15 +275,13 @@ if triton is not None:
             if QUANT:  # the scales move with the codes (no requantisation)
                 ksp = KS + sp_off
                 vsp = VS + sp_off
-                ring_ks = tl.load(ksp + slot_new * s_sp_b, mask=kept)
-                ring_vs = tl.load(vsp + slot_new * s_sp_b, mask=kept)
+                ring_ks = tl.load(ksp + slot_new * s_sp_b, mask=keep)
+                ring_vs = tl.load(vsp + slot_new * s_sp_b, mask=keep)
                 tl.debug_barrier()
-                tl.store(ksp + dst_c * s_sp_b, ring_ks, mask=kept)
-                tl.store(vsp + dst_c * s_sp_b, ring_vs, mask=kept)
-            lp = tl.load(LP + row)
-            lp = tl.where(lp != lp, float("-inf"), lp)
-            tl.store(spp + dst_c * s_sp_b, t_new, mask=kept)
-            tl.store(prp + (dst_c - LR0) * s_pr_j, lp, mask=kept)
+                tl.store(ksp + dst_c * s_sp_b, ring_ks, mask=keep)
+                tl.store(vsp + dst_c * s_sp_b, ring_vs, mask=keep)
+            tl.store(spp + dst_c * s_sp_b, t_new, mask=keep)
+            tl.store(prp + (dst_c - LR0) * s_pr_j, lp, mask=keep)
             nd_ok = d < tl.where(pos_bad, 0, D)  # a refused position writes nothing
             kn = tl.load(KN + row.to(tl.int64) * D + d, mask=nd_ok)
             vn = tl.load(VN + row.to(tl.int64) * D + d, mask=nd_ok)
@@ -237,7 +291,6 @@ if triton is not None:
             if QUANT:  # the new token's codes (stored above) and their scales
                 tl.store(KS + sp_off + slot_new * s_sp_b, tl.load(KNS + row), mask=pos_bad == 0)
                 tl.store(VS + sp_off + slot_new * s_sp_b, tl.load(VNS + row), mask=pos_bad == 0)
-
 
 def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, num_splits, block_n,
                    packed=None):
@@ -277,7 +330,6 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
     num_warps = 4 if (not upcast or dev.type != "cuda") and D <= 128 else 8
     block_d = max(16, triton.next_power_of_2(D))
     g_pad = max(16, triton.next_power_of_2(G))
-    block_k = 1024 if dev.type == "cuda" else 256
     rows = N * Hkv  # one (batch row, KV head) per program of stage 1 (times its splits)
     if packed is None or num_splits is not None:
         ns, chunk = plan_splits(n_keys, rows, block_n, num_splits, dev)
@@ -300,23 +352,27 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
     # a quantised layout's scales (dummy pointers, never read, otherwise)
     ks, vs, kns, vns = (pr,) * 4 if quant is None else (quant[0], quant[1], *(x.contiguous() for x in quant[2:]))
 
-    mid_o = empty((N * Hq, ns, D), dtype=torch.float32, device=dev)
-    mid_l = empty((N * Hq, ns), dtype=torch.float32, device=dev)
-    dst = empty((rows,), dtype=torch.int32, device=dev)
+    # per query head: each split's partial without and with its chunk's eviction candidate, and the leaving
+    # token's; per (row, KV head) and split: the candidate's priority, position and long-range index
+    mid_o = empty((N * Hq, 2 * ns + 1, D), dtype=torch.float32, device=dev)
+    mid_l = empty((N * Hq, 2 * ns + 1), dtype=torch.float32, device=dev)
+    cand_p = empty((rows, ns), dtype=torch.float32, device=dev)
+    cand_tj = empty((2, rows, ns), dtype=torch.int32, device=dev)
     out = empty((N, Hq, D), dtype=q.dtype, device=dev)
     lse = empty((N, Hq), dtype=torch.float32, device=dev)
     strides = (*strides, *pr_strides)
 
     _decode_stage1[(rows, ns)](
-        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, lp, pos_c, mid_o, mid_l, dst, meta, ks, vs, kns, vns, *strides,
+        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, mid_o, mid_l, cand_p, cand_tj[0], cand_tj[1], meta,
+        ks, vs, kns, vns, *strides,
         Hkv, B, D, K, s, w, chunk, ns, scale * LOG2E, t_all, k_all,
-        G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
+        G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=upcast,
         PACKED=packed is not None, QUANT=quant is not None, num_warps=num_warps, num_stages=2,
     )
     _decode_stage2[(N * Hq,)](
-        mid_o, mid_l, out, lse, dst, lp, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, meta, ks, vs, kns, vns,
-        *strides,
-        Hkv, D, ns, s, w, t_all, k_all,
+        mid_o, mid_l, cand_p, cand_tj[0], cand_tj[1], out, lse, lp, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c,
+        meta, ks, vs, kns, vns, *strides,
+        Hkv, B, D, K, ns, chunk, s, w, t_all, k_all,
         G=G, BLOCK_S=min(32, triton.next_power_of_2(ns)), BLOCK_D=block_d, PACKED=packed is not None,
         QUANT=quant is not None, num_warps=4,
     )

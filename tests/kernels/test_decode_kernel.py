@@ -168,6 +168,40 @@ def test_triton_full_cache_default_splits():
         assert_same_state(state, ref_state, pos)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "dropped"])
+def test_triton_evicted_slot_in_every_split(keep):
+    """Stage 1 finds one eviction candidate per chunk and stage 2 the head's lowest: the evicted slot in each
+    split in turn (a full cache, distinct priorities), the query aligned with its key so that the slot
+    dominates the attention (attended when the leaving token is dropped, not when it replaces the slot), and
+    the leaving token's own key as large."""
+    if not (HAS_CUDA or kutils.interpreting()):
+        pytest.skip("no Triton backend")
+    gen = torch.Generator().manual_seed(13)
+    Hkv, G, D, s, w, k = 1, 2, 16, 2, 4, 58  # B = 64: four chunks of 16 slots (long-range from slot 6)
+    B = s + w + k
+    state0 = _warm_state(Hkv, G, D, s, w, k, 200, torch.float32, gen)
+    assert int((state0[2] >= 0).sum()) == B
+    for i, slot in enumerate((7, 20, 41, 63)):  # long-range slots in splits 0, 1, 2, 3
+        pos = 200 + i
+        state, ref_state = clone_state(state0), clone_state(state0)
+        prio = torch.linspace(1.0, 2.0, k).reshape(1, k)
+        prio[0, slot - s - w] = 0.5  # the lowest
+        state[3].copy_(prio)
+        ref_state[3].copy_(prio)
+        ring = s + (pos - w - s) % w
+        q = (4.0 * state0[0][0, slot]).repeat(G, 1) + 0.1 * torch.randn(G, D, generator=gen)
+        q[1] = 4.0 * state0[0][0, ring]  # the second query head looks at the leaving token
+        kn, vn = torch.randn(Hkv, D, generator=gen), torch.randn(Hkv, D, generator=gen)
+        lp = torch.tensor([0.75 if keep else 0.25])
+        ro, rl = reference.fixed_budget_decode(q, kn, vn, *ref_state, lp.clone(), pos=pos, sinks=s, window=w)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(*state), lp, pos=pos, sinks=s, window=w, num_splits=4,
+                                   block_n=16)
+        assert_close_rms(o, ro)
+        assert_close_rms(l, rl)
+        assert_same_state(state, ref_state, pos)
+        assert (int(state[2][0, slot]) == pos - w) == keep  # the leaving token took the slot, or not
+
+
 def test_empty_slots_are_ignored(backend):
     """Whatever an empty slot holds (NaN here) never reaches the output."""
     gen = torch.Generator().manual_seed(11)
@@ -371,12 +405,13 @@ for dt, arch, G, bd, warps, packed, codes in (
     kv = "*" + (codes or dt)
     quant = codes is not None
     scales = dict(KS="*fp32", VS="*fp32", KNS="*fp32", VNS="*fp32")
-    p1 = dict(Q="*" + dt, KN=kv, VN=kv, KC=kv, VC=kv, SP="*i32", PR="*fp32", LP="*fp32", POS="*i64",
-              MID_O="*fp32", MID_L="*fp32", DST="*i32", META="*i64", qk_scale="fp32", **scales)
-    c1 = dict(G=G, G_PAD=16, BLOCK_D=bd, BLOCK_N=32, BLOCK_K=1024, UPCAST=dt == "fp32", PACKED=packed, QUANT=quant)
+    cand = dict(CP="*fp32", CT="*i32", CJ="*i32")
+    p1 = dict(Q="*" + dt, KN=kv, VN=kv, KC=kv, VC=kv, SP="*i32", PR="*fp32", POS="*i64",
+              MID_O="*fp32", MID_L="*fp32", META="*i64", qk_scale="fp32", **cand, **scales)
+    c1 = dict(G=G, G_PAD=16, BLOCK_D=bd, BLOCK_N=32, UPCAST=dt == "fp32", PACKED=packed, QUANT=quant)
     tcompile(ASTSource(fn=dm._decode_stage1, signature=sig(dm._decode_stage1, p1, c1), constexprs=c1),
              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": 2})
-    p2 = dict(MID_O="*fp32", MID_L="*fp32", OUT="*" + dt, LSE="*fp32", DST="*i32", LP="*fp32", KN=kv, VN=kv,
+    p2 = dict(MID_O="*fp32", MID_L="*fp32", OUT="*" + dt, LSE="*fp32", LP="*fp32", KN=kv, VN=kv, **cand,
               KC=kv, VC=kv, SP="*i32", PR="*fp32", POS="*i64", META="*i64", **scales)
     c2 = dict(G=G, BLOCK_S=32, BLOCK_D=bd, PACKED=packed, QUANT=quant)
     tcompile(ASTSource(fn=dm._decode_stage2, signature=sig(dm._decode_stage2, p2, c2), constexprs=c2),
@@ -401,7 +436,7 @@ def test_kernels_compile_for_gpu(tmp_path):
         pytest.skip("this triton has no ASTSource/GPUTarget API")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600)
     if res.returncode != 0 and ("ptxas" in res.stderr and "not found" in res.stderr.lower()):

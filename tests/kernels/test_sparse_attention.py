@@ -392,7 +392,7 @@ def test_kernels_compile_for_sm90(dtype, D):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, str(D), dtype], env=env, cwd=root, capture_output=True,
                           text=True, timeout=900)
