@@ -342,12 +342,19 @@ def _check_packed(vllm_config, settings: Settings) -> None:
                          f"pipeline_parallel_size=1): the packed block holds every layer's and KV head's slots; got "
                          f"tensor_parallel_size={par.tensor_parallel_size}, pipeline_parallel_size="
                          f"{par.pipeline_parallel_size}")
-    bs = vllm_config.cache_config.block_size
+    cache = vllm_config.cache_config
+    skip = getattr(cache, "kv_cache_dtype_skip_layers", None)
+    if skip and cache.cache_dtype not in (None, "auto"):
+        raise ValueError(f"kvpop serves head-adaptive budgets with one KV cache dtype for every layer (all layers' "
+                         f"slots share one packed block of kv_cache_dtype={cache.cache_dtype!r}), got "
+                         f"kv_cache_dtype_skip_layers={skip!r}: drop it, or quantise no layer")
+    # every layer's dtype is the engine's: vLLM resolves "auto" from the checkpoint's quantisation config before
+    # this hook, and the skipped layers are refused above
+    bs = cache.block_size
     n = vllm_config.model_config.max_model_len
     if bs is None:
         return
-    rows, packed = packed_rows_slots(settings.config, packed_align(bs, vllm_config.cache_config.cache_dtype,
-                                                                   settings.pack))
+    rows, packed = packed_rows_slots(settings.config, packed_align(bs, cache.cache_dtype, settings.pack))
     pages = -(-packed // (rows * bs))
     if pages > -(-n // bs):
         raise ValueError(f"with head-adaptive budgets a request holds its packed block of {pages} blocks from its "

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 from kvpop.vllm import slots  # noqa: E402
 from kvpop.vllm.backends import KVpopTritonImpl  # noqa: E402
+from kvpop_kernels import reference  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -249,8 +250,9 @@ def test_pure_decode_batch_per_token_head(cache_dtype, budgets, align):
 def test_cpu_packed_rows_attention_equals_kvpops(dtype):
     """The CPU backend's packed decode attention when every head starts a row (``KVpopCPUImpl._rows_attention``:
     vLLM's C++ kernel over the cache viewed as blocks of one row) equals ``slots.decode_attention`` (kvpop's PyTorch
-    attention over the same slots, the keys read in the layout the ISA stores them) for requests below, at and past
-    their heads' budgets, within float32 / bfloat16 rounding; stale bytes everywhere else in the cache."""
+    attention over the same slots, the keys read in the layout the ISA stores them) and the dense reference
+    (``reference.ragged_paged_decode`` over each head's row sequence) for requests below, at and past their heads'
+    budgets, within float32 / bfloat16 rounding; stale bytes everywhere else in the cache."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvpop.vllm.backends import KVpopCPUImpl, _cpu_block_layout, _logical
@@ -282,12 +284,20 @@ def test_cpu_packed_rows_attention_equals_kvpops(dtype):
         want = slots.decode_attention(K, V, bt, pos, q, layout=lay, scale=D ** -0.5)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        # and against the dense reference directly: each (request, KV head) its own sequence of rows
+        table, lens = slots.row_sequences(bt, pos, layout=lay, bs=bs)
+        pool_k, pool_v = K.reshape(-1, bs, D), V.reshape(-1, bs, D)
+        for i in range(n):
+            heads = slice(i * hkv, (i + 1) * hkv)
+            ref, _ = reference.ragged_paged_decode(q[i], K.new_zeros(hkv, 0, D), V.new_zeros(hkv, 0, D), 0, pool_k,
+                                                   pool_v, table[heads], lens[heads], scale=D ** -0.5)
+            torch.testing.assert_close(got[i].float(), ref.float(), rtol=tol, atol=tol)
 
 
 def test_packed_align_defaults_and_the_block_fits_max_model_len():
     """``packed_align``: rows (the block size) on this CPU with an unquantised cache, slots (1) with an 8-bit one,
-    ``kvpop_pack`` over the default; the start-up check counts the packed block's pages as laid out, and names
-    the ``max_model_len`` that fits them."""
+    ``kvpop_pack`` over the default; the start-up check counts the packed block's pages as laid out, names
+    the ``max_model_len`` that fits them, and refuses layers skipped from the cache's quantisation."""
     from types import SimpleNamespace
 
     from kvpop.core.config import KVpopConfig
@@ -300,9 +310,10 @@ def test_packed_align_defaults_and_the_block_fits_max_model_len():
     config = KVpopConfig(sinks=4, window=32, budget=128, head_budgets=((36, 220), (100, 156)))
     assert packed_rows_slots(config, 1) == (4, 512) and packed_rows_slots(config, 32) == (4, 576)
 
-    def engine_config(n, dtype="auto"):
+    def engine_config(n, dtype="auto", skip=None):
         return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-                               cache_config=SimpleNamespace(block_size=32, cache_dtype=dtype),
+                               cache_config=SimpleNamespace(block_size=32, cache_dtype=dtype,
+                                                            kv_cache_dtype_skip_layers=skip),
                                model_config=SimpleNamespace(max_model_len=n))
 
     for pack, n_ok in ((None, 160), ("slots", 128)):  # 5 pages of 4 rows x 32 slots, or 4
@@ -310,7 +321,12 @@ def test_packed_align_defaults_and_the_block_fits_max_model_len():
         _check_packed(engine_config(n_ok), settings)
         with pytest.raises(ValueError, match=rf"packed block of {n_ok // 32} blocks.*pass max_model_len >= {n_ok}"):
             _check_packed(engine_config(n_ok - 32), settings)
-    _check_packed(engine_config(128, "int8_per_token_head"), Settings(config=config, policy="kvpop", scorers=None))
+    plain = Settings(config=config, policy="kvpop", scorers=None)
+    _check_packed(engine_config(128, "int8_per_token_head"), plain)
+    # a layer left unquantised would read the shared packed block in another dtype: refused by name
+    with pytest.raises(ValueError, match=r"one KV cache dtype for every layer.*kv_cache_dtype_skip_layers=\['3'\]"):
+        _check_packed(engine_config(128, "int8_per_token_head", ["3"]), plain)
+    _check_packed(engine_config(160, "auto", ["3"]), plain)  # nothing quantised: nothing skipped
 
 
 def test_packing_summary_names_both_packings():
