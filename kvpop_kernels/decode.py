@@ -172,34 +172,36 @@ if triton is not None:
         store_split(MID_O, MID_L, mrow + split, m_i, l_i, acc, pos_bad, g_ok, d, d_ok, D)
 
         # -- 4. the same partial with the candidate (stage 2 uses it unless the candidate is evicted)
-        c_safe = tl.where(has_c, c_slot, 0).to(tl.int64)
-        c_sp = tl.load(spp + c_safe * s_sp_b, mask=has_c, other=-1)
-        cd_ok = d < tl.where(has_c & (c_sp >= 0), D, 0)
-        k_c = tl.load(kc + c_safe * s_kc_b + d * s_kc_d, mask=cd_ok, other=0.0).to(tl.float32)
-        v_c = tl.load(vc + c_safe * s_vc_b + d * s_vc_d, mask=cd_ok, other=0.0).to(tl.float32)
-        if QUANT:
-            k_c = k_c * tl.load(ksp + c_safe * s_sp_b, mask=has_c, other=0.0)
-            v_c = v_c * tl.load(vsp + c_safe * s_sp_b, mask=has_c, other=0.0)
-        s_c = tl.where(has_c & (c_sp >= 0), tl.sum(qf * k_c[None, :], axis=1) * qk_scale, float("-inf"))
-        m_c = tl.maximum(m_i, s_c)
-        m_cs = tl.where(m_c == float("-inf"), 0.0, m_c)
-        alpha = tl.exp2(m_i - m_cs)
-        beta = tl.exp2(s_c - m_cs)
-        store_split(MID_O, MID_L, mrow + NS + split, m_c, l_i * alpha + beta,
-                    acc * alpha[:, None] + beta[:, None] * v_c[None, :], pos_bad, g_ok, d, d_ok, D)
+        m_c, l_c, acc_c = m_i, l_i, acc
+        if has_c:
+            c_sp = tl.load(spp + c_slot * s_sp_b)
+            cd_ok = d < tl.where(c_sp >= 0, D, 0)
+            k_c = tl.load(kc + c_slot.to(tl.int64) * s_kc_b + d * s_kc_d, mask=cd_ok, other=0.0).to(tl.float32)
+            v_c = tl.load(vc + c_slot.to(tl.int64) * s_vc_b + d * s_vc_d, mask=cd_ok, other=0.0).to(tl.float32)
+            if QUANT:
+                k_c = k_c * tl.load(ksp + c_slot * s_sp_b)
+                v_c = v_c * tl.load(vsp + c_slot * s_sp_b)
+            s_c = tl.where(c_sp >= 0, tl.sum(qf * k_c[None, :], axis=1) * qk_scale, float("-inf"))
+            m_c = tl.maximum(m_i, s_c)
+            m_cs = tl.where(m_c == float("-inf"), 0.0, m_c)
+            alpha = tl.exp2(m_i - m_cs)
+            beta = tl.exp2(s_c - m_cs)
+            l_c = l_i * alpha + beta
+            acc_c = acc * alpha[:, None] + beta[:, None] * v_c[None, :]
+        store_split(MID_O, MID_L, mrow + NS + split, m_c, l_c, acc_c, pos_bad, g_ok, d, d_ok, D)
 
         # -- 5. the leaving token t_new = pos - w, still in ring slot slot_new, as a partial of its own (split
         #    0 only; stage 2 adds it if the head keeps it)
-        lv_ok = d < tl.where(first & (pos - WINDOW >= SINKS), D, 0)
-        kl = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
-        vl = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
-        if QUANT:
-            kl = kl * tl.load(ksp + slot_new * s_sp_b, mask=first, other=0.0)
-            vl = vl * tl.load(vsp + slot_new * s_sp_b, mask=first, other=0.0)
-        s_lv = tl.sum(qf * kl[None, :], axis=1) * qk_scale
-        store_split(MID_O, MID_L, mrow + 2 * NS, s_lv, tl.full([G_PAD], 1.0, tl.float32),
-                    tl.zeros([G_PAD, BLOCK_D], tl.float32) + vl[None, :], pos_bad, g < tl.where(first, G, 0),
-                    d, d_ok, D)
+        if split == 0:
+            lv_ok = d < tl.where(pos - WINDOW >= SINKS, D, 0)
+            kl = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
+            vl = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
+            if QUANT:
+                kl = kl * tl.load(ksp + slot_new * s_sp_b)
+                vl = vl * tl.load(vsp + slot_new * s_sp_b)
+            s_lv = tl.sum(qf * kl[None, :], axis=1) * qk_scale
+            store_split(MID_O, MID_L, mrow + 2 * NS, s_lv, tl.full([G_PAD], 1.0, tl.float32),
+                        tl.zeros([G_PAD, BLOCK_D], tl.float32) + vl[None, :], pos_bad, g_ok, d, d_ok, D)
 
     @triton.jit
     def _decode_stage2(MID_O, MID_L, CP, CT, CJ, OUT, LSE, LP, KN, VN, KC, VC, SP, PR, POS, META, KS, VS, KNS,
@@ -251,15 +253,14 @@ if triton is not None:
         mrow = qh.to(tl.int64) * (2 * NS + 1)
         o, lse = merge_splits(MID_O, MID_L, mrow + NS, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D,
                               tl.where(keep, (LR0 + best_j) // CHUNK, -1), -NS)
-        lse_lv = tl.load(MID_L + mrow + 2 * NS, mask=keep, other=float("-inf"))
-        o_lv = tl.load(MID_O + (mrow + 2 * NS) * D + d, mask=d < tl.where(keep, D, 0), other=0.0)
-        m_lv = tl.maximum(lse, lse_lv)
-        m_lv = tl.where(m_lv == float("-inf"), 0.0, m_lv)
-        a_lv = tl.exp(lse - m_lv)
-        b_lv = tl.exp(lse_lv - m_lv)
-        w_lv = tl.where(a_lv + b_lv > 0, a_lv + b_lv, 1.0)
-        o = tl.where(keep, (o * a_lv + o_lv * b_lv) / w_lv, o)
-        lse = tl.where(keep, m_lv + tl.log(w_lv), lse)
+        if keep:  # (then no partial is NaN: the row's position and head passed the guards)
+            lse_lv = tl.load(MID_L + mrow + 2 * NS)
+            o_lv = tl.load(MID_O + (mrow + 2 * NS) * D + d, mask=d_ok, other=0.0)
+            m_lv = tl.maximum(lse, lse_lv)
+            a_lv = tl.exp(lse - m_lv)
+            b_lv = tl.exp(lse_lv - m_lv)
+            o = (o * a_lv + o_lv * b_lv) / (a_lv + b_lv)
+            lse = m_lv + tl.log(a_lv + b_lv)
         tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
         tl.store(LSE + qh, lse)
 
