@@ -8,6 +8,8 @@ section 9.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._utils import check_split_options, default_scale, empty, host_check, use_triton
@@ -30,6 +32,7 @@ _INT32_MAX = 2**31 - 1
 # ------------------------------------------------------------------------------ Triton
 if triton is not None:
     _INT32_MAX_C = tl.constexpr(_INT32_MAX)
+    _LN2_C = tl.constexpr(math.log(2.0))
 
     @triton.jit
     def _guarded_pos(POS, n64):
@@ -76,7 +79,8 @@ if triton is not None:
                 PR + n64 * s_pr_n + h64 * s_pr_h + koff * s_pr_j, sp_off)
 
     @triton.jit
-    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, POS, MID_O, MID_L, CP, CT, CJ, META, KS, VS, KNS, VNS,
+    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, POS, MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, META, KS, VS,
+                       KNS, VNS,
                        s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
                        HKV, B, D, K_LR, SINKS, WINDOW, CHUNK, NS, qk_scale, T_ALL, K_ALL,
@@ -105,8 +109,7 @@ if triton is not None:
         qf = q.to(tl.float32)
         if UPCAST:
             q = qf
-        mrow = qh * (2 * NS + 1)  # this query head's partials: [0, NS) without, [NS, 2 NS) with the
-        #                           chunk's candidate, 2 NS the leaving token
+        crow = qh * (NS + 1)  # this query head's logits of the splits' candidates [0, NS) and the leaving token NS
 
         # -- 1. this chunk's eviction candidate: its lowest-ranked long-range slot (lowest priority, then the
         #    oldest position, then the lowest index; none: +inf / INT32_MAX / INT32_MAX).  Stage 2 takes the
@@ -121,91 +124,83 @@ if triton is not None:
             cc = c0 + tl.arange(0, BLOCK_N)
             cc_ok = cc < end
             pr_blk = tl.load(prp + (cc - LR0) * s_pr_j, mask=cc_ok, other=float("inf"))
+            t_blk = tl.load(spp + cc * s_sp_b, mask=cc_ok, other=_INT32_MAX_C)  # (not waiting for pr_blk)
             bmin = tl.min(pr_blk, axis=0)
             cand = cc_ok & (pr_blk == bmin)
-            t_blk = tl.load(spp + cc * s_sp_b, mask=cand, other=_INT32_MAX_C)
-            tmin = tl.min(t_blk, axis=0)
+            tmin = tl.min(tl.where(cand, t_blk, _INT32_MAX_C), axis=0)
             jmin = tl.min(tl.where(cand & (t_blk == tmin), cc - LR0, _INT32_MAX_C), axis=0)
             better = (bmin < best_p) | ((bmin == best_p) & (tmin < best_t))
             best_p = tl.where(better, bmin, best_p)
             best_t = tl.where(better, tmin, best_t)
             best_j = tl.where(better, jmin, best_j)
-        crow = row * NS + split
-        tl.store(CP + crow, best_p)
-        tl.store(CT + crow, best_t)
-        tl.store(CJ + crow, best_j)
+        tl.store(CP + row * NS + split, best_p)
+        tl.store(CT + row * NS + split, best_t)
+        tl.store(CJ + row * NS + split, best_j)
+        # the candidate's logits (natural log) and value, for stage 2 to add unless it is evicted: -inf and
+        # zeros for none or an empty slot
         has_c = best_j < _INT32_MAX_C
         c_slot = tl.where(has_c, best_j, -1 - LR0) + LR0  # -1: no candidate in this chunk
+        c_live = has_c & (best_t >= 0)  # (best_t: the candidate's slot_pos, read by the scan)
+        s_c = tl.full([G_PAD], float("-inf"), tl.float32)
+        v_c = tl.zeros([BLOCK_D], tl.float32)
+        if c_live:
+            k_c = tl.load(kc + c_slot.to(tl.int64) * s_kc_b + d * s_kc_d, mask=d_ok, other=0.0).to(tl.float32)
+            v_c = tl.load(vc + c_slot.to(tl.int64) * s_vc_b + d * s_vc_d, mask=d_ok, other=0.0).to(tl.float32)
+            if QUANT:
+                k_c = k_c * tl.load(ksp + c_slot * s_sp_b)
+                v_c = v_c * tl.load(vsp + c_slot * s_sp_b)
+            s_c = tl.sum(qf * k_c[None, :], axis=1) * qk_scale
+        tl.store(MID_C + crow + split, s_c * _LN2_C, mask=g_ok)
+        tl.store(CV + (row.to(tl.int64) * NS + split) * D + d, v_c, mask=d_ok)
 
-        # -- 2. the new token (not in the cache yet; split 0 only)
+        # -- 2. split 0: the leaving token t_new = pos - w, still in ring slot slot_new (its logits and value,
+        #    which stage 2 adds if the head keeps it), and the new token (not in the cache yet)
         first = split == 0
-        nd_ok = d < tl.where(first, D, 0)  # (a block bound, not `d_ok & scalar`: the interpreter
-        #                                    broadcasts int1 scalars to int32)
+        kl = tl.zeros([BLOCK_D], tl.float32)
+        if first:
+            leaving = pos - WINDOW >= SINKS
+            lv_ok = d < tl.where(leaving, D, 0)  # (a block bound, not `d_ok & scalar`: the interpreter
+            #                                      broadcasts int1 scalars to int32)
+            kl = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
+            vl = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
+            if QUANT:  # (a ring slot not written yet may hold anything: its scale is not read)
+                kl = kl * tl.load(ksp + slot_new * s_sp_b, mask=leaving, other=0.0)
+                vl = vl * tl.load(vsp + slot_new * s_sp_b, mask=leaving, other=0.0)
+            tl.store(VLV + row.to(tl.int64) * D + d, vl, mask=d_ok)
+        nd_ok = d < tl.where(first, D, 0)
         kn = tl.load(KN + row.to(tl.int64) * D + d, mask=nd_ok, other=0.0).to(tl.float32)
         vn = tl.load(VN + row.to(tl.int64) * D + d, mask=nd_ok, other=0.0).to(tl.float32)
         if QUANT:  # dequantised on load: codes times the new token's scale
             kn = kn * tl.load(KNS + row, mask=first, other=0.0)
             vn = vn * tl.load(VNS + row, mask=first, other=0.0)
-        s_new = tl.sum(qf * kn[None, :], axis=1) * qk_scale
-        m_i = tl.where(first, s_new, float("-inf"))
-        m0 = tl.where(m_i == float("-inf"), 0.0, m_i)
-        l_i = tl.exp2(m_i - m0)
+        m_i = tl.where(first, tl.sum(qf * kn[None, :], axis=1) * qk_scale, float("-inf"))
+        l_i = tl.where(first, 1.0, 0.0) + tl.zeros([G_PAD], tl.float32)
         acc = l_i[:, None] * vn[None, :]
 
         # -- 3. this split's chunk of slots but the new token's (stale) and the candidate (base-2 online
-        #    softmax, fp32 accumulation)
+        #    softmax, fp32 accumulation); the loads do not wait for the candidate (it is masked after them)
         for n0 in range(start, end, BLOCK_N):
             nn = n0 + tl.arange(0, BLOCK_N)
-            n_ok = (nn < end) & (nn != slot_new) & (nn != c_slot)
-            sp = tl.load(spp + nn * s_sp_b, mask=n_ok, other=-1)
-            valid = n_ok & (sp >= 0)
-            kv_mask = valid[:, None] & d_ok[None, :]
+            n_in = (nn < end) & (nn != slot_new)
+            sp = tl.load(spp + nn * s_sp_b, mask=n_in, other=-1)
+            live = n_in & (sp >= 0)
+            kv_mask = live[:, None] & d_ok[None, :]
             k = tl.load(kc + nn[:, None].to(tl.int64) * s_kc_b + d[None, :] * s_kc_d, mask=kv_mask, other=0.0)
             v = tl.load(vc + nn[:, None].to(tl.int64) * s_vc_b + d[None, :] * s_vc_d, mask=kv_mask, other=0.0)
             if QUANT:  # dequantised on load, in the queries' dtype (float32 when UPCAST)
-                k_sc = tl.load(ksp + nn * s_sp_b, mask=valid, other=0.0)
-                v_sc = tl.load(vsp + nn * s_sp_b, mask=valid, other=0.0)
+                k_sc = tl.load(ksp + nn * s_sp_b, mask=live, other=0.0)
+                v_sc = tl.load(vsp + nn * s_sp_b, mask=live, other=0.0)
                 k = (k.to(tl.float32) * k_sc[:, None]).to(q.dtype)
                 v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
-            m_i, l_i, acc = online_softmax_tile(q, k, v, valid, qk_scale, m_i, l_i, acc, UPCAST)
-        # partial without the candidate (-inf / 0 for an empty chunk; NaN for a refused row)
-        store_split(MID_O, MID_L, mrow + split, m_i, l_i, acc, pos_bad, g_ok, d, d_ok, D)
-
-        # -- 4. the same partial with the candidate (stage 2 uses it unless the candidate is evicted)
-        m_c, l_c, acc_c = m_i, l_i, acc
-        if has_c:
-            c_sp = tl.load(spp + c_slot * s_sp_b)
-            cd_ok = d < tl.where(c_sp >= 0, D, 0)
-            k_c = tl.load(kc + c_slot.to(tl.int64) * s_kc_b + d * s_kc_d, mask=cd_ok, other=0.0).to(tl.float32)
-            v_c = tl.load(vc + c_slot.to(tl.int64) * s_vc_b + d * s_vc_d, mask=cd_ok, other=0.0).to(tl.float32)
-            if QUANT:
-                k_c = k_c * tl.load(ksp + c_slot * s_sp_b)
-                v_c = v_c * tl.load(vsp + c_slot * s_sp_b)
-            s_c = tl.where(c_sp >= 0, tl.sum(qf * k_c[None, :], axis=1) * qk_scale, float("-inf"))
-            m_c = tl.maximum(m_i, s_c)
-            m_cs = tl.where(m_c == float("-inf"), 0.0, m_c)
-            alpha = tl.exp2(m_i - m_cs)
-            beta = tl.exp2(s_c - m_cs)
-            l_c = l_i * alpha + beta
-            acc_c = acc * alpha[:, None] + beta[:, None] * v_c[None, :]
-        store_split(MID_O, MID_L, mrow + NS + split, m_c, l_c, acc_c, pos_bad, g_ok, d, d_ok, D)
-
-        # -- 5. the leaving token t_new = pos - w, still in ring slot slot_new, as a partial of its own (split
-        #    0 only; stage 2 adds it if the head keeps it)
-        if split == 0:
-            lv_ok = d < tl.where(pos - WINDOW >= SINKS, D, 0)
-            kl = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=lv_ok, other=0.0).to(tl.float32)
-            vl = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=lv_ok, other=0.0).to(tl.float32)
-            if QUANT:
-                kl = kl * tl.load(ksp + slot_new * s_sp_b)
-                vl = vl * tl.load(vsp + slot_new * s_sp_b)
-            s_lv = tl.sum(qf * kl[None, :], axis=1) * qk_scale
-            store_split(MID_O, MID_L, mrow + 2 * NS, s_lv, tl.full([G_PAD], 1.0, tl.float32),
-                        tl.zeros([G_PAD, BLOCK_D], tl.float32) + vl[None, :], pos_bad, g_ok, d, d_ok, D)
+            m_i, l_i, acc = online_softmax_tile(q, k, v, live & (nn != c_slot), qk_scale, m_i, l_i, acc, UPCAST)
+        # the partial (-inf / 0 for an empty chunk; NaN for a refused row)
+        store_split(MID_O, MID_L, qh * NS + split, m_i, l_i, acc, pos_bad, g_ok, d, d_ok, D)
+        if first:
+            tl.store(MID_C + crow + NS, tl.sum(q.to(tl.float32) * kl[None, :], axis=1) * qk_scale * _LN2_C, mask=g_ok)
 
     @triton.jit
-    def _decode_stage2(MID_O, MID_L, CP, CT, CJ, OUT, LSE, LP, KN, VN, KC, VC, SP, PR, POS, META, KS, VS, KNS,
-                       VNS, s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
+    def _decode_stage2(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KC, VC, SP, PR, POS, META,
+                       KS, VS, KNS, VNS, s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
                        HKV, B, D, K_LR, NS, CHUNK, SINKS, WINDOW, T_ALL, K_ALL,
                        G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr,
@@ -224,6 +219,10 @@ if triton is not None:
         LR0 = SINKS + WINDOW
         ns_h = tl.minimum(tl.maximum((B + CHUNK - 1) // CHUNK, 1), NS)  # the splits holding this head's slots
 
+        crow = qh.to(tl.int64) * (NS + 1)
+        lse_lv = tl.load(MID_C + crow + NS)  # the leaving token's logit and value (split 0 of stage 1)
+        o_lv = tl.load(VLV + row.to(tl.int64) * D + d, mask=d_ok, other=0.0)
+
         # -- 1. the eviction decision: the lowest of the head's chunk candidates (the order of stage 1)
         best_p = float("inf")
         best_t = _INT32_MAX_C
@@ -232,12 +231,12 @@ if triton is not None:
             ci = i0 + tl.arange(0, BLOCK_S)
             ci_ok = ci < ns_h
             p_blk = tl.load(CP + row * NS + ci, mask=ci_ok, other=float("inf"))
+            t_blk = tl.load(CT + row * NS + ci, mask=ci_ok, other=_INT32_MAX_C)
+            j_blk = tl.load(CJ + row * NS + ci, mask=ci_ok, other=_INT32_MAX_C)
             bmin = tl.min(p_blk, axis=0)
             cand = ci_ok & (p_blk == bmin)
-            t_blk = tl.load(CT + row * NS + ci, mask=cand, other=_INT32_MAX_C)
-            tmin = tl.min(t_blk, axis=0)
-            j_blk = tl.load(CJ + row * NS + ci, mask=cand & (t_blk == tmin), other=_INT32_MAX_C)
-            jmin = tl.min(j_blk, axis=0)
+            tmin = tl.min(tl.where(cand, t_blk, _INT32_MAX_C), axis=0)
+            jmin = tl.min(tl.where(cand & (t_blk == tmin), j_blk, _INT32_MAX_C), axis=0)
             better = (bmin < best_p) | ((bmin == best_p) & (tmin < best_t))
             best_p = tl.where(better, bmin, best_p)
             best_t = tl.where(better, tmin, best_t)
@@ -246,21 +245,23 @@ if triton is not None:
         lp = tl.where(lp != lp, float("-inf"), lp)  # NaN ranks as -inf
         keep = (t_new >= SINKS) & (best_j < _INT32_MAX_C) & ((lp > best_p) | ((lp == best_p) & (t_new > best_t)))
         keep = keep & (pos_bad == 0)
-        dst_c = tl.where(keep, LR0 + best_j, 0).to(tl.int64)
+        dst = tl.where(keep, best_j, 0) + LR0
+        dst_c = dst.to(tl.int64)
 
-        # -- 2. LSE merge of the splits (natural log): each split's partial with its candidate, but the
-        #    evicted one's without it; then the leaving token when kept
-        mrow = qh.to(tl.int64) * (2 * NS + 1)
-        o, lse = merge_splits(MID_O, MID_L, mrow + NS, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D,
-                              tl.where(keep, (LR0 + best_j) // CHUNK, -1), -NS)
-        if keep:  # (then no partial is NaN: the row's position and head passed the guards)
-            lse_lv = tl.load(MID_L + mrow + 2 * NS)
-            o_lv = tl.load(MID_O + (mrow + 2 * NS) * D + d, mask=d_ok, other=0.0)
-            m_lv = tl.maximum(lse, lse_lv)
-            a_lv = tl.exp(lse - m_lv)
-            b_lv = tl.exp(lse_lv - m_lv)
-            o = (o * a_lv + o_lv * b_lv) / (a_lv + b_lv)
-            lse = m_lv + tl.log(a_lv + b_lv)
+        # -- 2. LSE merge (natural log) of the splits' partials, of their candidates but the evicted one, and of
+        #    the leaving token when kept
+        mrow = qh.to(tl.int64) * NS
+        o, lse = merge_splits(MID_O, MID_L, mrow, mrow, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D, -1)
+        o_c, lse_c = merge_splits(CV, MID_C, row.to(tl.int64) * NS, crow, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D,
+                                  tl.where(keep, dst // CHUNK, -1))
+        lse_lv = tl.where(keep, lse_lv, float("-inf"))
+        m = tl.maximum(tl.maximum(lse, lse_c), lse_lv)  # (finite: split 0 holds the new token; a refused
+        m = tl.where(m == float("-inf"), 0.0, m)         #  row's NaN partials stay NaN through w)
+        w = tl.exp(lse - m)
+        w_c = tl.exp(lse_c - m)
+        w_lv = tl.exp(lse_lv - m)
+        o = (o * w + o_c * w_c + o_lv * w_lv) / (w + w_c + w_lv)
+        lse = m + tl.log(w + w_c + w_lv)
         tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
         tl.store(LSE + qh, lse)
 
@@ -353,10 +354,13 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
     # a quantised layout's scales (dummy pointers, never read, otherwise)
     ks, vs, kns, vns = (pr,) * 4 if quant is None else (quant[0], quant[1], *(x.contiguous() for x in quant[2:]))
 
-    # per query head: each split's partial without and with its chunk's eviction candidate, and the leaving
-    # token's; per (row, KV head) and split: the candidate's priority, position and long-range index
-    mid_o = empty((N * Hq, 2 * ns + 1, D), dtype=torch.float32, device=dev)
-    mid_l = empty((N * Hq, 2 * ns + 1), dtype=torch.float32, device=dev)
+    # per query head: each split's partial and the logits of its eviction candidate and of the leaving token;
+    # per (row, KV head) and split: the candidate's value, priority, position and long-range index
+    mid_o = empty((N * Hq, ns, D), dtype=torch.float32, device=dev)
+    mid_l = empty((N * Hq, ns), dtype=torch.float32, device=dev)
+    mid_c = empty((N * Hq, ns + 1), dtype=torch.float32, device=dev)
+    cand_v = empty((rows, ns, D), dtype=torch.float32, device=dev)
+    leave_v = empty((rows, D), dtype=torch.float32, device=dev)
     cand_p = empty((rows, ns), dtype=torch.float32, device=dev)
     cand_tj = empty((2, rows, ns), dtype=torch.int32, device=dev)
     out = empty((N, Hq, D), dtype=q.dtype, device=dev)
@@ -364,17 +368,19 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
     strides = (*strides, *pr_strides)
 
     _decode_stage1[(rows, ns)](
-        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, mid_o, mid_l, cand_p, cand_tj[0], cand_tj[1], meta,
+        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, mid_o, mid_l, mid_c, cand_v, leave_v, cand_p, cand_tj[0],
+        cand_tj[1], meta,
         ks, vs, kns, vns, *strides,
         Hkv, B, D, K, s, w, chunk, ns, scale * LOG2E, t_all, k_all,
         G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=upcast,
         PACKED=packed is not None, QUANT=quant is not None, num_warps=num_warps, num_stages=2,
     )
     _decode_stage2[(N * Hq,)](
-        mid_o, mid_l, cand_p, cand_tj[0], cand_tj[1], out, lse, lp, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c,
+        mid_o, mid_l, mid_c, cand_v, leave_v, cand_p, cand_tj[0], cand_tj[1], out, lse, lp, kn, vn, k_cache, v_cache,
+        slot_pos, pr, pos_c,
         meta, ks, vs, kns, vns, *strides,
         Hkv, B, D, K, ns, chunk, s, w, t_all, k_all,
-        G=G, BLOCK_S=min(32, triton.next_power_of_2(ns)), BLOCK_D=block_d, PACKED=packed is not None,
+        G=G, BLOCK_S=min(16, triton.next_power_of_2(ns)), BLOCK_D=block_d, PACKED=packed is not None,
         QUANT=quant is not None, num_warps=4,
     )
     return out, lse

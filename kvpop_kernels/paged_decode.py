@@ -115,7 +115,8 @@ if triton is not None:
         qh = tl.program_id(0)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        o, lse = merge_splits(MID_O, MID_L, qh.to(tl.int64) * NS, NS, D, d, d_ok, BLOCK_S, BLOCK_D, -1, 0)
+        r = qh.to(tl.int64) * NS
+        o, lse = merge_splits(MID_O, MID_L, r, r, NS, D, d, d_ok, BLOCK_S, BLOCK_D, -1)
         tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
         tl.store(LSE + qh, lse)
 

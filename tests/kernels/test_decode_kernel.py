@@ -8,6 +8,8 @@ PyTorch CPU path (``_utils.interpreting`` patched to False).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -405,7 +407,7 @@ for dt, arch, G, bd, warps, packed, codes in (
     kv = "*" + (codes or dt)
     quant = codes is not None
     scales = dict(KS="*fp32", VS="*fp32", KNS="*fp32", VNS="*fp32")
-    cand = dict(CP="*fp32", CT="*i32", CJ="*i32")
+    cand = dict(MID_C="*fp32", CV="*fp32", VLV="*fp32", CP="*fp32", CT="*i32", CJ="*i32")
     p1 = dict(Q="*" + dt, KN=kv, VN=kv, KC=kv, VC=kv, SP="*i32", PR="*fp32", POS="*i64",
               MID_O="*fp32", MID_L="*fp32", META="*i64", qk_scale="fp32", **cand, **scales)
     c1 = dict(G=G, G_PAD=16, BLOCK_D=bd, BLOCK_N=32, UPCAST=dt == "fp32", PACKED=packed, QUANT=quant)
@@ -442,6 +444,28 @@ def test_kernels_compile_for_gpu(tmp_path):
     if res.returncode != 0 and ("ptxas" in res.stderr and "not found" in res.stderr.lower()):
         pytest.skip("no ptxas shipped with this triton")
     assert res.returncode == 0 and "COMPILED" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_register_report_runs():
+    """``benchmarks/tools/registers.py`` (docs/DESIGN.md section 9 quotes it) compiles both kernels in all its
+    configurations and reads ptxas's registers and spills for each (no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-m", "benchmarks.tools.registers"], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if "configuration" not in res.stdout:
+        pytest.skip(res.stdout.strip())
+    rows = [line.split() for line in res.stdout.splitlines()[1:]]
+    assert len(rows) == 12, res.stdout
+    for row in rows:
+        assert row[-2].isdigit() and int(row[-2]) <= 255 and re.fullmatch(r"\d+/\d+", row[-1]), row
 
 
 # -------------------------------------------------------------------------------- GPU

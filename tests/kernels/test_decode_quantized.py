@@ -155,6 +155,31 @@ def test_close_to_the_float32_step(backend, kv_dtype):
     assert max(rms) > 0  # the quantised step did quantise
 
 
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_empty_slots_scales_are_never_read(backend, kv_dtype):
+    """Whatever an empty slot's scale holds (NaN here, as in memory nobody wrote) never reaches the output: the
+    steps from an empty cache equal the reference's on a zeroed state while long-range slots are still empty
+    in several chunks (the ring filling, the first evictions)."""
+    gen = torch.Generator().manual_seed(9)
+    N, Hkv, G, D, s, w, B = 1, 2, 2, 16, 2, 4, 46
+    state = qstate(N, (Hkv, B), D, s, w, None, kv_dtype)
+    state[2].fill_(float("nan"))
+    state[3].fill_(float("nan"))
+    ref = [t[0].clone() for t in qstate(1, (Hkv, B), D, s, w, None, kv_dtype)]
+    lay = QuantizedLayout(kv_dtype)
+    kw = {"num_splits": 3, "block_n": 16} if backend == "triton" else {}
+    for pos in range(20):
+        q, kn, vn, lp = step_inputs(N, Hkv, G, D, gen, ties=False)
+        o, l = fixed_budget_decode(q, kn, vn, SlotState(state[0], state[1], state[4], state[5], k_scale=state[2],
+                                                        v_scale=state[3]), lp.clone(), pos=torch.tensor([pos]),
+                                   sinks=s, window=w, layout=lay, **kw)
+        ro, rl = reference.quantized_fixed_budget_decode(q[0], kn[0], vn[0], *ref, lp[0].clone(), pos=pos, sinks=s,
+                                                         window=w, kv_dtype=kv_dtype)
+        assert_close_rms(o[0], ro)
+        assert_close_rms(l[0], rl)
+        assert torch.equal(state[4][0], ref[4]) and torch.equal(state[5][0], ref[5])
+
+
 def test_refusals():
     N, Hkv, D, s, w, B = 1, 2, 16, 1, 2, 6
     q, kn, vn, lp = step_inputs(N, Hkv, 1, D, torch.Generator().manual_seed(0))
