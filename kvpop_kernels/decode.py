@@ -153,8 +153,8 @@ if triton is not None:
         tl.store(MID_C + crow + split, s_c * _LN2_C, mask=g_ok)
         tl.store(CV + (row.to(tl.int64) * NS + split) * D + d, v_c, mask=d_ok)
 
-        # -- 2. split 0: the leaving token t_new = pos - w, still in ring slot slot_new (its logits and value,
-        #    which stage 2 adds if the head keeps it), and the new token (not in the cache yet)
+        # -- 2. split 0: the leaving token t_new = pos - w, still in ring slot slot_new (its value now, its logits
+        #    after the key loop; stage 2 adds it if the head keeps it), and the new token (not in the cache yet)
         first = split == 0
         kl = tl.zeros([BLOCK_D], tl.float32)
         if first:
@@ -195,8 +195,10 @@ if triton is not None:
             m_i, l_i, acc = online_softmax_tile(q, k, v, live & (nn != c_slot), qk_scale, m_i, l_i, acc, UPCAST)
         # the partial (-inf / 0 for an empty chunk; NaN for a refused row)
         store_split(MID_O, MID_L, qh * NS + split, m_i, l_i, acc, pos_bad, g_ok, d, d_ok, D)
-        if first:
-            tl.store(MID_C + crow + NS, tl.sum(q.to(tl.float32) * kl[None, :], axis=1) * qk_scale * _LN2_C, mask=g_ok)
+        if first:  # the leaving token's logits, from its key loaded above (formed here, no float32 copy of the
+            #        queries stays live across the key loop: no register spills, docs/DESIGN.md section 9)
+            s_lv = tl.sum(q.to(tl.float32) * kl[None, :], axis=1) * qk_scale
+            tl.store(MID_C + crow + NS, s_lv * _LN2_C, mask=g_ok)
 
     @triton.jit
     def _decode_stage2(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KC, VC, SP, PR, POS, META,
