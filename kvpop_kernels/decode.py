@@ -45,7 +45,7 @@ if triton is not None:
     @triton.jit
     def _packed_head(META, h64, HKV, SINKS, WINDOW, T_ALL, K_ALL):
         """KV head ``h``'s place in the packed layout, read on the device from ``META [3, HKV]`` int64
-        (budgets, slot offsets, long-range offsets): ``(off, koff, B_h, k_h, bad)``; a head whose slots or
+        (budgets, slot offsets, long-range offsets): ``(off, koff, B_h, bad)``; a head whose slots or
         long-range slots do not lie inside the tensors is ``bad`` (the device-side guard: it computes with
         an empty layout at offset 0, writes nothing and returns NaN)."""
         bud = tl.load(META + h64)
@@ -53,28 +53,27 @@ if triton is not None:
         koff = tl.load(META + 2 * HKV + h64)
         kh = bud - SINKS - WINDOW
         bad = (kh < 0) | (off < 0) | (off + bud > T_ALL) | (koff < 0) | (koff + kh > K_ALL)
-        # offsets stay int64 (they scale strides); B_h and k_h as int32, the uniform kernel's loop types
-        return (tl.where(bad, 0, off), tl.where(bad, 0, koff), tl.where(bad, 0, bud).to(tl.int32),
-                tl.where(bad, 0, kh).to(tl.int32), bad)
+        # offsets stay int64 (they scale strides); B_h as int32, the uniform kernel's loop type
+        return tl.where(bad, 0, off), tl.where(bad, 0, koff), tl.where(bad, 0, bud).to(tl.int32), bad
 
     @triton.jit
     def _row_head(POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b,
-                  s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, K_LR, SINKS, WINDOW, T_ALL, K_ALL,
+                  s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, SINKS, WINDOW, T_ALL, K_ALL,
                   PACKED: tl.constexpr):
-        """Row ``n``'s position (guarded), KV head ``h``'s budget ``B``, long-range slots ``K_LR`` and the
-        bases of its keys, values, slot positions and priorities, in either layout: ``(pos, bad, B, K_LR,
+        """Row ``n``'s position (guarded), KV head ``h``'s budget ``B`` (its long-range slots are ``[s + w, B)``)
+        and the bases of its keys, values, slot positions and priorities, in either layout: ``(pos, bad, B,
         kc, vc, spp, prp, sp_off)`` (``sp_off``: the offset of the slot positions' base, which the
         per-slot scales of a quantised layout share); ``bad`` for a refused position or (packed) a head
         outside the tensors."""
         pos, bad = _guarded_pos(POS, n64)
-        if PACKED:  # head h's slots start at slot off (its long-range priorities at koff); B, k per head
-            off, koff, B, K_LR, head_bad = _packed_head(META, h64, HKV, SINKS, WINDOW, T_ALL, K_ALL)
+        if PACKED:  # head h's slots start at slot off (its long-range priorities at koff); B per head
+            off, koff, B, head_bad = _packed_head(META, h64, HKV, SINKS, WINDOW, T_ALL, K_ALL)
             bad = bad | head_bad
         else:
             off = 0
             koff = 0
         sp_off = n64 * s_sp_n + h64 * s_sp_h + off * s_sp_b
-        return (pos, bad, B, K_LR, KC + n64 * s_kc_n + h64 * s_kc_h + off * s_kc_b,
+        return (pos, bad, B, KC + n64 * s_kc_n + h64 * s_kc_h + off * s_kc_b,
                 VC + n64 * s_vc_n + h64 * s_vc_h + off * s_vc_b, SP + sp_off,
                 PR + n64 * s_pr_n + h64 * s_pr_h + koff * s_pr_j, sp_off)
 
@@ -83,7 +82,7 @@ if triton is not None:
                        KNS, VNS,
                        s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
-                       HKV, B, D, K_LR, SINKS, WINDOW, CHUNK, NS, qk_scale, T_ALL, K_ALL,
+                       HKV, B, D, SINKS, WINDOW, CHUNK, NS, qk_scale, T_ALL, K_ALL,
                        G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                        PACKED: tl.constexpr, QUANT: tl.constexpr):
@@ -93,9 +92,9 @@ if triton is not None:
         h64 = (row % HKV).to(tl.int64)
         # this row's position, read on the device (no host value): the new token's slot and the
         # token leaving the window follow from it
-        pos, pos_bad, B, K_LR, kc, vc, spp, prp, sp_off = _row_head(
+        pos, pos_bad, B, kc, vc, spp, prp, sp_off = _row_head(
             POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b, s_sp_n, s_sp_h,
-            s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, K_LR, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
+            s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
         ksp = KS + sp_off  # a quantised layout's per-slot scales (QUANT only; never read otherwise)
         vsp = VS + sp_off
         slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
@@ -204,7 +203,7 @@ if triton is not None:
     def _decode_stage2(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KC, VC, SP, PR, POS, META,
                        KS, VS, KNS, VNS, s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                        s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
-                       HKV, B, D, K_LR, NS, CHUNK, SINKS, WINDOW, T_ALL, K_ALL,
+                       HKV, B, D, NS, CHUNK, SINKS, WINDOW, T_ALL, K_ALL,
                        G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr,
                        QUANT: tl.constexpr):
         qh = tl.program_id(0)  # one program per query head of every batch row (batch-flat)
@@ -213,9 +212,9 @@ if triton is not None:
         h64 = (row % HKV).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        pos, pos_bad, B, K_LR, kc, vc, spp, prp, sp_off = _row_head(
+        pos, pos_bad, B, kc, vc, spp, prp, sp_off = _row_head(
             POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b, s_sp_n, s_sp_h,
-            s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, K_LR, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
+            s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
         t_new = pos - WINDOW
         slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
         LR0 = SINKS + WINDOW
@@ -347,7 +346,7 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
     vn = v_new.contiguous()
     lp = leaving_prio.contiguous()
     pos_c = pos.contiguous()
-    # a zero-size tensor has no usable pointer: hand a dummy when k == 0 (never read: K_LR = 0)
+    # a zero-size tensor has no usable pointer: hand a dummy when k == 0 (never read: no long-range slot)
     if K > 0:
         pr = slot_prio
     else:
@@ -373,7 +372,7 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
         q_c, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, mid_o, mid_l, mid_c, cand_v, leave_v, cand_p, cand_tj[0],
         cand_tj[1], meta,
         ks, vs, kns, vns, *strides,
-        Hkv, B, D, K, s, w, chunk, ns, scale * LOG2E, t_all, k_all,
+        Hkv, B, D, s, w, chunk, ns, scale * LOG2E, t_all, k_all,
         G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=upcast,
         PACKED=packed is not None, QUANT=quant is not None, num_warps=num_warps, num_stages=2,
     )
@@ -381,7 +380,7 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
         mid_o, mid_l, mid_c, cand_v, leave_v, cand_p, cand_tj[0], cand_tj[1], out, lse, lp, kn, vn, k_cache, v_cache,
         slot_pos, pr, pos_c,
         meta, ks, vs, kns, vns, *strides,
-        Hkv, B, D, K, ns, chunk, s, w, t_all, k_all,
+        Hkv, B, D, ns, chunk, s, w, t_all, k_all,
         G=G, BLOCK_S=min(16, triton.next_power_of_2(ns)), BLOCK_D=block_d, PACKED=packed is not None,
         QUANT=quant is not None, num_warps=4,
     )
