@@ -57,6 +57,9 @@ DEMO_POLICIES = ("dense", "streaming", "tova", "h2o", "kvpop-mlp", "kvpop-mlstm"
                  "kvpop-mlstm-joint", "fixed-finetune", "dms", "dms-test-calibrated", "mlp-other-label",
                  "mlstm-other-label", "decode")
 CODE_METHODS = ("kvpop-mlp-joint", "fixed-finetune", "dms", "dense")
+CODE_MLSTM = "kvpop-mlstm-joint"
+"""The mLSTM scorer's ``code/`` sentinel: only the files made with it depend on it (not in :data:`CODE_METHODS`,
+whose every method most real-text files depend on)."""
 VALUE_RTOL = 1e-4
 VALUE_STRIDE = 7
 """The manifest keeps every 7th forward value (logits and slot priorities) for the by-value comparison."""
@@ -157,6 +160,12 @@ GROUPS: tuple[Group, ...] = (
            *_demo("kvtrace", ("kvpop-mlp-joint",)), *_demo("lookahead", ("kvpop-mlp-joint",))),
           "python -m studies.equal_bytes --instrument realtext|kvtrace|lookahead --out OUT --stage all (about 6, 13 "
           "and 2 minutes on one core: see evidence.md); cp OUT/equal_bytes.* studies/results/evidence/<instrument>/; "
+          "python -m freshness stamp the files"),
+    Group("the mLSTM scorer on real text",
+          tuple(f"{STUDY_RESULTS}/evidence/realtext/mlstm.{x}" for x in ("json", "md")),
+          (f"code/{CODE_MLSTM}", "code/kvpop-mlp-joint", "code/fixed-finetune", "code/dense", "forward/kvpop-mlstm",
+           "forward/kvpop-mlp", "forward/streaming"),
+          "python -m studies.mlstm_realtext valid / test / record (about 25 minutes on two cores: see evidence.md); "
           "python -m freshness stamp the files"),
     Group("real-text study", (f"{STUDY_RESULTS}/realtext.md",),
           (*(f"code/{m}" for m in CODE_METHODS), *_FWD_ALL),
@@ -294,7 +303,8 @@ def code_sentinels(work: Path) -> dict[str, str]:
               "--steps", "2", "--no-progress", "--seed", "0")
     runs = {"kvpop-mlp-joint": ("--budget", "64", "--scorer", "mlp"),
             "fixed-finetune": ("--budget", "64", "--mask-source", "streaming"),
-            "dms": ("--method", "dms", "--target-keep", "0.25")}
+            "dms": ("--method", "dms", "--target-keep", "0.25"),
+            CODE_MLSTM: ("--budget", "64", "--scorer", "mlstm")}
     for name, extra in runs.items():
         _kvpop("train", *common, *extra, "--out", str(work / name), cwd=work)
     _kvpop("eval", "--model", str(model), "--data", str(test), "--seq-len", "256", "--budgets", "64",
@@ -302,7 +312,7 @@ def code_sentinels(work: Path) -> dict[str, str]:
            *(a for name in runs for a in ("--run", str(work / name))), "--out", str(work / "eval"), cwd=work)
     res = json.loads((work / "eval" / "results.json").read_text())
     out = {}
-    for m in CODE_METHODS:
+    for m in (*CODE_METHODS, CODE_MLSTM):
         if m == "dense":  # the dense NLL every row is measured against, and the untrained policies
             rows = [r for r in res["rows"] if r["policy"] in ("streaming", "tova", "h2o")]
         else:

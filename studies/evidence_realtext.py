@@ -144,7 +144,8 @@ def _per_sequence(results: dict, policy: str, budget: int) -> list[float] | None
 
 
 def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: int = 2,
-                     name: str = "test_fresh", exclude: tuple[Path, ...] = (), command: str | None = None) -> Path:
+                     name: str = "test_fresh", exclude: tuple[Path, ...] = (), command: str | None = None,
+                     site: Path | None = None) -> Path:
     """``out_dir/<name>.jsonl``: records of test-bucket files (``split_of(key, seed=0) == "test"``) that
     neither shipped split used, nor any earlier fresh split (``exclude``: the ``<name>.json`` records of earlier
     fresh splits, their ``files``), ordered by the seeded hash with ``hash_seed``, 2 records per file (the
@@ -152,7 +153,9 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
     manifest hashes its splits' files), the files excluded and the JSONL's hash.  The model never saw these
     files (its pre-training read the train bucket only) and no earlier evaluation scored them.  ValueError when
     an ``exclude`` record lists no files, or ``name`` would overwrite a shipped split.  ``command``: the command
-    line that made it, kept in the record."""
+    line that made it, kept in the record.  ``site``: the directory the corpus's packages are read from (default
+    this interpreter's ``purelib``; give one holding the versions the shipped manifest names to draw from the
+    files the earlier splits were drawn from)."""
     import hashlib
     import sysconfig
 
@@ -171,7 +174,8 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
             raise ValueError(f"{e}: not a fresh split's record (no files list); exclude takes <split>.json files")
         earlier[Path(e).name] = len(set(files) - used)
         used |= set(files)
-    site = Path(sysconfig.get_paths()["purelib"])
+    site_arg = site is not None
+    site = Path(site) if site is not None else Path(sysconfig.get_paths()["purelib"])
     files = C.list_files(site, st["packages"], stdlib=Path(sysconfig.get_paths()["stdlib"]))
     bucket = [(k, p) for k, p in files if C.split_of(k, st["seed"], st["valid_frac"], st["test_frac"]) == "test"
               and k not in used]
@@ -199,7 +203,8 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
         "excluded_shipped_files": len(set(shipped["splits"]["test"]["files"])
                                       | set(shipped["splits"]["validation"]["files"])),
         **({"excluded_earlier_fresh_files": earlier} if earlier else {}),
-        "hash_seed": hash_seed, "package_versions": C._versions(st["packages"]), "jsonl_blake2b": C.file_hash(path),
+        "hash_seed": hash_seed, "package_versions": C._versions(st["packages"], site if site_arg else None),
+        "jsonl_blake2b": C.file_hash(path),
         "corpus_train_blake2b": C.file_hash(corpus / "train.jsonl") if (corpus / "train.jsonl").exists() else None})
     return path
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -229,6 +230,7 @@ class TestLog:
     def __init__(self, out: str | os.PathLike) -> None:
         self.path = Path(out) / "test_log.jsonl"
         self.entries: dict[str, dict] = {}
+        self._write = threading.Lock()  # runners score rows from worker threads: one append at a time
         if self.path.exists():
             for line in self.path.read_text().splitlines():
                 if line.strip():
@@ -242,12 +244,13 @@ class TestLog:
         result = evaluate()
         e = {"key": key, "result": result, "seconds": round(time.time() - t0, 1),
              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(e) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.entries[key] = e
+        with self._write:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(e) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.entries[key] = e
         return result
 
     def count(self, *keys: str) -> int:

@@ -149,12 +149,22 @@ def file_records(data: bytes, seq_len: int, max_records: int) -> list[list[int]]
     return [stream[i * seq_len:(i + 1) * seq_len] for i in range(n)]
 
 
-def _versions(packages: Iterable[str]) -> dict[str, str]:
+def _versions(packages: Iterable[str], site: Path | None = None) -> dict[str, str]:
+    """Each package's distribution version: as installed in ``site`` when given (the directory the files were
+    read from: its ``*.dist-info``; "unknown" when it holds none for a package), else as this interpreter has it."""
     from importlib import metadata
 
+    found = None
+    if site is not None:
+        found = {}
+        for d in metadata.distributions(path=[str(site)]):
+            found.setdefault((d.metadata["Name"] or "").lower().replace("-", "_"), d.version)
     out = {}
     for pkg in packages:
         dist = DISTRIBUTIONS.get(pkg, pkg)
+        if found is not None:
+            out[dist] = found.get(dist.lower().replace("-", "_"), "unknown")
+            continue
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -179,6 +189,7 @@ def build(out: str | os.PathLike, *, site: str | os.PathLike | None = None, stdl
             raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
     if not (0 < valid_frac and 0 < test_frac and valid_frac + test_frac < 1):
         raise ValueError(f"valid_frac and test_frac must be > 0 with a sum < 1, got {valid_frac}, {test_frac}")
+    site_given = site is not None
     site = Path(site if site is not None else sysconfig.get_paths()["purelib"])
     std = Path(stdlib if stdlib is not None else sysconfig.get_paths()["stdlib"]) if stdlib != "" else None
     t0 = time.time()
@@ -220,7 +231,7 @@ def build(out: str | os.PathLike, *, site: str | os.PathLike | None = None, stdl
                      "max_records_per_file": max_records_per_file, "valid_frac": valid_frac, "test_frac": test_frac,
                      "min_file_bytes": MIN_FILE_BYTES},
         "vocab": {"bytes": "0..255", "bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID, "vocab_size": VOCAB_SIZE},
-        "package_versions": _versions(packages),
+        "package_versions": _versions(packages, site if site_given else None),
         "python": sys.version.split()[0],
         "files_listed": {s: len(v) for s, v in by_split.items()},
         "splits": {},

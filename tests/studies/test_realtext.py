@@ -97,6 +97,18 @@ def test_corpus_splits_by_file_deterministic_no_stdlib(tmp_path):
         C.check_split(tmp_path / "out", "test")
 
 
+def test_versions_are_read_from_the_site_the_files_came_from(tmp_path):
+    """A corpus built from another site-packages records that site's versions (its ``*.dist-info``), not this
+    interpreter's, and "unknown" for a package the site has no metadata of."""
+    site, std = _fake_tree(tmp_path)
+    info = site / "alpha-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: alpha\nVersion: 1.2.3\n")
+    man = _build(tmp_path, site, std)
+    assert man["package_versions"] == {"alpha": "1.2.3", "beta": "unknown"}
+    assert C._versions(("pytest",)) == {"pytest": __import__("pytest").__version__}  # no site: the interpreter's
+
+
 def test_corpus_caps_and_errors(tmp_path):
     site, std = _fake_tree(tmp_path)
     man = _build(tmp_path, site, std, max_records=5, max_records_per_file=1)
