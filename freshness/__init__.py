@@ -167,6 +167,11 @@ GROUPS: tuple[Group, ...] = (
            "forward/kvpop-mlp", "forward/streaming"),
           "python -m studies.mlstm_realtext valid / test / record (about 25 minutes on two cores: see evidence.md); "
           "python -m freshness stamp the files"),
+    Group("a fixed age penalty on real text",
+          tuple(f"{STUDY_RESULTS}/evidence/realtext/decay.{x}" for x in ("json", "md")),
+          ("code/kvpop-mlp-joint", "code/fixed-finetune", "code/dense", "forward/kvpop-mlp", "forward/streaming"),
+          "python -m studies.decay_realtext select / seeds / test / record (about 15 minutes on two cores, after "
+          "studies.mlstm_realtext: see evidence.md); python -m freshness stamp the files"),
     Group("real-text study", (f"{STUDY_RESULTS}/realtext.md",),
           (*(f"code/{m}" for m in CODE_METHODS), *_FWD_ALL),
           "python -m studies.realtext (hours: see realtext.md); python -m freshness stamp "

@@ -246,14 +246,16 @@ def markdown(rec: dict) -> str:
     if tr and all(v is not None for r in tr.values() for v in r.values()):
         lines += ["Training, the last 25 steps of each run (`history.jsonl`): the scorer's keep / drop decisions that "
                   "agree with the teacher's (mean over seeds, min .. max; the control's scorer is trained but never "
-                  "serves), the share of them that keep the token, and what deciding \"drop\" every time would score "
-                  "(1 - keep share).", "",
-                  "| row | decision accuracy | keep share | always drop |", "|---|---|---|---|"]
+                  "serves), the share of the teacher's decisions that keep the token, and what making the teacher's "
+                  "more common decision every time would score.", "",
+                  "| row | decision accuracy | keep share | the more common decision every time |",
+                  "|---|---|---|---|"]
         for r, per in tr.items():
             a = [v["decision_accuracy"] for v in per.values()]
             k = [v["keep_frac"] for v in per.values()]
             lines.append(f"| {r} | {sum(a) / len(a):.3f} ({min(a):.3f} .. {max(a):.3f}) | "
-                         f"{sum(k) / len(k):.3f} ({min(k):.3f} .. {max(k):.3f}) | {1 - sum(k) / len(k):.3f} |")
+                         f"{sum(k) / len(k):.3f} ({min(k):.3f} .. {max(k):.3f}) | "
+                         f"{max(sum(k) / len(k), 1 - sum(k) / len(k)):.3f} |")
         lines.append("")
     lines += ["Rows: " + "; ".join(f"`{r}`: {t}" for r, t in rec["legend"].items()) + ".", ""]
     return "\n".join(lines)
