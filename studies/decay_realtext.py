@@ -18,13 +18,22 @@ asks whether a blend beats both ends, with the house rules:
   runs), 3 seeds each, scored once on a fresh split no earlier run scored (``--split-name``);
 * **record**: figures and paired intervals (bootstrap over files and seeds) on validation and the test split.
 
+Then the question the decay raises: is it the blend with recency that wins, or the learned part of it?
+``control`` trains the same fine-tune at the chosen decay with an untrained priority (``--priority-source random``:
+the scorer at its seeded init, never trained; the ``fixed-finetune[random]`` control of the earlier sections), 3
+seeds; ``test --split-name test_fresh6 --with-control`` scores it beside the other rows once on a sixth fresh split
+(36 records: the test bucket's files that no earlier split used hold 37).
+
 ::
 
     python -m studies.decay_realtext select --out OUT --corpus CORPUS --base MLSTM_OUT
     python -m studies.decay_realtext seeds --out OUT --corpus CORPUS --base MLSTM_OUT
     python -m studies.decay_realtext test --out OUT --corpus CORPUS --base MLSTM_OUT --split-name test_fresh5 \\
         --hash-seed 6 --site-packages SITE
-    python -m studies.decay_realtext record --out OUT --base MLSTM_OUT --split-name test_fresh5 \\
+    python -m studies.decay_realtext control --out OUT --corpus CORPUS --base MLSTM_OUT
+    python -m studies.decay_realtext test --out OUT --corpus CORPUS --base MLSTM_OUT --split-name test_fresh6 \\
+        --hash-seed 7 --test-records 36 --site-packages SITE --with-control
+    python -m studies.decay_realtext record --out OUT --base MLSTM_OUT --split-name test_fresh5,test_fresh6 \\
         --write studies/results/evidence/realtext/decay.json
 
 ``MLSTM_OUT``: the :mod:`studies.mlstm_realtext` directory whose MLP and recency runs are the incumbent and the
@@ -64,18 +73,31 @@ def train_command(corpus: Path, gamma: float, seed: int, out: Path) -> list[str]
             f"{gamma + 1e-6:.8g}", *cmd[i:]]
 
 
-def run_dir(out: Path, gamma: float, seed: int) -> Path:
-    return out / "runs" / tag(gamma) / f"seed{seed}"
+def control_command(corpus: Path, gamma: float, seed: int, out: Path) -> list[str]:
+    """:func:`train_command` with an untrained priority (``--priority-source random``)."""
+    cmd = train_command(corpus, gamma, seed, out)
+    i = cmd.index("--out")
+    return [*cmd[:i], "--priority-source", "random", *cmd[i:]]
 
 
-def _valid(out: Path, corpus: Path, gamma: float, seed: int) -> dict[int, list[float]]:
-    d, ev = run_dir(out, gamma, seed), out / "valid" / tag(gamma) / f"seed{seed}"
+def control_name(gamma: float) -> str:
+    return f"fixed-finetune[random,lm 0.1,decay {gamma:g}]"
+
+
+def run_dir(out: Path, gamma: float, seed: int, *, control: bool = False) -> Path:
+    return out / "runs" / (("random-g" + f"{gamma:g}") if control else tag(gamma)) / f"seed{seed}"
+
+
+def _valid(out: Path, corpus: Path, gamma: float, seed: int, *, control: bool = False) -> dict[int, list[float]]:
+    d = run_dir(out, gamma, seed, control=control)
+    ev = out / "valid" / d.parent.name / f"seed{seed}"
     if not M.trained(d):
         d.mkdir(parents=True, exist_ok=True)
-        run_logged(train_command(corpus, gamma, seed, d), out / "commands.log", name=f"train {tag(gamma)} seed {seed}")
+        cmd = (control_command if control else train_command)(corpus, gamma, seed, d)
+        run_logged(cmd, out / "commands.log", name=f"train {d.parent.name} seed {seed}")
     if not (ev / "results.json").exists():
         run_logged(M.eval_command(M.MODEL, d, MLP, M.VALID, VALID_SEQUENCES, ev), out / "commands.log",
-                   name=f"valid {tag(gamma)} seed {seed}")
+                   name=f"valid {d.parent.name} seed {seed}")
     return per_sequence(json.loads((ev / "results.json").read_text()), "kvpop-mlp-joint")
 
 
@@ -121,29 +143,44 @@ def chosen_gamma(out: Path) -> float | None:
     return None if g == "learned" else float(g)
 
 
-def _rows(out: Path, base: Path, gamma: float | None) -> dict[str, tuple[Path, str, Path]]:
-    """``{row: (run directory of seed 0 .. as a format, policy, its validation directory)}`` of the compared rows."""
+def _rows(out: Path, base: Path, gamma: float | None, *, control: bool = False
+          ) -> dict[str, tuple[Path, str, Path]]:
+    """``{row: (the directory of its seed directories, policy, its validation directory)}`` of the compared rows
+    (``control``: with the untrained priority at the chosen decay)."""
     rows = {}
     if gamma is not None:
         rows[row_name(gamma)] = (out / "runs" / tag(gamma), "kvpop-mlp-joint", out / "valid" / tag(gamma))
+        if control:
+            d = run_dir(out, gamma, 0, control=True).parent
+            rows[control_name(gamma)] = (d, "kvpop-mlp-joint", out / "valid" / d.name)
     for r in (MLP, CONTROL):
         rows[r] = (base / "runs" / M.ROWS[r][0], M.ROWS[r][2], base / "valid" / M.ROWS[r][0])
     return rows
 
 
-def seeds_stage(out: Path, corpus: Path) -> None:
+def seeds_stage(out: Path, corpus: Path, *, control: bool = False) -> None:
+    """The chosen setting's seeds (``control``: the untrained priority's at the chosen decay), each scored on
+    validation; two at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
     g = chosen_gamma(out)
     if g is None:
         return
-    for s in SEEDS:
-        _valid(out, corpus, g, s)
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        for f in [ex.submit(_valid, out, corpus, g, s, control=control) for s in SEEDS]:
+            f.result()
 
 
-def test_stage(out: Path, base: Path, split: Path, *, jobs: int = 2) -> None:
-    """Every compared (row, seed) scored once on ``split``."""
+def n_records(split: Path) -> int:
+    """The records of a split file (every one is scored)."""
+    return sum(1 for x in split.read_text().splitlines() if x.strip())
+
+
+def test_stage(out: Path, base: Path, split: Path, *, jobs: int = 2, control: bool = False) -> None:
+    """Every compared (row, seed) scored once on ``split`` (``control``: the untrained priority's too)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    rows = _rows(out, base, chosen_gamma(out))
+    rows = _rows(out, base, chosen_gamma(out), control=control)
     missing = [f"{r} seed {s}" for r, (d, _, _) in rows.items() for s in SEEDS if not M.trained(d / f"seed{s}")]
     if missing:
         raise ValueError(f"not trained yet: {', '.join(missing)}")
@@ -155,7 +192,7 @@ def test_stage(out: Path, base: Path, split: Path, *, jobs: int = 2) -> None:
 
         def score() -> dict:
             served = row if row in M.ROWS else MLP  # the fixed-decay row is served as the MLP row is
-            run_logged(M.eval_command(M.MODEL, d / f"seed{seed}", served, split, M.TEST_RECORDS, ev),
+            run_logged(M.eval_command(M.MODEL, d / f"seed{seed}", served, split, n_records(split), ev),
                        out / "commands.log", name=f"test {split.stem} {row} seed {seed}")
             return {"dir": str(ev), **{str(b): v for b, v in
                                        per_sequence(json.loads((ev / "results.json").read_text()), pol).items()}}
@@ -168,28 +205,37 @@ def test_stage(out: Path, base: Path, split: Path, *, jobs: int = 2) -> None:
 
 
 def record(out: Path, base: Path, *, split: str | None, n_boot: int = 10_000) -> dict:
-    """The selection, then figures and paired intervals on validation and (when given) the test split."""
+    """The selection, then figures and paired intervals on validation and the test splits (``split``: names,
+    comma-separated); the untrained-priority control where its runs (validation) or its scores (a test split) are
+    there."""
     from .paired import comparison
 
     g = chosen_gamma(out)
-    rows = _rows(out, base, g)
+    with_control = g is not None and all((out / "valid" / run_dir(out, g, s, control=True).parent.name / f"seed{s}"
+                                          / "results.json").exists() for s in SEEDS)
+    all_rows = _rows(out, base, g, control=with_control)
     rec: dict = {"study": "a fixed, stronger age penalty for the learned priority on real text",
                  "selection": json.loads((out / "selection.json").read_text()),
                  "commands": {"stages": [x.strip() for x in __doc__.split("::")[1].strip().splitlines()
                                          if x.strip().startswith("python")],
                               "train": " ".join(train_command(Path("CORPUS"), GAMMAS[0], 0, Path("OUT/runs/x")))},
                  "training": {r: {str(s): M.training_summary(d / f"seed{s}") for s in SEEDS}
-                              for r, (d, _, _) in rows.items()},
+                              for r, (d, _, _) in all_rows.items()},
                  "metric": "NLL increase over the original dense model (nats/token), positions >= 256; lower is "
                            "better", "seeds": list(SEEDS), "budgets": list(EVAL_BUDGETS), "splits": {}}
-    for name in (["validation"] + ([split] if split else [])):
+    log = TestLog(out)
+    for name in ["validation", *(x for x in (split or "").split(",") if x)]:
+        rows = {r: v for r, v in all_rows.items()
+                if name == "validation" or f"{name}|{r}|{SEEDS[0]}" in log.entries}
+        if name != "validation" and len(rows) < 2:
+            raise ValueError(f"{name}: fewer than two rows scored in {out / 'test_log.jsonl'}")
         if name == "validation":
             data, n = M.VALID, VALID_SEQUENCES
             vals = {r: {s: per_sequence(json.loads((v / f"seed{s}" / "results.json").read_text()), pol)
                         for s in SEEDS} for r, (_, pol, v) in rows.items()}
         else:
-            data, n = M.SHIPPED / f"{name}.jsonl", M.TEST_RECORDS
-            log = TestLog(out)
+            data = M.SHIPPED / f"{name}.jsonl"
+            n = n_records(data)
             vals = {r: {s: {b: log.entries[f"{name}|{r}|{s}"]["result"][str(b)] for b in EVAL_BUDGETS}
                         for s in SEEDS} for r in rows}
         clusters = clusters_of(data, n)
@@ -205,14 +251,16 @@ def record(out: Path, base: Path, *, split: str | None, n_boot: int = 10_000) ->
                                        lower_is_better=True, clusters=clusters, n_boot=n_boot)
                             for b in EVAL_BUDGETS for i, a in enumerate(names) for o in names[i + 1:]],
             "per_sequence": {r: {str(s): {str(b): vals[r][s][b] for b in EVAL_BUDGETS} for s in SEEDS} for r in names}}
-    rec["legend"] = {r: M.LEGEND.get(r, f"the MLP row with its decay fixed at {g:g} (chosen on validation)")
-                     for r in rows}
+    mine = {row_name(g): f"the MLP row with its decay fixed at {g:g} (chosen on validation)",
+            control_name(g): f"the same fine-tune at the decay {g:g} with an untrained priority (the scorer at its "
+                             "seeded init)"} if g is not None else {}
+    rec["legend"] = {r: M.LEGEND.get(r, mine.get(r, r)) for r in all_rows}
     return rec
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.decay_realtext", description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("select", "seeds", "test", "record"))
+    p.add_argument("stage", choices=("select", "seeds", "control", "test", "record"))
     p.add_argument("--out", required=True)
     p.add_argument("--base", required=True, help="the studies.mlstm_realtext directory (its MLP and recency runs)")
     p.add_argument("--corpus", help="the corpus directory holding train.jsonl")
@@ -220,14 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hash-seed", type=int, default=6)
     p.add_argument("--site-packages", default=None)
     p.add_argument("--write", default=None, help="record: the JSON to write (a .md beside it)")
+    p.add_argument("--with-control", action="store_true", help="test: score the untrained-priority control too")
+    p.add_argument("--test-records", type=int, default=M.TEST_RECORDS, help="test: records of a new fresh split")
     a = p.parse_args(argv)
     out, base = Path(a.out), Path(a.base)
-    if a.stage in ("select", "seeds") and (a.corpus is None or not (Path(a.corpus) / "train.jsonl").exists()):
+    needs_corpus = a.stage in ("select", "seeds", "control")
+    if needs_corpus and (a.corpus is None or not (Path(a.corpus) / "train.jsonl").exists()):
         p.error(f"--corpus must hold train.jsonl; got {a.corpus!r}")
     if a.stage == "select":
         print(json.dumps(select_stage(out, Path(a.corpus), base)["decisions"], indent=1))
-    elif a.stage == "seeds":
-        seeds_stage(out, Path(a.corpus))
+    elif a.stage in ("seeds", "control"):
+        seeds_stage(out, Path(a.corpus), control=a.stage == "control")
     elif a.stage == "test":
         if a.split_name is None:
             p.error("test needs --split-name")
@@ -236,13 +287,14 @@ def main(argv: list[str] | None = None) -> int:
             from .evidence_realtext import fresh_test_split
 
             earlier = tuple(sorted(x for x in M.SHIPPED.glob("test_fresh*.json") if x.stem != a.split_name))
-            fresh_test_split(Path(a.corpus) if a.corpus else out, M.SHIPPED, n_records=M.TEST_RECORDS,
+            fresh_test_split(Path(a.corpus) if a.corpus else out, M.SHIPPED, n_records=a.test_records,
                              hash_seed=a.hash_seed, name=a.split_name, exclude=earlier,
                              site=Path(a.site_packages) if a.site_packages else None,
                              command=f"python -m studies.decay_realtext test --out {a.out} --corpus {a.corpus} "
-                                     f"--base {a.base} --split-name {a.split_name} --hash-seed {a.hash_seed}"
+                                     f"--base {a.base} --split-name {a.split_name} --hash-seed {a.hash_seed} "
+                                     f"--test-records {a.test_records}"
                                      + (f" --site-packages {a.site_packages}" if a.site_packages else ""))
-        test_stage(out, base, split)
+        test_stage(out, base, split, control=a.with_control)
     else:
         rec = record(out, base, split=a.split_name)
         if a.write:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -167,8 +168,10 @@ def training_summary(d: Path, last: int = 25) -> dict | None:
     if not h.exists():
         return None
     rows = [json.loads(x) for x in h.read_text().splitlines() if x.strip()][-last:]
-    acc = [r["accuracy"] for r in rows if r.get("accuracy") is not None]
-    keep = [r["keep_frac"] for r in rows if r.get("keep_frac") is not None]
+    def finite(key: str) -> list[float]:  # a run whose scorer makes no decision (an untrained priority) logs NaN
+        return [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+    acc, keep = finite("accuracy"), finite("keep_frac")
     return {"steps": rows[-1]["step"] if rows else 0, "last_steps": len(rows),
             "decision_accuracy": sum(acc) / len(acc) if acc else None,
             "keep_frac": sum(keep) / len(keep) if keep else None}
@@ -229,7 +232,7 @@ def markdown(rec: dict) -> str:
         lines += [f"## {split} ({s['file']}, {s['sequences']} sequences from {s['clusters']} source files; {kind})",
                   "", "| row | " + " | ".join(f"B={b}" for b in rec["budgets"]) + " |",
                   "|---|" + "---|" * len(rec["budgets"])]
-        for r in rec["legend"]:
+        for r in (r for r in rec["legend"] if any(x["row"] == r for x in s["figures"])):  # the split's rows
             cells = []
             for b in rec["budgets"]:
                 f = next(x for x in s["figures"] if x["row"] == r and x["budget"] == b)
@@ -242,8 +245,9 @@ def markdown(rec: dict) -> str:
             lines.append(f"| {c['budget']} | {c['a']} | {c['b']} | {c['mean_diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] | "
                          f"{c['verdict']} |")
         lines.append("")
-    tr = rec.get("training") or {}
-    if tr and all(v is not None for r in tr.values() for v in r.values()):
+    tr = {r: per for r, per in (rec.get("training") or {}).items()
+          if all(v is not None and v["decision_accuracy"] is not None for v in per.values())}
+    if tr:
         lines += ["Training, the last 25 steps of each run (`history.jsonl`): the scorer's keep / drop decisions that "
                   "agree with the teacher's (mean over seeds, min .. max; the control's scorer is trained but never "
                   "serves), the share of the teacher's decisions that keep the token, and what making the teacher's "

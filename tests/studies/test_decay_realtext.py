@@ -56,3 +56,13 @@ def test_selection_in_order_final_and_kept(tmp_path, monkeypatch):
     assert list(rows) == ["kvpop-mlp-joint[lm 0.1,decay 0.995]", D.MLP, D.CONTROL]
     with pytest.raises(ValueError, match="not trained yet"):
         D.test_stage(tmp_path / "out", base, tmp_path / "t.jsonl")
+
+
+def test_the_untrained_control_is_the_chosen_row_with_a_random_priority(tmp_path):
+    row = D.train_command(tmp_path, 0.995, 1, tmp_path / "o")
+    ctl = D.control_command(tmp_path, 0.995, 1, tmp_path / "o")
+    assert [x for x in ctl if x not in ("--priority-source", "random")] == row
+    assert D.run_dir(tmp_path, 0.995, 1, control=True).parent.name == "random-g0.995"
+    assert D.control_name(0.995) == "fixed-finetune[random,lm 0.1,decay 0.995]"
+    (tmp_path / "s.jsonl").write_text('{"input_ids": [1]}\n\n{"input_ids": [2]}\n')
+    assert D.n_records(tmp_path / "s.jsonl") == 2
