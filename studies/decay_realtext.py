@@ -221,6 +221,7 @@ def record(out: Path, base: Path, *, split: str | None, n_boot: int = 10_000) ->
                               "train": " ".join(train_command(Path("CORPUS"), GAMMAS[0], 0, Path("OUT/runs/x")))},
                  "training": {r: {str(s): M.training_summary(d / f"seed{s}") for s in SEEDS}
                               for r, (d, _, _) in all_rows.items()},
+                 "validation_is": "validation: its select part (seed 0, B = 128) chose the decay; not a test",
                  "metric": "NLL increase over the original dense model (nats/token), positions >= 256; lower is "
                            "better", "seeds": list(SEEDS), "budgets": list(EVAL_BUDGETS), "splits": {}}
     log = TestLog(out)

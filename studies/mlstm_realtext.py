@@ -228,7 +228,8 @@ def markdown(rec: dict) -> str:
     seeds = ", ".join(map(str, rec["seeds"]))
     lines = [f"# {rec['study']}", "", f"{rec['metric']}; mean over seeds {seeds} (min .. max).", ""]
     for split, s in rec["splits"].items():
-        kind = "test split, each (row, seed) scored once" if s["test"] else "validation (nothing chosen from it)"
+        kind = "test split, each (row, seed) scored once" if s["test"] else rec.get("validation_is",
+                                                                                "validation (nothing chosen from it)")
         lines += [f"## {split} ({s['file']}, {s['sequences']} sequences from {s['clusters']} source files; {kind})",
                   "", "| row | " + " | ".join(f"B={b}" for b in rec["budgets"]) + " |",
                   "|---|" + "---|" * len(rec["budgets"])]
