@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 
 from . import mlstm_realtext as M
-from .controls_realtext import EVAL_BUDGETS, SELECT, VALID_SEQUENCES, clusters_of, per_sequence
+from .controls_realtext import EVAL_BUDGETS, SELECT, VALID_SEQUENCES, per_sequence
 from .ledger import TestLog, run_logged, write_json
 
 GAMMAS = (0.995, 0.98)
@@ -208,8 +208,6 @@ def record(out: Path, base: Path, *, split: str | None, n_boot: int = 10_000) ->
     """The selection, then figures and paired intervals on validation and the test splits (``split``: names,
     comma-separated); the untrained-priority control where its runs (validation) or its scores (a test split) are
     there."""
-    from .paired import comparison
-
     g = chosen_gamma(out)
     with_control = g is not None and all((out / "valid" / run_dir(out, g, s, control=True).parent.name / f"seed{s}"
                                           / "results.json").exists() for s in SEEDS)
@@ -239,19 +237,8 @@ def record(out: Path, base: Path, *, split: str | None, n_boot: int = 10_000) ->
             n = n_records(data)
             vals = {r: {s: {b: log.entries[f"{name}|{r}|{s}"]["result"][str(b)] for b in EVAL_BUDGETS}
                         for s in SEEDS} for r in rows}
-        clusters = clusters_of(data, n)
-        names = list(rows)
-        rec["splits"][name] = {
-            "file": str(data.relative_to(M.DATA.parent.parent)), "sequences": n, "clusters": len(set(clusters)),
-            "test": name != "validation",
-            "figures": [{"row": r, "budget": b, "per_seed": {str(s): sum(vals[r][s][b]) / n for s in SEEDS},
-                         "mean": sum(sum(vals[r][s][b]) / n for s in SEEDS) / len(SEEDS)}
-                        for r in names for b in EVAL_BUDGETS],
-            "comparisons": [comparison(instrument="realtext", budget=b, a=a, b=o,
-                                       values_a=[vals[a][s][b] for s in SEEDS], values_b=[vals[o][s][b] for s in SEEDS],
-                                       lower_is_better=True, clusters=clusters, n_boot=n_boot)
-                            for b in EVAL_BUDGETS for i, a in enumerate(names) for o in names[i + 1:]],
-            "per_sequence": {r: {str(s): {str(b): vals[r][s][b] for b in EVAL_BUDGETS} for s in SEEDS} for r in names}}
+        rec["splits"][name] = M.split_record(vals, list(rows), data, n, SEEDS, test=name != "validation",
+                                             n_boot=n_boot)
     mine = {row_name(g): f"the MLP row with its decay fixed at {g:g} (chosen on validation)",
             control_name(g): f"the same fine-tune at the decay {g:g} with an untrained priority (the scorer at its "
                              "seeded init)"} if g is not None else {}

@@ -174,9 +174,8 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
             raise ValueError(f"{e}: not a fresh split's record (no files list); exclude takes <split>.json files")
         earlier[Path(e).name] = len(set(files) - used)
         used |= set(files)
-    site_arg = site is not None
-    site = Path(site) if site is not None else Path(sysconfig.get_paths()["purelib"])
-    files = C.list_files(site, st["packages"], stdlib=Path(sysconfig.get_paths()["stdlib"]))
+    read_from = Path(site) if site is not None else Path(sysconfig.get_paths()["purelib"])
+    files = C.list_files(read_from, st["packages"], stdlib=Path(sysconfig.get_paths()["stdlib"]))
     bucket = [(k, p) for k, p in files if C.split_of(k, st["seed"], st["valid_frac"], st["test_frac"]) == "test"
               and k not in used]
     order = sorted(bucket, key=lambda kp: (C._unit(hash_seed, kp[0]), kp[0]))
@@ -203,7 +202,7 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
         "excluded_shipped_files": len(set(shipped["splits"]["test"]["files"])
                                       | set(shipped["splits"]["validation"]["files"])),
         **({"excluded_earlier_fresh_files": earlier} if earlier else {}),
-        "hash_seed": hash_seed, "package_versions": C._versions(st["packages"], site if site_arg else None),
+        "hash_seed": hash_seed, "package_versions": C._versions(st["packages"], site),
         "jsonl_blake2b": C.file_hash(path),
         "corpus_train_blake2b": C.file_hash(corpus / "train.jsonl") if (corpus / "train.jsonl").exists() else None})
     return path

@@ -177,10 +177,28 @@ def training_summary(d: Path, last: int = 25) -> dict | None:
             "keep_frac": sum(keep) / len(keep) if keep else None}
 
 
-def record(out: Path, *, splits: list[str], seeds=SEEDS, n_boot: int = 10_000) -> dict:
-    """Figures and paired intervals of every split in ``splits`` (``validation`` and test split names)."""
+def split_record(vals: dict, rows: list[str], data: Path, n: int, seeds=SEEDS, *, test: bool,
+                 n_boot: int = 10_000) -> dict:
+    """One split's part of a record: ``vals`` (``{row: {seed: {budget: per-sequence values}}}`` of ``data``'s
+    first ``n`` records) as per-seed means, and the paired interval of every pair of ``rows`` at every budget,
+    clustered by source file (:func:`studies.paired.comparison`)."""
     from .paired import comparison
 
+    clusters = clusters_of(data, n)
+    return {"file": str(data.relative_to(DATA.parent.parent)), "sequences": n, "clusters": len(set(clusters)),
+            "test": test,
+            "figures": [{"row": r, "budget": b, "per_seed": {str(s): sum(vals[r][s][b]) / n for s in seeds},
+                         "mean": sum(sum(vals[r][s][b]) / n for s in seeds) / len(seeds)}
+                        for r in rows for b in EVAL_BUDGETS],
+            "comparisons": [comparison(instrument="realtext", budget=b, a=a, b=o,
+                                       values_a=[vals[a][s][b] for s in seeds], values_b=[vals[o][s][b] for s in seeds],
+                                       lower_is_better=True, clusters=clusters, n_boot=n_boot)
+                            for b in EVAL_BUDGETS for i, a in enumerate(rows) for o in rows[i + 1:]],
+            "per_sequence": {r: {str(s): {str(b): vals[r][s][b] for b in EVAL_BUDGETS} for s in seeds} for r in rows}}
+
+
+def record(out: Path, *, splits: list[str], seeds=SEEDS, n_boot: int = 10_000) -> dict:
+    """Figures and paired intervals of every split in ``splits`` (``validation`` and test split names)."""
     rows = list(ROWS)
     rec: dict = {"study": "the mLSTM scorer against the MLP scorer and the recency fine-tune on real text",
                  "recipe": {"kvpop train": RECIPE, "priority": {r: ROWS[r][1] for r in rows}},
@@ -203,23 +221,7 @@ def record(out: Path, *, splits: list[str], seeds=SEEDS, n_boot: int = 10_000) -
         if any(len(vals[r]) != len(seeds) for r in rows):
             have = {r: sorted(vals[r]) for r in rows}
             raise ValueError(f"{split}: not every (row, seed) is scored yet: {have}")
-        clusters = clusters_of(data, n)
-        figs = [{"row": r, "budget": b,
-                 "per_seed": {str(s): sum(vals[r][s][b]) / n for s in seeds},
-                 "mean": sum(sum(vals[r][s][b]) / n for s in seeds) / len(seeds)} for r in rows for b in EVAL_BUDGETS]
-        comps = []
-        for b in EVAL_BUDGETS:
-            for i, a in enumerate(rows):
-                for other in rows[i + 1:]:
-                    comps.append(comparison(instrument="realtext", budget=b, a=a, b=other,
-                                            values_a=[vals[a][s][b] for s in seeds],
-                                            values_b=[vals[other][s][b] for s in seeds], lower_is_better=True,
-                                            clusters=clusters, n_boot=n_boot))
-        rec["splits"][split] = {"file": str(data.relative_to(DATA.parent.parent)), "sequences": n,
-                                "clusters": len(set(clusters)), "test": split != "validation",
-                                "figures": figs, "comparisons": comps,
-                                "per_sequence": {r: {str(s): {str(b): vals[r][s][b] for b in EVAL_BUDGETS}
-                                                     for s in seeds} for r in rows}}
+        rec["splits"][split] = split_record(vals, rows, data, n, seeds, test=split != "validation", n_boot=n_boot)
     return rec
 
 
