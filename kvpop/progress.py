@@ -8,12 +8,15 @@ context managers; ``enabled=False`` gives a no-op.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
-__all__ = ["progress", "LineProgress", "NullProgress", "CostETA", "LINES", "is_terminal", "quiet_library_bars"]
+__all__ = ["progress", "one_bar", "LineProgress", "NullProgress", "CostETA", "LINES", "is_terminal",
+           "quiet_library_bars"]
 
 LINES = 20
 """Lines a :class:`LineProgress` writes over a run by default (``every = ceil(total / LINES)``)."""
@@ -171,6 +174,57 @@ def progress(total: int | None, *, desc: str = "", initial: int = 0, enabled: bo
     """
     if not enabled:
         return NullProgress()
+    if _SHARED:  # inside one_bar(): the scope's bar, opened by its first call and continued by the rest
+        scope = _SHARED[-1]
+        if scope.bar is None:
+            scope.bar = _open(total, desc=desc, initial=initial, every=every, file=file, eta=eta, **tqdm_kwargs)
+        return _Continued(scope.bar)
+    return _open(total, desc=desc, initial=initial, every=every, file=file, eta=eta, **tqdm_kwargs)
+
+
+class _Scope:
+    bar: Any = None
+
+
+_SHARED: list[_Scope] = []
+
+
+class _Continued:
+    """A scope's bar as one call sees it: everything passes through but :meth:`close` (the scope closes it)."""
+
+    def __init__(self, bar: Any) -> None:
+        self._bar = bar
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bar, name)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _Continued:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def one_bar() -> Iterator[None]:
+    """One bar for a job done in several calls (a run trained in segments between validations): the first
+    :func:`progress` call inside the scope opens the bar, every later one continues it (its elapsed time and
+    ETA count from the job's start, not the segment's), and the bar closes when the scope ends."""
+    scope = _Scope()
+    _SHARED.append(scope)
+    try:
+        yield
+    finally:
+        _SHARED.remove(scope)
+        if scope.bar is not None:
+            scope.bar.close()
+
+
+def _open(total: int | None, *, desc: str, initial: int, every: int | None, file: TextIO | None, eta: bool,
+          **tqdm_kwargs: Any) -> Any:
     if not is_terminal(file):
         return LineProgress(total, desc=desc, initial=initial, every=every, file=file, eta=eta)
     from tqdm.auto import tqdm

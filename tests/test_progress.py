@@ -62,3 +62,26 @@ def test_terminal_gets_tqdm_and_disabled_gets_nothing(capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
         progress(5, file=io.StringIO(), every=0)
+
+
+def test_one_bar_continues_over_segments_and_counts_time_from_the_start(monkeypatch):
+    """A run trained in segments (the demo's validated retrofits, ``--auto``'s trials) shows one bar: the
+    second segment's ``progress`` call continues the first's, its elapsed time counts from the job's start,
+    and only the scope's end closes it."""
+    import io
+
+    import kvpop.progress as P
+
+    clock = [100.0]
+    monkeypatch.setattr(P.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    with P.one_bar():
+        for seg in range(2):  # two segments of 5 steps of a 10-step run, 10 s a step
+            bar = P.progress(10, initial=5 * seg, desc="kvpop train", every=5, file=out)
+            for _ in range(5):
+                clock[0] += 10
+                bar.update(1)
+            bar.close()  # a segment's close does not end the job's bar
+    lines = out.getvalue().splitlines()
+    assert lines == ["kvpop train: 5/10 (50%), 50s, ETA 50s", "kvpop train: 10/10 (100%), 100s"]
+    assert P.progress(3, file=out).__class__ is P.LineProgress  # outside the scope: a bar of its own again

@@ -29,6 +29,7 @@ from kvpop.core.config import LABELS, PRIORITY_SOURCES, KVpopConfig, decay_range
 from kvpop.core.lifecycle import carried, remove
 from kvpop.core.patching import make_teacher, patch
 from kvpop.policies import DEFAULT_SINKS, DEFAULT_WINDOW, JOINT, LABEL_SOURCES, LABEL_VARIANTS, SCORER_OF
+from kvpop.progress import one_bar
 from kvpop.training.runstate import append_jsonl, atomic_save, write_jsonl
 from kvpop.training.train import TrainConfig, train
 
@@ -362,13 +363,21 @@ def _train_validated(model: nn.Module, data: list, tc: TrainConfig, teacher: nn.
     docs/DESIGN.md section 7 "Selection") and stop after ``cfg.patience`` validations without a better or equal
     one; then load the best state.  Validations survive an
     interruption (``ckpt/validation.jsonl``).  Returns the loss history and ``{"validation", "best_step"}``."""
-    from dataclasses import replace
-
     vfile, best_file = ckpt / "validation.jsonl", ckpt / "best.pt"
     done = ([json.loads(x) for x in vfile.read_text().splitlines() if x.strip()]
             if resume and vfile.exists() and best_file.exists() else [])
     write_jsonl(vfile, done)
     stops = [*range(cfg.eval_every, cfg.steps, cfg.eval_every), cfg.steps]
+    with one_bar():  # one bar over the segments: its elapsed time and ETA are the run's
+        hist, best, done = _segments(model, data, tc, teacher, resume, cfg, validate, stops, done, vfile, best_file)
+    model.load_state_dict(torch.load(best_file, weights_only=True))
+    return hist, {"validation": done, "best_step": best["step"], "best_score": best["score"]}
+
+
+def _segments(model, data, tc, teacher, resume, cfg, validate, stops, done, vfile, best_file):
+    """:func:`_train_validated`'s segments: train to each stop, validate, keep the best state, stop early."""
+    from dataclasses import replace
+
     hist: list[dict] = []
     best, bad = None, 0
     for i, target in enumerate(stops):
@@ -392,8 +401,7 @@ def _train_validated(model: nn.Module, data: list, tc: TrainConfig, teacher: nn.
             bad += 1
             if cfg.patience and bad >= cfg.patience:
                 break
-    model.load_state_dict(torch.load(best_file, weights_only=True))
-    return hist, {"validation": done, "best_step": best["step"], "best_score": best["score"]}
+    return hist, best, done
 
 
 def _strip(model: nn.Module) -> None:

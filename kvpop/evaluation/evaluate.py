@@ -550,10 +550,12 @@ def plot_results(results: dict, path: str | os.PathLike) -> None:
 
     rows = results["rows"]
     lengths = sorted({r["length"] for r in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.6 * len(lengths), 4.6), squeeze=False)
+    policies = sorted({r["policy"] for r in rows}, key=row_order)
+    colours = policy_colours(policies)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.0 * len(lengths) + 3.4, 4.6), squeeze=False)
     train_len = results.get("train_len") or 1
     for ax, L in zip(axes[0], lengths):
-        for p in sorted({r["policy"] for r in rows}, key=row_order):
+        for p in policies:
             pts = sorted((r["budget"], r["accuracy"]) for r in rows if r["policy"] == p and r["length"] == L)
             if not pts:
                 continue
@@ -563,7 +565,8 @@ def plot_results(results: dict, path: str | os.PathLike) -> None:
             k = policy_of(p)
             style = ("--" if k in JOINT else "-" if k.startswith("kvpop") else ":" if k in ("tova", "h2o")
                      else "-.")
-            ax.plot([b for b, _ in pts], [a for _, a in pts], style, marker="s" if k in JOINT else "o", label=p)
+            ax.plot([b for b, _ in pts], [a for _, a in pts], style, marker="s" if k in JOINT else "o", label=p,
+                    color=colours[p])
         bs = sorted({r["budget"] for r in rows if r["policy"] != "dense"})
         ax.set_xscale("log", base=2)
         ax.set_xticks(bs)
@@ -574,19 +577,36 @@ def plot_results(results: dict, path: str | os.PathLike) -> None:
         ax.set_title(f"length {L}" + (" (L_train)" if L == results.get("train_len") else
                                       f" ({L / train_len:g}x L_train)"))
         ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    save_figure(fig, path)
+    seen: dict[str, Any] = {}  # every policy of any panel, once, in the table's order
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    # outside the axes, right of the panels, one policy a line: every label visible however many there are
+    fig.legend(list(seen.values()), list(seen), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=9,
+               frameon=False)
+    fig.tight_layout()
+    save_figure(fig, path, bbox_inches="tight")
 
 
-def save_figure(fig: Any, path: str | os.PathLike, *, dpi: int = 110) -> None:
+def policy_colours(policies: list[str]) -> dict[str, Any]:
+    """A colour per policy, no two alike (``tab10`` then ``Dark2``/``Set1``: 26 distinct colours; past that the
+    line styles and markers still tell policies apart); dense is drawn black."""
+    import matplotlib
+
+    palette = [*matplotlib.colormaps["tab10"].colors, *matplotlib.colormaps["Dark2"].colors,
+               *matplotlib.colormaps["Set1"].colors]
+    others = [p for p in policies if p != "dense"]
+    return {**{p: palette[i % len(palette)] for i, p in enumerate(others)}, "dense": "black"}
+
+
+def save_figure(fig: Any, path: str | os.PathLike, *, dpi: int = 110, bbox_inches: str | None = None) -> None:
     """Save the matplotlib figure ``fig`` to ``path`` whole or not at all (:func:`kvpop.core.files.atomic_write`;
-    the format from the suffix, PNG without one) and close it."""
+    the format from the suffix, PNG without one) and close it.  ``bbox_inches="tight"``: the saved image grows
+    to hold what lies outside the axes (a legend beside the panels)."""
     import matplotlib.pyplot as plt
 
     fmt = Path(path).suffix[1:] or "png"
     try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt))
+        atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt, bbox_inches=bbox_inches))
     finally:
         plt.close(fig)

@@ -173,7 +173,9 @@ class RunLock:
     :meth:`acquire` to :meth:`release` (or as a context manager).  The operating system drops it when the
     process ends, however it ends, so a crashed run leaves no stale lock.  The file records the holder's
     pid for the message a second run gets (:class:`RunDirectoryError`).  Creating the directory and the
-    lock file also proves the directory writable, before any work."""
+    lock file also proves the directory writable, before any work.  :meth:`release` removes the file while
+    still holding the lock, so a finished run leaves nothing behind; a run that opened the file just before
+    it was removed finds its lock on a file no longer in the directory and takes the new one instead."""
 
     NAME = ".kvpop.lock"
 
@@ -185,26 +187,34 @@ class RunLock:
         d = self.directory
         if d.exists() and not d.is_dir():
             raise RunDirectoryError(f"{self.option} {d} exists and is not a directory")
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            fd = os.open(d / self.NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise RunDirectoryError(f"{self.option} {d}: cannot create or write in it "
-                                    f"({e.strerror or type(e).__name__})") from None
-        try:
-            import fcntl
-        except ImportError:  # no flock on this platform: no lock, the directory is writable
-            self._fd = fd
-            return self
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 64).decode("ascii", "replace").strip()
+        while True:
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                fd = os.open(d / self.NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise RunDirectoryError(f"{self.option} {d}: cannot create or write in it "
+                                        f"({e.strerror or type(e).__name__})") from None
+            try:
+                import fcntl
+            except ImportError:  # no flock on this platform: no lock, the directory is writable
+                self._fd = fd
+                return self
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 64).decode("ascii", "replace").strip()
+                os.close(fd)
+                raise RunDirectoryError(
+                    f"{self.option} {d} is in use by another {self.command} run (pid {holder or '?'}): two runs in "
+                    f"one directory would overwrite each other's checkpoints and history. Wait for it to finish, "
+                    f"or choose another {self.option}") from None
+            try:  # the file we locked is still the directory's (a finishing run removes it under its lock)
+                same = os.fstat(fd).st_ino == os.stat(d / self.NAME).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            raise RunDirectoryError(
-                f"{self.option} {d} is in use by another {self.command} run (pid {holder or '?'}): two runs in one "
-                f"directory would overwrite each other's checkpoints and history. Wait for it to finish, or "
-                f"choose another {self.option}") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
@@ -212,6 +222,10 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            try:  # removed while still locked: a run waiting on this file sees it gone and retries
+                os.unlink(self.directory / self.NAME)
+            except OSError:
+                pass
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
