@@ -315,6 +315,17 @@ def merge_ledger(new: dict, old_rows: list[dict], old_comparisons: Sequence[dict
 ARCHIVED = ("selection.json", "test_log.jsonl", "evidence_rows.json", "commands.log")
 
 
+def check_ledger_runs(dest: str | os.PathLike, instrument: str) -> Path:
+    """``dest/<instrument>``, where :func:`write_split_rows` writes, once it is not the shipped archive's own
+    directory (it copies the archive's records there: a copy onto itself). ValueError naming ``--ledger-runs``."""
+    arch = EVIDENCE_FILE.parent / "evidence"
+    if (Path(dest) / instrument).resolve() == (arch / instrument).resolve():
+        raise ValueError(f"--ledger-runs {dest} is the shipped archive ({arch}), from which the rows are read and "
+                         f"copied: give a new directory (python -m studies.evidence ledger --runs DIR "
+                         f"--write-shipped then archives it)")
+    return Path(dest) / instrument
+
+
 def write_split_rows(dest: str | os.PathLike, instrument: str, split: str, new: dict, *, merge: bool = False) -> Path:
     """``dest/<instrument>/evidence_rows.json``: the shipped archive's rows of ``instrument`` (beside
     :data:`EVIDENCE_FILE`) but those of ``split``, then ``new["rows"]`` (all of ``split``), and likewise the
@@ -330,7 +341,7 @@ def write_split_rows(dest: str | os.PathLike, instrument: str, split: str, new: 
     if bad:
         raise ValueError(f"rows or comparisons not of {instrument}'s split {split!r}: {', '.join(map(str, bad))}")
     arch = EVIDENCE_FILE.parent / "evidence" / instrument
-    out = Path(dest) / instrument / "evidence_rows.json"
+    out = check_ledger_runs(dest, instrument) / "evidence_rows.json"
     old = json.loads((out if merge and out.exists() else arch / "evidence_rows.json").read_text())
     if merge:  # more rows of the split: the split's rows of other policies stay (and their comparisons)
         mine = {r["policy"] for r in new["rows"]}
@@ -393,13 +404,25 @@ def _shown(r: dict) -> str:
     return f"{name} on {r['split']}" if r.get("split") else name
 
 
+SHOWN_BESIDE = {("kvtrace", "test_fresh2"): ("kvpop-mlp-joint[paper]", "fixed-finetune[keynorm]")}
+"""Rows of a later split the headline table shows beside the headline rows (issue 61 item 3: on kvtrace the
+key-norm fine-tune beats KVpop on the fresh split; both rows of that split are shown)."""
+
+
+def _headline(r: dict, instrument_has_headline: bool) -> bool:
+    """A headline row, or (beside an instrument's headline rows) one of :data:`SHOWN_BESIDE`."""
+    return bool(r.get("headline")) or (instrument_has_headline and r["policy"] in SHOWN_BESIDE.get(
+        (r["instrument"], r.get("split")), ()))
+
+
 def render_headline(evidence: dict, *, every_budget: bool = False) -> str:
     """The README's headline table of ``evidence`` (markdown): per instrument and headline budget (every
-    budget with ``every_budget``), each row's per-seed mean (min .. max), seeds, trials and steps; a row of a
-    named ``split`` is shown as "policy on split"."""
+    budget with ``every_budget``), each row's per-seed mean (min .. max), seeds, trials and steps, with the rows
+    of :data:`SHOWN_BESIDE`; a row of a named ``split`` is shown as "policy on split"."""
     lines = []
     for inst in INSTRUMENTS:
-        rows = [r for r in evidence["rows"] if r["instrument"] == inst and (every_budget or r.get("headline"))]
+        has = any(r.get("headline") for r in evidence["rows"] if r["instrument"] == inst)
+        rows = [r for r in evidence["rows"] if r["instrument"] == inst and (every_budget or _headline(r, has))]
         if not rows:
             continue
         metric = rows[0]["metric"]

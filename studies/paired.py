@@ -16,6 +16,7 @@ A negative difference means ``a`` is lower: on real text (NLL increase) that is 
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PairedInterval", "paired_interval", "bootstrap_draws", "comparison", "verdict"]
+__all__ = ["PairedInterval", "paired_interval", "bootstrap_draws", "comparison", "verdict", "t_quantile",
+           "seed_t_interval", "strength", "BORDERLINE"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +150,82 @@ def comparison(*, instrument: str, budget: int, a: str, b: str, values_a: Any, v
     r = paired_interval(values_a, values_b, clusters=clusters, n_boot=n_boot, seed=seed)
     return {"instrument": instrument, "budget": budget, "a": a, "b": b, **r.to_dict(),
             "lower_is_better": lower_is_better, "verdict": verdict(r, lower_is_better=lower_is_better)}
+
+
+def _t_pdf(x: float, df: int) -> float:
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    return c * (1 + x * x / df) ** (-(df + 1) / 2)
+
+
+def _t_cdf_above_half(x: float, df: int, steps: int = 4000) -> float:
+    """P(T <= x) - 1/2 for x >= 0 (Simpson's rule on the density over [0, x])."""
+    h = x / steps
+    s = _t_pdf(0.0, df) + _t_pdf(x, df)
+    s += sum((4 if k % 2 else 2) * _t_pdf(k * h, df) for k in range(1, steps))
+    return s * h / 3
+
+
+@functools.lru_cache(maxsize=64)
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (``p`` in [0.5, 1)) of Student's t with ``df`` degrees of freedom (``df`` an int >= 1),
+    by bisection on the integrated density: no statistics package needed."""
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"df must be an int >= 1, got {df!r}")
+    if not 0.5 <= p < 1:
+        raise ValueError(f"p must be in [0.5, 1), got {p!r}")
+    lo, hi = 0.0, 1.0
+    while _t_cdf_above_half(hi, df) < p - 0.5:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf_above_half(mid, df) < p - 0.5 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def seed_t_interval(a_seeds: Sequence[float], b_seeds: Sequence[float], *,
+                    level: float = 0.95) -> dict[str, Any] | None:
+    """The seed-level check beside a paired interval: the ``level`` t-interval of the per-seed mean differences.
+
+    ``a_seeds`` / ``b_seeds``: each row's per-seed means over the same sequences.  The differences are
+    ``a[s] - b[s]`` seed by seed when both rows have as many seeds (a row's seed ``s`` against the other's seed
+    ``s``), ``a[s] - b[0]`` when ``b`` has one (a deterministic row), ``a[0] - b[s]`` when ``a`` has one.  Returns
+    ``{"mean_diff", "ci95": [lo, hi], "n_seeds", "sd", "t", "method"}`` (``mean +- t * sd / sqrt(n)``, ``t`` the
+    ``(1 + level) / 2`` quantile of Student's t with ``n - 1`` degrees of freedom), or None with fewer than two
+    differences (no spread to read)."""
+    a = [float(x) for x in a_seeds]
+    b = [float(x) for x in b_seeds]
+    if not a or not b or not all(math.isfinite(x) for x in a + b):
+        raise ValueError(f"seed_t_interval needs finite per-seed means on both sides, got {a} and {b}")
+    if not (isinstance(level, float) and 0.0 < level < 1.0):
+        raise ValueError(f"level must be a float in (0, 1), got {level!r}")
+    if len(a) == len(b):
+        d = [x - y for x, y in zip(a, b)]
+    elif len(b) == 1:
+        d = [x - b[0] for x in a]
+    elif len(a) == 1:
+        d = [a[0] - y for y in b]
+    else:
+        raise ValueError(f"seed_t_interval pairs seeds by index: {len(a)} and {len(b)} seeds do not pair")
+    n = len(d)
+    if n < 2:
+        return None
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    t = t_quantile((1 + level) / 2, n - 1)
+    half = t * sd / math.sqrt(n)
+    return {"mean_diff": mean, "ci95": [mean - half, mean + half], "n_seeds": n, "sd": sd, "t": t,
+            "method": f"t-interval over the {n} per-seed mean differences"}
+
+
+BORDERLINE = 0.0005
+"""An interval with a bound this close to 0 (or closer) is "borderline": another bootstrap draw may put it on the
+other side."""
+
+
+def strength(ci95: Sequence[float], *, lower_is_better: bool, margin: float = BORDERLINE) -> str:
+    """What an interval of ``a - b`` shows, in words: ``"a better"`` / ``"b better"`` (:func:`verdict`), with
+    ``" (borderline)"`` appended, or ``"no difference shown (borderline)"``, where a bound lies within ``margin`` of
+    0."""
+    lo, hi = (float(x) for x in ci95)
+    v = verdict({"ci95": [lo, hi]}, lower_is_better=lower_is_better)
+    return f"{v} (borderline)" if min(abs(lo), abs(hi)) <= margin else v

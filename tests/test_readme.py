@@ -156,87 +156,103 @@ def _claim_section() -> str:
     return text.split("### Does *learning* the priority matter?", 1)[1].split("\n### ", 1)[0]
 
 
-def test_readme_realtext_controls_table_is_the_records():
-    """The README's table of the same-structure controls reads the once-scored fresh split's record (NLL over
-    the original dense model, the mean over seeds), every interval it quotes is a comparison of that record
-    (or of the validation record) with a verdict other than "no difference shown", and the verdicts its words
-    give at 12.5 % are the record's."""
+def _quoted_comparisons() -> list[dict]:
+    """Every paired interval of the records the README's claims may quote: the real-text studies' (test splits and
+    the validation record) and the synthetic tasks' fresh splits."""
     import json
 
-    ev = ROOT / "studies" / "results" / "evidence" / "realtext"
-    test = json.loads((ev / "fresh2.json").read_text())
-    valid = json.loads((ev / "controls.json").read_text())
-    fig = {(f["row"], f["budget"]): f["vs_original_mean"] for f in test["figures"]}
-    rows = re.findall(r"^\| `([^`]+)`[^|]*\| ([+-][0-9.]+) \| ([+-][0-9.]+) \| ([+-][0-9.]+) \|$", _claim_section(),
-                      flags=re.M)
-    assert len(rows) >= 7, rows
-    for name, *vals in rows:
-        row = "fixed-finetune[keynorm]" if name == "fixed-finetune[keynorm+]" else name  # the sign it chose
-        for b, v in zip((64, 128, 256), vals):
-            assert f"{fig[(row, b)]:+.4f}" == v, (name, b, fig[(row, b)], v)
-    third = json.loads((ev / "fresh3.json").read_text())  # issue 44: the --lm-weight rows, scored once
-    corpus2 = json.loads((ev.parent / "realtext2" / "fresh_corpus2.json").read_text())
-    big = [json.loads(f.read_text())  # issue 44 item 4: the 3.2M model
-           for f in (ev / "fresh3_3m.json", ev.parent / "realtext2" / "fresh_corpus2_3m.json")]
-    exact = json.loads((ev / "paper_exact.json").read_text())  # issue 43 item 4: the paper's method exactly
-    mlstm = json.loads((ev / "mlstm.json").read_text())  # the mLSTM scorer beside the MLP and recency
-    decay = json.loads((ev / "decay.json").read_text())  # a fixed, stronger decay
-    comps = [c for rec in (test, valid, third, corpus2, *big, *exact["tests"], *mlstm["splits"].values(),
-                           *decay["splits"].values())
-             for c in rec["comparisons"] + rec.get("oracle_against_control", [])]
-    claim = " ".join(_claim_section().split())  # an interval may be wrapped over two lines
+    ev = ROOT / "studies" / "results" / "evidence"
+    recs = [json.loads((ev / "realtext" / "controls.json").read_text())]
+    for f in ("fresh2", "fresh3", "fresh3_3m"):
+        recs.append(json.loads((ev / "realtext" / f"{f}.json").read_text()))
+    for f in ("fresh_corpus2", "fresh_corpus2_3m"):
+        recs.append(json.loads((ev / "realtext2" / f"{f}.json").read_text()))
+    recs += json.loads((ev / "realtext" / "paper_exact.json").read_text())["tests"]
+    for f in ("mlstm", "decay"):
+        recs += json.loads((ev / "realtext" / f"{f}.json").read_text())["splits"].values()
+    for task in ("kvtrace", "lookahead"):
+        recs.append(json.loads((ev / task / "fresh_test.json").read_text()))
+    return [c for rec in recs for c in rec["comparisons"] + rec.get("oracle_against_control", [])]
+
+
+def test_readme_realtext_claims_are_the_records():
+    """Issue 61 item 3: the README's claims block is ``python -m studies.claims``'s rendering of the records; every
+    interval the section quotes (table and words) is a comparison of a record; every seed-level interval beside one
+    is :func:`studies.paired.seed_t_interval` of that comparison's per-seed figures; an interval with a bound within
+    0.0005 of 0 says "borderline"; a split scored again by a later study says so."""
+    from studies import claims as C
+    from studies.paired import BORDERLINE
+
+    section = _claim_section()
+    block = section.split(C.CLAIMS_START, 1)[1].split(C.CLAIMS_END, 1)[0]
+    assert block == "\n" + C.readme_block(), "regenerate: python -m studies.evidence readme --write-shipped"
+    comps = _quoted_comparisons()
+    claim = " ".join(section.split())  # an interval may be wrapped over two lines
     quoted = re.findall(r"([+-][0-9.]+) \[([+-][0-9.]+), ([+-][0-9.]+)\]", claim)
-    assert len(quoted) >= 6, quoted
+    assert len(quoted) >= 3 * len(C.README_PAIRS) + 2, quoted
     for mean, lo, hi in quoted:
         match = [c for c in comps if f"{c['mean_diff']:+.4f}" == mean and f"{c['ci95'][0]:+.4f}" == lo
                  and f"{c['ci95'][1]:+.4f}" == hi]
         assert match, (mean, lo, hi)
-    # the mLSTM and fixed-decay sentences: their splits are their records' test splits, scored with 3 seeds
-    assert "3 seeds, a fourth fresh split" in claim and "at 6.25 % on two fresh splits" in claim
-    assert mlstm["splits"]["test_fresh4"]["test"] and mlstm["seeds"] == [0, 1, 2]
-    assert all(decay["splits"][t]["test"] for t in ("test_fresh5", "test_fresh6")) and decay["seeds"] == [0, 1, 2]
-    assert decay["selection"]["final"] and decay["selection"]["chosen"] == {"gamma": 0.995}
+        near = min(abs(x) for x in match[0]["ci95"]) <= BORDERLINE  # the record's bounds, not their rounding
+        after = claim.split(f"{mean} [{lo}, {hi}]", 1)[1][:40].split("[", 1)[0]
+        assert near == ("borderline" in after), (mean, lo, hi, after)
+    # every cell of the table: its seed-level interval is the t-interval of the same comparison's per-seed figures
+    cl = {(c["split"], c["a"], c["b"], c["budget"]): c for c in C.claims(C.load_sources())}
+    rows = [line for line in block.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(C.README_PAIRS)
+    for line, (split, a, b, _) in zip(rows, C.README_PAIRS):
+        cells = [x.strip() for x in line.strip("|").split("|")][2:]
+        assert line.startswith(f"| `{split}` (")
+        for bud, text in zip((64, 128, 256), cells):
+            c = cl[(split, a, b, bud)]
+            assert text.startswith(f"{c['mean_diff']:+.4f} [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]"), text
+            s = c["seeds"]
+            assert f"seeds [{s['ci95'][0]:+.4f}, {s['ci95'][1]:+.4f}]" in text, (split, a, b, bud)
+        history = line.split("(", 1)[1].split(")", 1)[0]
+        assert history == cl[(split, a, b, 128)]["history"]
+        # the splits later studies scored again are named so (issue 61: test_fresh2, test_fresh3)
+        if split in ("test_fresh2", "test_fresh3", "test_corpus2"):
+            assert "scored again" in history, line
+    # the words: no learned row beats recency at 12.5 % on any split; at 6.25 % by both intervals on test_fresh4-6,
+    # by the bootstrap alone on test_fresh2, on neither test_fresh3 nor the second corpus
+    recency = [p for p in C.README_PAIRS if "recency" in p[3] and not p[1].startswith("oracle")]
+    assert all(not cl[(s, a, b, 128)]["strength"].startswith("a better") for s, a, b, _ in recency)
+    assert "does not beat a fine-tune under a fixed rule at 12.5 % memory" in claim
+
+    def both(s, a, b):
+        c = cl[(s, a, b, 64)]
+        return c["strength"] == "a better" and c["seeds"]["ci95"][1] < 0
+
+    at64 = {s: (cl[(s, a, b, 64)]["strength"] == "a better", both(s, a, b)) for s, a, b, _ in recency
+            if "3.2M" not in _}
+    assert at64["test_fresh4"] == at64["test_fresh5"] == at64["test_fresh6"] == (True, True)
+    assert at64["test_fresh2"] == (True, False)
+    assert not any(cl[(s, a, b, 64)]["strength"] == "a better" for s, a, b, _ in recency
+                   if s in ("test_fresh3", "test_corpus2"))
+    assert "by both intervals on `test_fresh4`, `test_fresh5` and `test_fresh6`" in claim
+    assert "by the bootstrap alone on `test_fresh2`, on neither `test_fresh3` nor the second corpus" in claim
     assert "`--gamma-min 0.995 --gamma-max 0.995002 --gamma-init 0.995001`, chosen on validation" in claim
-    # "ties it at 12.5 % on both, and at 25 % beats it on one but not the other; an untrained priority ties it"
-    row, ctl, rnd = "kvpop-mlp-joint[lm 0.1,decay 0.995]", "fixed-finetune[streaming,lm 0.1]", \
-        "fixed-finetune[random,lm 0.1,decay 0.995]"
-    verdict = {(t, c["budget"], c["b"]): c["verdict"] for t in ("test_fresh5", "test_fresh6")
-               for c in decay["splits"][t]["comparisons"] if c["a"] == row}
-    assert [verdict[(t, 64, ctl)] for t in ("test_fresh5", "test_fresh6")] == ["a better"] * 2
-    assert [verdict[(t, 128, ctl)] for t in ("test_fresh5", "test_fresh6")] == ["no difference shown"] * 2
-    assert sorted(verdict[(t, 256, ctl)] for t in ("test_fresh5", "test_fresh6")) == ["a better", "no difference shown"]
-    assert [verdict[("test_fresh6", b, rnd)] for b in (128, 256)] == ["no difference shown"] * 2
-    # the words at 12.5 %: the control better; no difference shown against every other fine-tuned control
-    at128 = {c["b"]: c["verdict"] for c in test["comparisons"]
-             if c["reference"] == "original" and c["a"] == "kvpop-mlp-joint[auto]" and c["budget"] == 128}
-    assert at128["fixed-finetune[streaming]"] == "b better"
-    assert all(at128[b] == "no difference shown" for b in ("fixed-finetune[random]", "fixed-finetune[keynorm]",
-                                                           "fixed-finetune[window-attention]"))
-    # with the next-token loss: no difference shown against recency on test_fresh3, window attention better; on the
-    # second corpus recency better; the words "does not beat a fine-tune under a fixed rule at 12.5 %" follow
-    v3 = {c["b"]: c["verdict"] for c in third["comparisons"] if c["reference"] == "original" and c["budget"] == 128
-          and c["a"] == "kvpop-mlp-joint[auto, lm 0.1]"}
-    assert v3["fixed-finetune[streaming, lm 0.1]"] == "no difference shown"
-    assert v3["fixed-finetune[window-attention, lm 1]"] == "b better"
-    v2 = {c["b"]: c["verdict"] for c in corpus2["comparisons"] if c["reference"] == "original" and c["budget"] == 128
-          and c["a"] == "kvpop-mlp-joint[auto, lm 0.1]"}  # not the oracle against the control
-    assert v2["fixed-finetune[streaming, lm 0.1]"] == "b better"
-    assert "does not beat a fine-tune under a fixed rule at 12.5 % memory" in " ".join(_claim_section().split())
-    # issue 44 item 4: the same at 3.2M parameters on both corpora (no difference shown against the control)
-    for rec in big:
-        v = {c["b"]: c["verdict"] for c in rec["comparisons"] if c["reference"] == "original" and c["budget"] == 128
-             and c["a"] == "kvpop-mlp-joint[auto, lm 0.1, 3.2M params]"}
-        assert v["fixed-finetune[streaming, lm 0.1, 3.2M params]"] == "no difference shown"
-    assert "at 0.82M parameters nor at 3.2M" in " ".join(_claim_section().split())
-    # issue 43 item 4: the paper's method exactly ties recency on test_fresh2 at 12.5 %; its synthetic figures
-    fresh2 = next(t for t in exact["tests"] if t["split"] == "test_fresh2")
-    assert {c["verdict"] for c in fresh2["comparisons"] if c["budget"] == 128 and c["reference"] == "original"
-            and c["b"] == "fixed-finetune[streaming]"} == {"no difference shown"}
-    words = " ".join(_claim_section().split())
-    for task in ("kvtrace", "lookahead"):
-        rec = json.loads((ev.parent / task / "paper_exact.json").read_text())
-        fig = next(f for f in rec["tests"][0]["figures"] if f["row"] == "kvpop-mlp-joint[paper-exact]")
-        assert f"{task} {fig['mean']:.3f}" in words, (task, fig["mean"])
+    assert "at 0.82M parameters nor at 3.2M" in claim
+    # the exact label within 0.012 nats of recency at 12.5 % on the splits the table shows it
+    ex = [cl[(s, a, b, 128)] for s, a, b, _ in C.README_PAIRS if a.startswith("oracle")]
+    assert ex and all(abs(c["mean_diff"]) < 0.012 for c in ex)
+    import json
+
+    ev = ROOT / "studies" / "results" / "evidence" / "realtext"
+    # the synthetic words: lookahead's and kvtrace's fresh splits, the paper's rows
+    fresh = {t: json.loads((ev.parent / t / "fresh_test.json").read_text()) for t in ("kvtrace", "lookahead")}
+    mean = {(t, f["row"]): f["mean"] for t, r in fresh.items() for f in r["figures"]}
+    look = "kvpop-mlp-joint[max,paper-decay,adaptive,teacher]"
+    assert f"teacher label: {mean[('lookahead', look)]:.3f}" in claim
+    assert f"key-norm fine-tune ({mean[('lookahead', 'fixed-finetune[keynorm]')]:.3f})" in claim
+    assert all(v == 1.0 for v in next(f for f in fresh["kvtrace"]["figures"]
+                                      if f["row"] == "fixed-finetune[keynorm]")["per_seed"].values())
+    verdicts = {(t, c["b"]): c["verdict"] for t, r in fresh.items() for c in r["comparisons"]}
+    assert verdicts[("lookahead", "dms[tuned]")] == verdicts[("kvtrace", "fixed-finetune[keynorm]")] == "b better"
+    rec = json.loads((ev.parent / "lookahead" / "paper_exact.json").read_text())
+    f = next(f for f in rec["tests"][0]["figures"] if f["row"] == "kvpop-mlp-joint[paper-exact]")
+    assert f"its exact method ({f['mean']:.3f})" in claim, f["mean"]
 
 
 def test_readme_equal_bytes_row_is_the_records():
