@@ -1,0 +1,113 @@
+"""studies.longtext (issue 61 items 1-2): the long-record corpus split by file, the context-use and headroom
+measurements and the continued pre-training, on a tiny synthetic tree of source files and a tiny random Qwen3."""
+import json
+
+import pytest
+import torch
+
+from studies import longtext as L
+from studies.realtext_corpus import BOS_ID, EOS_ID, split_of
+
+
+def _tree(root):
+    """Python files of several lengths, one in a test directory and one under site-packages (both skipped)."""
+    for i in range(40):
+        d = root / ("pkg" if i % 2 else "other")
+        d.mkdir(parents=True, exist_ok=True)
+        body = f"# file {i}\n" + "\n".join(f"name_{i}_{j} = {j} * {i}" for j in range(10 + 6 * i)) + "\n"
+        (d / f"m{i}.py").write_text(body)
+    for skip in ("test", "site-packages", "__pycache__"):
+        (root / skip).mkdir()
+        (root / skip / "x.py").write_text("y = 1\n" * 200)
+    (root / "notes.txt").write_text("not python\n" * 100)
+    return root
+
+
+def test_stdlib_files_skip_tests_and_site_packages(tmp_path):
+    files = L.stdlib_files(_tree(tmp_path / "lib"))
+    keys = [k for k, _ in files]
+    assert len(keys) == 40 and keys == sorted(keys) and all(k.startswith("stdlib/") and k.endswith(".py")
+                                                            for k in keys)
+    assert not any("/test/" in k or "site-packages" in k or "__pycache__" in k for k in keys)
+    with pytest.raises(ValueError, match="not a directory"):
+        L.stdlib_files(tmp_path / "missing")
+
+
+def test_corpus_splits_by_file_one_record_per_test_file(tmp_path):
+    files = L.stdlib_files(_tree(tmp_path / "lib"))
+    m = L.build_corpus(tmp_path / "c", files, seq_len=256, valid_frac=0.2, test_frac=0.3, train_records_per_file=2)
+    by = {s: [json.loads(x) for x in (tmp_path / "c" / f"{s}.jsonl").read_text().splitlines()]
+          for s in ("train", "validation", "test")}
+    sets = {s: {r["file"] for r in recs} for s, recs in by.items()}
+    assert not (sets["train"] & sets["test"]) and not (sets["train"] & sets["validation"]) \
+        and not (sets["validation"] & sets["test"])
+    long_enough = {k for k, p in files if len(p.read_bytes()) + 2 >= 256}
+    for s, recs in by.items():
+        assert sets[s] == {k for k in long_enough if split_of(k, 0, 0.2, 0.3) == s}
+        assert all(len(r["input_ids"]) == 256 for r in recs)
+        assert m["splits"][s]["records"] == len(recs)
+    for s in ("validation", "test"):  # one record per file: each record its own cluster
+        assert len(by[s]) == len(sets[s])
+    # a record is the file's first 256 tokens of [BOS] + bytes (+ EOS)
+    r = by["test"][0]
+    data = dict(files)[r["file"]].read_bytes()
+    assert r["input_ids"] == ([BOS_ID, *data, EOS_ID])[:256]
+    assert len(by["train"]) > len(sets["train"])  # files longer than 2 records give 2
+    ids, clusters = L.read_records(tmp_path / "c" / "test.jsonl", 2)
+    assert len(ids) == 2 and clusters == [x["file"] for x in by["test"][:2]] and ids[0].dtype == torch.long
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    Qwen3ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def _traces(n, length=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (length,), generator=g) for _ in range(n)]
+
+
+def test_context_use_and_headroom_on_a_tiny_model(tiny_model):
+    from kvpop.evaluation.trace_eval import load_model
+
+    base = load_model(str(tiny_model)).eval()
+    t = _traces(2)
+    # a context cut to more than the record is no cut: the two NLLs agree
+    same = L.context_use(base, t, start=40, keep=120, progress=False)
+    assert same["full"] == pytest.approx(same["cut"], abs=1e-5)
+    cut = L.context_use(base, t, start=40, keep=24, progress=False)
+    assert len(cut["full"]) == 2 and cut["full"] == pytest.approx(same["full"])
+    h = L.headroom(base, t, budget=32, window=8, gammas=(0.99, 0.999), progress=False)
+    assert set(h) == {"streaming", "oracle[0.99]", "oracle[0.999]"} and all(len(v) == 2 for v in h.values())
+    assert all(abs(x) < 5 for v in h.values() for x in v)
+
+
+def test_cli_context_headroom_and_pretrain(tiny_model, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": x.tolist(), "file": f"f{i}"}) + "\n"
+                            for i, x in enumerate(_traces(3))))
+    assert L.main(["headroom", "--model", str(tiny_model), "--data", str(data), "--out", str(tmp_path / "h.json"),
+                   "--budget", "32", "--window", "8", "--gammas", "0.99"]) == 0
+    rec = json.loads((tmp_path / "h.json").read_text())
+    assert rec["files"] == ["f0", "f1", "f2"] and set(rec["oracle_minus_streaming"]) == {"oracle[0.99]"}
+    d = rec["oracle_minus_streaming"]["oracle[0.99]"]
+    per = rec["per_sequence"]
+    assert d["mean_diff"] == pytest.approx(sum(per["oracle[0.99]"]) / 3 - sum(per["streaming"]) / 3)
+    assert L.main(["context", "--model", str(tiny_model), "--data", str(data), "--out", str(tmp_path / "c.json"),
+                   "--from", "40", "--keep", "24"]) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["full_minus_cut"]["n_clusters"] == 3
+    out = tmp_path / "pre"
+    assert L.main(["pretrain", "--model", str(tiny_model), "--data", str(data), "--valid-data", str(data),
+                   "--out", str(out), "--steps", "3", "--eval-every", "2", "--eval-n", "2"]) == 0
+    log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    evals = [e for e in log if "valid_nll" in e]
+    assert [e["step"] for e in evals] == [0, 2, 3] and (out / "model" / "config.json").is_file()
+    assert all(len(e["per_sequence"]) == 2 for e in evals)
+    assert L.main(["corpus", "--out", str(data)]) == 2 and "not a directory" in capsys.readouterr().err
