@@ -127,9 +127,10 @@ def _readme(a: argparse.Namespace) -> int:
     readme = _target(a.readme, README_FILE, a, "--readme")
     evidence = {"rows": read_ledger(a.evidence)}
     changed = update_readme(readme, evidence, every_budget=a.every_budget)
-    from .claims import CLAIMS_START, update_claims
+    from .claims import CLAIMS_ALL_START, CLAIMS_START, update_claims
 
-    if CLAIMS_START in readme.read_text(encoding="utf-8"):  # the real-text claims' block (studies.claims)
+    text = readme.read_text(encoding="utf-8")
+    if CLAIMS_START in text or CLAIMS_ALL_START in text:  # the real-text claims' blocks (studies.claims)
         changed = update_claims(readme) or changed
     print(f"{readme}: {'updated' if changed else 'unchanged'}")
     return 0

@@ -137,3 +137,21 @@ def test_headline_table_shows_kvtraces_key_norm_row():
     assert "| fixed-finetune[keynorm] on test_fresh2 | 1.000 (1.000 .. 1.000) |" in table
     assert "| kvpop-mlp-joint[paper, trained at B=40, lr 1e-2] on test_fresh2 |" in table
     assert "fixed-finetune[random] on test_fresh2" not in table
+
+
+def test_results_document_holds_every_pair():
+    """evidence.md's round-five block is every comparison of every real-text study, as the records give them."""
+    from studies.paths import RESULTS_DIR
+
+    text = (RESULTS_DIR / "evidence.md").read_text(encoding="utf-8")
+    block = text.split(C.CLAIMS_ALL_START, 1)[1].split(C.CLAIMS_ALL_END, 1)[0]
+    assert block == "\n" + C.render(C.claims(C.load_sources())), (
+        "regenerate: python -m studies.claims readme --readme studies/results/evidence.md --write-shipped")
+
+
+def test_update_claims_fills_both_blocks(tmp_path):
+    f = tmp_path / "E.md"
+    f.write_text(f"{C.CLAIMS_ALL_START}\nold\n{C.CLAIMS_ALL_END}\nmid\n{C.CLAIMS_START}\nold\n{C.CLAIMS_END}\n")
+    assert C.update_claims(f)
+    text = f.read_text()
+    assert C.render(C.claims(C.load_sources())) in text and C.readme_block() in text and "\nold\n" not in text
