@@ -43,7 +43,7 @@ from typing import Any
 from .paths import check_out_dir
 
 __all__ = ["stdlib_files", "build_corpus", "read_records", "context_use", "headroom", "main", "SEQ_LEN", "WINDOW",
-           "SINKS", "BUDGET", "BAR", "continue_pretraining"]
+           "SINKS", "BUDGET", "BAR", "continue_pretraining", "ledger_rows"]
 
 SEQ_LEN = 4096
 WINDOW = 256
@@ -256,6 +256,44 @@ def continue_pretraining(model_dir: str | os.PathLike, data: str | os.PathLike, 
     return last
 
 
+def ledger_rows(rec: dict, *, split: str, model: str) -> dict:
+    """A headroom record (``python -m studies.longtext headroom``) as ledger rows of the real-text instrument on
+    ``split`` (one per policy, one seed each: neither row is trained, both deterministic; budget ``rec["budget"]`` of
+    ``SEQ_LEN``-token records, not headline) and the paired comparison of each oracle against recency
+    (:func:`studies.paired.comparison`, clustered by file)."""
+    from .ledger import summarize
+    from .paired import comparison
+
+    per = rec["per_sequence"]
+    length = rec.get("seq_len", SEQ_LEN)
+    rows = []
+    for policy, vals in per.items():
+        name = "streaming[long]" if policy == "streaming" else f"oracle[label {rec['label']}, gamma " \
+            f"{policy.split('[')[1].rstrip(']')}, long]"
+        v = sum(vals) / len(vals)
+        rows.append({"instrument": "realtext", "policy": name, "budget": rec["budget"],
+                     "budget_fraction": rec["budget"] / length, "length": length, "split": split,
+                     "recipe": {"model": model, "window": rec["window"], "sinks": rec["sinks"],
+                                "label": rec["label"] if policy != "streaming" else None},
+                     "steps": None, "seeds": [v], **summarize([v]), "value": v, "metric": "delta_nll", "trials": 0,
+                     "test_evaluations": 1, "per_sequence": [vals], "headline": False,
+                     "not_causal": policy != "streaming",
+                     "legend": ("StreamingLLM, no training" if policy == "streaming" else
+                                "the exact label (the frozen dense model's attention, pooled by the label, at a fixed "
+                                "decay): not causal, an upper bound")
+                     + f"; {model}, {length}-token records of the standard library (studies.longtext)"})
+    base = next(r for r in rows if r["policy"] == "streaming[long]")
+    comps = []
+    for r in rows:
+        if r is base:
+            continue
+        c = comparison(instrument="realtext", budget=rec["budget"], a=r["policy"], b=base["policy"],
+                       values_a=r["per_sequence"][0], values_b=base["per_sequence"][0], lower_is_better=True,
+                       clusters=rec["files"])
+        comps.append({**c, "seeds": {"a": 1, "b": 1}, "split": split})
+    return {"rows": rows, "comparisons": comps}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.longtext", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -276,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval-every", type=int, default=50)
     t.add_argument("--max-minutes", type=float, default=None)
     t.add_argument("--threads", type=int, default=1)
+    g = sub.add_parser("ledger", help="a headroom record as the ledger's rows of one split (then python -m "
+                                      "studies.evidence ledger --runs RUNS --write-shipped)")
+    g.add_argument("--record", required=True)
+    g.add_argument("--split", required=True, help="the split's name in the ledger")
+    g.add_argument("--model-name", required=True)
+    g.add_argument("--runs", required=True, help="where RUNS/realtext/evidence_rows.json is written")
     for name, help_ in (("context", "dense NLL with the full context against the context cut to --keep"),
                         ("headroom", "the exact label against recency at one budget")):
         q = sub.add_parser(name, help=help_)
@@ -298,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
             check_out_dir(a.out)
             m = build_corpus(a.out, stdlib_files(a.stdlib), seq_len=a.seq_len)
             print(json.dumps({s: v["records"] for s, v in m["splits"].items()}))
+            return 0
+        if a.cmd == "ledger":
+            from .ledger import write_split_rows
+
+            check_out_dir(a.runs, "--runs")
+            new = ledger_rows(json.loads(Path(a.record).read_text()), split=a.split, model=a.model_name)
+            print(write_split_rows(a.runs, "realtext", a.split, new))
             return 0
         import torch
 
@@ -329,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             comps = {k: paired_interval(v, vals["streaming"], clusters=files).to_dict()
                      for k, v in vals.items() if k != "streaming"}
             rec = {"study": "headroom", "model": a.model, "data": a.data, "budget": a.budget, "window": a.window,
+                   "seq_len": len(traces[0]),
                    "sinks": SINKS, "label": a.label, "files": files, "per_sequence": vals,
                    "means": {k: sum(v) / len(v) for k, v in vals.items()},
                    "oracle_minus_streaming": comps, "bar": BAR}

@@ -111,3 +111,28 @@ def test_cli_context_headroom_and_pretrain(tiny_model, tmp_path, capsys):
     assert [e["step"] for e in evals] == [0, 2, 3] and (out / "model" / "config.json").is_file()
     assert all(len(e["per_sequence"]) == 2 for e in evals)
     assert L.main(["corpus", "--out", str(data)]) == 2 and "not a directory" in capsys.readouterr().err
+
+
+def test_ledger_rows_of_a_headroom_record(tmp_path):
+    """The record's rows pass the ledger's checks (one seed each, per-sequence values, not headline) and the
+    comparison is the paired interval of the oracle against recency over the files."""
+    from studies.ledger import check_ledger
+    from studies.paired import paired_interval
+
+    per = {"streaming": [0.30, 0.20, 0.25], "oracle[0.9995]": [0.10, 0.15, 0.05]}
+    rec = {"budget": 512, "window": 256, "sinks": 4, "label": "mean", "seq_len": 4096, "files": ["a", "b", "b"],
+           "per_sequence": per}
+    new = L.ledger_rows(rec, split="long_test", model="m")
+    assert [r["policy"] for r in new["rows"]] == ["streaming[long]", "oracle[label mean, gamma 0.9995, long]"]
+    assert all(r["budget_fraction"] == 0.125 and r["length"] == 4096 and not r["headline"] for r in new["rows"])
+    c = new["comparisons"][0]
+    want = paired_interval(per["oracle[0.9995]"], per["streaming"], clusters=rec["files"])
+    assert c["ci95"] == list(want.ci95) and c["n_clusters"] == 2 and c["verdict"] == "a better"
+    check_ledger(new, "test")
+    out = tmp_path / "runs"
+    (tmp_path / "r.json").write_text(json.dumps(rec))
+    assert L.main(["ledger", "--record", str(tmp_path / "r.json"), "--split", "long_test", "--model-name", "m",
+                   "--runs", str(out)]) == 0
+    rows = json.loads((out / "realtext" / "evidence_rows.json").read_text())
+    assert {r["policy"] for r in rows["rows"] if r.get("split") == "long_test"} == {r["policy"] for r in new["rows"]}
+    assert len(rows["rows"]) > 2  # the archive's rows stay beside them
