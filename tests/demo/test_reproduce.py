@@ -1,0 +1,67 @@
+"""The reproduction rule of a demo run (``kvpop.demo.reproduce``, docs/DESIGN.md section 14)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpop.demo import reproduce as R
+
+
+def _res(cells, task="kvtrace"):
+    return {"task": task, "rows": [{"policy": p, "length": L, "budget": b, "accuracy": a} for p, L, b, a in cells]}
+
+
+SHIPPED = _res([("dense", 256, 256, 1.0), ("streaming", 256, 16, 0.1), ("kvpop-mlp", 256, 16, 0.9),
+                ("dms", 256, 16, 0.8), ("kvpop-mlstm-joint", 256, 16, 0.7)])
+
+
+def test_exact_rows_must_match_and_trained_rows_stay_in_their_band():
+    got = _res([("dense", 256, 256, 1.0), ("streaming", 256, 16, 0.1), ("kvpop-mlp", 256, 16, 0.9),
+                ("dms", 256, 16, 0.85), ("kvpop-mlstm-joint", 256, 16, 0.7)])
+    v = R.compare(got, SHIPPED, {"dms": 0.06, "kvpop-mlstm-joint": 0.02})
+    assert [c[0] for c in v.within] == ["dms"] and not v.outside and v.ok
+    assert len(v.equal) == 4
+    assert "4 of 5 cells equal, 1 within their row's band" in v.line() and "0 outside" in v.line()
+    # a band too narrow: outside, and the line names the cell
+    v = R.compare(got, SHIPPED, {"dms": 0.04})
+    assert [c[0] for c in v.outside] == ["dms"] and not v.ok
+    assert "dms L=256 B=16: 0.850, shipped 0.800, band 0.040" in v.line()
+    # an exact row never gets a band, whatever bands.json says
+    moved = _res([("streaming", 256, 16, 0.11)])
+    v = R.compare(moved, _res([("streaming", 256, 16, 0.1)]), {"streaming": 1.0})
+    assert v.outside and not v.ok
+
+
+def test_cells_only_one_side_has_fail_the_verdict():
+    v = R.compare(_res([("dense", 256, 256, 1.0)]), SHIPPED, {})
+    assert len(v.missing) == 4 and not v.ok and "4 shipped cells not run" in v.line()
+    v = R.compare(_res([*[(r["policy"], r["length"], r["budget"], r["accuracy"]) for r in SHIPPED["rows"]],
+                        ("h2o", 512, 16, 0.3)]), SHIPPED, {"dms": 0, "kvpop-mlstm-joint": 0})
+    assert v.extra == [("h2o", 512, 16)] and not v.ok
+
+
+def test_measure_bands_takes_the_largest_move_per_policy_rounded_up():
+    runs = [_res([("dms", 256, 16, 0.8123), ("kvpop-mlstm-joint", 256, 16, 0.7)]),
+            _res([("dms", 256, 16, 0.7901), ("kvpop-mlstm-joint", 256, 16, 0.7), ("streaming", 256, 16, 0.2)])]
+    assert R.measure_bands(runs, SHIPPED) == {"dms": 0.013, "kvpop-mlstm-joint": 0.0}
+    assert R.exact_moves(runs, SHIPPED) == [("streaming", 256, 16, 0.2, 0.1)]
+
+
+def test_main_compares_a_finished_run_and_exits_1_outside(tmp_path, capsys):
+    shipped, out = tmp_path / "shipped", tmp_path / "out"
+    (shipped / "kvtrace").mkdir(parents=True)
+    (out / "kvtrace").mkdir(parents=True)
+    (shipped / "kvtrace" / "results.json").write_text(json.dumps(SHIPPED))
+    (shipped / "bands.json").write_text(json.dumps({"bands": {"kvtrace": {"dms": 0.1, "kvpop-mlstm-joint": 0.0}}}))
+    (out / "kvtrace" / "results.json").write_text(json.dumps(SHIPPED))
+    assert R.main([str(out), "--shipped", str(shipped)]) == 0
+    assert "5 of 5 cells equal" in capsys.readouterr().out
+    moved = json.loads(json.dumps(SHIPPED))
+    moved["rows"][4]["accuracy"] = 0.75
+    (out / "kvtrace" / "results.json").write_text(json.dumps(moved))
+    assert R.main([str(out), "--shipped", str(shipped)]) == 1
+    assert "outside: kvpop-mlstm-joint L=256 B=16: 0.7500, shipped 0.7000" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        R.main([str(tmp_path / "nothing"), "--shipped", str(shipped)])
+    assert e.value.code == 2 and "holds no finished task" in capsys.readouterr().err
