@@ -67,9 +67,9 @@ class Verdict:
         return s
 
 
-def load_bands(path: str | Path = BANDS) -> dict[str, dict[str, float]]:
-    """``{task: {policy: band}}`` from ``bands.json``."""
-    return json.loads(Path(path).read_text())["bands"]
+def load_bands(path: str | Path | None = None) -> dict[str, dict[str, float]]:
+    """``{task: {policy: band}}`` from ``bands.json`` (default: the shipped one)."""
+    return json.loads(Path(path if path is not None else BANDS).read_text())["bands"]
 
 
 def compare(results: Mapping[str, Any], shipped: Mapping[str, Any], bands: Mapping[str, float], *,

@@ -10,6 +10,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from kvpop.core.files import replace_files
 from kvpop.demo.search import (
@@ -131,6 +132,9 @@ def run_task(args: DemoOptions, task: str, out: Path, s: dict) -> dict:
                                     for p in (*rcs, *(("dms",) if s["dms_steps"] > 0 else ()))}}
     print(f"[kvpop demo] {task}:")
     E.write_outputs(results, out, not args.no_plot)
+    verdict = reproduction_verdict(results, task)
+    if verdict is not None:
+        print(f"[kvpop demo] {verdict}", flush=True)
     for name, fmt in (("decode", format_decode_table), ("dms", format_dms_table)):
         table = fmt(results.get("decode") or [] if name == "decode" else results["rows"])
         if table:
@@ -140,6 +144,31 @@ def run_task(args: DemoOptions, task: str, out: Path, s: dict) -> dict:
                      "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t_start)),
                      "args": dict(args.recorded)}, out / "run.json")
     return results
+
+
+def reproduction_verdict(results: dict, task: str) -> str | None:
+    """The line comparing ``results`` with the shipped ones (:mod:`kvpop.demo.reproduce`), or None when this run's
+    settings are not the shipped run's (another budget, length, sequence count or retrofit setting: nothing to
+    compare with)."""
+    from kvpop.demo import reproduce
+
+    path = reproduce.SHIPPED / task / "results.json"
+    if not path.is_file() or not reproduce.BANDS.is_file():
+        return None
+    shipped = json.loads(path.read_text())
+    same = all(results.get(k) == shipped.get(k) for k in ("budgets", "lengths", "n_sequences", "task_config"))
+    if not same or not _agrees(results["demo"]["settings"], shipped.get("demo", {}).get("settings", {})):
+        return None
+    v = reproduce.compare(results, shipped, reproduce.load_bands().get(task, {}), task=task)
+    return v.line() + ("" if v.ok else ": see python -m kvpop.demo.reproduce OUT for each cell")
+
+
+def _agrees(mine: Any, theirs: Any) -> bool:
+    """``mine`` equals ``theirs`` but for keys ``theirs`` lacks (a setting added since the shipped run, at its
+    default), in nested dicts too."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return all(k not in theirs or _agrees(v, theirs[k]) for k, v in mine.items())
+    return mine == theirs
 
 
 def adopt_trial(out: Path, policy: str, c: dict) -> bool:

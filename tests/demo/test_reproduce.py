@@ -65,3 +65,31 @@ def test_main_compares_a_finished_run_and_exits_1_outside(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         R.main([str(tmp_path / "nothing"), "--shipped", str(shipped)])
     assert e.value.code == 2 and "holds no finished task" in capsys.readouterr().err
+
+
+def test_the_demo_prints_a_verdict_only_for_a_run_with_the_shipped_settings(monkeypatch, tmp_path):
+    import copy
+
+    from kvpop.demo import run
+
+    shipped_dir = tmp_path / "shipped"
+    (shipped_dir / "kvtrace").mkdir(parents=True)
+    shipped = {**_res([("dense", 256, 256, 1.0), ("dms", 256, 16, 0.8)]), "budgets": [16], "lengths": [256],
+               "n_sequences": 2, "task_config": {"n": 1}, "demo": {"settings": {"steps": 10, "dms": {"lr": 0.1}}}}
+    (shipped_dir / "kvtrace" / "results.json").write_text(json.dumps(shipped))
+    (shipped_dir / "bands.json").write_text(json.dumps({"bands": {"kvtrace": {"dms": 0.05}}}))
+    monkeypatch.setattr(R, "SHIPPED", shipped_dir)
+    monkeypatch.setattr(R, "BANDS", shipped_dir / "bands.json")
+    mine = copy.deepcopy(shipped)
+    mine["rows"][1]["accuracy"] = 0.83
+    mine["demo"]["settings"]["dms"]["new_setting"] = "x"  # added since the shipped run: not a difference
+    line = run.reproduction_verdict(mine, "kvtrace")
+    assert line.startswith("kvtrace: against the shipped results, 1 of 2 cells equal, 1 within")
+    mine["rows"][1]["accuracy"] = 0.9
+    assert "1 outside" in run.reproduction_verdict(mine, "kvtrace")
+    for change in (("budgets", [8]), ("n_sequences", 1)):  # another run (--quick): nothing to compare with
+        assert run.reproduction_verdict({**mine, change[0]: change[1]}, "kvtrace") is None
+    other = copy.deepcopy(mine)
+    other["demo"]["settings"]["dms"]["lr"] = 0.2
+    assert run.reproduction_verdict(other, "kvtrace") is None
+    assert run.reproduction_verdict(mine, "lookahead") is None  # nothing shipped for it
