@@ -5,7 +5,8 @@ definitions of ``docs/DESIGN.md`` literally, forms full ``S x S`` matrices and l
 queries where that is the plainest statement of the rule.  They run in float64 for
 ranking and float32 (or the input's wider dtype) for attention, on any device.
 
-Names match the public ops of ``kvpop_kernels`` one to one.
+Names match the public ops of ``kvpop_kernels`` one to one (and ``eviction_replay``, the decoding rule
+replayed with a heap: a second oracle of the schedule, fast enough for long sequences).
 
 Eviction semantics (docs/DESIGN.md), repeated here because every function below uses them:
 
@@ -31,6 +32,7 @@ __all__ = [
     "visible_mask",
     "eviction_schedule",
     "eviction_decisions",
+    "eviction_replay",
     "future_attention_target",
     "sparse_attention",
     "dense_causal_attention",
@@ -130,6 +132,50 @@ def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int, k) ->
                 bnd[b, h, t] = kth
                 y[b, h, t] = 1 if rank_key(pr[t], t) > rank_key(pr[kth], kth) else -1
     return y.to(priority.device), bnd.to(priority.device)
+
+
+def eviction_replay(priority: torch.Tensor, *, sinks: int, window: int, k) -> tuple[torch.Tensor, ...]:
+    """Rule 10 replayed token by token: ``(evict_at, y, bnd)``, as :func:`eviction_schedule` and
+    :func:`eviction_decisions`, in ``O(S log k)`` per head (the oracle of long sequences).
+
+    A min-heap holds the kept long-range set.  At query ``q`` the token ``t = q - w`` joins ``E(q)``:
+    while fewer than ``k`` are kept it takes a free slot; otherwise it replaces the lowest-ranked kept
+    token if it ranks above it (that token's ``evict_at`` is ``q``) or is itself evicted at ``q``.  The
+    heap's minimum just before ``t`` competes is ``bnd[t]``.
+    """
+    import heapq
+
+    p = _clean_priority(priority)
+    Bsz, H, S = p.shape
+    ks = _per_head_k(k, H)
+    ev = torch.full((Bsz, H, S), NEVER, dtype=torch.int32)
+    y = torch.zeros((Bsz, H, S), dtype=torch.int8)
+    bnd = torch.full((Bsz, H, S), -1, dtype=torch.int32)
+    pl = p.cpu().tolist()
+    for b in range(Bsz):
+        for h in range(H):
+            kh, pr = ks[h], pl[b][h]
+            evh = [NEVER] * S
+            heap: list[tuple[float, int]] = []  # rank_key of the kept tokens: the minimum ranks lowest
+            for t in range(sinks, S - window):  # t joins E at q = t + w <= S - 1
+                q, key = t + window, rank_key(pr[t], t)
+                if kh == 0:
+                    evh[t] = q
+                    continue
+                if len(heap) < kh:
+                    heapq.heappush(heap, key)
+                    continue
+                low = heap[0]
+                bnd[b, h, t] = low[1]
+                y[b, h, t] = 1 if key > low else -1
+                if key > low:
+                    heapq.heapreplace(heap, key)
+                    evh[low[1]] = q
+                else:
+                    evh[t] = q
+            ev[b, h] = torch.tensor(evh, dtype=torch.int32)
+    dev = priority.device
+    return ev.to(dev), y.to(dev), bnd.to(dev)
 
 
 def future_attention_target(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, window: int,

@@ -5,29 +5,36 @@ rank as ``-inf`` (below every number, ties to the newer token as always).  ``k``
 KV head or one per KV head (head-adaptive budgets, docs/DESIGN.md section 7): each head runs the rule
 with its own ``k``; the kernels load it per program from an int32 ``[H]`` tensor on the device.
 
-CPU path (O(S log k) per head): a min-heap of the kept long-range set, run over the
-queries in order.  At query ``q`` the token ``t_new = q - w`` joins ``E(q)``; while fewer
-than ``k`` are kept it takes a free slot, otherwise it replaces the lowest-ranked kept
-token if it ranks above it (that token's ``evict_at`` is ``q``) or is itself evicted
-at ``q``.  Since priorities are static this is exactly the top-k of ``E(q)`` at every
-``q``, and the heap's minimum just before ``t_new`` competes is ``bnd[t_new]``.
+Both ops are order statistics of one ranking, ``O(S log S)`` work per head, parallel over tokens.
 
-GPU path (Triton): the schedule has a closed form that is parallel over tokens.  Let
-``P_k(t)`` be the k-th smallest position among the tokens ``t' >= s`` that rank above
-``t``.  ``t`` is kept at ``q`` iff fewer than ``k`` tokens of ``E(q)`` rank above it, so
-``evict_at[t] = max(t, P_k(t)) + w`` (``NEVER`` if ``P_k(t)`` does not exist or the
-result is past ``S - 1``).  One program takes a block of tokens ``t``, scans the key
-blocks ``t'`` in position order counting higher-ranked tokens, and stops as soon as
-every row of its block has reached ``k``: O(S^2) comparisons per head in the worst case,
-which on a GPU costs a fraction of one attention layer at training lengths (see
-``benchmarks/test_schedule.py``).  Decisions then follow from the schedule: the kept
-set just before ``t`` competes is ``{t' in [s, t-1] : evict_at[t'] >= t + w}`` (exactly
-``k`` tokens where a decision exists) and ``bnd[t]`` is its lowest-ranked member;
-``y[t] = +1`` iff ``evict_at[t] > t + w``.
+* The invariant: priorities are static (the age penalty ``q log(gamma)`` shifts every kept token
+  alike), so the order of two tokens never changes.  ``t`` is kept at ``q >= t + w`` iff fewer than
+  ``k`` tokens of ``E(q) = {s .. q-w}`` rank above it, and that count only grows with ``q``.  Hence
+  ``evict_at[t] = max(t, P_k(t)) + w`` with ``P_k(t)`` the k-th smallest position among the tokens
+  ``u >= s`` that rank above ``t`` (the k-th of them, in position order, to join ``E``); ``NEVER``
+  if there are fewer than ``k`` or the result is past ``S - 1``; ``t + w`` for ``k = 0``.
+* Decisions: ``bnd[t]`` is the k-th ranked token of ``{s .. t-1}``, the k-th smallest *rank* among
+  the positions ``< t``; ``y[t] = +1`` iff ``t`` ranks above it.
+* Sort the tokens once by rank (best first; ties to the newer token, NaN and the sinks as ``-inf``,
+  so the sinks rank below every other token and never count): ``perm[i]`` is the position of the
+  ``i``-th ranked token and ``rank = perm^-1``.  Then ``P_k(t)`` is the k-th smallest value of the
+  prefix ``perm[0 : rank[t]]`` and ``bnd[t] = perm[v]`` with ``v`` the k-th smallest value of the
+  prefix ``rank[0 : t]``: the same query, "k-th smallest of a prefix of a permutation", on ``perm``
+  and on ``rank``.
+* A wavelet tree of the permutation answers it in ``L = ceil(log2 S)`` steps per token.  Level
+  ``l`` lists the entries grouped by value block of ``2^(L-l)`` (its nodes), in index order within a
+  node, and keeps ``Z_l``, the running count of entries whose value lies in the lower half of their
+  node.  A query walks from the root with its prefix length ``j`` inside the node: ``c0 = Z_l[a + j]
+  - Z_l[a]`` of them are in the lower half; it descends there if ``k <= c0``, else into the upper
+  half with ``k - c0``; the leaf reached is the answer.
+* Building the levels: on a GPU one segmented ``torch.sort`` of the ``L * S`` keys
+  ``(node, index, half)`` per head (a radix sort: fixed passes over the keys) and a running count
+  (Triton); on the CPU path the classic top-down build, a stable partition per level (``O(S)`` each).
+  Launches per call on a GPU: priority clean-up, the rank sort, the keys, the level sort, the counts,
+  the walk (6, whatever ``S``); memory ``O(L * S)`` int32 per head.
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -111,46 +118,92 @@ def head_k(k: object, H: int, S: int, device: torch.device, *, check: object = N
                     f"{type(k).__name__} ({str(k)[:60]})")
 
 
-def _nan_to_neg_inf(p: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isnan(p), torch.full_like(p, float("-inf")), p)
+def _levels(S: int) -> int:
+    """``L``: the wavelet tree's levels for values ``0 .. S-1`` (at least one)."""
+    return max(1, (S - 1).bit_length())
 
 
 # --------------------------------------------------------------------------------- CPU
-def _cpu_schedule(priority: torch.Tensor, sinks: int, window: int, k: int | torch.Tensor,
-                  decisions: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    p = _nan_to_neg_inf(priority.detach().to(torch.float64)).cpu().numpy()
-    Bsz, H, S = p.shape
-    ks = [k] * H if isinstance(k, int) else k.cpu().tolist()  # the k of each head
-    ev = np.full((Bsz, H, S), NEVER, dtype=np.int32)
-    y = np.zeros((Bsz, H, S), dtype=np.int8) if decisions else None
-    bnd = np.full((Bsz, H, S), -1, dtype=np.int32) if decisions else None
-    w, s = window, sinks
-    heappush, heapreplace = heapq.heappush, heapq.heapreplace
-    for b in range(Bsz):
-        for h in range(H):
-            k = ks[h]
-            pr = p[b, h].tolist()
-            evh = ev[b, h]
-            heap: list[tuple[float, int]] = []  # (priority, position): the minimum ranks lowest
-            for t in range(s, S - w):  # t joins E at q = t + w <= S - 1
-                q = t + w
-                key = (pr[t], t)
-                if k == 0:
-                    evh[t] = q
-                    continue
-                if len(heap) < k:
-                    heappush(heap, key)
-                    continue
-                low = heap[0]
-                if decisions:
-                    bnd[b, h, t] = low[1]
-                    y[b, h, t] = 1 if key > low else -1
-                if key > low:
-                    heapreplace(heap, key)
-                    evh[low[1]] = q
-                else:
-                    evh[t] = q
-    return ev, y, bnd
+def _clean(p: torch.Tensor, sinks: int) -> torch.Tensor:
+    """The ranking's priorities ``[R, S]``: NaN and the sinks as ``-inf`` (the sinks then rank below every
+    other token: ties go to the newer), ``-0.0`` as ``+0.0`` (they are equal, so they tie)."""
+    t = torch.arange(p.shape[-1], device=p.device)
+    p = torch.where(torch.isnan(p) | (t < sinks), torch.full_like(p, float("-inf")), p)
+    return torch.where(p == 0, torch.zeros_like(p), p)
+
+
+def _torch_order(p: torch.Tensor, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, rank)`` int64 ``[R, S]``: ``perm[i]`` the position of the ``i``-th ranked token (best first,
+    ties to the newer), ``rank`` its inverse.  A stable descending sort of the reversed sequence puts
+    the newer of two equal priorities first."""
+    S = p.shape[-1]
+    perm = (S - 1) - torch.sort(_clean(p, sinks).flip(-1), dim=-1, descending=True, stable=True).indices
+    pos = torch.arange(S, device=p.device).expand_as(perm).contiguous()
+    return perm, torch.empty_like(perm).scatter_(-1, perm, pos)
+
+
+def _torch_tree(a: torch.Tensor) -> list[torch.Tensor]:
+    """``Z``: one int64 ``[R, S + 1]`` per level (``L`` of them) of the wavelet tree of each row of the
+    permutation ``a [R, S]``.
+
+    Top-down: level 0 is ``a`` itself; each level counts (exclusive running sum, ``Z_l``) the entries
+    in the lower half of their node and stably partitions every node into its halves for the next
+    level.  ``O(S)`` per level."""
+    R, S = a.shape
+    L = _levels(S)
+    g = torch.arange(S, device=a.device).expand(R, S)
+    cur, Z = a, []
+    for lev in range(L):
+        bit = (cur >> (L - 1 - lev)) & 1
+        z = torch.nn.functional.pad(torch.cumsum(1 - bit, dim=-1), (1, 0))
+        Z.append(z)
+        if lev == L - 1:
+            break
+        start = (cur >> (L - lev)) << (L - lev)  # the node's first index (values are 0 .. S-1, all present)
+        low = z[:, :S] - z.gather(-1, start)  # lower-half entries before g in its node
+        dest = torch.where(bit == 0, start + low, start + (1 << (L - 1 - lev)) + (g - start - low))
+        cur = torch.empty_like(cur).scatter_(-1, dest, cur)
+    return Z
+
+
+def _torch_kth(Z: list[torch.Tensor], m: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The ``k``-th smallest (``1 <= k <= m``) of the first ``m`` entries of each row, all ``[R, S]``
+    queries at once: ``L`` steps down the tree ``Z`` (see the module's docstring)."""
+    L = len(Z)
+    a = torch.zeros_like(m)
+    for lev, z in enumerate(Z):
+        c0 = z.gather(-1, a + m) - z.gather(-1, a)
+        low = k <= c0
+        k = torch.where(low, k, k - c0)
+        m = torch.where(low, c0, m - c0)
+        a = torch.where(low, a, a + (1 << (L - 1 - lev)))
+    return a
+
+
+def _torch_schedule(priority: torch.Tensor, sinks: int, window: int, k: int | torch.Tensor,
+                    decisions: bool) -> tuple[torch.Tensor, ...]:
+    """The CPU path: ``evict_at`` or ``(y, bnd)``, ranking in float64."""
+    Bsz, H, S = priority.shape
+    R = Bsz * H
+    p = priority.detach().to(torch.float64).reshape(R, S)
+    perm, rank = _torch_order(p, sinks)
+    kt = (torch.full((H,), k) if isinstance(k, int) else k.cpu()).to(torch.int64)
+    kr = kt.repeat(Bsz).view(R, 1).expand(R, S).to(p.device)
+    t = torch.arange(S, device=p.device).expand(R, S)
+    elig = (t >= sinks) & (t + window <= S - 1)
+    if not decisions:
+        ask = elig & (kr >= 1) & (rank >= kr)  # at least k tokens rank above t
+        pk = _torch_kth(_torch_tree(perm), torch.where(ask, rank, S), torch.where(ask, kr, 1))
+        ev = torch.maximum(t, pk) + window
+        ev = torch.where(ask & (ev <= S - 1), ev, NEVER)
+        ev = torch.where(elig & (kr == 0), t + window, ev)
+        return (ev.to(torch.int32).view(Bsz, H, S),)
+    ask = elig & (kr >= 1) & (t - sinks >= kr)  # a full long-range set before t
+    v = _torch_kth(_torch_tree(rank), torch.where(ask, t, S), torch.where(ask, kr, 1))
+    bnd = perm.gather(-1, v.clamp(max=S - 1))
+    y = torch.where(ask, torch.where(rank < v, 1, -1), 0)
+    bnd = torch.where(ask, bnd, -1)
+    return y.to(torch.int8).view(Bsz, H, S), bnd.to(torch.int32).view(Bsz, H, S)
 
 
 # ------------------------------------------------------------------------------ Triton
@@ -158,97 +211,100 @@ if triton is not None:
     NEVER_C = tl.constexpr(NEVER)
 
     @triton.jit
-    def _ranks_above(p_t, t, p_u, u):
-        # does token u rank above token t? (higher priority, ties to the newer token)
-        return (p_u > p_t) | ((p_u == p_t) & (u > t))
+    def _prep_kernel(P, PF, S, sinks, BLOCK: tl.constexpr):
+        # PF[row, S-1-x] = the ranking's priority of token x (float32; NaN and sinks -inf, -0 -> +0)
+        row = tl.program_id(1)
+        x = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = x < S
+        p = tl.load(P + row.to(tl.int64) * S + x, mask=ok, other=0.0).to(tl.float32)
+        p = tl.where((p != p) | (x < sinks), float("-inf"), p)
+        p = tl.where(p == 0.0, 0.0, p)
+        tl.store(PF + row.to(tl.int64) * S + (S - 1 - x), p, mask=ok)
 
     @triton.jit
-    def _schedule_kernel(P, EV, K, S, H, sinks, window,
-                         BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr):
-        pid_t = tl.program_id(0)
-        head = tl.program_id(1)  # batch row * H + KV head
-        k = tl.load(K + head % H)  # this head's long-range slots
-        P += head.to(tl.int64) * S
-        EV += head.to(tl.int64) * S
-        t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = t < S
-        p_t = tl.load(P + t, mask=t_ok, other=0.0)
-        count = tl.zeros([BLOCK_T], dtype=tl.int32)
-        found = tl.full([BLOCK_T], -1, dtype=tl.int32)  # P_k(t), -1 while unknown
-        need = t_ok & (t >= sinks) & (t + window <= S - 1) & (k > 0)
-        # tokens with k == 0 are evicted as soon as they are eligible
-        active = tl.sum(need.to(tl.int32), axis=0)
-        u0 = sinks
-        while (u0 < S) & (active > 0):
-            u = u0 + tl.arange(0, BLOCK_U)
-            u_ok = u < S
-            p_u = tl.load(P + u, mask=u_ok, other=float("-inf"))
-            above = (_ranks_above(p_t[:, None], t[:, None], p_u[None, :], u[None, :]) & u_ok[None, :]).to(tl.int32)
-            blk = tl.sum(above, axis=1)
-            cross = (count < k) & (count + blk >= k)
-            # the prefix scan is only needed in the (rare) blocks where some row reaches k
-            if tl.sum(cross.to(tl.int32), axis=0) > 0:
-                c = tl.cumsum(above, axis=1) + count[:, None]
-                hit = (above > 0) & (c == k)  # the k-th higher-ranked token in position order
-                pos = tl.max(tl.where(hit, u[None, :], -1), axis=1)
-                found = tl.where((found < 0) & (pos >= 0), pos, found)
-            count += blk
-            active = tl.sum((need & (found < 0)).to(tl.int32), axis=0)
-            u0 += BLOCK_U
-        ev = tl.maximum(t, found) + window
-        ev = tl.where(found < 0, NEVER_C, ev)
-        ev = tl.where(ev > S - 1, NEVER_C, ev)
-        ev = tl.where((k == 0) & (t >= sinks) & (t + window <= S - 1), t + window, ev)
-        ev = tl.where(t < sinks, NEVER_C, ev)
-        tl.store(EV + t, ev, mask=t_ok)
+    def _order_kernel(J, PERM, RANK, KEYS, S, L, OF_PERM: tl.constexpr, BLOCK: tl.constexpr):
+        # from the sort of the reversed priorities: perm, rank, and the L level keys of the wavelet tree
+        # of perm (OF_PERM) or of rank: (node << L | index) << 1 | half, at the index's slot
+        row = tl.program_id(1)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < S
+        base = row.to(tl.int64) * S
+        x = (S - 1 - tl.load(J + base + i, mask=ok, other=0)).to(tl.int32)  # position of the i-th ranked
+        tl.store(PERM + base + i, x, mask=ok)
+        tl.store(RANK + base + x, i, mask=ok)
+        if OF_PERM:
+            idx = i.to(tl.int64)
+            val = x.to(tl.int64)
+        else:
+            idx = x.to(tl.int64)
+            val = i.to(tl.int64)
+        kbase = row.to(tl.int64) * L * S
+        for lev in range(L):
+            key = ((((val >> (L - lev)) << L) | idx) << 1) | ((val >> (L - 1 - lev)) & 1)
+            tl.store(KEYS + kbase + lev * S + idx, key.to(KEYS.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _decisions_kernel(P, EV, Y, BND, K, S, H, sinks, window,
-                          BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr):
-        pid_t = tl.program_id(0)
-        head = tl.program_id(1)  # batch row * H + KV head
-        k = tl.load(K + head % H)
-        P += head.to(tl.int64) * S
-        EV += head.to(tl.int64) * S
-        Y += head.to(tl.int64) * S
-        BND += head.to(tl.int64) * S
-        t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = t < S
-        ev_t = tl.load(EV + t, mask=t_ok, other=0)
-        decide = t_ok & (k > 0) & (t >= sinks) & (t + window <= S - 1) & (t - sinks >= k)
-        # lowest-ranked member of {u in [s, t-1] : evict_at[u] >= t + w}
-        best_p = tl.full([BLOCK_T], float("inf"), dtype=tl.float32)
-        best_u = tl.full([BLOCK_T], NEVER_C, dtype=tl.int32)
-        t_hi = tl.minimum(pid_t * BLOCK_T + BLOCK_T, S)
-        u0 = sinks
-        while u0 < t_hi:
-            u = u0 + tl.arange(0, BLOCK_U)
-            u_ok = u < S
-            p_u = tl.load(P + u, mask=u_ok, other=float("inf"))
-            ev_u = tl.load(EV + u, mask=u_ok, other=0)
-            member = u_ok[None, :] & (u[None, :] < t[:, None]) & (ev_u[None, :] >= t[:, None] + window)
-            # lowest rank = lowest priority, ties to the oldest position
-            pm = tl.where(member, p_u[None, :], float("inf"))
-            blk_p = tl.min(pm, axis=1)
-            um = tl.where(member & (pm == blk_p[:, None]), u[None, :], NEVER_C)
-            blk_u = tl.min(um, axis=1)
-            better = (blk_p < best_p) | ((blk_p == best_p) & (blk_u < best_u))
-            best_p = tl.where(better, blk_p, best_p)
-            best_u = tl.where(better, blk_u, best_u)
-            u0 += BLOCK_U
-        y = tl.where(ev_t > t + window, 1, -1)
-        y = tl.where(decide, y, 0).to(tl.int8)
-        bnd = tl.where(decide, best_u, -1)
-        tl.store(Y + t, y, mask=t_ok)
-        tl.store(BND + t, bnd, mask=t_ok)
+    def _counts_kernel(SK, Z, S, BLOCK: tl.constexpr):
+        # Z[seg, 0..S]: exclusive running count of lower-half entries of one sorted level (one program each)
+        seg = tl.program_id(0).to(tl.int64)
+        SK += seg * S
+        Z += seg * (S + 1)
+        tl.store(Z, 0)
+        carry = 0
+        for c in range(0, S, BLOCK):
+            g = c + tl.arange(0, BLOCK)
+            ok = g < S
+            low = 1 - (tl.load(SK + g, mask=ok, other=1) & 1).to(tl.int32)
+            tl.store(Z + 1 + g, tl.cumsum(low, axis=0) + carry, mask=ok)
+            carry += tl.sum(low, axis=0)
+
+    @triton.jit
+    def _kth(Z, m, k, ask, S, L):
+        # k-th smallest of the first m entries (1 <= k <= m where ask): L steps down the tree Z [L, S + 1]
+        a = tl.zeros_like(m)
+        for lev in range(L):
+            z = Z + lev * (S + 1)
+            c0 = tl.load(z + a + m, mask=ask, other=0) - tl.load(z + a, mask=ask, other=0)
+            low = k <= c0
+            k = tl.where(low, k, k - c0)
+            m = tl.where(low, c0, m - c0)
+            a = tl.where(low, a, a + (1 << (L - 1 - lev)))
+        return a
+
+    @triton.jit
+    def _schedule_walk_kernel(RANK, Z, EV, K, S, H, L, sinks, window, BLOCK: tl.constexpr):
+        row = tl.program_id(1)  # batch row * H + KV head
+        t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        k = tl.zeros_like(t) + tl.load(K + row % H)  # (a vector: the interpreter's masks must be one)
+        ok = t < S
+        base = row.to(tl.int64) * S
+        m = tl.load(RANK + base + t, mask=ok, other=0)  # the tokens ranked above t
+        elig = ok & (t >= sinks) & (t + window <= S - 1)
+        ask = elig & (k > 0) & (m >= k)
+        pk = _kth(Z + row.to(tl.int64) * L * (S + 1), m, k, ask, S, L)
+        ev = tl.maximum(t, pk) + window
+        ev = tl.where(ask & (ev <= S - 1), ev, NEVER_C)
+        ev = tl.where(elig & (k <= 0), t + window, ev)
+        tl.store(EV + base + t, ev, mask=ok)
+
+    @triton.jit
+    def _decisions_walk_kernel(RANK, PERM, Z, Y, BND, K, S, H, L, sinks, window, BLOCK: tl.constexpr):
+        row = tl.program_id(1)
+        t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        k = tl.zeros_like(t) + tl.load(K + row % H)
+        ok = t < S
+        base = row.to(tl.int64) * S
+        ask = ok & (k > 0) & (t >= sinks) & (t + window <= S - 1) & (t - sinks >= k)
+        v = _kth(Z + row.to(tl.int64) * L * (S + 1), t, k, ask, S, L)
+        r_t = tl.load(RANK + base + t, mask=ok, other=0)
+        bnd = tl.load(PERM + base + v, mask=ask, other=-1)
+        y = tl.where(ask, tl.where(r_t < v, 1, -1), 0).to(tl.int8)
+        tl.store(Y + base + t, y, mask=ok)
+        tl.store(BND + base + t, tl.where(ask, bnd, -1), mask=ok)
 
 
-
-def _triton_prep(priority: torch.Tensor) -> torch.Tensor:
-    return _nan_to_neg_inf(priority.detach().to(torch.float32)).contiguous()
-
-
-_BLOCK_T, _BLOCK_U = 64, 64
+_BLOCK = 256  # tokens per program of the element-wise kernels and the walks
+_SCAN_BLOCK = 1024  # entries per step of the running counts
 
 
 def _k_tensor(k: int | torch.Tensor, H: int, device: torch.device) -> torch.Tensor:
@@ -256,14 +312,23 @@ def _k_tensor(k: int | torch.Tensor, H: int, device: torch.device) -> torch.Tens
     return torch.full((H,), k, dtype=torch.int32, device=device) if isinstance(k, int) else k
 
 
-def _triton_schedule(p32: torch.Tensor, sinks: int, window: int, kt: torch.Tensor) -> torch.Tensor:
-    Bsz, H, S = p32.shape
-    ev = empty((Bsz, H, S), dtype=torch.int32, device=p32.device)
-    if ev.numel() == 0:  # (an empty CUDA tensor has no pointer a kernel may take)
-        return ev
-    grid = (triton.cdiv(S, _BLOCK_T), Bsz * H)
-    _schedule_kernel[grid](p32, ev, kt, S, H, sinks, window, BLOCK_T=_BLOCK_T, BLOCK_U=_BLOCK_U)
-    return ev
+def _triton_tree(priority: torch.Tensor, sinks: int, of_perm: bool):
+    """``(perm, rank, Z)`` int32 of the Triton path: ``perm``/``rank`` ``[R, S]`` and the wavelet tree of
+    ``perm`` (``of_perm``) or of ``rank``, ``Z [R, L, S + 1]``.  Four launches and two sorts."""
+    Bsz, H, S = priority.shape
+    R, L, dev = Bsz * H, _levels(S), priority.device
+    grid = (triton.cdiv(S, _BLOCK), R)
+    pf = torch.empty((R, S), dtype=torch.float32, device=dev)
+    _prep_kernel[grid](priority.detach().contiguous(), pf, S, sinks, BLOCK=_BLOCK)
+    order = torch.sort(pf, dim=-1, descending=True, stable=True).indices
+    perm = torch.empty((R, S), dtype=torch.int32, device=dev)
+    rank = torch.empty((R, S), dtype=torch.int32, device=dev)
+    keys = torch.empty((R, L, S), dtype=torch.int32 if 2 * L <= 31 else torch.int64, device=dev)
+    _order_kernel[grid](order, perm, rank, keys, S, L, OF_PERM=of_perm, BLOCK=_BLOCK)
+    keys = torch.sort(keys, dim=-1).values
+    Z = torch.empty((R, L, S + 1), dtype=torch.int32, device=dev)
+    _counts_kernel[(R * L,)](keys, Z, S, BLOCK=_SCAN_BLOCK)
+    return perm, rank, Z
 
 
 # ------------------------------------------------------------------------------ public
@@ -288,11 +353,16 @@ def eviction_schedule(priority: torch.Tensor, *, sinks: int, window: int, k: KSp
     in the window at its end.  Which keys a query sees: :func:`visible_at`.
     """
     sinks, window, k = _check(priority, sinks, window, k, check)
+    Bsz, H, S = priority.shape
+    if priority.numel() == 0:  # (an empty CUDA tensor has no pointer a kernel may take)
+        return empty((Bsz, H, S), dtype=torch.int32, device=priority.device)
     if use_triton(priority):
-        return _triton_schedule(_triton_prep(priority), sinks, window,
-                                _k_tensor(k, priority.shape[1], priority.device))
-    ev, _, _ = _cpu_schedule(priority, sinks, window, k, decisions=False)
-    return torch.from_numpy(ev).to(priority.device)
+        _, rank, Z = _triton_tree(priority, sinks, of_perm=True)
+        ev = empty((Bsz, H, S), dtype=torch.int32, device=priority.device)
+        _schedule_walk_kernel[(triton.cdiv(S, _BLOCK), Bsz * H)](
+            rank, Z, ev, _k_tensor(k, H, priority.device), S, H, Z.shape[1], sinks, window, BLOCK=_BLOCK)
+        return ev
+    return _torch_schedule(priority, sinks, window, k, decisions=False)[0]
 
 
 def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int, k: KSpec,
@@ -305,20 +375,19 @@ def eviction_decisions(priority: torch.Tensor, *, sinks: int, window: int, k: KS
     Same arguments as :func:`eviction_schedule` (a per-head ``k``: each head with its own).
     """
     sinks, window, k = _check(priority, sinks, window, k, check)
+    Bsz, H, S = priority.shape
+    if priority.numel() == 0:
+        return (empty((Bsz, H, S), dtype=torch.int8, device=priority.device),
+                empty((Bsz, H, S), dtype=torch.int32, device=priority.device))
     if use_triton(priority):
-        p32 = _triton_prep(priority)
-        Bsz, H, S = p32.shape
-        kt = _k_tensor(k, H, p32.device)
-        ev = _triton_schedule(p32, sinks, window, kt)
-        y = empty((Bsz, H, S), dtype=torch.int8, device=p32.device)
-        bnd = empty((Bsz, H, S), dtype=torch.int32, device=p32.device)
-        if ev.numel() > 0:
-            grid = (triton.cdiv(S, _BLOCK_T), Bsz * H)
-            _decisions_kernel[grid](p32, ev, y, bnd, kt, S, H, sinks, window,
-                                    BLOCK_T=_BLOCK_T, BLOCK_U=_BLOCK_U)
+        perm, rank, Z = _triton_tree(priority, sinks, of_perm=False)
+        y = empty((Bsz, H, S), dtype=torch.int8, device=priority.device)
+        bnd = empty((Bsz, H, S), dtype=torch.int32, device=priority.device)
+        _decisions_walk_kernel[(triton.cdiv(S, _BLOCK), Bsz * H)](
+            rank, perm, Z, y, bnd, _k_tensor(k, H, priority.device), S, H, Z.shape[1], sinks, window,
+            BLOCK=_BLOCK)
         return y, bnd
-    _, y, bnd = _cpu_schedule(priority, sinks, window, k, decisions=True)
-    return torch.from_numpy(y).to(priority.device), torch.from_numpy(bnd).to(priority.device)
+    return _torch_schedule(priority, sinks, window, k, decisions=True)
 
 
 def visible_at(evict_at: torch.Tensor, q: int, *, sinks: int, window: int) -> torch.Tensor:

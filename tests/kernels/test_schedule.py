@@ -51,7 +51,11 @@ CASES = [
     (63, 4, 8, 0),     # k = 0
     (63, 0, 1, 5),     # no sinks, window of one token
     (64, 4, 8, 100),   # budget >= S
+    (63, 63, 4, 5),    # sinks == S
+    (17, 30, 4, 2),    # sinks > S
+    (63, 4, 63, 5),    # window == S
     (200, 4, 16, 11),
+    (200, 0, 3, 1),    # k = 1
 ]
 
 
@@ -64,6 +68,72 @@ def test_matches_brute_force(backend, S, s, w, k, ties):
     else:
         p = torch.randn(2, 3, S, generator=g)
     _check_against_reference(p.to(_dev()), s, w, k)
+
+
+@pytest.mark.parametrize("ks", [(37, 0), (1, 1000)])
+def test_long_sequence_matches_brute_force(backend, ks):
+    """S = 1000 (not a power of two, ten levels of the tree), ties and NaN, a head-adaptive k with k = 0
+    and k = S: against the brute force and the heap replay of decoding."""
+    g = torch.Generator().manual_seed(1000 + ks[0])
+    p = torch.randn(1, 2, 1000, generator=g)
+    p[..., ::7] = p[..., 3::7][..., :p[..., ::7].shape[-1]]  # ties
+    p[0, 0, 100:900:13] = float("nan")
+    ev, y, bnd = _check_against_reference(p.to(_dev()), 4, 16, list(ks))
+    ev_h, y_h, bnd_h = ref.eviction_replay(p, sinks=4, window=16, k=list(ks))
+    assert torch.equal(ev.cpu(), ev_h) and torch.equal(y.cpu(), y_h) and torch.equal(bnd.cpu(), bnd_h)
+
+
+@pytest.mark.parametrize("S", [1, 2, 17, 64, 65, 300])
+def test_replay_oracle_is_the_brute_force(S):
+    """The heap replay (the oracle of long sequences) against the per-query brute force."""
+    p = torch.randint(0, 4, (2, 3, S)).float()
+    p[0, 1, ::5] = float("nan")
+    for s, w, k in ((2, 5, 3), (0, 1, [0, 4, 2 * S])):
+        ev, y, bnd = ref.eviction_replay(p, sinks=s, window=w, k=k)
+        assert torch.equal(ev, ref.eviction_schedule(p, sinks=s, window=w, k=k))
+        y_ref, bnd_ref = ref.eviction_decisions(p, sinks=s, window=w, k=k)
+        assert torch.equal(y, y_ref) and torch.equal(bnd, bnd_ref)
+
+
+def test_signed_zeros_tie():
+    """-0.0 == +0.0: the two tie (newer wins) on every path, whatever a sort does with the sign bit."""
+    p = torch.tensor([[[0.0, -0.0, 0.0, -0.0, 1.0, -0.0, 0.0, -0.0, -0.0, 0.0, 0.0, -0.0]]])
+    want = ref.eviction_schedule(p.abs(), sinks=1, window=2, k=2)
+    y_want, b_want = ref.eviction_decisions(p.abs(), sinks=1, window=2, k=2)
+    assert torch.equal(ref.eviction_schedule(p, sinks=1, window=2, k=2), want)
+    # the sorts see no sign bit (a GPU radix sort orders -0.0 below +0.0; the CPU sort does not)
+    from kvpop_kernels import schedule as sc
+
+    assert not torch.signbit(sc._clean(p[0], 0)).any()
+    if kutils.interpreting():
+        pf = torch.empty(1, 12)
+        sc._prep_kernel[(1, 1)](p, pf, 12, 1, BLOCK=16)
+        assert torch.equal(pf[0, :-1], p[0, 0, 1:].abs().flip(-1)) and pf[0, -1] == float("-inf")
+        assert not torch.signbit(pf[0, :-1]).any()
+    for interp in (False, True):
+        if interp and not kutils.interpreting():
+            continue
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kutils, "interpreting", lambda v=interp: v)
+            assert torch.equal(eviction_schedule(p, sinks=1, window=2, k=2), want)
+            y, bnd = eviction_decisions(p, sinks=1, window=2, k=2)
+            assert torch.equal(y, y_want) and torch.equal(bnd, b_want)
+
+
+def test_triton_and_torch_build_the_same_tree():
+    """The Triton path's levels (a sort of the level keys + running counts) equal the CPU path's
+    (a stable partition per level), for the tree of ``perm`` and of ``rank``."""
+    from kvpop_kernels import schedule as sc
+
+    if not kutils.interpreting():
+        pytest.skip("the Triton path runs on CPU tensors through the interpreter")
+    for S in (1, 2, 5, 64, 100):
+        p = torch.randint(0, 5, (2, 2, S)).float()
+        perm, rank = sc._torch_order(p.double().view(4, S), 1)
+        for of_perm in (True, False):
+            perm_t, rank_t, Z = sc._triton_tree(p, 1, of_perm=of_perm)
+            assert torch.equal(perm_t.long(), perm) and torch.equal(rank_t.long(), rank)
+            assert torch.equal(Z.long(), torch.stack(sc._torch_tree(perm if of_perm else rank), 1))
 
 
 _priorities = st.one_of(
@@ -204,14 +274,18 @@ def test_gpu_matches_cpu_path(S):
     tie = torch.arange(0, S - 3, 7)
     p[:, :, tie] = p[:, :, tie + 3]  # some ties (any S: the first GPU run found S = 4096 broke the slicing)
     kw = dict(sinks=4, window=256, k=300)
-    from kvpop_kernels.schedule import _cpu_schedule
-
-    ev_cpu, y_cpu, b_cpu = _cpu_schedule(p, 4, 256, 300, decisions=True)
+    ev_cpu, y_cpu, b_cpu = ref.eviction_replay(p, **kw)
     ev = eviction_schedule(p.cuda(), **kw).cpu()
     y, bnd = (x.cpu() for x in eviction_decisions(p.cuda(), **kw))
-    assert torch.equal(ev, torch.from_numpy(ev_cpu))
-    assert torch.equal(y, torch.from_numpy(y_cpu))
-    assert torch.equal(bnd, torch.from_numpy(b_cpu))
+    assert torch.equal(ev, ev_cpu)
+    assert torch.equal(y, y_cpu)
+    assert torch.equal(bnd, b_cpu)
+    for dtype in (torch.bfloat16, torch.float16):  # half-precision priorities rank exactly in float32
+        ph = p.to(dtype)
+        ev_h, y_h, b_h = ref.eviction_replay(ph, **kw)
+        assert torch.equal(eviction_schedule(ph.cuda(), **kw).cpu(), ev_h)
+        y, bnd = (x.cpu() for x in eviction_decisions(ph.cuda(), **kw))
+        assert torch.equal(y, y_h) and torch.equal(bnd, b_h)
 
 
 # ------------------------------------------------------------------ per-head k (head-adaptive budgets)
@@ -367,20 +441,20 @@ def test_cuda_tensor_k_is_not_read_on_the_host(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [1000, 4097])
 def test_gpu_per_head_k_matches_cpu_path(S):
-    from kvpop_kernels.schedule import _cpu_schedule
-
     p = torch.randn(2, 8, S)
     ks = torch.tensor([0, 1, 300, 17, S, 2 * S, 64, 999])
-    ev_cpu, y_cpu, b_cpu = _cpu_schedule(p, 4, 256, ks.clamp(max=S), decisions=True)
+    ev_cpu, y_cpu, b_cpu = ref.eviction_replay(p, sinks=4, window=256, k=ks.clamp(max=S))
     for k in (ks.cuda(), ks.tolist()):
         ev = eviction_schedule(p.cuda(), sinks=4, window=256, k=k).cpu()
         y, bnd = (x.cpu() for x in eviction_decisions(p.cuda(), sinks=4, window=256, k=k))
-        assert torch.equal(ev, torch.from_numpy(ev_cpu))
-        assert torch.equal(y, torch.from_numpy(y_cpu)) and torch.equal(bnd, torch.from_numpy(b_cpu))
+        assert torch.equal(ev, ev_cpu)
+        assert torch.equal(y, y_cpu) and torch.equal(bnd, b_cpu)
 
 
-_SM90_SCRIPT = r"""
-import importlib, json, sys
+_GPU_SCRIPT = r"""
+import contextlib, importlib, io, json, os, re, sys, warnings
+os.environ.update(TRITON_DUMP_PTXAS_LOG="1", TRITON_ALWAYS_COMPILE="1")  # Triton prints its own ptxas -v log
+warnings.filterwarnings("ignore")
 try:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -388,24 +462,41 @@ try:
 except Exception as exc:
     print(json.dumps({"skip": repr(exc)})); sys.exit(0)
 sc = importlib.import_module("kvpop_kernels.schedule")
+ptrs = dict(P="*fp32", PF="*fp32", J="*i64", PERM="*i32", RANK="*i32", KEYS="*i32", SK="*i32", Z="*i32",
+            EV="*i32", K="*i32", Y="*i8", BND="*i32")
+builds = [("_prep_kernel", dict(BLOCK=sc._BLOCK), {}), ("_prep_kernel", dict(BLOCK=sc._BLOCK), {"P": "*bf16"}),
+          ("_order_kernel", dict(OF_PERM=True, BLOCK=sc._BLOCK), {}),
+          ("_order_kernel", dict(OF_PERM=False, BLOCK=sc._BLOCK), {"KEYS": "*i64"}),
+          ("_counts_kernel", dict(BLOCK=sc._SCAN_BLOCK), {}),
+          ("_schedule_walk_kernel", dict(BLOCK=sc._BLOCK), {}), ("_decisions_walk_kernel", dict(BLOCK=sc._BLOCK), {})]
 out = {}
-for name in ("_schedule_kernel", "_decisions_kernel"):
-    fn = getattr(sc, name)
-    cx = dict(BLOCK_T=sc._BLOCK_T, BLOCK_U=sc._BLOCK_U)
-    ptrs = dict(P="*fp32", EV="*i32", K="*i32", Y="*i8", BND="*i32")
-    sig = {n: "constexpr" if n in cx else ptrs.get(n, "i32") for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    out[name] = {"shared": k.metadata.shared, "ptx": "ld.global" in k.asm["ptx"]}
+for arch in (90, 80):
+    for name, cx, extra in builds:
+        fn = getattr(sc, name)
+        sig = {n: "constexpr" if n in cx else {**ptrs, **extra}.get(n, "i32") for n in fn.arg_names}
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", arch, 32),
+                               options={"num_warps": 4})
+        regs = re.search(r"Used (\d+) registers", log.getvalue())
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+        if not (regs and spill):
+            print(json.dumps({"skip": "this Triton does not print the ptxas log"})); sys.exit(0)
+        out[f"sm_{arch} {name} {sorted(extra.values())}"] = {
+            "shared": k.metadata.shared, "registers": int(regs.group(1)), "spill": [int(x) for x in spill.groups()]}
 print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
-def test_schedule_kernels_compile_for_sm90():
-    """The schedule and decision kernels, which load each head's k from the device, build for sm_90 in a
-    process without the interpreter (no GPU needed)."""
+def test_schedule_kernels_compile_for_gpu():
+    """Every kernel of the schedule and the decisions (the per-head k loaded on the device, int32 and int64
+    level keys, float32 and bf16 priorities) builds for sm_90 and sm_80 through ptxas in a process without
+    the interpreter (no GPU needed), without register spills."""
     from compile_check import run_without_interpreter
 
-    res = run_without_interpreter(_SM90_SCRIPT)
-    assert set(res) == {"_schedule_kernel", "_decisions_kernel"}
-    assert all(r["ptx"] and r["shared"] <= 227 * 1024 for r in res.values()), res
+    res = run_without_interpreter(_GPU_SCRIPT)
+    names = {"_prep_kernel", "_order_kernel", "_counts_kernel", "_schedule_walk_kernel", "_decisions_walk_kernel"}
+    assert {key.split()[1] for key in res} == names and len(res) == 14, sorted(res)
+    for key, r in res.items():
+        assert r["spill"] == [0, 0] and r["registers"] <= 128 and r["shared"] <= 227 * 1024, (key, r)
