@@ -22,7 +22,10 @@ unless ``--unchanged`` says that the new code gives the same bytes (checked by r
 Digests are of float32 bits, which depend on the machine's arithmetic (its BLAS kernels and vector
 width): the manifest records a digest of a fixed set of plain torch ops on the machine that stamped it.
 On a machine whose digest differs, the sentinels are compared by value instead (``forward/*`` only, to a
-relative 1e-4: a numerics change that moves logits by less is not seen there), and the check says so.
+relative 1e-4: a numerics change that moves logits by less is not seen there), and the check says so; the
+``demo/*`` and ``code/*`` sentinels (training runs, whose bits differ there) are then stood in for by the digest
+of the training code (:data:`TRAINING_CODE`, comments and docstrings dropped) each file was stamped with
+(``"training_code"`` in its record), so that a change to the training loss shows on any machine.
 
 Timings (``benchmarks/RESULTS.md``'s CPU figures) cannot be recomputed: their sentinel is ``source/...``,
 a digest of the timed modules' code (comments and docstrings dropped), so a change of the code they time
@@ -61,6 +64,9 @@ CODE_MLSTM = "kvpop-mlstm-joint"
 """The mLSTM scorer's ``code/`` sentinel: only the files made with it depend on it (not in :data:`CODE_METHODS`,
 whose every method most real-text files depend on)."""
 VALUE_RTOL = 1e-4
+TRAINING_CODE = ("kvpop/training/train.py", "kvpop/training/methods.py", "kvpop/core/loss.py", "kvpop/core/distill.py")
+"""The modules of the training loss and step: on a machine of other arithmetic, a file made by training
+(``demo/*`` or ``code/*`` sentinels) is stale when their code differs from the code it was stamped with."""
 VALUE_STRIDE = 7
 """The manifest keeps every 7th forward value (logits and slot priorities) for the by-value comparison."""
 
@@ -391,6 +397,16 @@ class Sentinels:
     values: dict[str, list[float]] = field(default_factory=dict)
 
 
+def training_digest() -> str:
+    """The digest of :data:`TRAINING_CODE` (:func:`_source_digest` of each)."""
+    return sha("\0".join(_source_digest(m) for m in TRAINING_CODE).encode())
+
+
+def _trained(sentinels: Iterable[str]) -> bool:
+    """Whether a file of these sentinels was made by training (its figures move with the training code)."""
+    return any(s.startswith(("demo/", "code/")) for s in sentinels)
+
+
 def compute(names: Iterable[str] | None = None, progress: Callable[[str], None] = lambda s: None) -> Sentinels:
     names = set(names) if names is not None else {s for g in GROUPS for s in g.sentinels}
     digests: dict[str, str] = {}
@@ -451,9 +467,10 @@ def check(today: Sentinels, man: dict | None = None, machine: str | None = None)
     machine = machine_digest() if machine is None else machine
     same_machine = machine == man.get("machine")
     how = ("bit for bit (this machine's arithmetic is the stamping machine's)" if same_machine else
-           f"by value to a relative {VALUE_RTOL:g} for forward/*, source/* exactly, demo/* and code/* not at all: "
-           "this machine's arithmetic differs from the stamping machine's")
+           f"by value to a relative {VALUE_RTOL:g} for forward/*, source/* exactly, demo/* and code/* by the source "
+           f"of the training code: this machine's arithmetic differs from the stamping machine's")
     found = []
+    training = None if same_machine else training_digest()
     for g in GROUPS:
         for f in g.files:
             rec = man.get("files", {}).get(f)
@@ -468,6 +485,10 @@ def check(today: Sentinels, man: dict | None = None, machine: str | None = None)
             if moved:
                 found.append(Finding(f, f"the code it was computed with changed: sentinels {', '.join(moved)} "
                                         "differ from the ones it was made with", g.command))
+            if training is not None and _trained(g.sentinels) and rec.get("training_code") != training:
+                found.append(Finding(f, f"the training code it was made with changed ({', '.join(TRAINING_CODE)}; "
+                                        "compared by source here: this machine's arithmetic differs, so its "
+                                        "training sentinels cannot be)", g.command))
     return found, how
 
 
@@ -510,6 +531,7 @@ def stamp(specs: Iterable[str], today: Sentinels, *, unchanged: bool = False, kn
             raise ValueError(f"{spec}: its sentinels moved but its bytes did not: regenerate it ({g.command}), "
                              "or pass --unchanged if regenerating it gave the same bytes")
         man["files"][spec] = {"sha256": now, "sentinels": digests,
+                              **({"training_code": training_digest()} if _trained(g.sentinels) else {}),
                               **({"known_stale": known_stale_reason} if known_stale_reason else {})}
         for s in g.sentinels:
             if s in today.values:

@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .paths import parse
+
 
 def main(argv: list[str] | None = None) -> int:
     import torch
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", choices=tuple(HEADLINE_BUDGET), default="kvtrace",
                    help="the run's task (kvpop train --task NAME; default kvtrace)")
     p.add_argument("--n-test", type=int, default=8, help="test sequences per length (default 8, the ledger's)")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     budget = HEADLINE_BUDGET[a.task]
     run, out = Path(a.run), Path(a.out)
     if not (run / "scorers.safetensors").is_file() or not (run / "model").is_dir():

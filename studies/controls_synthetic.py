@@ -44,6 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .ledger import write_json
+from .paths import parse
 
 UNTRAINED = ("random", "keynorm+", "keynorm-", "window-attention", "oracle-label")
 KEYNORM = ("keynorm+", "keynorm-")
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-valid", type=int, default=16, help="validation sequences of each part (fit, select)")
     p.add_argument("--record-only", action="store_true", help="train and score nothing: the record of what exists")
     p.add_argument("--markdown", action="store_true", help="print the tables of OUT/controls.json and stop")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     try:
         if a.markdown:
             print(markdown(json.loads((Path(a.out) / "controls.json").read_text())), end="")

@@ -49,6 +49,7 @@ from pathlib import Path
 from . import mlstm_realtext as M
 from .controls_realtext import EVAL_BUDGETS, SELECT, VALID_SEQUENCES, per_sequence
 from .ledger import TestLog, run_logged, write_json
+from .paths import parse
 
 GAMMAS = (0.995, 0.98)
 """The fixed decays tried, in order (an age penalty of about 5 and 20 nats over 1,024 tokens)."""
@@ -176,14 +177,21 @@ def n_records(split: Path) -> int:
     return sum(1 for x in split.read_text().splitlines() if x.strip())
 
 
-def test_stage(out: Path, base: Path, split: Path, *, jobs: int = 2, control: bool = False) -> None:
-    """Every compared (row, seed) scored once on ``split`` (``control``: the untrained priority's too)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def check_trained(out: Path, base: Path, *, control: bool = False) -> dict:
+    """The compared rows of :func:`test_stage` (:func:`_rows`), once every seed of each is trained (ValueError naming
+    those that are not)."""
     rows = _rows(out, base, chosen_gamma(out), control=control)
     missing = [f"{r} seed {s}" for r, (d, _, _) in rows.items() for s in SEEDS if not M.trained(d / f"seed{s}")]
     if missing:
         raise ValueError(f"not trained yet: {', '.join(missing)}")
+    return rows
+
+
+def test_stage(out: Path, base: Path, split: Path, *, jobs: int = 2, control: bool = False) -> None:
+    """Every compared (row, seed) scored once on ``split`` (``control``: the untrained priority's too)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = check_trained(out, base, control=control)
     log = TestLog(out)
 
     def one(row: str, seed: int) -> None:
@@ -258,7 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", default=None, help="record: the JSON to write (a .md beside it)")
     p.add_argument("--with-control", action="store_true", help="test: score the untrained-priority control too")
     p.add_argument("--test-records", type=int, default=M.TEST_RECORDS, help="test: records of a new fresh split")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
+    try:
+        _stage(p, a)
+    except ValueError as e:  # a stage's refusal (no selection yet, a run not trained, too few records): one line
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _stage(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The stage ``a.stage`` of the parsed arguments ``a`` (ValueError: a refusal, said in one line by main)."""
     out, base = Path(a.out), Path(a.base)
     needs_corpus = a.stage in ("select", "seeds", "control")
     if needs_corpus and (a.corpus is None or not (Path(a.corpus) / "train.jsonl").exists()):
@@ -272,12 +290,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error("test needs --split-name")
         split = M.SHIPPED / f"{a.split_name}.jsonl"
         if not split.exists():
+            check_trained(out, base, control=a.with_control)  # before a split is drawn: nothing written in vain
             from .evidence_realtext import fresh_test_split
 
             earlier = tuple(sorted(x for x in M.SHIPPED.glob("test_fresh*.json") if x.stem != a.split_name))
             fresh_test_split(Path(a.corpus) if a.corpus else out, M.SHIPPED, n_records=a.test_records,
                              hash_seed=a.hash_seed, name=a.split_name, exclude=earlier,
-                             site=Path(a.site_packages) if a.site_packages else None,
+                             site=Path(a.site_packages) if a.site_packages else None, write_shipped=a.write_shipped,
                              command=f"python -m studies.decay_realtext test --out {a.out} --corpus {a.corpus} "
                                      f"--base {a.base} --split-name {a.split_name} --hash-seed {a.hash_seed} "
                                      f"--test-records {a.test_records}"
@@ -289,7 +308,6 @@ def main(argv: list[str] | None = None) -> int:
             write_json(Path(a.write), rec)
             Path(a.write).with_suffix(".md").write_text(M.markdown(rec))
         print(M.markdown(rec))
-    return 0
 
 
 if __name__ == "__main__":

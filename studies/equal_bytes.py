@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 from .ledger import TestLog, write_json
+from .paths import parse
 
 INSTRUMENTS = ("kvtrace", "lookahead", "realtext")
 STAGES = ("select", "test", "all")
@@ -677,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-valid", type=int, default=None, help=f"synthetic select sequences (default {N_VALID})")
     p.add_argument("--n-test", type=int, default=None,
                    help="test sequences (default " + ", ".join(f"{k} {v}" for k, v in N_TEST.items()) + ")")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     try:
         import torch
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from kvpop.training.search import confirm_choice
 
 from .ledger import TestLog, choose, run_logged, summarize, write_json
-from .paths import DATA, RESULTS_DIR
+from .paths import DATA, RESULTS_DIR, is_shipped
 
 MODEL = DATA / "tiny_qwen3_code"
 SHIPPED = DATA / "realtext"
@@ -145,7 +145,7 @@ def _per_sequence(results: dict, policy: str, budget: int) -> list[float] | None
 
 def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: int = 2,
                      name: str = "test_fresh", exclude: tuple[Path, ...] = (), command: str | None = None,
-                     site: Path | None = None) -> Path:
+                     site: Path | None = None, write_shipped: bool = False) -> Path:
     """``out_dir/<name>.jsonl``: records of test-bucket files (``split_of(key, seed=0) == "test"``) that
     neither shipped split used, nor any earlier fresh split (``exclude``: the ``<name>.json`` records of earlier
     fresh splits, their ``files``), ordered by the seeded hash with ``hash_seed``, 2 records per file (the
@@ -155,7 +155,8 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
     an ``exclude`` record lists no files, or ``name`` would overwrite a shipped split.  ``command``: the command
     line that made it, kept in the record.  ``site``: the directory the corpus's packages are read from (default
     this interpreter's ``purelib``; give one holding the versions the shipped manifest names to draw from the
-    files the earlier splits were drawn from)."""
+    files the earlier splits were drawn from).  ``out_dir`` in what the project ships (the package's realtext
+    corpus) is refused without ``write_shipped`` (``--write-shipped``), before any work."""
     import hashlib
     import sysconfig
 
@@ -164,6 +165,9 @@ def fresh_test_split(corpus: Path, out_dir: Path, *, n_records: int, hash_seed: 
     if name in ("train", "validation", "test") or not name.replace("_", "").isalnum():
         raise ValueError(f"name must be a new split's name (letters, digits, _; not train/validation/test), "
                          f"got {name!r}")
+    if is_shipped(out_dir) and not write_shipped:
+        raise ValueError(f"--split-name {name}: a new fresh split would be drawn into {out_dir} (what the project "
+                         f"ships); add --write-shipped to write it there")
     shipped = json.loads((SHIPPED / "manifest.json").read_text())
     st = shipped["settings"]
     used = set(shipped["splits"]["test"]["files"]) | set(shipped["splits"]["validation"]["files"])
@@ -369,7 +373,8 @@ def run(a: argparse.Namespace) -> int:
     if "split" in stages and not fresh.exists():
         earlier = tuple(sorted(x for x in SHIPPED.glob("test_fresh*.json") if x.stem != a.split_name))
         fresh_test_split(corpus, SHIPPED, n_records=a.test_records, hash_seed=a.hash_seed, name=a.split_name,
-                         exclude=earlier, command=f"python -m studies.evidence realtext --out {a.out} --corpus "
+                         exclude=earlier, write_shipped=a.write_shipped,
+                         command=f"python -m studies.evidence realtext --out {a.out} --corpus "
                          f"{a.corpus} --stage split --split-name {a.split_name} --hash-seed {a.hash_seed} "
                          f"--test-records {a.test_records}")
     if "select" in stages:

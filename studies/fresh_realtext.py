@@ -37,8 +37,8 @@ from .controls_realtext import (
     clusters_of,
     per_sequence,
 )
-from .ledger import TestLog, run_logged, write_json
-from .paths import DATA, ROOT
+from .ledger import TestLog, check_ledger_runs, run_logged, write_json
+from .paths import DATA, ROOT, parse
 
 MODEL = DATA / "tiny_qwen3_code"
 SPLIT = DATA / "realtext" / "test_fresh2.jsonl"
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                         "shipped tiny_qwen3_code; issue 44 item 4: the pre-trained 3M-parameter model)")
     p.add_argument("--partial", action="store_true",
                    help="--record: write what is scored, the rest named in the record's missing (else refused)")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     try:
         out, data, model = Path(a.out), Path(a.split), Path(a.model)
         if not data.is_file():
@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.only is not None and (bad := [r for r in a.only if r not in ORDER]):
             raise ValueError(f"--only {bad}: not a row (rows: {', '.join(ORDER)})")
         if a.record:
+            if a.ledger_runs:  # before the record is written: nothing half done
+                check_ledger_runs(a.ledger_runs, "realtext")
             tl = TestLog(out)
             missing = [f"{r}|seed{s}" for r, ss in dirs.items() for s in ss if f"{r}|seed{s}" not in tl.entries]
             if missing and not a.partial:

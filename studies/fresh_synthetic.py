@@ -42,6 +42,7 @@ from .controls_synthetic import CONTROLS, DMS_ROW, ORACLE, STREAMING_CONTROL, co
 from .evidence_synthetic import FRESH_FIRST
 from .fresh_realtext import LEGENDS as REALTEXT_LEGENDS
 from .ledger import TestLog, summarize, write_json
+from .paths import parse
 
 SPLIT = "test_fresh2"
 """The split's name in the ledger (the synthetic tasks' first fresh split was ``test_seed(10000..10007)``)."""
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ledger-runs", default=None,
                    help="also write DIR/<task>/evidence_rows.json: the shipped archive's rows with this split's "
                         "rows and comparisons, for python -m studies.evidence ledger --runs DIR")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     try:
         if a.n_test < 2:
             raise ValueError(f"--n-test must be >= 2 (one sequence has no interval), got {a.n_test}")

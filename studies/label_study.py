@@ -51,6 +51,8 @@ from kvpop.core.loss import score_loss
 from kvpop.core.patching import patch
 from kvpop.demo import lookahead_task, task
 
+from .paths import parse
+
 TASKS = {"lookahead": lookahead_task, "kvtrace": task}
 T = lookahead_task  # the task of the functions below; main() rebinds it from --task
 
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                         "sequences (the oracle with the mean and the max label, and each scorer)")
     p.add_argument("--min-k", type=int, default=0, help="--head-adaptive: the fewest long-range slots a head gets")
     p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.min_k < 0:
         p.error(f"--min-k must be >= 0, got {args.min_k}")
     from kvpop.evaluation.evaluate import load_base_model

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .controls_realtext import EVAL_BUDGETS, SINKS, VALID_SEQUENCES, WINDOW, clusters_of, per_sequence
 from .ledger import TestLog, run_logged, write_json
-from .paths import DATA
+from .paths import DATA, parse
 
 MODEL = DATA / "tiny_qwen3_code"
 SHIPPED = DATA / "realtext"
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--splits", default="validation", help="record: comma-separated: validation and test splits")
     p.add_argument("--write", default=None, help="record: the JSON to write (a .md beside it)")
     p.add_argument("--jobs", type=int, default=2)
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     out = Path(a.out)
     if a.stage in ("valid", "test"):
         if a.corpus is None or not (Path(a.corpus) / "train.jsonl").exists():
@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             earlier = tuple(sorted(x for x in SHIPPED.glob("test_fresh*.json") if x.stem != a.split_name))
             fresh_test_split(corpus, SHIPPED, n_records=TEST_RECORDS, hash_seed=a.hash_seed, name=a.split_name,
                              exclude=earlier, site=Path(a.site_packages) if a.site_packages else None,
+                             write_shipped=a.write_shipped,
                              command=f"python -m studies.mlstm_realtext test --out {a.out} --corpus {a.corpus} "
                                      f"--split-name {a.split_name} --hash-seed {a.hash_seed}"
                                      + (f" --site-packages {a.site_packages}" if a.site_packages else ""))

@@ -44,6 +44,7 @@ from pathlib import Path
 from kvpop.training.auto import LR_FACTORS
 
 from .ledger import write_json
+from .paths import parse
 
 ROW = "kvpop-mlp-joint[paper-exact]"
 LR_SCORER = tuple(1e-3 * f for f in LR_FACTORS)
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="with --test: also add the row to DIR/<instrument>/evidence_rows.json (the shipped "
                             "archive's rows, or DIR's own when there), for python -m studies.evidence ledger --runs "
                             "DIR")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     try:
         import torch
 

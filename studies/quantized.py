@@ -46,7 +46,7 @@ import torch
 
 from kvpop.core.files import write_json
 
-from .paths import DATA
+from .paths import DATA, parse
 
 INSTRUMENTS = ("kvtrace", "lookahead", "realtext")
 ROWS = (("bf16", 1.0), ("int8", 1.0), ("fp8", 1.0), ("bf16", 0.5))
@@ -283,7 +283,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m studies.quantized", description=__doc__.split("\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run(parse(p, argv))
 
 
 if __name__ == "__main__":

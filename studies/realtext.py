@@ -36,7 +36,7 @@ from kvpop.core.attention import set_teacher_targets, teacher_targets
 from kvpop.core.patching import patch
 
 from .label_study import oracle_config
-from .paths import DATA
+from .paths import DATA, parse
 from .realtext_corpus import SHIPPED_DIR
 
 __all__ = ["SHIPPED_MODEL", "SHIPPED_DIR", "parse_labels", "oracle_logits", "oracle_rows", "table",
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--eval", action="append", required=True, help="a kvpop eval --data results.json (repeatable)")
     t.add_argument("--oracle", default=None, help="the oracle's JSON (python -m studies.realtext oracle)")
     t.add_argument("--goal-budget", type=int, default=128)
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     if a.cmd == "head-adaptive":
         from kvpop.evaluation.trace_eval import load_model
         from kvpop.training import data as data_io

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .paths import RESULTS_DIR, ROOT
+from .paths import RESULTS_DIR, ROOT, parse
 
 OUT = RESULTS_DIR / "reconcile"
 FACTORS = ("budget", "source", "lse", "decay", "optim", "seeds")
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(OUT))
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     if args.summary:

@@ -32,6 +32,8 @@ from torch import nn
 from kvpop.core.scorers import MLPScorer, MLSTMScorer
 from kvpop.demo import lookahead_task as T
 
+from .paths import parse
+
 __all__ = ["layer_inputs", "target_breakdown", "probe", "main"]
 
 
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the layer's keys and values, or a random vector per token id")
     p.add_argument("--scorers", default="mlp,mlstm", help="comma-separated: mlp, mlstm; none: the target only")
     p.add_argument("--out", default=None, help="also write the results to this JSON file")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if not (math.isfinite(args.lr) and args.lr > 0):
         print(f"--lr must be a finite number > 0, got {args.lr}", file=sys.stderr)
         return 2

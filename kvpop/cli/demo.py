@@ -28,6 +28,7 @@ from kvpop.demo.grid import SELECT_STAGES
 from kvpop.demo.search import TASKS
 
 from .eval import _ints, add_common, check_common, check_out
+from .writes import check_not_finished
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +101,11 @@ def _run(args: argparse.Namespace) -> int:
     lock = RunLock(out, "kvpop demo")  # one demo per --out: two would overwrite each other's parts
     try:
         check_common(args)
-        check_out(args.out)
+        check_out(args.out, write_shipped=args._write_shipped)
+        if not args.select:  # a demo's outputs are replaced only when asked (--select's trials are reused by it)
+            for task in tasks:
+                check_not_finished(out / task, ("results.json", "demo_settings.json"), "a kvpop demo's output",
+                                   overwrite=args._overwrite, resume=args.resume)
         lock.acquire()
         torch.set_num_threads(args.threads)
         if args.model is not None and len(tasks) > 1:

@@ -48,6 +48,7 @@ from .trained import row_models as _row_models
 from .trained import rows_ran as _ran
 from .trained import run_settings as _settings
 from .trained import with_named as _with_named
+from .writes import check_not_finished
 
 
 def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
@@ -86,11 +87,15 @@ def check_common(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be positive, got {bad}")
 
 
-def check_out(out: str | None) -> Path | None:
-    """``--out`` as a directory that exists and is writable (created if needed), checked before any work."""
+def check_out(out: str | None, *, write_shipped: bool = False) -> Path | None:
+    """``--out`` as a directory that exists and is writable (created if needed), checked before any work; one in
+    what the project ships (the package's demo results, studies/results, ...) only with ``write_shipped``
+    (:mod:`kvpop.cli.writes`)."""
+    from .writes import check_writable
+
     if out is None:
         return None
-    path = Path(out)
+    path = check_writable(out, "--out", write_shipped)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {path} exists and is not a directory")
     try:
@@ -123,6 +128,9 @@ def add_common(p: argparse.ArgumentParser, *, of_runs: bool = False) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG plot")
+    from .writes import add_write_options
+
+    add_write_options(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -174,6 +182,10 @@ def _trained(args: argparse.Namespace) -> dict:
     out: dict[str, Trained] = {}
 
     def add(t: Trained) -> None:
+        twin = next((o for o in out.values() if t.name is not None and o.name == t.name), None)
+        if twin is not None and twin.key != t.key:  # one name, two rows: the name no longer says which run is which
+            raise ValueError(f"the name {t.name!r} is given to two runs: {twin.source} and {t.source}; give each run "
+                             f"its own name (--run NAME=DIR)")
         if t.key in out:
             hint = ("" if t.name is not None else f"; to compare two runs of one policy, name them: --run NAME=DIR "
                     f"(e.g. --run a={out[t.key].source.split('=')[-1]} --run b={t.source.split('=')[-1]}), each shown "
@@ -236,7 +248,8 @@ def _traces(data_io, records: list, seq_len: int | None, option: str, path: str)
     import torch
 
     if seq_len is not None:
-        return data_io.chunk(records, seq_len, source=f"{option} {path}")
+        return data_io.chunk(records, seq_len, source=f"{option} {path}",
+                             warn=lambda m: print(f"kvpop eval: warning: {m}", file=sys.stderr))
     out = [torch.tensor(r, dtype=torch.int64) for r in records if len(r) >= 2]
     if not out:
         raise ValueError(f"{option} {path}: no trace to evaluate: each of its {len(records)} record(s) has fewer than "
@@ -269,9 +282,12 @@ def _run_traces(args: argparse.Namespace, trained: dict, wanted) -> int:
             traces = traces[:args.n_sequences]
         cfg = TE.TraceEvalConfig(budgets=_ints(args.budgets), sinks=sinks, window=window,
                                  policies=_with_named(wanted or E.POLICIES, trained, wanted),
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress,
+                                 trained_budgets=[v["budget"] for v in summary.values() if "budget" in v])
         lengths = [int(t.numel()) for t in traces]
         cfg.resolve(lengths)
+        if cfg.note is not None:
+            print(f"kvpop eval: --budgets not given: {cfg.note}", file=sys.stderr)
         models = _policy_models(E, base, cfg.policies, wanted, trained, sinks=cfg.sinks, window=cfg.window,
                                 budget=cfg.budgets[0], load=TE.load_model, budgets=cfg.budgets)
         if args.dms_valid_data is not None:
@@ -328,7 +344,9 @@ def run(args: argparse.Namespace) -> int:
         if args.data is None and args.seq_len is not None:
             raise ValueError("--seq-len is for --data")
         check_common(args)
-        check_out(args.out)
+        if args.out is not None:  # a finished evaluation is replaced only when asked
+            check_not_finished(args.out, ("results.json",), "a finished kvpop eval", overwrite=args._overwrite)
+        check_out(args.out, write_shipped=args._write_shipped)
         trained = _trained(args)
         for t in trained.values():
             if t.extra.get("given_as") and wanted is not None and t.policy not in wanted:

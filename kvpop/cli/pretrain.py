@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--export", metavar="DIR", default=None,
                    help="do not train: copy OUT/model (or --export-from) to DIR with its accuracy")
     p.add_argument("--export-from", default="model", help="subdirectory of OUT to export")
+    from .writes import add_write_options
+
+    add_write_options(p)  # --write-shipped: export into the package (kvpop/data/...); --overwrite: over a model
     p.add_argument("--export-lengths", default=None,
                    help="comma-separated lengths to evaluate on export (default L_train/2, L_train, 2 L_train)")
     p.add_argument("--no-progress", action="store_true",
@@ -93,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     # the settings only (no parser bookkeeping), typed: they are written to args.json and the checkpoints
-    args = PretrainSettings(**{k: v for k, v in vars(args).items() if k not in ("command", "_module")})
+    try:  # the one write rule (kvpop.cli.writes): nothing shipped without --write-shipped, no model replaced
+        _check_writes(args)
+    except ValueError as e:
+        print(f"kvpop pretrain: error: {e}", file=sys.stderr)
+        return 2
+    args = PretrainSettings(**{k: v for k, v in vars(args).items() if k != "command" and not k.startswith("_")})
     data_only = [n for n in ("valid_data", "vocab_size", "max_positions") if getattr(args, n) is not None]
     if args.data is None and data_only:
         print(f"kvpop pretrain: error: --{data_only[0].replace('_', '-')} is for --data", file=sys.stderr)
@@ -136,6 +144,23 @@ def run(args: argparse.Namespace) -> int:
                        n=args.eval_n, command=command, task=task)
     print(json.dumps(rec["test_accuracy"]))
     return 0
+
+
+def _check_writes(args: argparse.Namespace) -> None:
+    """``--out`` and ``--export DIR`` under :mod:`kvpop.cli.writes`' rule: in what the project ships only with
+    ``--write-shipped``; an ``--export`` over a directory that holds a model only with ``--overwrite``."""
+    from .writes import check_not_finished, check_out_dir, check_writable
+
+    shipped = getattr(args, "_write_shipped", False)
+    check_writable(args.out, "--out", shipped)  # the run directory's own checks come with the training
+    if args.export:
+        src = Path(args.out) / args.export_from
+        if not (src / "config.json").is_file():
+            raise ValueError(f"--export: {src} holds no model (no config.json): give the --out of a finished kvpop "
+                             f"pretrain run (and --export-from, its subdirectory to export)")
+        check_out_dir(args.export, "--export", write_shipped=shipped)
+        check_not_finished(args.export, ("model.safetensors", "config.json"), "an exported model",
+                           overwrite=getattr(args, "_overwrite", False), option="--export")
 
 
 def _export_lengths(args: PretrainSettings, L_train: int) -> list[int]:

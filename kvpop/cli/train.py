@@ -119,7 +119,8 @@ def _data(args: argparse.Namespace, model, source: Path | None):
         except ValueError as e:
             _fail(str(e))
     seqs = data_io.cut_file(args.data, args.seq_len, vocab_size=model.config.vocab_size, model_dir=source,
-                            pack=args.pack, eos_token_id=getattr(model.config, "eos_token_id", None))
+                            pack=args.pack, eos_token_id=getattr(model.config, "eos_token_id", None),
+                            warn=lambda m: print(f"kvpop train: warning: --data {m}", file=sys.stderr))
     if args.allocate is not None and args.valid_data is not None:  # its sequences are checked against these
         args._train_digests = data_io.digests(seqs)
     return data_io.make_batches(seqs, args.batch_size, seed=args.seed, source=args.data)
@@ -158,7 +159,12 @@ def _head_budgets(args: argparse.Namespace, kv_cfg, model, source: Path | None, 
 
 def run(args: argparse.Namespace) -> int:
     from .auto import auto_run
+    from .writes import check_writable
 
+    try:  # --auto's search and a plain run alike: nothing shipped is written without --write-shipped
+        check_writable(args.out, "--out", getattr(args, "_write_shipped", False))
+    except ValueError as e:
+        raise SystemExit(f"kvpop train: {e}") from None
     rc = auto_run(args, run)  # --auto's search (None: the options say one run)
     if rc is not None:
         return rc
@@ -285,7 +291,8 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
         if rank == 0:
             line, warning = rundir.closing_report(out, hist, method=args.method, steps=args.steps, step=step,
                                                   train_model=not args.no_train_model,
-                                                  lr_scorer=learning_rates(tcfg, args.method)[1])
+                                                  lr_scorer=learning_rates(tcfg, args.method)[1],
+                                                  priority_source=getattr(args, "priority_source", None))
             print(line)
             if warning is not None:
                 print(warning, file=sys.stderr)

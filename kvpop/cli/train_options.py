@@ -181,6 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="no progress report (a tqdm bar when stderr is a terminal, else a line every few steps)")
     run.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads (default: torch's own, one per core); may change on --resume")
+    from kvpop.cli.writes import add_write_options
+
+    add_write_options(run, overwrite=False)  # a finished run is never replaced: --resume continues it
     from kvpop.cli.auto import add_arguments as add_auto
 
     add_auto(p)

@@ -68,6 +68,9 @@ class TraceEvalConfig:
         dms_thresholds: DMS's gate threshold per budget, fixed for every trace (chosen on validation
             traces, :func:`dms_thresholds_on`); ``None`` (default): calibrated on each evaluated trace itself
             (the rows say which, ``dms_threshold_from``).
+        trained_budgets: the budgets the evaluated runs were trained at: without ``budgets``, a default below
+            ``sinks + window + 1`` (short traces) is left out and these (those that fit) measured instead.
+        note: what :meth:`resolve` changed of the defaults (None: nothing), for the command to say.
     """
 
     budgets: Sequence[int] | None = None
@@ -76,6 +79,8 @@ class TraceEvalConfig:
     policies: Sequence[str] = POLICIES
     progress: bool = True
     dms_thresholds: Mapping[int, float] | None = None
+    trained_budgets: Sequence[int] = ()
+    note: str | None = None
 
     def resolve(self, lengths: Sequence[int]) -> None:
         """Fill in the default budgets for traces of ``lengths`` tokens and check them."""
@@ -85,6 +90,13 @@ class TraceEvalConfig:
         budgets = (list(self.budgets) if self.budgets is not None
                    else [int(round(f * longest)) for f in FRACTIONS])
         least = self.sinks + self.window + 1
+        if self.budgets is None and any(b < least for b in budgets):  # short traces: the defaults that fit
+            fit = [b for b in (*budgets, *self.trained_budgets) if least <= b < longest - 1]
+            if fit:
+                self.note = (f"6.25/12.5/25% of the longest trace ({longest} tokens) give budgets {budgets}, some "
+                             f"below sinks + window + 1 = {least}; measured at {sorted(set(fit))} (those that fit and "
+                             f"the runs' trained budgets); give --budgets to choose")
+                budgets = fit
         small = [b for b in budgets if b < least]
         if small:
             how = "" if self.budgets is not None else (f" (the defaults are 6.25/12.5/25% of the longest trace, "

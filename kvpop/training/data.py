@@ -170,8 +170,12 @@ def read_jsonl(path: str | os.PathLike, *, vocab_size: int | None = None, tokeni
 
 
 def chunk(records: list[list[int]], seq_len: int, *, pack: bool = False, sep_id: int | None = None,
-          source: str = "the data") -> list[torch.Tensor]:
-    """Cut records into int64 ``[seq_len]`` sequences (shorter tails are dropped; see the module docstring)."""
+          source: str = "the data", warn: Callable[[str], None] | None = None) -> list[torch.Tensor]:
+    """Cut records into int64 ``[seq_len]`` sequences (shorter tails are dropped; see the module docstring).
+    Records shorter than ``seq_len`` give nothing: when they are at least half of them, ``warn`` (if given) is told
+    how many were dropped, and fewer than 2 sequences left from them is a ValueError (a run on one sequence of a
+    file that is mostly dropped is not what was asked)."""
+    short = 0 if pack else sum(len(r) < seq_len for r in records)
     if pack:
         stream: list[int] = []
         for r in records:
@@ -188,6 +192,15 @@ def chunk(records: list[list[int]], seq_len: int, *, pack: bool = False, sep_id:
         hint = "" if pack else ", or --pack to concatenate the records"
         raise ValueError(f"no sequence of --seq-len {seq_len} tokens can be cut from {source}: its longest "
                          f"{'stream' if pack else 'record'} has {longest} tokens; lower --seq-len{hint}")
+    if short and 2 * short >= len(records):
+        what = (f"{short} of its {len(records)} records ({short / len(records):.0%}) are shorter than --seq-len "
+                f"{seq_len} and were dropped, leaving {len(out)} sequence(s)")
+        if len(out) < 2:
+            median = sorted(len(r) for r in records)[len(records) // 2]
+            raise ValueError(f"{source}: {what}: too little to train or evaluate on; lower --seq-len (to at most "
+                             f"{median}, the median record's length), or --pack to concatenate the records")
+        if warn is not None:
+            warn(f"{source}: {what}")
     return out
 
 
@@ -205,7 +218,8 @@ def make_batches(seqs: list[torch.Tensor], batch_size: int, *, shuffle: bool = T
 
 
 def cut_file(path: str, seq_len: int, *, vocab_size: int, model_dir: Path | None, pack: bool = False,
-             eos_token_id: int | list[int] | None = None) -> list[torch.Tensor]:
+             eos_token_id: int | list[int] | None = None, warn: Callable[[str], None] | None = None
+             ) -> list[torch.Tensor]:
     """The records of the JSONL file ``path`` (:func:`read_jsonl`; texts tokenised with ``model_dir``'s tokenizer,
     ``None``: the ``--tiny`` model, which has none) cut into ``seq_len`` sequences (:func:`chunk`); with ``pack``
     the records are separated by the tokenizer's EOS, else ``eos_token_id`` (the model config's)."""
@@ -224,7 +238,7 @@ def cut_file(path: str, seq_len: int, *, vocab_size: int, model_dir: Path | None
         sep = getattr(tok, "eos_token_id", None) if tok is not None else eos_token_id
         if isinstance(sep, list):
             sep = sep[0] if sep else None
-    return chunk(records, seq_len, pack=pack, sep_id=sep, source=path)
+    return chunk(records, seq_len, pack=pack, sep_id=sep, source=path, warn=warn)
 
 
 def digests(seqs: list[torch.Tensor]) -> set[bytes]:

@@ -21,6 +21,10 @@ KVPOP_ONLY = ("budget", "scorer", "scorer_hidden", "mlstm_dim", "mask_source", "
                "no_balance", "init_scorers", "priority_source")
 DMS_ONLY = ("target_keep", "schedule_steps", "gate_tau", "gate_offset", "aux_weight")
 DMS_FIELDS = {"gate_tau": "tau"}  # option -> DMSConfig field where the names differ
+MAX_LM_WEIGHT = 1e3
+"""The largest ``--lm-weight``: the language-model loss at most a thousand times the distillation's KL."""
+MIN_GAMMA = 0.5
+"""The smallest decay ``gamma_min`` (an age penalty of ``-log 0.5 = 0.69`` nats per token: recency already)."""
 
 
 def fill_defaults(args: Any) -> set[str]:
@@ -43,6 +47,25 @@ def fill_defaults(args: Any) -> set[str]:
 
 def _flags(names) -> str:
     return ", ".join(f"--{n.replace('_', '-')}" for n in names)
+
+
+def _unused_with_source(args: Any, given: set[str]) -> list[tuple[str, str]]:
+    """``(option, why)`` of the given options that a ``--priority-source`` other than ``scorer`` leaves without
+    effect: no source trains a scorer (its learning rate and L_score's own settings), only ``random`` builds one (its
+    architecture), and only ``oracle-label`` reads the label family."""
+    from kvpop.core.priority_sources import LEARNED_FORM
+
+    src = args.priority_source
+    trains = "trains no scorer (no L_score, no scorer learning rate)"
+    out = [(n, trains) for n in ("tau", "tie_margin") if n in given]
+    if getattr(args, "lr_scorer", None) is not None:
+        out.insert(0, ("lr_scorer", trains))
+    if src not in LEARNED_FORM:
+        out = [(n, "builds no scorer") for n in ("scorer", "scorer_hidden", "mlstm_dim") if n in given] + out
+    if src != "oracle-label":
+        out += [(n, "reads no label (only --priority-source oracle-label does)")
+                for n in ("label", "label_power") if n in given]
+    return out
 
 
 def check_combinations(args: Any, given: set[str]) -> None:
@@ -72,12 +95,26 @@ def check_combinations(args: Any, given: set[str]) -> None:
                   f"{args.mask_source} would replace it: leave --mask-source out")
         if getattr(args, "init_scorers", None) is not None:
             _fail(f"--init-scorers: --priority-source {args.priority_source} trains no scorer")
+        unused = _unused_with_source(args, given)
+        if unused:
+            names, why = zip(*unused)
+            _fail(f"{_flags(names)}: no effect with --priority-source {args.priority_source}, which "
+                  f"{'; '.join(dict.fromkeys(why))}: leave {'it' if len(names) == 1 else 'them'} out")
         if args.priority_source == "window-attention" and (args.head_budgets is not None or args.allocate is not None):
             _fail("--priority-source window-attention is served with uniform budgets only (its sums sit in the "
                   "window's slots of the uniform cache): leave --head-budgets / --allocate out")
         if getattr(args, "auto", False):
             _fail(f"--auto searches the learned scorer's settings; --priority-source {args.priority_source} trains no "
                   f"scorer: leave --auto out (tune the control's --lr-model by runs of their own)")
+        if args.allocate is not None:
+            _fail(f"--allocate {args.allocate} measures each head's importance under the exact label's own ranking "
+                  f"(the oracle mask), which --priority-source {args.priority_source} would replace: give the "
+                  f"per-head budgets with --head-budgets (e.g. a scorer run's OUT/head_budgets.json), or leave "
+                  f"--allocate out")
+    if args.method == "kvpop" and args.mask_source == "streaming" and getattr(args, "no_train_model", False):
+        _fail("--mask-source streaming is the fine-tune-only control (the model fine-tuned under the StreamingLLM "
+              "mask, served as fixed-finetune): with --no-train-model no model would be trained and the run would "
+              "serve as nothing: leave --no-train-model out")
     if "target_lse" in given and args.target_source == "teacher":
         _fail(f"--target-lse {args.target_lse} is the normaliser of the student's target; --target-source teacher "
               f"uses the teacher's exact dense one: leave --target-lse out")
@@ -99,8 +136,9 @@ def check_options(args: Any) -> None:
         if getattr(args, name) < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     lm = getattr(args, "lm_weight", 0.0)
-    if not (math.isfinite(lm) and lm >= 0):
-        _fail(f"--lm-weight must be a finite number >= 0, got {lm}")
+    if not (math.isfinite(lm) and 0 <= lm <= MAX_LM_WEIGHT):
+        _fail(f"--lm-weight must lie in [0, {MAX_LM_WEIGHT:g}], got {lm:g}: it weighs the language-model loss against "
+              f"the distillation's KL (a weight far above 1 drowns the KL, and near 1e30 the gradients overflow)")
     if lm and args.no_train_model:
         _fail(f"--lm-weight {lm:g} trains the model's weights on the data; with --no-train-model nothing would use it")
     for name in ("lr_model", "lr_scorer"):
@@ -153,9 +191,57 @@ def check_options(args: Any) -> None:
     if getattr(args, "init_scorers", None) is not None and not Path(args.init_scorers).is_file():
         _fail(f"--init-scorers {args.init_scorers}: no such file (give a scorer file, e.g. a scorer-only run's "
               f"OUT/scorers.safetensors)")
+    if args.method == "kvpop":
+        check_decay(args)
     if args.method == "kvpop" and args.seq_len <= args.budget:
         _fail(f"--seq-len ({args.seq_len}) must be larger than --budget ({args.budget}): a sequence of at most "
               f"budget tokens evicts nothing, so the scorers get no training signal")
+
+
+def check_decay(args: Any) -> None:
+    """The decay range the run trains with (:func:`decay_range`), each refusal naming the option that set it:
+    ``--decay-nats`` a positive finite number; ``0 <`` :data:`MIN_GAMMA` ``<= gamma_min < gamma_max < 1`` with
+    ``gamma_max`` below 1 in float32 and ``gamma_min`` below ``gamma_max`` in float32 (the layer computes the decay
+    in float32: a range that rounds to 1.0 switches the decay off without a word)."""
+    import numpy as np
+
+    tied = args.decay_nats is not None
+    if tied and not (math.isfinite(args.decay_nats) and args.decay_nats > 0):
+        _fail(f"--decay-nats must be a positive finite number (the age penalty over --seq-len, in nats), got "
+              f"{args.decay_nats:g}")
+    for name in ("gamma_min", "gamma_max", "gamma_init"):
+        v = getattr(args, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v < 1):
+            _fail(f"--{name.replace('_', '-')} must lie strictly between 0 and 1, got {v:g}")
+    try:
+        rng = decay_range(args)
+    except ValueError as e:  # the range's own refusal names its parameters: said as the options
+        if not str(e).startswith("span_nats"):
+            raise
+        _fail(f"--decay-nats {args.decay_nats:g} over --seq-len {args.seq_len} gives gamma_min "
+              f"{math.exp(-args.decay_nats / args.seq_len):.10g}, which must lie in (0, --gamma-max "
+              f"{args.gamma_max:g}): "
+              f"give a smaller --decay-nats")
+    lo = f"--decay-nats {args.decay_nats:g} (gamma_min = exp(-N / --seq-len))" if tied else \
+        f"--gamma-min {args.gamma_min:.10g}"
+    if not rng["gamma_min"] < rng["gamma_max"]:
+        _fail(f"{lo}, --gamma-max {rng['gamma_max']:.10g}: need gamma_min < gamma_max (the range the learned decay "
+              f"moves in)")
+    if not rng["gamma_min"] < rng["gamma_init"] < rng["gamma_max"]:
+        _fail(f"{lo}, --gamma-max {rng['gamma_max']:.10g}: need gamma_min < --gamma-init < --gamma-max, and "
+              f"gamma_init is {rng['gamma_init']:.10g} (default {0.9999:g}): give a --gamma-init strictly inside")
+    if rng["gamma_min"] < MIN_GAMMA:
+        _fail(f"{lo} gives gamma_min {rng['gamma_min']:.3g}, below {MIN_GAMMA:g}: an age penalty above "
+              f"{-math.log(MIN_GAMMA):.2f} nats per token already orders every token by age alone, and far beyond it "
+              f"the priorities overflow float32 (a NaN loss); give a gamma_min of at least {MIN_GAMMA:g}")
+    f32 = {k: float(np.float32(v)) for k, v in rng.items()}
+    if f32["gamma_max"] >= 1.0:
+        _fail(f"--gamma-max {rng['gamma_max']:.10g} is 1.0 in float32 (the decay's precision), so the decay would be "
+              f"off (no age penalty): give at most {float(np.nextafter(np.float32(1), np.float32(0))):.10g}")
+    if not f32["gamma_min"] < f32["gamma_init"] < f32["gamma_max"]:
+        _fail(f"{lo}, --gamma-max {rng['gamma_max']:.10g} and gamma_init {rng['gamma_init']:.10g} are not distinct "
+              f"in float32 (the decay's precision: {f32['gamma_min']:.10g}, {f32['gamma_max']:.10g}, "
+              f"{f32['gamma_init']:.10g}), so the learned decay could not move: widen the range")
 
 
 def decay_range(args: Any) -> dict[str, float]:

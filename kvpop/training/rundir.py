@@ -177,16 +177,20 @@ def keep_miss(history: list[dict]) -> tuple[float, float] | None:
 
 
 def closing_report(out: Path, history: list[dict], *, method: str, steps: int, step: int | None, train_model: bool,
-                   lr_scorer: float) -> tuple[str, str | None]:
+                   lr_scorer: float, priority_source: str | None = None) -> tuple[str, str | None]:
     """What a finished run says: its last line (the last step's losses, or with no step left what was rewritten
     from ``last.pt``) and a warning or None (a DMS run whose keep fraction missed its target, :func:`keep_miss`,
     over ``out/history.jsonl``: a resumed run's steps before this call too).  ``history``: the steps of this
-    call; ``step``: the step of the outputs; ``lr_scorer``: the gates' learning rate in effect."""
+    call; ``step``: the step of the outputs; ``lr_scorer``: the gates' learning rate in effect; ``priority_source``:
+    a KVpop run's (one other than ``scorer`` trains no scorer: no L_score and no ranking accuracy to report)."""
     if not history:
         layer = "gates.safetensors" if method == "dms" else "scorers.safetensors"
         return (f"kvpop train: no step left, {out / 'last.pt'} is at step {step} >= --steps {steps}; "
                 f"rewrote {layer}{' and model/' if train_model else ''} from it (step {step})"), None
     h = history[-1]
+    if method != "dms" and priority_source not in (None, "scorer"):
+        return (f"kvpop train: step {h['step']}: kl {h['kl']:.4f} (--priority-source {priority_source} trains no "
+                f"scorer: no L_score, no ranking accuracy); wrote {out}"), None
     if method != "dms":
         acc = ("- (no token was ranked in this step: nothing competed for a long-range slot)"
                if h.get("decisions") == 0 else f"{h.get('accuracy', float('nan')):.3f}")

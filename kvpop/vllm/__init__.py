@@ -36,7 +36,7 @@ def register() -> None:
 
     KVCacheSpecRegistry.register(FixedBudgetSpec, FixedBudgetManager, uniform_type_base_spec=FixedBudgetSpec)
     # our attention op is where torch.compile splits the graph (piecewise CUDA graphs), like vLLM's own
-    from .model import OP_NAME, KVpopEngineCheck
+    from .model import OP_NAME, KVpopArchitectureCheck, KVpopEngineCheck
 
     if OP_NAME not in CompilationConfig._attention_ops:
         CompilationConfig._attention_ops.append(OP_NAME)
@@ -45,6 +45,10 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     MODELS_CONFIG_MAP[ARCHITECTURE] = KVpopEngineCheck
+    from .settings import OTHER_ARCHITECTURES
+
+    for arch in OTHER_ARCHITECTURES:  # kvpop settings on a model vLLM serves itself: refused, never served dense
+        MODELS_CONFIG_MAP.setdefault(arch, KVpopArchitectureCheck)
 
 
 def hf_overrides(scorers: str | None = None, *, policy: str = "kvpop", pack: str | None = None,

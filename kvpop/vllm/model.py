@@ -35,7 +35,7 @@ from kvpop import KVpopLayer
 from kvpop.core.priority import priority
 
 from .quantized import check_cache_dtype
-from .settings import Settings, check_scorer_file, resolve
+from .settings import Settings, check_architecture, check_kv_dtype, check_scorer_file, resolve
 from .slots import PackedSlots, aligned
 from .spec import FixedBudgetSpec
 
@@ -300,6 +300,7 @@ def check_engine(vllm_config) -> Settings:
     settings = resolve(vllm_config.model_config.hf_config)
     dtype = vllm_config.cache_config.cache_dtype
     check_cache_dtype(dtype, cpu=current_platform.is_cpu())
+    check_kv_dtype(settings, dtype)  # kvpop_config's kv_dtype must be the engine's, never dropped
     if settings.uses_scorer and settings.config.scorer == "mlstm":
         if dtype not in (None, "auto"):
             raise ValueError(f"kvpop serves the mLSTM scorer with unquantised KV caches only (its window values feed "
@@ -319,6 +320,17 @@ def check_engine(vllm_config) -> Settings:
         raise ValueError("kvpop's fixed-budget cache does not support speculative decoding: eviction is "
                          "destructive, so rejected draft tokens could not be rolled back")
     return settings
+
+
+class KVpopArchitectureCheck(VerifyAndUpdateConfig):
+    """The config hook of the architectures vLLM serves itself (``OTHER_ARCHITECTURES``, registered by
+    :func:`kvpop.vllm.register` where vLLM has none of its own): kvpop settings on such a model config are refused
+    (:func:`kvpop.vllm.settings.check_architecture`), in the caller's process, instead of a dense engine."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        mc = vllm_config.model_config
+        check_architecture(mc.hf_config, mc.architecture)
 
 
 class KVpopEngineCheck(VerifyAndUpdateConfig):

@@ -8,11 +8,15 @@ from typing import Any
 
 from kvpop import KVpopConfig, read_scorer_config
 
-__all__ = ["Settings", "resolve", "check_scorer_file", "POLICIES"]
+__all__ = ["Settings", "resolve", "check_scorer_file", "check_architecture", "check_kv_dtype", "POLICIES",
+           "OTHER_ARCHITECTURES"]
 
 POLICIES = ("kvpop", "streaming")
 _KEYS = ("kvpop_scorers", "kvpop_policy", "kvpop_config", "kvpop_pack")
 PACKS = ("rows", "slots")
+OTHER_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+"""The architectures of the families kvpop patches, which vLLM serves with its own model class: a model config of
+one of them that carries kvpop settings is refused (:func:`check_architecture`), never served dense."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,37 @@ def _check_keys(cfg: Any) -> None:
             near = difflib.get_close_matches(k.lower().replace("-", "_"), _KEYS, n=1)
             raise ValueError(f"unknown kvpop setting {k!r}{f' (did you mean {near[0]!r}?)' if near else ''}: the "
                              f"plugin reads {', '.join(_KEYS)}")
+
+
+def check_architecture(hf_config: Any, architecture: str | None) -> None:
+    """ValueError when ``hf_config`` carries kvpop settings (``kvpop_scorers``, ``kvpop_config``, ...) but is served
+    as ``architecture``, not the plugin's: vLLM's own model class never reads them, so the engine would serve the
+    dense model without a word (``hf_overrides`` without ``"architectures"``, or with the checkpoint's own)."""
+    from . import ARCHITECTURE
+
+    found = [k for k in _KEYS if _get(hf_config, k) is not None]
+    if found and architecture != ARCHITECTURE:
+        raise ValueError(f"the model config carries kvpop settings ({', '.join(found)}) but is served as "
+                         f"{architecture!r}, whose model class never reads them: the engine would serve the dense "
+                         f"model. Add \"architectures\": [\"{ARCHITECTURE}\"] to hf_overrides (kvpop.vllm."
+                         f"hf_overrides(...) builds both)")
+
+
+def check_kv_dtype(settings: Settings, kv_cache_dtype: Any) -> None:
+    """ValueError when ``kvpop_config``'s ``kv_dtype`` contradicts the engine's ``kv_cache_dtype``: the engine's cache
+    dtype decides how the cache is stored (``"auto"``: the model's dtype, ``int8_per_token_head``: int8, ...), so
+    a ``kv_dtype`` that differs would be dropped or contradicted without a word."""
+    from .quantized import PER_TOKEN_HEAD, kv_dtype_of
+
+    mine = settings.config.kv_dtype
+    engine = kv_dtype_of(kv_cache_dtype)
+    if mine is None or mine == engine:
+        return
+    want = next((k for k, v in PER_TOKEN_HEAD.items() if v == mine), None)
+    raise ValueError(f"kvpop_config kv_dtype={mine!r} contradicts the engine's kv_cache_dtype={kv_cache_dtype!r} "
+                     f"(which stores {repr(engine) if engine else 'keys and values in the model dtype'}); the "
+                     f"engine's cache dtype decides: start it with kv_cache_dtype={want!r} (--kv-cache-dtype "
+                     f"{want}), or leave kv_dtype out of hf_overrides")
 
 
 def check_scorer_file(path: str, model_config: Any = None) -> None:

@@ -189,8 +189,8 @@ def test_dms_threshold_chosen_on_validation_traces(runs, traces, tmp_path, capsy
     assert {r["dms_threshold_from"] for r in rows} == {"validation traces"}
     assert res["dms_valid_data"] == str(valid)
     # without it, each evaluated trace calibrates its own
-    assert _eval("--data", str(traces), "--budgets", "40", "--out", str(out), "--policies", "dense,dms",
-                 "--run", str(runs / "dms")) == 0
+    assert _eval("--data", str(traces), "--budgets", "40", "--out", str(out), "--overwrite", "--policies",
+                 "dense,dms", "--run", str(runs / "dms")) == 0  # a finished --out is replaced only when asked
     res = json.loads((out / "results.json").read_text())
     assert res["dms_thresholds"] is None
     assert {r["dms_threshold_from"] for r in res["rows"] if r["policy"] == "dms"} == {"each evaluated trace"}
