@@ -52,19 +52,25 @@ def _flags(names) -> str:
 def _unused_with_source(args: Any, given: set[str]) -> list[tuple[str, str]]:
     """``(option, why)`` of the given options that a ``--priority-source`` other than ``scorer`` leaves without
     effect: no source trains a scorer (its learning rate and L_score's own settings), only ``random`` builds one (its
-    architecture), and only ``oracle-label`` reads the label family."""
+    architecture), and only ``oracle-label`` reads the label family.  A value equal to the default is let through
+    (it changes nothing either way: a study's recipe shared by every row may spell it out)."""
+    from kvpop.core.config import KVpopConfig
     from kvpop.core.priority_sources import LEARNED_FORM
+    from kvpop.training.methods import KVpopMethod
 
-    src = args.priority_source
+    src, d = args.priority_source, KVpopConfig()
     trains = "trains no scorer (no L_score, no scorer learning rate)"
-    out = [(n, trains) for n in ("tau", "tie_margin") if n in given]
-    if getattr(args, "lr_scorer", None) is not None:
-        out.insert(0, ("lr_scorer", trains))
-    if src not in LEARNED_FORM:
-        out = [(n, "builds no scorer") for n in ("scorer", "scorer_hidden", "mlstm_dim") if n in given] + out
-    if src != "oracle-label":
-        out += [(n, "reads no label (only --priority-source oracle-label does)")
-                for n in ("label", "label_power") if n in given]
+    set_ = [n for n in ("scorer", "scorer_hidden", "mlstm_dim", "lr_scorer", "tau", "tie_margin", "label",
+                        "label_power") if (n in given or n == "lr_scorer") and getattr(args, n, None) is not None
+            and getattr(args, n) != (KVpopMethod.learning_rates["lr_scorer"] if n == "lr_scorer" else getattr(d, n))]
+    out = []
+    for n in set_:
+        if n in ("scorer", "scorer_hidden", "mlstm_dim") and src not in LEARNED_FORM:
+            out.append((n, "builds no scorer"))
+        elif n in ("lr_scorer", "tau", "tie_margin"):
+            out.append((n, trains))
+        elif n in ("label", "label_power") and src != "oracle-label":
+            out.append((n, "reads no label (only --priority-source oracle-label does)"))
     return out
 
 
