@@ -17,15 +17,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``--auto``, ``--auto-budget`` and ``--preset`` of ``kvpop train``."""
     auto = p.add_argument_group("settings chosen for you (kvpop.training.auto)")
     auto.add_argument("--auto", action="store_true",
-                      help="choose the label, scorer lr, training budget, decay range, head budgets, label "
-                           "source and the joint run's warm start on validation data, and whether a learned mask "
-                           "beats the same fine-tune under the fixed StreamingLLM mask (--valid-data, or the task's "
+                      help="choose, on validation data, the next-token loss weight (--lm-weight 0, 0.1, 1), a "
+                           "fixed decay (0.995, 0.98) against the learned one, whether a learned mask beats the same "
+                           "fine-tune under the fixed StreamingLLM mask, head budgets, scorer lr, training budget, "
+                           "label source, decay range and the joint run's warm start (--valid-data, or the task's "
                            "validation sequences with --task), split into fit and select parts, a --steps run per "
                            "trial, the top two confirmed with a second seed; writes OUT/selection.json and OUT as "
                            "the chosen run (--resume continues a search)")
     auto.add_argument("--auto-budget", default=None, metavar="STEPS|MINUTES",
                       help="--auto's budget: trained steps over all trials (e.g. 400) or minutes (e.g. 30m) "
-                           "(default: 5 trials of --steps)")
+                           "(default: 8 trials of --steps)")
     auto.add_argument("--auto-patience", type=int, default=None, metavar="N",
                       help="--auto's early stopping: each trial validated on the fit part of validation every "
                            "--auto-eval-every steps and stopped after N validations without a better score, its best "
@@ -154,7 +155,8 @@ class _Command:
     def oracle_config(self, settings: dict):
         from kvpop.training.options import check_options, method_config
 
-        ns = self.options({**settings, "valid_data": None, "valid_sequences": None, "min_k": None})
+        # the oracle evicts by the exact label with uniform budgets: no allocation, no validation data
+        ns = self.options({**settings, "valid_data": None, "valid_sequences": None, "min_k": None, "allocate": None})
         check_options(ns)
         return method_config(ns)
 
@@ -178,11 +180,16 @@ def auto_run(args: argparse.Namespace, train) -> int | None:
 def run_auto(args: argparse.Namespace, train) -> int:
     """``kvpop train --auto``: :func:`kvpop.training.auto.run` of the command's :func:`_settings`, with ``train``
     (``kvpop.cli.train.run``) as the trials' training (:class:`_Command`); prints what ran, or how to resume."""
-    from kvpop.training.auto import SEARCHED, _Signalled, _Stopped, run, summary_lines
+    from kvpop.training.auto import DECAY_OPTIONS, SEARCHED, _Signalled, _Stopped, next_steps, run, summary_lines
 
     command = _Command(args, train)
     first = command.options({"allocate": args.allocate or "ablation"})  # the allocating trials' options checked
     given = {k: getattr(args, k) for k in SEARCHED if getattr(args, k, None) is not None}
+    if given.get("lm_weight") == 0.0:  # the default: searched (another value fixes it)
+        del given["lm_weight"]
+    decay = {k: getattr(args, k) for k in DECAY_OPTIONS if getattr(args, k, None) is not None}
+    if decay:  # a decay given (range or value) is kept: neither decay stage runs
+        given["decay"] = decay
     settings = _settings(args)
     try:
         task = task_of(args.task)
@@ -200,4 +207,7 @@ def run_auto(args: argparse.Namespace, train) -> int:
         raise SystemExit(f"kvpop train: {e}") from None
     for line in summary_lines(record):
         print(f"kvpop train --auto: {line}", flush=True)
+    print("kvpop train --auto: " + next_steps(record, out=args.out, source=str(source), budget=record["served_budget"],
+                                              sinks=args.sinks, window=args.window, seq_len=args.seq_len,
+                                              train_model=not args.no_train_model, task=args.task), flush=True)
     return 0

@@ -5,31 +5,35 @@ search code path, ``kvpop demo --select``'s too), each stage starting from the b
 before it:
 
 1. ``label``: the label family (:data:`LABEL_CANDIDATES`), scored by each label's oracle (:func:`oracle_excess`:
-   the model as loaded, evicting by the exact label of its own dense attention), which needs no training;
-2. ``lr_scorer``: the scorers' learning rate (:data:`LR_FACTORS` of the method's default), a trained run each;
-3. ``head_budgets``: uniform budgets against head-adaptive ones (``--allocate ablation``);
-4. ``train_budget``: training at the served budget against tighter ones (:func:`train_budgets`: fewer long-range
-   slots, so more of the label's decisions bind); every trial is still scored at the served ``--budget``, and
-   the chosen run's scorer file is written at it (:func:`_adopt`);
-5. ``target_source``: the label from the model being trained (student) against the frozen original's
+   the model as loaded, evicting by the exact label of its own dense attention), which needs no training (its
+   score is an oracle NLL over dense, not a trained trial's validation score: the log and the record say so);
+2. ``lm_weight``: the next-token loss beside the KL (``--lm-weight``, :data:`LM_WEIGHTS`), when the model is
+   trained;
+3. ``fixed_decay``: the decay held fixed at each of :data:`FIXED_DECAYS` against the learned range;
+4. ``fixed_mask``: the same fine-tune under the fixed StreamingLLM mask (``--mask-source streaming``: no learned
+   eviction), when the model is trained and ``--mask-source`` is not given;
+5. ``head_budgets``: uniform budgets against head-adaptive ones (``--allocate ablation``);
+6. ``lr_scorer``: the scorers' learning rate (:data:`LR_FACTORS` of the method's default);
+7. ``train_budget``: training at the served budget against tighter ones (:func:`train_budgets`); every trial is
+   still scored at the served ``--budget``, and the chosen run's scorer file is written at it (:func:`_adopt`);
+8. ``target_source``: the label from the model being trained (student) against the frozen original's
    (teacher), when the model is trained;
-6. ``decay``: the paper's decay range against the range tied to ``--seq-len`` (:data:`DECAY_NATS`); trained,
-   since the range bounds the decay the scorers learn while the oracle's label sees only its initial value;
-7. ``warm_start``: the joint run started from the scorers of a scorer-only run of the same settings
-   (``--init-scorers``; the trial trains both, twice ``--steps``) against fresh scorers, when the model is
-   trained and ``--init-scorers`` is not given.
+9. ``decay``: the paper's decay range against the range tied to ``--seq-len`` (:data:`DECAY_NATS`), with the
+   decay learned;
+10. ``warm_start``: the joint run started from the scorers of a scorer-only run of the same settings
+    (``--init-scorers``; the trial trains both, twice ``--steps``) against fresh scorers, when the model is
+    trained and ``--init-scorers`` is not given.
 
-``fixed_mask`` runs right after ``lr_scorer`` when the model is trained and ``--mask-source`` is not given: the
-same fine-tune under the fixed StreamingLLM mask (``--mask-source streaming``: no learned eviction), the rival
-that beat every learned priority on held-out real code at 12.5 % memory (``studies/results/evidence.md``, issue
-44).  When it wins by the rule, the stages that vary the learned scorer alone (``target_source``, ``decay``,
-``warm_start``; :func:`learned_mask`) do not run, the record's ``chosen.served_as`` is ``fixed-finetune``, and
-the run is served as that: its ``model/`` with the streaming policy.
-
-The trained stages come in the order of what each won per trained step on the three instruments' validation
-records (``studies/results/auto.md``): the scorer lr mattered on all three, head-adaptive budgets won
-on two (lookahead, real text), the training budget on two (kvtrace, lookahead) but lost by 2-8x on real
-text, the label source on one, the decay range on none; the warm start, twice a trial's cost, is last.
+The order is that of what moved real text's validation and test scores most (``studies/results/auto.md``): the
+next-token loss about 0.04-0.05 nats/token at 12.5 % memory, a fixed decay about as much at 6.25 %, the fixed
+mask against the learned one a tie at 12.5 %, and head budgets, learning rate, training budget, label source,
+decay range and warm start under 0.01 each; the default budget (:data:`DEFAULT_TRIALS`) reaches the first four.
+Under the fixed mask (``fixed_mask``'s choice, or the user's ``--mask-source streaming``) the stages that vary
+the learned scorer alone (:func:`learned_mask`) do not run: they cannot change the model served; the record's
+``chosen.served_as`` is then ``fixed-finetune``, served as ``OUT/model`` with the streaming policy.  Two trials
+the rule cannot tell apart go to the cheaper to serve (:func:`serve_cost`; the record's ``cannot_tell`` and
+``tie_rule``), and before the trained trials the record's ``power`` says what difference the select part
+resolves and how many select sequences a difference of :data:`TARGET` needs.
 
 The validation sequences are split in two disjoint parts (``split`` in the record; ``kvpop.cli.auto``): the
 *fit* part serves what learns from validation (a trial's ``--allocate ablation`` and early stopping), the
@@ -85,7 +89,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PAPER", "LABEL_CANDIDATES", "SEARCHED", "AutoSettings", "parse_budget", "default_budget",
            "preset_values", "oracle_excess", "check", "run", "search", "auto_plan", "train_budgets", "early_stopping",
-           "early_stopped", "summary_lines"]
+           "early_stopped", "summary_lines", "next_steps", "fixed_decay_options", "serve_cost", "power_line",
+           "LM_WEIGHTS", "FIXED_DECAYS", "DECAY_OPTIONS"]
 
 PAPER = {"scorer": "mlp", "label": "mean", "decay_nats": None, "gamma_min": 0.999, "gamma_max": 0.999999,
          "gamma_init": 0.9999, "mask_source": "scorer", "target_source": "student", "target_lse": "sparse"}
@@ -96,8 +101,21 @@ LABEL_CANDIDATES = ("mean", "max")
 DECAY_NATS = 8.0
 """The third stage's alternative to the paper's decay range: ``--decay-nats 8`` (``gamma_min = exp(-8 / --seq-len)``,
 ``kvpop.decay_range_for_context``; the value the demo's selection grid tried)."""
-SEARCHED = ("label", "decay_nats", "lr_scorer", "allocate", "target_source", "init_scorers", "mask_source")
-"""The settings the search chooses; one the user gave is kept as given (its stage has that one candidate)."""
+SEARCHED = ("label", "lm_weight", "decay_nats", "lr_scorer", "allocate", "target_source", "init_scorers",
+            "mask_source")
+"""The settings the search chooses; one the user gave is kept as given (its stage has that one candidate).
+``--lm-weight`` counts as given when it is not its default 0; any of ``--decay-nats`` / ``--gamma-min`` /
+``--gamma-max`` / ``--gamma-init`` fixes the decay (``given["decay"]``: both decay stages left out)."""
+DECAY_OPTIONS = ("decay_nats", "gamma_min", "gamma_max", "gamma_init")
+"""The options that set the decay: one given fixes it (the ``fixed_decay`` and ``decay`` stages are left out)."""
+LM_WEIGHTS = (0.0, 0.1, 1.0)
+"""The ``lm_weight`` stage's next-token loss weights (``--lm-weight``): 0 (the KL alone, the default) and the
+values the real-text studies chose from (issue 44: 0.1 chosen for the MLP joint row and the fixed-mask control,
+1 for key norm and window attention; ``studies/results/evidence.md``)."""
+FIXED_DECAYS = (0.995, 0.98)
+"""The ``fixed_decay`` stage's decays, each held fixed (``--gamma-min G --gamma-max G + 2e-6 --gamma-init G +
+1e-6``, :func:`fixed_decay_options`) against the learned range: an age penalty of about 5 and 20 nats over
+1,024 tokens (``studies.decay_realtext.GAMMAS``, whose select part chose 0.995 on real text)."""
 LR_FACTORS = (1.0, 3.0, 10.0)
 """The second stage's scorer learning rates, as factors of the method's default (the demo's selection chose
 3e-3 and 1e-2 on its two tasks, above the default 1e-3)."""
@@ -115,8 +133,31 @@ PATIENCE = 2
 better or equal score (a tie goes to the later state)."""
 MAX_BUDGET = 1e15
 """The largest ``--auto-budget`` taken (steps or minutes): more than any search spends, and exact as a float."""
-DEFAULT_TRIALS = 5
-"""The default budget: this many trained trials of ``--steps`` steps each."""
+DEFAULT_TRIALS = 8
+"""The default budget: this many trained trials of ``--steps`` steps each: with the confirmation's two, six
+for the stages, which reach the three that moved real text's score most (``lm_weight``'s three, ``fixed_decay``'s
+two, ``fixed_mask``'s one; ``studies/results/auto.md``)."""
+TARGET = {"nll": 0.005, "error": 0.05}
+"""The difference the record's ``power`` says how many select sequences would detect (80 % power): 0.005
+nats/token of NLL over dense (what separated real text's recipes at 12.5 % memory), 0.05 of a task's error rate."""
+
+
+def fixed_decay_options(gamma: float) -> dict:
+    """The options that hold the decay at ``gamma`` (``0 < gamma < 1``): the range ``[gamma, gamma + 2e-6]`` from
+    ``gamma + 1e-6`` (as ``studies.decay_realtext`` trains it), ``--decay-nats`` off."""
+    if not (isinstance(gamma, (int, float)) and 0 < gamma < 1 - 2e-6):
+        raise ValueError(f"a fixed decay must lie in (0, 1 - 2e-6), got {gamma!r}")
+    return {"gamma_min": gamma, "gamma_max": gamma + 2e-6, "gamma_init": gamma + 1e-6, "decay_nats": None}
+
+
+def serve_cost(settings: Mapping[str, Any], *, train_model: bool, steps: int = 0) -> tuple[int, int]:
+    """What a trial of ``settings`` costs to serve and to train, a sortable key (the tie rule of
+    :func:`kvpop.training.search.tie_break`): served under the fixed mask (0: no scorer) < the scorers with the
+    original model (1) < the scorers with a fine-tuned model (2); then the steps it trains (``steps``: the warm
+    start trains twice)."""
+    if not learned_mask(settings):
+        return 0, steps
+    return (2 if train_model else 1), steps
 
 
 def train_budgets(budget: int, sinks: int, window: int) -> list[int]:
@@ -338,6 +379,15 @@ def search(settings: AutoSettings, *, served: int, given: dict, lr_scorer: float
                      train_budgets=train_budgets(served, settings.sinks, settings.window), given=given,
                      decay_nats=DECAY_NATS, train_model=train_model,
                      warm_start=train_model and "init_scorers" not in given)
+    kind = "error" if settings.task else "nll"
+    trials.scale = SCALE[kind]
+    s.scales = {False: "oracle NLL over dense (the label's own oracle, no training: not on the trials' scale)",
+                True: f"trained trial's select score ({SCALE[kind]})"}
+    s.cost = lambda st: serve_cost({"mask_source": given.get("mask_source"), **st}, train_model=train_model,
+                                   steps=trials.steps_of(st))
+    s.record["tie_rule"] = TIE_RULE
+    s.record["power"] = _power_before(s, plan, trials, kind)
+    log(f"[kvpop train --auto] {power_line(s.record['power'], kind)}")
     hint = "; raise --auto-budget to {need} to run every stage and the confirmation"
     best = s.run_plan(plan, trials.trained, oracle=trials.oracle_trial, steps_of=trials.steps_of, subdir="auto")
     best, s.record["confirmation"] = s.confirm(best, trials.trained, seed=("seed", settings.seed + 1),
@@ -345,11 +395,13 @@ def search(settings: AutoSettings, *, served: int, given: dict, lr_scorer: float
                                                raise_hint="; raise --auto-budget to {need} to run it")
     fixed = not learned_mask({"mask_source": given.get("mask_source"), **best["settings"]})
     s.record["chosen"] = {"settings": best["settings"], "score": best["score"], "dir": best["dir"],
-                          "served_as": "fixed-finetune" if fixed else "kvpop"}
+                          "served_as": "fixed-finetune" if fixed else "kvpop", "scale": SCALE[kind],
+                          "cannot_tell": _ties_of(s.record, best["settings"])}
     s.record["summary"] = s.summary(raise_hint=hint, confirmation=s.record["confirmation"])
+    s.record["power_measured"] = _power_after(s.record, kind)
     s.save()
     _adopt(out, out / best["dir"], served)
-    log(f"[kvpop train --auto] chosen {best['settings']} (validation score {best['score']:.5f}); "
+    log(f"[kvpop train --auto] chosen {best['settings']} (select score {best['score']:.5f}, {SCALE[kind]}); "
         f"{len(s.record['trials'])} trials, {s.spent['steps']} trained steps; the run is {out}")
     if fixed:
         log(f"[kvpop train --auto] no learned eviction beat the same fine-tune under the fixed StreamingLLM mask on "
@@ -358,42 +410,152 @@ def search(settings: AutoSettings, *, served: int, given: dict, lr_scorer: float
     return s.record
 
 
+SCALE = {"nll": "mean NLL over dense past the budget, nats/token, of the run as served; lower is better",
+         "error": "error rate at the task's graded positions of the run as served; lower is better"}
+"""What a trained trial's score is (``"nll"``: ``--valid-data``; ``"error"``: ``--task``)."""
+TIE_RULE = ("two trials the rule cannot tell apart (the mean difference within 2 paired standard errors either "
+            "way): the cheaper to serve is kept (the fixed mask < the scorers with the original model < the scorers "
+            "with a fine-tuned model), then the one that trains fewer steps, then the incumbent (the earlier trial); "
+            "every such pair is listed under cannot_tell with the interval of its difference (mean +- the margin)")
+"""What the record's ``tie_rule`` says (docs/DESIGN.md section 7, "Selection")."""
+
+
+def _power_before(s: Any, plan: Sequence[Stage], trials: _Trials, kind: str) -> dict:
+    """The record's ``power``, before any trained trial: what the select part resolves given a per-sequence
+    spread measured untrained: the paired difference of the two labels' oracles (the label stage's own trials,
+    run here first and reused by it), or with one label the spread of its oracle's values; with ``--task`` the
+    oracle's NLL is not the trials' scale, so only the count is given."""
+    from kvpop.training.search import power
+
+    n = len(s.record["split"]["select"])
+    target = TARGET[kind]
+    if kind != "nll":
+        return power(n, None, target=target, spread_of="not known before two trained trials (the oracle's NLL is "
+                                                        "not the task's error rate)")
+    stage = plan[0]
+    if stage.name == "label" and not stage.trained:
+        a, b = (s.trial("label", {**stage.start, **v}, trials.oracle_trial, trained=False, subdir="auto")
+                for v in stage.variations[:2])
+        diffs = [x - y for x, y in zip(a["per_sequence"], b["per_sequence"])]
+        of = f"the paired difference of the label oracles {a['settings']['label']} and {b['settings']['label']}"
+    else:
+        label = stage.start.get("label") if stage.start is not None else None
+        diffs = trials.oracle({"label": label} if label else {})
+        of = "the values of the label oracle (no second candidate to pair it with)"
+    return power(n, _sd(diffs), target=target, spread_of=of)
+
+
+def _power_after(record: dict, kind: str) -> dict | None:
+    """The record's ``power_measured``: :func:`~kvpop.training.search.power` at the median per-sequence spread of
+    the trained trials' paired differences (its decisions), ``None`` before two trained trials."""
+    from kvpop.training.search import power
+
+    ds = [d for d in record.get("decisions", []) if d.get("paired") and d.get("se") is not None
+          and d.get("stage") != "label"]
+    if not ds:
+        return None
+    spreads = sorted(d["se"] * math.sqrt(d["n"]) for d in ds)
+    return power(ds[0]["n"], spreads[len(spreads) // 2], target=TARGET[kind],
+                 spread_of=f"the median of the {len(ds)} trained decisions' paired differences")
+
+
+def _sd(xs: Sequence[float]) -> float | None:
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def power_line(p: Mapping[str, Any], kind: str) -> str:
+    """The record's ``power`` in words (printed before the trained trials)."""
+    unit = "nats/token" if kind == "nll" else "of the error rate"
+    if p.get("resolvable") is None:
+        return (f"selection power: {p['n_select']} select sequences; the spread of a difference is "
+                f"{p['spread_of']}: see power_measured in selection.json once two trials ran")
+    return (f"selection power: {p['n_select']} select sequences resolve a difference of {p['resolvable']:.4f} "
+            f"{unit} (the rule's 2 paired standard errors; spread {p['spread']:.4f}, from {p['spread_of']}) and "
+            f"detect {p['detectable_80']:.4f} with 80 % power; a difference of {p['target']:g} needs "
+            f"{p['n_for_target']} select sequences"
+            + (" (give more validation records)" if p["n_for_target"] > p["n_select"] else ""))
+
+
+def _ties_of(record: dict, settings: Mapping[str, Any]) -> list[dict]:
+    """The record's ``cannot_tell`` pairs that the chosen ``settings`` is in."""
+    return [c for c in record.get("cannot_tell", []) if settings in (c["a"], c["b"])]
+
+
 def auto_plan(*, labels: Sequence[str], lr_scorers: Sequence[float], train_budgets: Sequence[int],
               given: Mapping[str, Any], decay_nats: float, train_model: bool,
-              warm_start: bool = False) -> list[Stage]:
+              warm_start: bool = False, lm_weights: Sequence[float] = LM_WEIGHTS,
+              fixed_decays: Sequence[float] = FIXED_DECAYS) -> list[Stage]:
     """``kvpop train --auto``'s stages (:class:`kvpop.training.search.Stage`s; :func:`search` gives the
-    candidates): ``label`` scored by each label's oracle (untrained; absent with one label), then, trained and
-    compared anew, in the order of what they won per trained step on the three instruments' validation records
-    (``studies/results/auto.md``): ``lr_scorer``, ``head_budgets`` (``allocate ablation`` against uniform),
-    ``train_budget``, when the model is trained ``target_source``, then ``decay`` (``decay_nats`` against the
-    paper's range; it won on none) and, when the model is trained and ``warm_start``, ``warm_start`` (the joint
-    run started from a scorer-only run's scorers, ``{"warm_start": "scorer-only"}``, against fresh ones; a trial
-    of it trains twice); a setting in ``given`` (the user's) is fixed and its stage left out."""
+    candidates): ``label`` scored by each label's oracle (untrained; absent with one label or a fixed mask), then,
+    trained and compared anew, in the order of what moved real text's validation score most
+    (``studies/results/auto.md``): ``lm_weight`` (the next-token loss: ``lm_weights``, when the model is
+    trained), ``fixed_decay`` (each of ``fixed_decays`` held fixed against the learned range), ``fixed_mask``
+    (the same fine-tune under the fixed StreamingLLM mask, when the model is trained), ``head_budgets``
+    (``allocate ablation`` against uniform), ``lr_scorer``, ``train_budget``, when the model is trained
+    ``target_source``, then ``decay`` (``decay_nats`` against the paper's range, with the decay learned) and,
+    when the model is trained and ``warm_start``, ``warm_start`` (the joint run started from a scorer-only run's
+    scorers, ``{"warm_start": "scorer-only"}``; a trial of it trains twice).  A setting in ``given`` (the
+    user's; ``given["decay"]``: the decay options) is fixed and its stage left out.  The stages that change only
+    the learned scorer (:func:`learned_mask`: label, fixed decay, head budgets, scorer lr, label source, decay
+    range, warm start) do not run under the fixed mask (the user's ``--mask-source streaming``, or the
+    ``fixed_mask`` stage's choice): they cannot change what is served."""
     from kvpop.training.search import Stage
 
-    plan = []
+    fixed = given.get("mask_source") == "streaming"
 
     def learned(settings: Mapping[str, Any]) -> bool:  # the user's --mask-source is in no trial's settings
         return learned_mask({"mask_source": given.get("mask_source"), **settings})
 
-    start = {"decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
-             "target_source": given.get("target_source", "student"), "train_budget": None}
-    if len(labels) > 1:
+    def range_learned(settings: Mapping[str, Any]) -> bool:  # the decay range matters only with a learned decay
+        return learned(settings) and settings.get("fixed_decay") is None
+
+    decay_given = "decay" in given or "decay_nats" in given
+    start: dict[str, Any] = {}
+    plan = []
+    if len(labels) > 1 and not fixed:
         plan.append(Stage("label", [{"label": x} for x in labels], start={}, trained=False))
     else:
-        start = {"label": labels[0], **start}
-    plan.append(Stage("lr_scorer", [{"lr_scorer": lr} for lr in lr_scorers], start=start))
+        start["label"] = labels[0]
+    if train_model:
+        start["lm_weight"] = given.get("lm_weight", lm_weights[0] if lm_weights else 0.0)
+    if not decay_given:
+        start["fixed_decay"] = None
+    start.update({"decay_nats": given.get("decay_nats"), "allocate": given.get("allocate"),
+                  "target_source": given.get("target_source", "student"), "train_budget": None})
+    if len(lr_scorers) > 1:
+        start["lr_scorer"] = lr_scorers[0]
+    # (name, variations, when): in the order of what moved the score most (module docstring)
+    stages: list[tuple[str, list[dict], Callable | None]] = []
+    if train_model and "lm_weight" not in given and len(lm_weights) > 1:
+        stages.append(("lm_weight", [{"lm_weight": w} for w in lm_weights], None))
+    if not decay_given and fixed_decays:
+        stages.append(("fixed_decay", [{"fixed_decay": g} for g in fixed_decays], learned))
     if train_model and "mask_source" not in given:
-        plan.append(Stage("fixed_mask", [{"mask_source": "streaming"}]))
+        stages.append(("fixed_mask", [{"mask_source": "streaming"}], None))
     if "allocate" not in given:
-        plan.append(Stage("head_budgets", [{"allocate": "ablation"}]))
-    plan.append(Stage("train_budget", [{"train_budget": b} for b in train_budgets]))
+        stages.append(("head_budgets", [{"allocate": "ablation"}], learned))
+    if len(lr_scorers) > 1:
+        stages.append(("lr_scorer", [{"lr_scorer": lr} for lr in lr_scorers], learned))
+    if train_budgets:
+        stages.append(("train_budget", [{"train_budget": b} for b in train_budgets], None))
     if train_model and "target_source" not in given:
-        plan.append(Stage("target_source", [{"target_source": "teacher"}], when=learned))
-    if "decay_nats" not in given:
-        plan.append(Stage("decay", [{"decay_nats": decay_nats}], when=learned))
+        stages.append(("target_source", [{"target_source": "teacher"}], learned))
+    if not decay_given:
+        stages.append(("decay", [{"decay_nats": decay_nats}], range_learned))
     if train_model and warm_start:
-        plan.append(Stage("warm_start", [{"warm_start": "scorer-only"}], when=learned))
+        stages.append(("warm_start", [{"warm_start": "scorer-only"}], learned))
+    # the first stage that can run under the start's settings starts the trained search (its first trial the
+    # start itself); a stage of the learned scorer under the user's fixed mask never can
+    first = next((k for k, (_, _, when) in enumerate(stages) if when is None or not fixed), None)
+    if first is None:
+        plan.append(Stage("given", [{}], start=start))
+    else:
+        name, variations, _ = stages.pop(first)
+        plan.append(Stage(name, [{}, *variations], start=start))
+    plan += [Stage(name, variations, when=when) for name, variations, when in stages]
     return plan
 
 
@@ -453,6 +615,7 @@ class _Trials:
         self.settings, self.out, self.served = settings, out, served
         self.train_trial, self.score, self.oracle, self.fit_data, self.log = train, score, oracle, fit_data, log
         self.progress = settings.progress
+        self.scale: str | None = None  # what a trained trial's score is, for its record
         self.every, self.patience = early_stopping(settings.steps, settings.patience, settings.eval_every)
 
     def steps_of(self, settings: dict) -> int:
@@ -460,7 +623,8 @@ class _Trials:
 
     def oracle_trial(self, settings: dict, d: Path) -> dict:
         sel = self.oracle(settings)
-        return {"score": _mean(sel), "per_sequence": sel, "steps": 0}
+        return {"score": _mean(sel), "per_sequence": sel, "steps": 0,
+                "scale": "oracle NLL over dense (the label's own exact eviction, untrained)"}
 
     def train_to(self, run: dict, d: Path, steps: int) -> None:
         """The run of overrides ``run`` in ``d`` trained up to ``steps`` (resumed when it has a checkpoint)."""
@@ -504,6 +668,9 @@ class _Trials:
         run = {**AUTO_OFF, **settings}
         run["budget"] = settings.get("train_budget") or self.served  # trained at; scored at `served` all the same
         run.pop("train_budget", None)
+        gamma = run.pop("fixed_decay", None)
+        if gamma is not None:  # the decay held at gamma (the learned range's options replaced)
+            run.update(fixed_decay_options(gamma))
         warm = run.pop("warm_start", None)
         if run.get("allocate", self.settings.allocate) is None:
             run["valid_data"] = run["valid_sequences"] = None
@@ -524,6 +691,8 @@ class _Trials:
         if warm == "scorer-only":
             r["scorer_only"] = first
         r["steps"] += before
+        if self.scale:
+            r["scale"] = self.scale
         return r
 
 
@@ -561,6 +730,39 @@ def summary_lines(record: dict) -> list[str]:
     elif conf:
         lines.append(f"confirmation not run: {conf.get('why')}")
     return lines
+
+
+def next_steps(record: Mapping[str, Any], *, out: str, source: str, budget: int, sinks: int, window: int,
+               seq_len: int, train_model: bool, task: str | None = None) -> str:
+    """The last line ``kvpop train --auto`` prints: what was chosen (and the trials it could not tell it from,
+    decided by the record's ``tie_rule``), then how to evaluate the run (``kvpop eval --run OUT``) and how to serve
+    it (``vllm serve`` with its ``--hf-overrides``), as what the run is: the fine-tune under the fixed mask
+    (``served_as`` ``fixed-finetune``: ``OUT/model`` with the streaming policy), the scorers with the fine-tuned
+    model (``OUT/model`` and ``OUT/scorers.safetensors``), or the scorers alone (the original model ``source``)."""
+    ch = record.get("chosen") or {}
+    o = Path(out)
+    data = (f"--train-len {seq_len}" if task else f"--data TRACES.jsonl --seq-len {seq_len}")
+    ev = (f"kvpop eval --model {source} --run {o} {data} --budgets {budget} --sinks {sinks} --window {window} "
+          f"--out {o / 'eval'}")
+    if ch.get("served_as") == "fixed-finetune":
+        what = "the fine-tune under the fixed StreamingLLM mask (no scorer)"
+        ov = {"architectures": ["KVpopQwen3ForCausalLM"], "kvpop_policy": "streaming",
+              "kvpop_config": {"sinks": sinks, "window": window, "budget": budget}}
+        model = o / "model"
+    else:
+        joint = train_model
+        what = "KVpop's scorers " + ("with the fine-tuned model" if joint else "with the original model")
+        ov = {"architectures": ["KVpopQwen3ForCausalLM"], "kvpop_scorers": str(o / "scorers.safetensors")}
+        model = o / "model" if joint else Path(source)
+    ties = ch.get("cannot_tell") or []
+    tie = ""
+    if ties:
+        pairs = "; ".join(f"{c['b'] if c['a'] == ch.get('settings') else c['a']} (difference in "
+                          f"[{c['interval'][0]:+.4f}, {c['interval'][1]:+.4f}])" for c in ties)
+        tie = (f"; could not tell it from {pairs}: chosen by the tie rule (the cheaper to serve, then fewer steps, "
+               f"then the earlier trial)")
+    return (f"chosen {ch.get('settings')}: {what}{tie}. Evaluate: {ev}. Serve: vllm serve {model} --hf-overrides "
+            f"'{json.dumps(ov)}'")
 
 
 def early_stopped(d: Path, *, total: int, every: int, patience: int, train_to: Callable[[int], None],
@@ -675,9 +877,32 @@ class _Stopped(Exception):
 def _adopt(out: Path, trial: Path, budget: int) -> None:
     """The chosen trial's run files (:data:`RUN_FILES`) into ``out``, replacing those of an earlier choice; a trial
     trained at another budget has its scorer file (and ``head_budgets.json``) written at ``budget``, the one every
-    trial was scored at, so that ``OUT`` serves it with no other flag."""
+    trial was scored at, so that ``OUT`` serves it with no other flag.  The trial's files are checked first
+    (:func:`_check_trial_files`): nothing in ``out`` is removed for a trial that cannot replace it."""
+    _check_trial_files(trial)
     replace_files(trial, out, RUN_FILES)
     _serve_at(out, budget)
+
+
+def _check_trial_files(trial: Path) -> None:
+    """The chosen trial ``trial`` holds what a run is served from: ``args.json``, ``scorers.safetensors``, the
+    fine-tuned ``model/`` when its arguments train the model, and ``head_budgets.json`` when they allocate;
+    ValueError naming what is missing (a trial's files deleted after its ``trial.json`` was written), before
+    any file of ``OUT`` is touched."""
+    need = ["args.json", "scorers.safetensors"]
+    try:
+        args = json.loads((trial / "args.json").read_text())
+    except (OSError, ValueError):
+        args = None
+    if isinstance(args, dict):
+        need += [*(["model"] if not args.get("no_train_model") else []),
+                 *(["head_budgets.json"] if args.get("allocate") is not None else [])]
+    missing = [n for n in need if not (trial / n).exists()]
+    if missing:
+        raise ValueError(f"the chosen trial {trial} lacks {', '.join(missing)} (deleted since its trial.json was "
+                         f"written), so it cannot be adopted; {trial.parent.parent} was left as it was. Restore "
+                         f"the files, or delete the directory {trial} to train that trial again, then rerun with "
+                         f"--resume")
 
 
 def _serve_at(out: Path, budget: int) -> None:

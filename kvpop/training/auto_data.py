@@ -13,12 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AutoSettings", "SELECT_FIRST", "SPLIT_SEED", "check_out", "check_valid_file", "check_held_out",
+__all__ = ["AutoSettings", "SELECT_FIRST", "SPLIT_SEED", "MAX_VALID", "check_out", "check_valid_file", "check_held_out",
            "valid_sequences", "fit_file"]
 
 SELECT_FIRST = 1_000
 """With ``--task``: the select sequences are ``valid_seed(SELECT_FIRST + i)``; the fit sequences are
 ``valid_seed(0..n-1)``, the ones a trial's ``--allocate`` measures (``kvpop train --task``'s own)."""
+MAX_VALID = 64
+"""With ``--valid-data`` and no ``--valid-sequences``: at most this many of its sequences are read; the fit part
+keeps ``kvpop.training.allocation.VALID_SEQUENCES`` (8) of them and every other goes to the select part, which
+alone decides between trials (more select sequences resolve smaller differences: the record's ``power``)."""
 SPLIT_SEED = 0
 """The seed of the hash that splits ``--valid-data``'s sequences into fit and select
 (:func:`kvpop.training.search.split_keys`); fixed, so that ``--seed`` does not move the split."""
@@ -107,7 +111,9 @@ def check_out(out: Path, resume: bool, run_files: tuple[str, ...]) -> None:
 def valid_sequences(s: AutoSettings, model: Any, source: Path, task: Any) -> tuple[dict, dict]:
     """``({"fit": seqs, "select": seqs}, the record's split)``: with ``--task`` (``task``: its module), ``n``
     (``--valid-sequences``, default 8) of each (:data:`SELECT_FIRST`); with ``--valid-data``, its first ``2 n``
-    sequences split by a seeded hash of their tokens (:data:`SPLIT_SEED`), about half each."""
+    sequences split by a seeded hash of their tokens (:data:`SPLIT_SEED`), about half each; with ``--valid-data``
+    and no ``--valid-sequences``, up to :data:`MAX_VALID` of its sequences, ``n`` to fit and the rest (when more
+    than ``2 n``) to select."""
     from . import allocation as A
     from .search import split_keys
 
@@ -121,7 +127,8 @@ def valid_sequences(s: AutoSettings, model: Any, source: Path, task: Any) -> tup
                  "select": list(task.make_batch(sel, s.seq_len)["input_ids"])}
         return parts, {"of": f"the task's validation seeds (valid_seed(0..{n - 1}) fit, valid_seed({SELECT_FIRST}.."
                              f"{SELECT_FIRST + n - 1}) select)", "fit": fit, "select": sel}
-    seqs, _, _ = A.validation_file(s.valid_data, s.seq_len, 2 * n, vocab_size=model.config.vocab_size,
+    seqs, _, _ = A.validation_file(s.valid_data, s.seq_len, 2 * n if s.valid_sequences else max(MAX_VALID, 2 * n),
+                                   vocab_size=model.config.vocab_size,
                                    model_dir=source, pack=s.pack,
                                    eos_token_id=getattr(model.config, "eos_token_id", None), train_digests=None,
                                    train_path=s.data)
@@ -133,7 +140,7 @@ def valid_sequences(s: AutoSettings, model: Any, source: Path, task: Any) -> tup
                          f"tokens; --auto needs at least 2 (one to fit, one to select), 16 or more to resolve "
                          f"small differences")
     keys = [",".join(map(str, x.tolist())) for x in seqs]
-    fit, sel = split_keys(keys, SPLIT_SEED)
+    fit, sel = split_keys(keys, SPLIT_SEED, n_fit=None if s.valid_sequences else n)
     return ({"fit": [seqs[i] for i in fit], "select": [seqs[i] for i in sel]},
             {"of": f"the first {len(seqs)} sequences of {s.seq_len} tokens of --valid-data {s.valid_data} "
                    f"(their index in the file), split by sha256 of '{SPLIT_SEED}:' and their tokens",

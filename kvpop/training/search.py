@@ -43,7 +43,7 @@ from kvpop.core.files import write_json
 from .trial_records import check_score, file_record, read_trial, start_trial
 
 __all__ = ["Stage", "Search", "choose", "prefer", "paired", "resolution", "split_keys", "MARGIN_SE", "MIN_SELECT",
-           "top_two", "confirm_choice",
+           "top_two", "confirm_choice", "cannot_tell", "tie_break", "power", "POWER_Z",
            "trial_tag"]
 
 
@@ -53,6 +53,9 @@ improvement over the same select sequences exceeds ``MARGIN_SE`` times the stand
 (docs/DESIGN.md section 7, "Selection")."""
 MIN_SELECT = 8
 """Fewer select sequences than this get a warning: their standard error is itself too noisy to trust."""
+POWER_Z = 2.8
+"""A true difference of ``POWER_Z`` standard errors is adopted by the rule (2 standard errors) with about 80 %
+probability (``2 + 0.84``, rounded up: :func:`power`)."""
 
 
 def paired(incumbent: Sequence[float], challenger: Sequence[float], *, higher_is_better: bool = False
@@ -96,6 +99,29 @@ def prefer(incumbent: dict, challenger: dict, *, key: str = "score", higher_is_b
     return {**out, "mean_diff": mean, "se": None, "margin": 0.0, "adopted": mean > 0, "n": None, "paired": False}
 
 
+def cannot_tell(decision: Mapping[str, Any]) -> bool:
+    """Whether a :func:`prefer` decision could not tell the two trials apart: paired, with a standard error, and
+    the mean difference within the margin either way (neither is better by the rule)."""
+    m = decision.get("margin")
+    return bool(decision.get("paired")) and m is not None and abs(decision["mean_diff"]) <= m
+
+
+def tie_break(decision: dict, incumbent: Mapping[str, Any], challenger: Mapping[str, Any],
+              cost: Callable[[Mapping[str, Any]], Any] | None) -> dict:
+    """``decision`` (:func:`prefer`'s) with the rule for two trials it :func:`cannot_tell` apart: the one cheaper
+    by ``cost(settings)`` (a sortable key, e.g. what serving and training it costs) is kept, the incumbent
+    when they cost the same (or ``cost`` is ``None``); ``cannot_tell`` (with the ``interval`` of the mean
+    difference, ``mean_diff`` +- ``margin``) and ``tie_break`` (what decided) are added.  A decision the rule
+    made is returned as it is, with ``cannot_tell`` false."""
+    if not cannot_tell(decision):
+        return {**decision, "cannot_tell": False}
+    m, md = decision["margin"], decision["mean_diff"]
+    out = {**decision, "cannot_tell": True, "interval": [md - m, md + m]}
+    if cost is not None and cost(challenger["settings"]) < cost(incumbent["settings"]):
+        return {**out, "adopted": True, "tie_break": "cannot tell: the challenger is cheaper to serve or train"}
+    return {**out, "adopted": False, "tie_break": "cannot tell: the incumbent costs no more, so it stays"}
+
+
 def choose(trials: Sequence[dict], *, key: str = "score", higher_is_better: bool = True,
            decisions: list | None = None, stage: str | None = None) -> dict:
     """The choice among ``trials`` in their order: the first is the incumbent, and each later trial replaces it
@@ -126,12 +152,14 @@ def top_two(best: dict, trials: Sequence[dict], *, higher_is_better: bool = Fals
 
 
 def confirm_choice(best: dict, trials: Sequence[dict], retrain: Callable[[dict], dict], *, seed: tuple[str, int],
-                   higher_is_better: bool = False) -> tuple[dict, dict]:
+                   higher_is_better: bool = False,
+                   cost: Callable[[Mapping[str, Any]], Any] | None = None) -> tuple[dict, dict]:
     """The confirmation of every search: ``best`` (the rule's choice among ``trials``) and the runner-up
     (:func:`top_two`) each trained again with the second seed (``retrain(trial)``: its ``score`` and
     ``per_sequence`` on the same select sequences), and :func:`prefer` deciding on each trial's per-sequence
-    scores averaged over its two seeds, the earlier trial the incumbent.  Returns ``(chosen trial, the record's
-    confirmation: "ran", the seed, "trials" with both seeds' scores, "decision", "chosen", "changed")``."""
+    scores averaged over its two seeds, the earlier trial the incumbent; ``cost``: two trials it cannot tell apart
+    are decided by :func:`tie_break`.  Returns ``(chosen trial, the record's confirmation: "ran", the seed,
+    "trials" with both seeds' scores, "decision", "chosen", "changed")``."""
     pair = top_two(best, trials, higher_is_better=higher_is_better)
     if pair is None:
         return best, {"ran": False, "why": "one trial: no runner-up to confirm against"}
@@ -145,6 +173,8 @@ def confirm_choice(best: dict, trials: Sequence[dict], retrain: Callable[[dict],
                       "seeds": [{"dir": t.get("dir"), "score": t["score"]},
                                 {"dir": r.get("dir"), "score": r["score"], seed[0]: seed[1]}]})
     d = prefer(means[0], means[1], higher_is_better=higher_is_better, stage="confirmation")
+    if cost is not None:
+        d = tie_break(d, means[0], means[1], cost)
     chosen = pair[1] if d["adopted"] else pair[0]
     return chosen, {"ran": True, seed[0]: seed[1], "trials": means, "decision": d, "chosen": chosen["settings"],
                     "changed": chosen is not best}
@@ -167,15 +197,35 @@ def resolution(n: int, spread: float | None = None, *, margin_se: float = MARGIN
     return text
 
 
-def split_keys(keys: Sequence[str], seed: int) -> tuple[list[int], list[int]]:
+def power(n: int, spread: float | None, *, target: float, spread_of: str,
+          margin_se: float = MARGIN_SE) -> dict:
+    """What ``n`` select sequences can resolve, as numbers, given ``spread`` (the standard deviation of a paired
+    per-sequence difference, e.g. between two label oracles): ``resolvable`` the smallest mean difference the rule
+    adopts (``margin_se`` standard errors), ``detectable_80`` the true difference it adopts with about 80 %
+    probability (:data:`POWER_Z` standard errors), and ``n_for_target`` the select sequences that detect a
+    difference of ``target`` so (``ceil((POWER_Z * spread / target) ** 2)``); ``spread`` ``None`` or ``n < 2``:
+    the numbers are ``None``.  ``spread_of``: where the spread was measured, for the record."""
+    out: dict = {"n_select": n, "spread": spread, "spread_of": spread_of, "target": target,
+                 "resolvable": None, "detectable_80": None, "n_for_target": None}
+    if spread is None or n < 2 or not math.isfinite(spread):
+        return out
+    se = spread / math.sqrt(n)
+    return {**out, "resolvable": margin_se * se, "detectable_80": POWER_Z * se,
+            "n_for_target": max(2, math.ceil((POWER_Z * spread / target) ** 2))}
+
+
+def split_keys(keys: Sequence[str], seed: int, *, n_fit: int | None = None) -> tuple[list[int], list[int]]:
     """``(fit, select)``: the indices of ``keys`` (one per validation record) split by a seeded hash: ordered by
     ``sha256(f"{seed}:{key}")``, the first half (rounded up) to *select* and the rest to *fit*, disjoint, each
-    part in its original order; equal keys (duplicate records) go to the same part."""
+    part in its original order; equal keys (duplicate records) go to the same part.  ``n_fit``: where more than
+    twice ``n_fit`` distinct keys are given, only the last ``n_fit`` in that order go to *fit* and every other
+    to *select* (more select sequences resolve smaller differences; the fit part needs few)."""
     import hashlib
 
     uniq = list(dict.fromkeys(keys))
     order = sorted(uniq, key=lambda k: hashlib.sha256(f"{seed}:{k}".encode()).hexdigest())
-    sel = set(order[:(len(order) + 1) // 2])
+    n_sel = len(order) - n_fit if n_fit is not None and len(order) > 2 * n_fit else (len(order) + 1) // 2
+    sel = set(order[:n_sel])
     return ([i for i, k in enumerate(keys) if k not in sel], [i for i, k in enumerate(keys) if k in sel])
 
 
@@ -245,12 +295,18 @@ class Search:
     """What the trials run under (:func:`kvpop.training.trial_records.search_inputs`), recorded in each trial and
     checked before one is reused or continued; ``None``: not recorded (the records' schema is checked all the
     same, :func:`kvpop.training.trial_records.read_trial`)."""
+    cost: Callable[[Mapping[str, Any]], Any] | None = None
+    """What a trial of given settings costs to serve and train (a sortable key): of two trials the rule cannot
+    tell apart (:func:`tie_break`), the cheaper is kept; ``None``: the incumbent stays.  Every such pair is
+    listed in the record's ``cannot_tell``."""
+    scales: Mapping[bool, str] = field(default_factory=lambda: {False: "oracle score", True: "validation score"})
+    """What an untrained (``False``) and a trained (``True``) trial's score is, in the log's words."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.record: dict = {**self.header, "trials": [], "skipped": [], "decisions": [], "stages": [],
-                             "chosen": None}
+        self.record: dict = {**self.header, "trials": [], "skipped": [], "decisions": [], "cannot_tell": [],
+                             "stages": [], "chosen": None}
         if self.budget is not None:
             self.record["budget"] = {"unit": self.budget[0], "value": self.budget[1]}
         self._spent = _Budget(self.budget)
@@ -270,13 +326,15 @@ class Search:
         write_json(self.out / self.record_file, self.record)
 
     def trial(self, stage: str, settings: dict, run: Callable[[dict, Path], dict], *, trained: bool = True,
-              steps: int = 0, subdir: str = "", extra: Mapping[str, Any] | None = None) -> dict | None:
+              steps: int = 0, subdir: str = "", extra: Mapping[str, Any] | None = None,
+              scale: str | None = None) -> dict | None:
         """One trial of ``settings`` in ``out/subdir/<tag>``: reused when that holds a finished one of the same
         settings, ``None`` (recorded under ``skipped``) when the budget is spent, else ``run(settings, dir)`` (a
         dict with ``"score"`` and the trained ``"steps"``; any other entries are kept in the trial's record).
         A trial this search ran (or reused) before is returned as it is, not recorded twice.  ``steps``: what the
         trial will train, for the budget; ``extra``: entries every trial of this call's record carries first
-        (``{"policy": ...}``)."""
+        (``{"policy": ...}``); ``scale``: what its score is, for the log (default :attr:`scales` of ``trained``)."""
+        scale = scale or self.scales[trained]
         d = self.out / subdir / trial_tag(settings)
         f = d / "trial.json"
         rel = str(d.relative_to(self.out))
@@ -286,7 +344,8 @@ class Search:
         if f.exists():
             r = read_trial(f, out=self.out, settings=settings, inputs=self.inputs)  # None: another trial's
             if r is not None:
-                self.log(f"{self.prefix} {stage} {settings}: finished before, score {r['score']:.5f} (reused)")
+                self.log(f"{self.prefix} {stage} {settings}: finished before, {scale} {r['score']:.5f} "
+                         f"(reused)")
                 return self._keep(r)
         if trained and self._spent.spent_before(steps):
             self.record["skipped"].append({**(extra or {}), "stage": stage, "settings": settings, "steps": steps,
@@ -304,7 +363,7 @@ class Search:
              "steps": int(res.pop("steps", 0)), "seconds": round(time.time() - t0, 1), "dir": rel, **res}
         write_json(f, file_record(r, self.inputs))
         n = len(r.get("per_sequence") or [])
-        self.log(f"{self.prefix} {stage} {settings}: validation score {r['score']:.5f}"
+        self.log(f"{self.prefix} {stage} {settings}: {scale} {r['score']:.5f}"
                  f"{f' over {n} select sequences' if n else ''} ({r['seconds']:.0f} s)")
         return self._keep(r)
 
@@ -354,8 +413,7 @@ class Search:
                 if best is None:
                     best = r
                 else:
-                    d = prefer(best, r, stage=st.name)
-                    self.record["decisions"].append({**(extra or {}), **d})
+                    d = self.decide(best, r, stage=st.name, extra=extra)
                     best = r if d["adopted"] else best
             self.record["stages"].append({**(extra or {}), "stage": st.name, "trained": st.trained, "ran": ran,
                                           "skipped": skipped, "status": "ran" if not skipped else
@@ -368,6 +426,22 @@ class Search:
         self.compared = group
         self.save()
         return best
+
+    def decide(self, incumbent: dict, challenger: dict, *, stage: str,
+               extra: Mapping[str, Any] | None = None) -> dict:
+        """:func:`prefer`'s decision between two trials, a pair it cannot tell apart decided by :func:`tie_break`
+        (``cost``) and listed under ``cannot_tell``; recorded under ``decisions``."""
+        d = tie_break(prefer(incumbent, challenger, stage=stage), incumbent, challenger, self.cost)
+        self._note_decision(d, extra)
+        return d
+
+    def _note_decision(self, d: dict, extra: Mapping[str, Any] | None) -> None:
+        self.record["decisions"].append({**(extra or {}), **d})
+        if d.get("cannot_tell"):
+            self.record.setdefault("cannot_tell", []).append(
+                {**(extra or {}), "stage": d["stage"], "a": d["incumbent"], "b": d["challenger"],
+                 "mean_diff": d["mean_diff"], "interval": d["interval"],
+                 "kept": d["challenger"] if d["adopted"] else d["incumbent"], "by": d["tie_break"]})
 
     def confirm(self, best: dict, run: Callable[[dict, Path], dict], *, seed: tuple[str, int],
                 steps_of: Callable[[dict], int] = lambda s: 0, subdir: str = "",
@@ -396,8 +470,8 @@ class Search:
                                  f"{raise_hint.format(need='more')}"}
         chosen, rec = confirm_choice(best, trained, lambda t: self.trial(
             "confirmation", {**t["settings"], seed[0]: seed[1]}, run, steps=0, subdir=subdir, extra=extra,
-            trained=False), seed=seed, higher_is_better=False)
-        self.record["decisions"].append({**(extra or {}), **rec["decision"]})
+            trained=False, scale=self.scales[True]), seed=seed, higher_is_better=False, cost=self.cost)
+        self._note_decision(rec["decision"], extra)
         self.save()
         return chosen, rec
 

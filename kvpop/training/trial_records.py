@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["INPUTS_KEY", "STARTED_FILE", "AUTO_RESUMABLE", "read_trial", "check_record", "check_score",
-           "file_record", "start_trial", "check_inputs", "check_trial_dirs", "search_inputs", "read_validations"]
+           "file_record", "start_trial", "check_inputs", "effective_options", "check_trial_dirs", "search_inputs",
+           "read_validations"]
 
 INPUTS_KEY = "search_inputs"
 """The entry of a trial record (and of :data:`STARTED_FILE`) holding what the search ran under:
@@ -108,6 +109,11 @@ def check_record(r: Any, where: Path | str, *, rel: str | None = None, nested: b
             _fail(where, f'"per_sequence" must be a non-empty list of numbers or null, got {str(ps)[:60]!r}')
         for i, x in enumerate(ps):
             check_score(x, where, f'"per_sequence"[{i}]')
+        mean = sum(float(x) for x in ps) / len(ps)
+        if not math.isclose(float(r["score"]), mean, rel_tol=1e-9, abs_tol=1e-12):
+            _fail(where, f'"score" {r["score"]!r} is not the mean of its {len(ps)} "per_sequence" values '
+                         f"({mean!r}): the record was edited or is not this trial's; restore it, or delete the file "
+                         f"to run the trial again")
     if "scorer_only" in r:
         check_record(r["scorer_only"], where, nested=True)
     if rel is not None and r.get("dir") != rel:
@@ -190,6 +196,8 @@ def check_inputs(found: Any, expected: Mapping[str, Any], where: Path | str) -> 
     diff = []
     for kind in ("options", "files"):
         was, now = found[kind], expected[kind]
+        if kind == "options":  # --auto-patience / --auto-eval-every compared as the values they stand for
+            was, now = effective_options(was), effective_options(now)
         for k in sorted(set(was) | set(now)):
             if kind == "options" and k in AUTO_RESUMABLE:
                 continue
@@ -199,6 +207,25 @@ def check_inputs(found: Any, expected: Mapping[str, Any], where: Path | str) -> 
         raise ValueError(f"--auto --resume: {where} is a trial of a search with other options or data, and its score "
                          f"cannot be compared with this one's; these differ: {'; '.join(diff)}. Only --auto-budget "
                          f"(and --checkpoint-every, --device, --no-progress) may change on --resume: {_ADVICE}")
+
+
+def effective_options(options: Mapping[str, Any]) -> dict:
+    """``options`` (a record's ``search_inputs["options"]``) with ``auto_patience`` and ``auto_eval_every`` as the
+    values the search uses (:func:`kvpop.training.auto.early_stopping`: ``None``, not given, is the default), so
+    that giving a default explicitly on ``--resume`` is the same search; values it refuses are left as they are
+    (the search refuses them itself)."""
+    from .auto import early_stopping
+
+    out = dict(options)
+    steps = out.get("steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        return out
+    try:
+        every, patience = early_stopping(steps, out.get("auto_patience"), out.get("auto_eval_every"))
+    except (TypeError, ValueError):
+        return out
+    out["auto_patience"], out["auto_eval_every"] = patience, (every if patience else None)
+    return out
 
 
 def check_trial_dirs(out: Path, subdir: str, inputs: Mapping[str, Any]) -> int:

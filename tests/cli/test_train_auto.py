@@ -37,26 +37,26 @@ def test_auto_writes_a_selection_and_a_run_kvpop_eval_serves(searched, tmp_path)
     trained = [t for t in rec["trials"] if t["steps"] and t["stage"] != "confirmation"]
     assert [t["stage"] for t in rec["trials"] if not t["steps"]] == ["label", "label"]  # the oracle: no training
     assert len(trained) == 2 and all(t["steps"] == 2 for t in trained)  # the budget: 4 steps of 2-step trials
-    assert {t["settings"]["lr_scorer"] for t in trained} == {1e-3, 3e-3}
+    assert [t["settings"]["lm_weight"] for t in trained] == [0.0, 0.1]  # the first stage: the next-token loss
     for t in rec["trials"]:
         assert set(t) >= {"stage", "settings", "score", "steps", "seconds"} and t["score"] == t["score"]
     # with --task the trained trials are scored by the task's own measure: the error rate at its graded positions
     assert rec["criterion"].startswith("validation error rate at the task's graded positions")
     assert all(0.0 <= t["score"] <= 1.0 for t in trained)
-    # the rule: the second lr replaces the first only when the paired decision adopts it
+    # the rule: the second weight replaces the first only when the paired decision adopts it
     sel = rec["split"]["select"]
     assert set(sel).isdisjoint(rec["split"]["fit"]) and len(sel) == len(rec["split"]["fit"]) == 2
     assert all(len(t["per_sequence"]) == len(sel) for t in rec["trials"])
-    (d,) = [d for d in rec["decisions"] if d["stage"] == "lr_scorer"]
+    (d,) = [d for d in rec["decisions"] if d["stage"] == "lm_weight"]
     assert set(d) >= {"stage", "incumbent", "challenger", "mean_diff", "se", "margin", "adopted"}
     best = trained[1] if d["adopted"] else trained[0]
     assert rec["chosen"]["settings"] == best["settings"] and rec["chosen"]["score"] == best["score"]
     # the confirmation's two trials of 2 steps do not fit the budget of 4: said, with what to raise
     assert not rec["confirmation"]["ran"] and "raise --auto-budget to" in rec["confirmation"]["why"]
-    assert rec["summary"]["ran"] == ["label"] and rec["summary"]["partly_skipped_for_budget"] == ["lr_scorer"]
-    assert "head_budgets" in rec["summary"]["skipped_for_budget"] and "--auto-budget" in rec["summary"]["raise"]
-    assert [s["stage"] for s in rec["skipped"]][:1] == ["lr_scorer"]  # the budget was spent before the third trial
-    assert rec["skipped"][0]["settings"]["lr_scorer"] == 1e-2 and rec["served_budget"] == 32
+    assert rec["summary"]["ran"] == ["label"] and rec["summary"]["partly_skipped_for_budget"] == ["lm_weight"]
+    assert "fixed_mask" in rec["summary"]["skipped_for_budget"] and "--auto-budget" in rec["summary"]["raise"]
+    assert [s["stage"] for s in rec["skipped"]][:1] == ["lm_weight"]  # the budget was spent before the third trial
+    assert rec["skipped"][0]["settings"]["lm_weight"] == 1.0 and rec["served_budget"] == 32
     # OUT is the chosen trial's run: its scorers, and kvpop eval --run takes it with no other flag
     assert (searched / "scorers.safetensors").read_bytes() == \
         (searched / best["dir"] / "scorers.safetensors").read_bytes()
@@ -81,14 +81,14 @@ def test_resume_continues_without_repeating_a_finished_trial(searched, tmp_path,
     assert "(reused)" in printed.err
     # stdout says what ran: the split, the stages run and skipped for the budget, and what to raise
     assert "validation split: 2 fit sequences" in printed.out and "2 select sequences" in printed.out
-    assert "stages skipped for the budget: fixed_mask, head_budgets" in printed.out
+    assert "stages skipped for the budget: fixed_decay, fixed_mask, head_budgets" in printed.out
     assert "raise --auto-budget to" in printed.out
     assert "confirmation not run" in printed.out
     trials = _trials(out)
     assert {t["dir"]: (out / t["dir"] / "trial.json").stat().st_mtime_ns for t in trials
             if t["dir"] in before} == before  # none trained or scored again
-    assert [t["stage"] for t in trials if t["steps"]] == ["lr_scorer", "lr_scorer", "lr_scorer"]
-    assert trials[-1]["settings"]["lr_scorer"] == 1e-2
+    assert [t["stage"] for t in trials if t["steps"]] == ["lm_weight", "lm_weight", "lm_weight"]
+    assert trials[-1]["settings"]["lm_weight"] == 1.0
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -179,7 +179,7 @@ def test_rewrite_scorer_config_refuses_another_structure(tmp_path):
 def test_parse_budget():
     assert parse_budget("400", 20) == ("steps", 400.0)
     assert parse_budget("30m", 20) == ("minutes", 30.0) == parse_budget("30min", 20)
-    assert parse_budget(None, 20) == ("steps", 100.0)  # five trials of --steps
+    assert parse_budget(None, 20) == ("steps", 160.0)  # eight trials of --steps
     with pytest.raises(ValueError, match="give at least 40"):
         parse_budget("10", 20)
 
@@ -291,9 +291,9 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
     out = tmp_path / "run"
     assert main(["train", *QUICK, "--steps", "4", "--auto-patience", "1", "--auto-eval-every", "1", "--label", "mean",
                  "--lr-scorer", "1e-3", "--decay-nats", "8", "--allocate", "ablation", "--target-source", "student",
-                 "--mask-source", "scorer", "--auto-budget", "40", "--out", str(out)]) == 0
+                 "--mask-source", "scorer", "--lm-weight", "0.1", "--auto-budget", "40", "--out", str(out)]) == 0
     rec = json.loads((out / "selection.json").read_text())
-    assert [t["stage"] for t in rec["trials"]] == ["lr_scorer", "train_budget", "train_budget", "warm_start",
+    assert [t["stage"] for t in rec["trials"]] == ["train_budget", "train_budget", "train_budget", "warm_start",
                                                    "confirmation", "confirmation"]
     for t in rec["trials"][:3]:
         assert [v["step"] for v in t["validations"]] == [1, 2, 3] and t["best_step"] == 2 and t["steps"] == 3
@@ -329,8 +329,8 @@ def test_early_stopping_keeps_the_best_validated_state_and_the_warm_start_stage(
 
 
 def test_the_fixed_mask_fine_tune_is_chosen_where_it_wins(tmp_path, monkeypatch, capsys):
-    """The ``fixed_mask`` stage: the same fine-tune under the fixed StreamingLLM mask, right after the scorer's
-    learning rate; when it wins by the rule on the select part, the learned scorer's own stages do not run, the
+    """The ``fixed_mask`` stage: the same fine-tune under the fixed StreamingLLM mask, after the next-token loss
+    and the fixed decay; when it wins by the rule on the select part, the learned scorer's own stages do not run, the
     record says it is served as ``fixed-finetune``, stdout says how to serve it, and ``kvpop eval --run OUT``
     serves it as that (the model fine-tuned, the fixed mask)."""
     import kvpop.cli.auto as A
@@ -345,17 +345,18 @@ def test_the_fixed_mask_fine_tune_is_chosen_where_it_wins(tmp_path, monkeypatch,
     assert main(["train", *QUICK, "--steps", "2", "--auto-patience", "0", "--label", "mean", "--lr-scorer", "1e-3",
                  "--auto-budget", "30", "--out", str(out)]) == 0
     rec = json.loads((out / "selection.json").read_text())
-    assert [t["stage"] for t in rec["trials"]][:2] == ["lr_scorer", "fixed_mask"]
-    assert rec["trials"][1]["settings"]["mask_source"] == "streaming"
+    assert [t["stage"] for t in rec["trials"]][:6] == ["lm_weight"] * 3 + ["fixed_decay"] * 2 + ["fixed_mask"]
+    assert rec["trials"][5]["settings"]["mask_source"] == "streaming"
     (d,) = [d for d in rec["decisions"] if d["stage"] == "fixed_mask"]
     assert d["adopted"]
     status = {s["stage"]: s["status"] for s in rec["stages"]}
     assert status["target_source"] == status["decay"] == status["warm_start"] == "not applicable"
-    assert status["head_budgets"] == status["train_budget"] == "ran"  # they shape the fixed mask's slots too
+    assert status["head_budgets"] == status["lr_scorer"] == "not applicable"  # the fixed mask serves uniform slots
+    assert status["lm_weight"] == status["train_budget"] == "ran"  # they change the fine-tune
     assert rec["chosen"]["served_as"] == "fixed-finetune" and rec["chosen"]["settings"]["mask_source"] == "streaming"
     printed = capsys.readouterr()
-    assert "stages of the learned scorer not run (the fixed mask was chosen): target_source, decay, warm_start" \
-        in printed.out
+    assert "stages of the learned scorer not run (the fixed mask was chosen): head_budgets, lr_scorer, " \
+        "target_source, decay, warm_start" in printed.out
     assert '"kvpop_policy": "streaming"' in printed.err  # the search's log, beside its trials'
     assert "no learned eviction beat the same fine-tune under the fixed StreamingLLM mask" in printed.err
     assert read_run(str(out)).policy == "fixed-finetune"

@@ -68,9 +68,9 @@ def _files(out):
 
 def test_each_trial_start_and_its_validations_are_printed_as_they_happen(searched):
     lines = searched[1].splitlines()
-    first = next(i for i, x in enumerate(lines) if "lr_scorer" in x and "started in" in x)
+    first = next(i for i, x in enumerate(lines) if "lm_weight" in x and "started in" in x)
     v1 = next(i for i, x in enumerate(lines) if "validation at step 1/2" in x)
-    done = next(i for i, x in enumerate(lines) if "lr_scorer" in x and ": validation score" in x)
+    done = next(i for i, x in enumerate(lines) if "lm_weight" in x and ": trained trial's select score" in x)
     assert first < v1 < done  # before the trial ends, not after it
     assert sum("started in" in x for x in lines) == 4  # two label oracles, two trained trials
     assert sum("validation at step" in x for x in lines) == 4  # two per trained trial
@@ -83,7 +83,7 @@ def test_each_trial_start_and_its_validations_are_printed_as_they_happen(searche
     (["--steps", "3", "--auto-budget", "9"], r"--steps \(was 2, now 3\)"),
     (["--valid-sequences", "3"], r"--valid-sequences \(was 2, now 3\)"),
     (["--seed", "1"], r"--seed \(was 0, now 1\)"),
-    (["--auto-patience", "1"], r"--auto-patience \(was None, now 1\)"),
+    (["--auto-patience", "1"], r"--auto-patience \(was 2, now 1\)"),  # the default's value, not "not given"
 ])
 def test_resume_refuses_a_search_of_other_options(searched, tmp_path, change, message):
     out = _copy(searched, tmp_path)
@@ -252,7 +252,7 @@ def test_kill_9_mid_trial_then_resume_gives_the_uninterrupted_choice(searched, t
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 300
-        while not list(out.glob("auto/*lrscorer-0.003*/last.pt")):  # the second trained trial, mid-way
+        while not list(out.glob("auto/*lmweight-0.1_*/last.pt")):  # the second trained trial, mid-way
             assert proc.poll() is None, "the search ended before it could be killed"
             assert time.time() < deadline
             time.sleep(0.02)
@@ -262,7 +262,7 @@ def test_kill_9_mid_trial_then_resume_gives_the_uninterrupted_choice(searched, t
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert not list(out.glob("auto/*lrscorer-0.003*/trial.json"))  # killed before that trial's record
+    assert not list(out.glob("auto/*lmweight-0.1_*/trial.json"))  # killed before that trial's record
     assert main([*cmd, "--resume"]) == 0
     # the same trials, validations, skips and choice; the scores to float noise (the reference search ran in this
     # process, the killed one in another: the label oracles' NLL differed in the 7th digit)

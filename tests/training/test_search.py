@@ -121,11 +121,12 @@ def test_the_first_trained_trial_runs_whatever_the_budget_and_bad_plans_are_refu
 def test_auto_plan_leaves_out_what_the_user_gave():
     full = auto_plan(labels=["mean", "max"], lr_scorers=[1e-3, 1e-2], train_budgets=[50, 40], given={},
                      decay_nats=8.0, train_model=True, warm_start=True)
-    assert [st.name for st in full] == ["label", "lr_scorer", "fixed_mask", "head_budgets", "train_budget",
-                                        "target_source", "decay", "warm_start"]
-    assert full[2].variations == [{"mask_source": "streaming"}]
+    assert [st.name for st in full] == ["label", "lm_weight", "fixed_decay", "fixed_mask", "head_budgets",
+                                        "lr_scorer", "train_budget", "target_source", "decay", "warm_start"]
+    assert full[3].variations == [{"mask_source": "streaming"}]
     # the stages of the learned scorer alone do not run once the fixed mask is chosen
-    assert [st.name for st in full if st.when is not None] == ["target_source", "decay", "warm_start"]
+    assert [st.name for st in full if st.when is not None] == ["fixed_decay", "head_budgets", "lr_scorer",
+                                                               "target_source", "decay", "warm_start"]
     assert all(not st.when({"mask_source": "streaming"}) and st.when({"lr_scorer": 1e-3})
                for st in full if st.when is not None)
     # the user's --mask-source is kept as given; the fixed mask needs the model trained
@@ -143,11 +144,12 @@ def test_auto_plan_leaves_out_what_the_user_gave():
     teacher = auto_plan(labels=["mean"], lr_scorers=[1e-3], train_budgets=[], given={"mask_source": "teacher"},
                         decay_nats=8.0, train_model=True, warm_start=True)
     assert all(st.when({"lr_scorer": 1e-3}) for st in teacher if st.when is not None)
-    assert not full[0].trained and full[1].start == {"decay_nats": None, "allocate": None,
-                                                     "target_source": "student", "train_budget": None}
+    assert not full[0].trained and full[1].start == {"lm_weight": 0.0, "fixed_decay": None, "decay_nats": None,
+                                                     "allocate": None, "target_source": "student",
+                                                     "train_budget": None, "lr_scorer": 1e-3}
     fixed = auto_plan(labels=["max"], lr_scorers=[1e-3], train_budgets=[], given={"allocate": "ablation",
                       "decay_nats": 4.0}, decay_nats=8.0, train_model=False)
-    assert [st.name for st in fixed] == ["lr_scorer", "train_budget"]
+    assert [st.name for st in fixed] == ["given"]
     assert fixed[0].start["label"] == "max" and fixed[0].start["allocate"] == "ablation"
 
 
@@ -311,6 +313,7 @@ def test_every_search_goes_through_the_one_rule(tmp_path, monkeypatch):
     from kvpop.training import auto
 
     calls.clear()
+    monkeypatch.setattr(auto, "_check_trial_files", lambda *a, **k: None)  # made-up trials write no run files
     settings = auto.AutoSettings(out=str(tmp_path / "auto"), steps=2, seed=0, sinks=2, window=8, auto_budget="8",
                                  patience=0)
     scores = iter(range(100))

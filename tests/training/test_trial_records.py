@@ -29,10 +29,10 @@ def _record(out, **kw):
 
 
 def test_a_good_record_is_read_with_extra_entries_kept_and_its_inputs_left_out(tmp_path):
-    f = _record(tmp_path, per_sequence=[0.1, 0.2], split={"fit": [0]}, validations=[{"step": 1, "score": 0.4}],
+    f = _record(tmp_path, per_sequence=[0.4, 0.6], split={"fit": [0]}, validations=[{"step": 1, "score": 0.4}],
                 scorer_only={"score": 0.3, "steps": 1}, **{INPUTS_KEY: INPUTS})
     r = read_trial(f, out=tmp_path, settings={"x": 1}, inputs=INPUTS)
-    assert r["per_sequence"] == [0.1, 0.2] and r["split"] == {"fit": [0]} and INPUTS_KEY not in r
+    assert r["per_sequence"] == [0.4, 0.6] and r["split"] == {"fit": [0]} and INPUTS_KEY not in r
     assert read_trial(f, out=tmp_path, settings={"x": 2}) is None  # another trial's settings under the same tag
 
 
