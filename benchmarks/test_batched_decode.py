@@ -35,6 +35,9 @@ import torch
 
 import kvpop_kernels._utils as kutils
 
+from .tools import roofline as rl
+from .tools.timing import device_name
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -152,6 +155,13 @@ def test_batched_decode(benchmark, cpu_setup, provider, batch_i):
     tps = batch * steps / elapsed
     info = dict(provider=provider, batch=batch, context=ctx, budget=BUDGET if provider == "kvpop" else None,
                 decode_steps=steps, tokens_per_s=tps, step_ms=1e3 * elapsed / steps)
+    # the roofline of one step (the cache as it stands after the timed steps: dense's has grown by them)
+    cache_bytes = cache.nbytes() if provider == "kvpop" else _dense_cache_bytes(cache)
+    keys = BUDGET if provider == "kvpop" else ctx + steps
+    elt = next(model.parameters()).element_size()
+    rl.record(info, provider, *rl.model_decode_cost(rl.ModelShape.of(model.config), batch=batch, keys_per_head=keys,
+                                                    cache_bytes=cache_bytes, elt=elt),
+              elapsed / steps, device_name(), main=True)
     if smoke:  # smoke sizes: no verdict figure
         benchmark.extra_info.update(info)
         return

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 import kvpop_kernels._utils as kutils
 from kvpop_kernels import SlotState, fixed_budget_decode
 
-from .tools.timing import best_time
+from .tools import roofline as rl
+from .tools.timing import best_time, device_name
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -66,6 +67,24 @@ def _sync():
 
 def _ctx_label(ctx: int) -> str:
     return f"{ctx // 1024}K" if ctx % 1024 == 0 else str(ctx)
+
+
+def _elt() -> int:
+    return torch.empty((), dtype=DTYPE).element_size()
+
+
+def kvpop_cost(budget: int | tuple[int, ...], code_elt: int | None = None, scales: bool = False,
+               elt: int | None = None) -> tuple[int, int]:
+    """Bytes and FLOPs of one batch-1 ``fixed_budget_decode`` step at these shapes (``tools/roofline.py``): uniform
+    or per-head budgets; ``code_elt``/``scales`` for quantised slots, ``elt`` for another float dtype."""
+    k = budget - SINKS - WINDOW if isinstance(budget, int) else [b - SINKS - WINDOW for b in budget]
+    return rl.decode_step_cost(batch=1, hq=HQ, hkv=HKV, d=D, slots=budget, k_lr=k, elt=elt or _elt(),
+                               code_elt=code_elt, scales=scales)
+
+
+def sdpa_cost(ctx: int) -> tuple[int, int]:
+    """Bytes and FLOPs of one dense batch-1 decode step over ``ctx + 1`` keys."""
+    return rl.dense_decode_cost(batch=1, hq=HQ, hkv=HKV, d=D, keys=ctx + 1, elt=_elt())
 
 
 def _kvpop_state(ctx: int, B: int, gen: torch.Generator, heads: int = HKV):
@@ -204,6 +223,12 @@ def test_decode_step(benchmark, monkeypatch, provider, ctx):
         info["bytes_per_s"] = kv_bytes / benchmark.stats.stats.mean
     if CUDA:
         info["peak_mem_bytes"] = torch.cuda.max_memory_allocated() - base_mem
+    seconds = (info.get("graph_ms") or info.get("eager_ms") or 0) * 1e-3 if CUDA else None
+    if not seconds and benchmark.stats is not None:
+        seconds = benchmark.stats.stats.mean
+    if seconds:
+        rl.record(info, provider, *(sdpa_cost(ctx) if provider == "sdpa" else kvpop_cost(budget)), seconds,
+                  device_name(), main=True)
     benchmark.extra_info.update(info)
 
 
@@ -239,6 +264,8 @@ def test_decode_step_speedup(benchmark, monkeypatch, budget):
         # the target's figure: device time (CUDA-graph replays, as a captured decode loop runs), else eager
         info["speedup_source"] = "graph" if "speedup_graph" in info else "eager"
         info["speedup"] = info.get("speedup_graph", info["speedup_eager"])
+        src = info["speedup_source"] + "_ms"
+        t_kv, t_sd = kv[src] * 1e-3, sd[src] * 1e-3
     else:
         t_sd = best_time(sd_step, reps=30, warmup=0)
         # the step's cost must not grow with the context (target: time(32K) <= 1.3 x time(1K)).  Two
@@ -256,6 +283,8 @@ def test_decode_step_speedup(benchmark, monkeypatch, budget):
         t_kv, t_kv1 = best[ctx], best[CONTEXTS[0]]
         info.update(kvpop_s=t_kv, sdpa_s=t_sd, speedup=t_sd / t_kv, kvpop_s_first_ctx=t_kv1,
                     ratio_longest_over_first_ctx=t_kv / t_kv1)
+    rl.record(info, "kvpop", *kvpop_cost(budget), t_kv, device_name(), main=True)
+    rl.record(info, "sdpa", *sdpa_cost(ctx), t_sd, device_name())
     benchmark.extra_info.update(info)
     benchmark.pedantic(kv_step, rounds=1, iterations=1, warmup_rounds=0)
 
@@ -302,6 +331,7 @@ def test_decode_step_head_adaptive(benchmark, monkeypatch):
                     ratio_adaptive_over_uniform=a[key] / u[key])
         if key == "graph_ms":
             info.update(uniform_graph_ms=u["graph_ms"], adaptive_graph_ms=a["graph_ms"])
+        t_uni, t_ada = u[key] * 1e-3, a[key] * 1e-3
     else:  # alternating rounds, best of all (as the context-scaling target above), on one intra-op thread:
         # on a shared machine whose cores are all busy, a step that waits for a descheduled worker thread
         # took 50-100 ms (both layouts; which one is hit first decides the ratio), a step on one thread ~0.3 ms
@@ -316,6 +346,9 @@ def test_decode_step_head_adaptive(benchmark, monkeypatch):
             torch.set_num_threads(threads)
         info.update(uniform_s=best["uniform"], adaptive_s=best["adaptive"], intra_op_threads=1,
                     ratio_adaptive_over_uniform=best["adaptive"] / best["uniform"])
+        t_uni, t_ada = best["uniform"], best["adaptive"]
+    rl.record(info, "adaptive", *kvpop_cost(budgets), t_ada, device_name(), main=True)
+    rl.record(info, "uniform", *kvpop_cost(HA_BUDGET), t_uni, device_name())
     benchmark.extra_info.update(info)
     benchmark.pedantic(ada_step, rounds=1, iterations=1, warmup_rounds=0)
 

@@ -20,8 +20,9 @@ import kvpop_kernels._utils as kutils
 from kvpop_kernels import SlotState, fixed_budget_decode
 from kvpop_kernels.layout import QuantizedLayout, quantize
 
-from .test_decode import CUDA, DEVICE, DTYPE, HKV, HQ, SINKS, WINDOW, D, _kvpop_state, _stepper
-from .tools.timing import best_time
+from .test_decode import CUDA, DEVICE, DTYPE, HKV, HQ, SINKS, WINDOW, D, _kvpop_state, _stepper, kvpop_cost
+from .tools import roofline as rl
+from .tools.timing import best_time, device_name
 
 CTX, BUDGET = 32 * 1024, (2048 if CUDA else 512)
 PROVIDERS = ["float"] + ([] if CUDA else ["bf16"]) + ["int8"] + (["fp8"] if hasattr(torch, "float8_e4m3fn") else [])
@@ -80,6 +81,10 @@ def test_decode_step_quantized(benchmark, monkeypatch):
         info[f"{name}_bytes_per_sequence"] = nbytes[name]
         info[f"{name}_bytes_over_float"] = nbytes[name] / nbytes["float"]
         info[f"{name}_time_over_float"] = best[name] / best["float"]
+        quant = name in ("int8", "fp8")
+        rl.record(info, name, *kvpop_cost(BUDGET, code_elt=1 if quant else None, scales=quant,
+                                          elt=2 if name == "bf16" else None), best[name], device_name(),
+                  main=name == "int8")
     # the int8 figures under the names the verdict table's rows read (benchmarks/tools/targets.py)
     info.update(int8_s=best["int8"], float_s=best["float"], int8_time_over_float=best["int8"] / best["float"],
                 int8_bytes_over_float=nbytes["int8"] / nbytes["float"])

@@ -9,7 +9,8 @@ import torch
 
 from kvpop_kernels import eviction_decisions, eviction_schedule
 
-from .tools.timing import best_time, timed
+from .tools import roofline as rl
+from .tools.timing import best_time, device_name, timed
 
 SINKS, WINDOW, BUDGET = 4, 256, 2048
 K = BUDGET - SINKS - WINDOW
@@ -57,7 +58,13 @@ def test_schedule_gpu(benchmark, provider, S):
     t_sched = best_time(sched, reps=10, warmup=3)
     t_attn = best_time(attn, reps=10, warmup=3)
     flops = 4 * 32 * 128 * S * S / 2
-    benchmark.extra_info.update(S=S, t_schedule_s=t_sched, t_sdpa_fwd_s=t_attn,
-                                ratio_schedule_over_sdpa=t_sched / t_attn,
-                                sdpa_tflops=flops / t_attn / 1e12)
+    info = dict(S=S, t_schedule_s=t_sched, t_sdpa_fwd_s=t_attn, ratio_schedule_over_sdpa=t_sched / t_attn,
+                sdpa_tflops=flops / t_attn / 1e12)
+    # the schedule's roofline: the priorities read by each of the two ops, their outputs written once (its
+    # comparisons are not FLOPs: memory is its only floor); SDPA's: causal attention's bytes and FLOPs
+    sched_bytes = 2 * rl.tensor_bytes(p) + rl.tensor_bytes(*_both(p))
+    rl.record(info, "schedule", sched_bytes, 0, t_sched, device_name(), main=provider == "kvpop")
+    rl.record(info, "sdpa", *rl.causal_attention_cost(batch=1, hq=32, hkv=8, s=S, d=128, elt=2), t_attn,
+              device_name(), main=provider == "sdpa")
+    benchmark.extra_info.update(info)
     benchmark(timed(sched if provider == "kvpop" else attn))

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 import kvpop_kernels._utils as kutils
 from kvpop_kernels import NEVER, eviction_schedule, reference, sparse_attention
 
+from .tools import roofline as rl
 from .tools.flex_mask import eviction_block_mask
-from .tools.timing import best_time, sync, timed
+from .tools.timing import best_time, device_name, sync, timed
 
 CUDA = torch.cuda.is_available()
 SINKS, WINDOW = 4, 256
@@ -155,7 +156,7 @@ def test_sparse_attention_target(benchmark):
     providers = ["kvpop", "sdpa"] + (["flex"] if CUDA else [])
     times, info = {}, {"S": S, "budget": budget, "heads": f"{HQ}/{HKV}", "head_dim": D, "dtype": str(DTYPE)}
     for p in providers:
-        fn, _ev, extra = _setup(S, budget, p, "fwd_bwd")
+        fn, ev, extra = _setup(S, budget, p, "fwd_bwd")
         for _ in range(3 if CUDA else 1):  # compile, autotune, caches: never inside a timing
             fn()
         sync()
@@ -167,6 +168,13 @@ def test_sparse_attention_target(benchmark):
     info.update(kvpop_s=times["kvpop"], sdpa_s=times["sdpa"], ratio_kvpop_over_sdpa=times["kvpop"] / times["sdpa"])
     if "flex" in times:
         info.update(flex_s=times["flex"], speedup_over_flex=times["flex"] / times["kvpop"])
+    # rooflines: forward + backward over the mask's visible pairs (kvpop, flex), dense causal pairs (sdpa)
+    pairs = visible_pairs(ev, SINKS, WINDOW) * (HQ // HKV)
+    elt = torch.empty((), dtype=DTYPE).element_size()
+    for p in providers:
+        rl.record(info, p, *rl.causal_attention_cost(batch=BATCH, hq=HQ, hkv=HKV, s=S, d=D, elt=elt, backward=True,
+                                                     pairs=None if p == "sdpa" else pairs), times[p], device_name(),
+                  main=p == "kvpop")
     benchmark.extra_info.update(info)
     benchmark.pedantic(timed(kv_fn), rounds=1, iterations=1, warmup_rounds=0)
 

@@ -39,6 +39,9 @@ import kvpop_kernels
 from kvpop_kernels import future_target as ft
 from kvpop_kernels import reference as ref
 
+from .tools import roofline as rl
+from .tools.timing import device_name
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 WINDOW = 256
@@ -197,4 +200,11 @@ def test_future_target_vs_sdpa(benchmark):
         "kvpop_s": t_kv, "sdpa_s": t_sd, "kvpop_tflops": kv_tflops, "sdpa_tflops": sd_tflops,
         "ratio_tflops_over_sdpa": kv_tflops / sd_tflops, "flop_count": "4*D per visible (u,t) pair",
     })
+    # the roofline counts the target's one product (2*D per visible pair) and causal SDPA's two (4*D)
+    elt = q.element_size()
+    rl.record(benchmark.extra_info, "kvpop", *rl.target_cost(batch=B, hq=Hq, hkv=Hkv, s=S, d=D, elt=elt,
+                                                             pairs=_target_pairs(B, Hq, S)), t_kv, device_name(),
+              main=True)
+    rl.record(benchmark.extra_info, "sdpa", *rl.causal_attention_cost(batch=B, hq=Hq, hkv=Hkv, s=S, d=D, elt=elt),
+              t_sd, device_name())
     benchmark.pedantic(kv_run, rounds=1, iterations=1, warmup_rounds=0)

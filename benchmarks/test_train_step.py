@@ -28,6 +28,9 @@ import time
 import pytest
 import torch
 
+from .tools import roofline as rl
+from .tools.timing import device_name
+
 S_GPU = 16384
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -120,7 +123,28 @@ def _run(model_cfg: dict, kv: dict, S: int, dev: torch.device, steps: int) -> di
     out.update({f"dense_{k}": v for k, v in r.items()})
     out["train_tokens_per_s_ratio"] = out["kvpop_tokens_per_s"] / out["dense_tokens_per_s"]
     out["train_peak_mem_ratio"] = out["kvpop_peak_mem_gb"] / out["dense_peak_mem_gb"]
+    record_rooflines(out, model_cfg, kv, S, main="kvpop")
     return out
+
+
+def kvpop_pairs_per_head(S: int, budget: int) -> int:
+    """(query, key) pairs one query head attends under a fixed budget: all earlier keys up to ``budget``, then
+    ``budget`` (an upper bound: the first ``budget`` queries see fewer)."""
+    B = min(budget, S)
+    return B * (B + 1) // 2 + (S - B) * B
+
+
+def record_rooflines(out: dict, model_cfg: dict, kv: dict, S: int, main: str) -> None:
+    """The roofline of each provider's step in ``out`` (``{provider}_step_s`` read, ``roofline*`` written): KVpop's
+    steps with the teacher's forward (bf16) and sparse attention, the dense fine-tune's with causal attention;
+    float32 master weights (``benchmarks/tools/roofline.py``'s ``train_step_cost``)."""
+    shape = rl.ModelShape.of(model_cfg)
+    for name in ("kvpop", "kvpop_teacher_target", "dense"):
+        if f"{name}_step_s" not in out:
+            continue
+        cost = (rl.train_step_cost(shape, s=S, pairs_per_head=S * (S + 1) // 2) if name == "dense" else
+                rl.train_step_cost(shape, s=S, pairs_per_head=kvpop_pairs_per_head(S, kv["budget"]), teacher_elt=2))
+        rl.record(out, name, *cost, out[f"{name}_step_s"], device_name(), main=name == main)
 
 
 @pytest.mark.gpu
@@ -134,7 +158,7 @@ def test_train_step_gpu(benchmark):
 
     benchmark.pedantic(go, rounds=1, iterations=1)
     benchmark.extra_info.update({"S": S_GPU, "model": "Qwen3-0.6B shape, random weights", **res})
-    print("\n" + "\n".join(f"{k}: {v:.4g}" for k, v in res.items()))
+    print("\n" + "\n".join(f"{k}: {v:.4g}" for k, v in res.items() if isinstance(v, float)))
     for name in ("kvpop", "kvpop_teacher_target", "dense"):
         assert res[f"{name}_tokens_per_s"] > 0 and res[f"{name}_peak_mem_gb"] > 0
 

@@ -88,6 +88,7 @@ def test_a_target_of_the_other_device_is_not_run_but_shows_the_figure():
     ([rec(outcome="passed")], "extra_info has no 'ratio'"),
     ([rec(outcome="passed", ratio="n/a")], "is not a number"),
     ([rec(outcome="passed", ratio=float("nan"))], "is not a number"),
+    ([rec(outcome="passed", not_run="ctx 32k: time cap: needs ~50 s")], "(not run: ctx 32k: time cap: needs ~50 s)"),
 ])
 def test_not_run_says_why(records, note):
     r = row(LE, records)
@@ -268,3 +269,149 @@ def test_median_interval_brackets_the_median_and_is_seeded():
     assert wide[1] - wide[0] > hi - lo
     with pytest.raises(ValueError, match="at least one value"):
         timing.median_interval([], 10)
+
+
+# ----------------------------------------------------------------------------- roofline (issue 60)
+rl = importlib.import_module("benchmarks.tools.roofline")
+
+
+@pytest.mark.parametrize("name, label", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA A100-SXM4-80GB", "A100 SXM 80GB"),
+    ("NVIDIA A100-SXM4-40GB", "A100 SXM 40GB"), ("NVIDIA A100 80GB PCIe", "A100 PCIe 80GB"),
+    ("NVIDIA A100-PCIE-40GB", "A100 PCIe 40GB"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA A10", "A10"),
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", None), ("NVIDIA L40", None), ("NVIDIA A10G", None), ("Tesla T4", None),
+    ("cpu", None), ("", None), (None, None),
+])
+def test_device_peaks_by_name(name, label):
+    peak = rl.device_peak(name)
+    assert (peak.label if peak else None) == label
+
+
+def test_roofline_fractions_by_hand():
+    r = rl.roofline(3.35e9, 0, 2e-3, "NVIDIA H100 80GB HBM3")  # 3.35 GB in 2 ms on 3350 GB/s: half the floor
+    assert r["gb_per_s"] == pytest.approx(1675) and r["tflops"] == 0
+    assert (r["bound"], r["peak"]) == ("memory", "H100 SXM")
+    assert r["fraction"] == pytest.approx(0.5) and r["bw_fraction"] == pytest.approx(0.5) and r["flop_fraction"] == 0
+    r = rl.roofline(4.8e6, 9.89e11, 2e-3, "NVIDIA H200")  # 1 ms of bf16 math, 1 us of bytes
+    assert (r["bound"], r["tflops"]) == ("compute", pytest.approx(494.5))
+    assert r["fraction"] == pytest.approx(0.5) and r["bw_fraction"] == pytest.approx(0.0005)
+    r = rl.roofline(1e6, 1e9, 1e-3, "cpu")
+    assert r["gb_per_s"] == pytest.approx(1.0) and r["tflops"] == pytest.approx(1.0)
+    assert r["fraction"] == r["bound"] == r["peak"] == rl.UNKNOWN and r["peak_gb_per_s"] is None
+    assert "unknown" in rl.summary(r) and "cpu" in rl.summary(r)
+    line = rl.summary(rl.roofline(8.4e6, 0, 19.9e-6, "NVIDIA H200"))
+    assert "8.4 MB" in line and "19.9 us" in line and "422.1 GB/s" in line
+    assert "8.79% of H200 SXM's roofline (memory-bound" in line
+    for bad in ((-1, 0, 1), (0, float("nan"), 1), (0, 0, 0), (True, 0, 1)):
+        with pytest.raises(ValueError, match="roofline"):
+            rl.roofline(*bad, "NVIDIA H200")
+
+
+def test_record_puts_the_main_provider_in_the_table_line():
+    info = {}
+    rl.record(info, "dense", 1e6, 0, 1e-3, "NVIDIA L4")
+    assert "roofline" not in info and info["roofline_detail"]["dense"]["peak"] == "L4"
+    rl.record(info, "kvpop", 3e8, 0, 1e-3, "NVIDIA L4", main=True)
+    assert info["roofline"].startswith("kvpop: 300 MB") and "100% of L4's roofline" in info["roofline"]
+    assert set(info["roofline_detail"]) == {"dense", "kvpop"}
+
+
+def test_byte_and_flop_counts_by_hand():
+    # one decode step, hq=2 / hkv=1, d=8, B=8 (k=3), bf16: per slot 2*8*2 + 4 (position) bytes, 4 per priority;
+    # q, k/v new, leaving priority 68; output and lse 40; the replaced slot 40
+    assert rl.decode_step_cost(batch=1, hq=2, hkv=1, d=8, slots=8, k_lr=3, elt=2) == (8 * 36 + 12 + 68 + 40 + 40, 512)
+    # int8 slots with two float32 scales each: 16 + 4 + 8 per slot
+    assert rl.decode_step_cost(batch=1, hq=2, hkv=1, d=8, slots=8, k_lr=3, elt=2, code_elt=1,
+                               scales=True) == (8 * 28 + 12 + 60 + 40 + 32, 512)
+    # head-adaptive (packed) budgets of the same total move the same bytes and FLOPs as uniform ones
+    packed = rl.decode_step_cost(batch=3, hq=4, hkv=2, d=8, slots=(4, 12), k_lr=(1, 9), elt=2)
+    assert packed == rl.decode_step_cost(batch=3, hq=4, hkv=2, d=8, slots=8, k_lr=5, elt=2) == (3 * 912, 3 * 1024)
+    with pytest.raises(ValueError, match="one budget and one k per head"):
+        rl.decode_step_cost(batch=1, hq=4, hkv=2, d=8, slots=(4,), k_lr=1, elt=2)
+    assert rl.dense_decode_cost(batch=2, hq=4, hkv=2, d=8, keys=10, elt=2) == (1664, 2560)
+    # causal attention, hq=2 / hkv=1, S=4, d=8, bf16: 20 visible pairs
+    assert rl.causal_attention_cost(batch=1, hq=2, hkv=1, s=4, d=8, elt=2) == (416, 640)
+    assert rl.causal_attention_cost(batch=1, hq=2, hkv=1, s=4, d=8, elt=2, backward=True) == (1216, 2240)
+    assert rl.causal_attention_cost(batch=1, hq=2, hkv=1, s=4, d=8, elt=2, pairs=6)[1] == 4 * 8 * 6
+    assert rl.target_cost(batch=1, hq=2, hkv=1, s=4, d=8, elt=2, pairs=6) == (240, 96)
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        rl.dense_decode_cost(batch=1, hq=4, hkv=2, d=8, keys=-1, elt=2)
+
+
+def test_model_counts_match_a_real_qwen3():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=4, vocab_size=10, tie_word_embeddings=False)
+    shape = rl.ModelShape.of(cfg)
+    assert (shape.layer_matmul_params, shape.matmul_params, shape.params) == (576, 1232, 1368)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == shape.params
+    assert rl.ModelShape.of(cfg.to_dict()) == shape
+    # one decode step of 2 rows, 5 keys per head, 100 cache bytes: weights once, per row the embedding row, the
+    # float32 logits and 2 layers' new key/value
+    assert rl.model_decode_cost(shape, batch=2, keys_per_head=5, cache_bytes=100, elt=2) == (2740, 5568)
+    assert rl.train_step_cost(shape, s=4, pairs_per_head=10) == (16416, 31808)
+    assert rl.train_step_cost(shape, s=4, pairs_per_head=10, teacher_elt=2) == (19152, 42304)
+    torch = pytest.importorskip("torch")
+    assert rl.tensor_bytes(torch.zeros(3, 4, dtype=torch.bfloat16), None, torch.zeros(5, dtype=torch.int32)) == 44
+
+
+def test_the_verdict_table_shows_the_roofline_beside_the_figure():
+    line = "kvpop: 8.4 MB, 0 FLOP in 19.9 us: 422 GB/s | 8.8% of H200 SXM's roofline"
+    r = row(LE, [rec(ratio=0.4, roofline=line)])
+    assert r["roofline"] == line
+    text = tg.markdown([r], targets=[LE])
+    assert "| roofline |" in text.splitlines()[0] and "19.9 us" in text and "422 GB/s \\| 8.8%" in text
+    assert row(LE, [rec(ratio=0.4)])["roofline"] == "" and "| met | - |" in tg.markdown([row(LE, [rec(ratio=0.4)])],
+                                                                                      targets=[LE])
+
+
+def test_every_gpu_benchmark_of_a_target_records_its_roofline():
+    """Each benchmark file behind a GPU target writes ``roofline`` (checked statically, as the keys are)."""
+    files = {t.file for t in tg.TARGETS if t.device == "cuda" and t.file is not None}
+    assert "benchmarks/test_e2e.py" in files
+    missing = [f for f in sorted(files) if "rl.record(" not in (ROOT / f).read_text()]
+    assert missing == []
+
+
+# ----------------------------------------------------------------------------- end to end (issue 60)
+def test_e2e_targets_are_registered():
+    ids = {t.id: t for t in tg.TARGETS}
+    for key in ("e2e-decode-b1", "e2e-decode-b32", "e2e-decode-b32-memory", "train-step-16k"):
+        assert ids[key].device == "cuda" and ids[key].file == "benchmarks/test_e2e.py" and ids[key].issue == 60
+    assert (ids["e2e-decode-b32"].op, ids["e2e-decode-b32"].goal, ids["e2e-decode-b32"].where) == (">=", 3,
+                                                                                                   {"batch": 32})
+    assert (ids["train-step-16k"].op, ids["train-step-16k"].goal) == ("<=", 1.3)
+    assert "benchmarks/test_e2e.py::test_e2e_decode" in gc.target_nodes()
+
+
+def test_e2e_layers_and_time_cap(monkeypatch):
+    e2e = importlib.import_module("benchmarks.test_e2e")
+    monkeypatch.setattr(e2e, "MEMORY_FRACTION", 1.0)
+    monkeypatch.setattr(e2e, "HEADROOM_BYTES", 0)
+    tiny = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=4, vocab_size=10)
+    # embeddings, LM head and norms: 216 elements; a layer 576 + a dense cache of 1 x 10 tokens (2*10*4) in bf16;
+    # one more layer's cache for DynamicCache's concatenation
+    need2 = 2 * 216 + 160 + 2 * (2 * 576 + 160)
+    assert e2e.layers_for(1, 10, need2, tiny, elt=2) == 2
+    assert e2e.layers_for(1, 10, need2 - 1, tiny, elt=2) == 1
+    assert e2e.layers_for(1, 10, 100, tiny, elt=2) == 0
+    assert e2e.layers_for(1, 10, 10**9, tiny, elt=2) == 2  # never more than the model's
+    # Qwen3-8B on an 80 GB H100 (torch's total_memory) at the GPU run's fraction and headroom: 36 layers at batch 1,
+    # 36 / 11 / 2 at batch 32 (weights 0.39 GB a layer; the dense cache of 32 x 32K tokens 4.3 GB a layer)
+    monkeypatch.setattr(e2e, "MEMORY_FRACTION", 0.75)
+    monkeypatch.setattr(e2e, "HEADROOM_BYTES", 4 * 2**30)
+    h100 = 85_031_714_816
+    assert [e2e.layers_for(1, c, h100, e2e.QWEN3_8B, elt=2) for c in (8192, 32768, 131072)] == [36, 36, 36]
+    assert [e2e.layers_for(32, c, h100, e2e.QWEN3_8B, elt=2) for c in (8192, 32768, 131072)] == [36, 11, 2]
+    monkeypatch.delenv(e2e.DEADLINE_ENV, raising=False)
+    assert e2e.time_left() is None and e2e.fits_in_time(1e9) is None
+    monkeypatch.setenv(e2e.DEADLINE_ENV, str(time.time() + 100))
+    assert e2e.fits_in_time(10) is None
+    assert "time cap: needs ~500 s" in e2e.fits_in_time(500)
+    assert e2e.DEADLINE_ENV == gc.DEADLINE_ENV  # the name the driver sets for its benchmarks stage
+    monkeypatch.setenv(e2e.DEADLINE_ENV, "soon")
+    with pytest.raises(ValueError, match="unix time"):
+        e2e.time_left()

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 MET, NOT_MET, NOT_RUN, MEASURED = "met", "not met", "not run", "measured"
+# the extra_info key of a record's roofline line (benchmarks/tools/roofline.py), shown beside its figure
+ROOFLINE_KEY = "roofline"
 DEVICES = ("cuda", "cpu", "any")
 
 
@@ -146,6 +148,29 @@ TARGETS: tuple[Target, ...] = (
     Target("train-step-memory", 13, "training step at S=16384, kvpop peak memory / dense + plain CE's",
            key="train_peak_mem_ratio", op=None, goal=None, device="cuda", file="benchmarks/test_train_step.py",
            test="test_train_step_gpu", also=("kvpop_peak_mem_gb", "dense_peak_mem_gb")),
+    # end to end (issue 60): what a user reads first.  A Qwen3-8B-shaped model with random weights (fewer layers
+    # where the dense cache asks, recorded as layers_ctx*), the cache filled synthetically to the context, HF
+    # generate timed over the decoded tokens.  Last in the registry: the most expensive, run while time remains
+    # (benchmarks/test_e2e.py skips a case that would pass the GPU check's cap, with the reason)
+    Target("e2e-decode-b1", 60, "HF generate, Qwen3-8B shape, 32K context, batch 1: kvpop (B=2048) tokens/s / dense "
+           "SDPA's", key="kvpop_over_dense_ctx32k", op=None, goal=None, device="cuda", file="benchmarks/test_e2e.py",
+           test="test_e2e_decode", where={"batch": 1},
+           also=("kvpop_tokens_per_s_ctx32k", "dense_tokens_per_s_ctx32k", "kvpop_over_dense_ctx131k",
+                 "layers_ctx32k")),
+    Target("e2e-decode-b32", 60, "HF generate, Qwen3-8B shape, 32K context, batch 32: kvpop (B=2048) tokens/s / "
+           "dense SDPA's", key="kvpop_over_dense_ctx32k", op=">=", goal=3, device="cuda",
+           file="benchmarks/test_e2e.py", test="test_e2e_decode", where={"batch": 32},
+           also=("kvpop_tokens_per_s_ctx32k", "dense_tokens_per_s_ctx32k", "kvpop_over_dense_ctx131k",
+                 "layers_ctx32k")),
+    Target("e2e-decode-b32-memory", 60, "HF generate, Qwen3-8B shape, batch 32: kvpop's peak memory per layer above "
+           "the weights, longest context (131K) / shortest (8K): flat", key="kvpop_mem_longest_over_shortest",
+           op="<=", goal=1.1, device="cuda", file="benchmarks/test_e2e.py", test="test_e2e_decode",
+           where={"batch": 32}, also=("dense_mem_longest_over_shortest", "kvpop_mem_per_layer_gb_ctx131k",
+                                      "dense_mem_per_layer_gb_ctx131k")),
+    Target("train-step-16k", 60, "retrofit training step, Qwen3-8B shape (fewer layers), S=16384: kvpop's time / the "
+           "dense fine-tune's", key="train_time_kvpop_over_dense", op="<=", goal=1.3, device="cuda",
+           file="benchmarks/test_e2e.py", test="test_train_step_16k",
+           also=("kvpop_step_s", "dense_step_s", "kvpop_peak_mem_gb", "dense_peak_mem_gb", "layers")),
 )
 
 
@@ -212,7 +237,7 @@ def verdict(target: Target, records: Sequence[Mapping[str, Any]], device: str,
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     row = {"id": target.id, "issue": target.issue, "what": target.what, "goal": target.goal_text,
-           "key": target.key, "value": None, "status": NOT_RUN, "note": "", "nodeid": None}
+           "key": target.key, "value": None, "status": NOT_RUN, "note": "", "nodeid": None, "roofline": ""}
     mine = [r for r in records if matches(target, r)]
     with_value = [r for r in mine if _number((r.get("extra_info") or {}).get(target.key)) is not None]
     if with_value:
@@ -222,6 +247,7 @@ def verdict(target: Target, records: Sequence[Mapping[str, Any]], device: str,
         info = rec["extra_info"]
         extras = ", ".join(f"{k}={_fmt(info[k])}" for k in target.also if k in info)
         row["nodeid"] = rec.get("nodeid")
+        row["roofline"] = str(info.get(ROOFLINE_KEY) or "")
         if target.device not in ("any", device):  # a figure at this device's shapes: shown, not judged
             row["note"] = (f"{'GPU' if target.device == 'cuda' else 'CPU'} target; this {device} run "
                            f"measured {_fmt(value, target.unit)} at its own shapes")
@@ -250,6 +276,9 @@ def verdict(target: Target, records: Sequence[Mapping[str, Any]], device: str,
             given = (rec.get("extra_info") or {}).get(target.key)
             row["note"] = (f"extra_info has no {target.key!r}" if given is None
                            else f"{target.key}={given!r} is not a number")
+            why = (rec.get("extra_info") or {}).get("not_run")  # a benchmark's cases it did not start, and why
+            if why:
+                row["note"] += f" (not run: {why})"
         row["nodeid"] = rec.get("nodeid")
     return row
 
@@ -286,12 +315,13 @@ def counts(rows: Sequence[Mapping[str, Any]]) -> dict:
 def markdown(rows: Sequence[Mapping[str, Any]], targets: Iterable[Target] = TARGETS) -> str:
     """The verdict table as Markdown (also readable in a terminal)."""
     unit = {t.id: t.unit for t in targets}
-    lines = ["| target | issue | measured | goal | verdict | note |", "|---|---|---|---|---|---|"]
+    lines = ["| target | issue | measured | goal | verdict | roofline | note |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         value = "-" if r["value"] is None else _fmt(r["value"], unit.get(r["id"], ""))
         status = r["status"].upper() if r["status"] == NOT_MET else r["status"]
-        note = str(r["note"]).replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| {r['id']}: {r['what']} | {r['issue']} | {value} | {r['goal']} | {status} | {note} |")
+        note, roof = (str(r.get(k) or "").replace("|", "\\|").replace("\n", " ") for k in ("note", "roofline"))
+        lines.append(f"| {r['id']}: {r['what']} | {r['issue']} | {value} | {r['goal']} | {status} | {roof or '-'} "
+                     f"| {note} |")
     c = counts(rows)
     lines.append("")
     lines.append(f"{c[MET]} met, {c[NOT_MET]} not met, {c[MEASURED]} measured without a goal, {c[NOT_RUN]} not run")

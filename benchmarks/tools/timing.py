@@ -48,3 +48,8 @@ def median_interval(xs: Sequence[float], resamples: int = 2000, seed: int = 0) -
     g = random.Random(seed)
     meds = sorted(statistics.median(g.choices(list(xs), k=len(xs))) for _ in range(resamples))
     return meds[int(0.025 * resamples)], meds[max(int(0.975 * resamples) - 1, 0)]
+
+
+def device_name() -> str:
+    """The name the roofline's peak table is keyed by (``benchmarks/tools/roofline.py``): the GPU's, else ``"cpu"``."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
