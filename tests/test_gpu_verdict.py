@@ -415,3 +415,14 @@ def test_e2e_layers_and_time_cap(monkeypatch):
     monkeypatch.setenv(e2e.DEADLINE_ENV, "soon")
     with pytest.raises(ValueError, match="unix time"):
         e2e.time_left()
+
+
+def test_targets_option_selects_their_benchmarks(capsys):
+    assert gc.target_nodes(["train-step-16k", "e2e-decode-b1", "e2e-decode-b32"]) == [
+        "benchmarks/test_e2e.py::test_e2e_decode", "benchmarks/test_e2e.py::test_train_step_16k"]
+    assert gc.target_nodes() == gc.target_nodes([t.id for t in tg.TARGETS])
+    with pytest.raises(ValueError, match="not a target id: e2e-decode-b64 .the targets: schedule-vs-sdpa"):
+        gc.target_nodes(["e2e-decode-b64"])
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--targets", "nope", "--dry"])
+    assert e.value.code == 2 and "--targets: not a target id: nope" in capsys.readouterr().err

@@ -175,10 +175,17 @@ def collected_ids(lines: list[str]) -> list[str]:
     return [ln.strip() for ln in lines if "::" in ln and not ln.startswith(("ERROR", "FAILED", "=", " "))]
 
 
-def target_nodes() -> list[str]:
-    """The pinned target benchmarks as pytest node ids (``file::test``), each once, in registry order."""
+def target_nodes(ids: list[str] | None = None) -> list[str]:
+    """The pinned target benchmarks as pytest node ids (``file::test``), each once, in registry order (only those of
+    the target ``ids`` when given; ``ValueError`` naming the known ids for one that is not a target)."""
+    known = [t.id for t in tg.TARGETS]
+    unknown = [i for i in ids or () if i not in known]
+    if unknown:
+        raise ValueError(f"not a target id: {', '.join(unknown)} (the targets: {', '.join(known)})")
     nodes = []
     for t in tg.TARGETS:
+        if ids is not None and t.id not in ids:
+            continue
         if t.file is not None and (ROOT / t.file).exists():
             node = t.file + (f"::{t.test}" if t.test else "")
             if node not in nodes:
@@ -242,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Triton and inductor caches (default /tmp/kvpop-gpu-cache)")
     ap.add_argument("--benchmark-max-time", type=float, default=0.5, help="pytest-benchmark's --benchmark-max-time")
     ap.add_argument("--targets-only", action="store_true", help="run only the target benchmarks")
+    ap.add_argument("--targets", default=None, metavar="ID[,ID...]",
+                    help="run only the benchmarks of these targets (ids of benchmarks/tools/targets.py, e.g. "
+                         "e2e-decode-b1,e2e-decode-b32,train-step-16k); implies --targets-only")
     ap.add_argument("--skip-tests", action="store_true", help="no gpu tests, benchmarks only")
     ap.add_argument("--cpu-ok", action="store_true", help="allow a full (not dry) run without CUDA")
     ap.add_argument("--print-env", action="store_true", help=argparse.SUPPRESS)
@@ -255,6 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_configs", "max_configs_tests"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+    only = None
+    if args.targets is not None:
+        only = [i.strip() for i in args.targets.split(",") if i.strip()]
+        try:
+            if not target_nodes(only):
+                raise ValueError(f"the targets {', '.join(only)} have no benchmark file")
+        except ValueError as e:
+            ap.error(f"--targets: {e}")
+        args.targets_only = True
 
     t_start = time.monotonic()
     deadline = t_start + args.time_cap
@@ -321,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     b_rec.unlink(missing_ok=True)
     sb_env = dict(base_env, KVPOP_RECORDS=str(b_rec), KVPOP_AUTOTUNE_MAX_CONFIGS=str(args.max_configs),
                   KVPOP_TARGETS_FIRST="1")
-    where = target_nodes() if (args.dry or args.targets_only) else ["benchmarks/"]
+    where = target_nodes(only) if (args.dry or args.targets_only) else ["benchmarks/"]
     if args.dry:
         cmd = py + where + ["--benchmark-disable"]
     else:
