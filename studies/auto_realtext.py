@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .controls_realtext import EVAL_BUDGETS, SINKS, WINDOW, clusters_of, per_sequence
 from .ledger import TestLog, run_logged, write_json
-from .paths import DATA
+from .paths import DATA, parse
 
 MODEL = DATA / "tiny_qwen3_code"
 SEQ_LEN = 1024
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", action="append", default=[], metavar="NAME=DIR",
                    help="test: a run to score once; the row named auto is compared with the others")
     p.add_argument("--write", default=None, help="record: the JSON to write (a .md beside it)")
-    a = p.parse_args(argv)
+    a = parse(p, argv)  # the one write rule: --write into studies/results needs --write-shipped
     out, split = Path(a.out), Path(a.split)
     if a.stage == "test":
         runs = {}

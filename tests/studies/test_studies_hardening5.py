@@ -50,6 +50,7 @@ def test_fresh_realtext_ledger_runs_into_the_shipped_archive_is_a_one_line_error
 @pytest.mark.parametrize("module, argv", [
     ("studies.equal_bytes", ["--instrument", "kvtrace", "--out", "studies/results/_probe"]),
     ("studies.reconcile_mlstm", ["--summary"]),  # its default --out is studies/results/reconcile
+    ("studies.auto_realtext", ["record", "--out", "OUT", "--split", "S", "--write", "studies/results/x.json"]),
     ("studies.decay_realtext", ["record", "--out", "OUT", "--base", "B", "--write",
                                 "studies/results/evidence/realtext/decay.json"]),
 ])
