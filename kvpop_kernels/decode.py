@@ -1,10 +1,11 @@
 """``fixed_budget_decode``: the fused decode step over a fixed budget of ``B`` slots per (batch row, KV head).
 
-A Triton split-K kernel pair (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the shared
-split-K plumbing is ``kvpop_kernels.splitk``) and a vectorised PyTorch path for CPU tensors.  Semantics:
-``reference.fixed_budget_decode`` (slot layout, eviction rule, in-place updates) and docs/DESIGN.md
-section 2; the two stages, why they are race-free, what is fused, precision and registers: docs/DESIGN.md
-section 9.
+One Triton split-K launch per step (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the shared
+split-K plumbing is ``kvpop_kernels.splitk``), whose last split program of each (row, KV head), found by an
+arrival counter, merges the splits and writes the cache; and a vectorised PyTorch path for CPU tensors.
+Semantics: ``reference.fixed_budget_decode`` (slot layout, eviction rule, in-place updates) and docs/DESIGN.md
+section 2; the split programs and the fused combine, why they are race-free, what the counter costs, what is
+fused, precision and registers: docs/DESIGN.md section 9.
 """
 from __future__ import annotations
 
@@ -78,21 +79,24 @@ if triton is not None:
                 PR + n64 * s_pr_n + h64 * s_pr_h + koff * s_pr_j, sp_off)
 
     @triton.jit
-    def _decode_stage1(Q, KN, VN, KC, VC, SP, PR, POS, MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, META, KS, VS,
-                       KNS, VNS,
-                       s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
-                       s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
-                       HKV, B, D, SINKS, WINDOW, CHUNK, NS, qk_scale, T_ALL, K_ALL,
-                       G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                       PACKED: tl.constexpr, QUANT: tl.constexpr):
+    def _decode_step(Q, KN, VN, KC, VC, SP, PR, POS, LP, OUT, LSE, MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, CNT,
+                     META, KS, VS, KNS, VNS,
+                     s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
+                     s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
+                     HKV, B, D, SINKS, WINDOW, CHUNK, NS, qk_scale, T_ALL, K_ALL,
+                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
+                     PACKED: tl.constexpr, QUANT: tl.constexpr, APART: tl.constexpr):
+        """The whole step of one (batch row, KV head) and one split of its slots (docs/DESIGN.md section 9): the
+        chunk's eviction candidate and partial attention into scratch, then a ticket; the last program of the
+        row to arrive combines (:func:`_combine`)."""
         row = tl.program_id(0)  # (batch row, KV head) flattened: row = n * HKV + h
         split = tl.program_id(1)
         n64 = (row // HKV).to(tl.int64)
         h64 = (row % HKV).to(tl.int64)
         # this row's position, read on the device (no host value): the new token's slot and the
         # token leaving the window follow from it
-        pos, pos_bad, B, kc, vc, spp, prp, sp_off = _row_head(
+        pos, pos_bad, B_h, kc, vc, spp, prp, sp_off = _row_head(
             POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b, s_sp_n, s_sp_h,
             s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
         ksp = KS + sp_off  # a quantised layout's per-slot scales (QUANT only; never read otherwise)
@@ -115,7 +119,7 @@ if triton is not None:
         #    lowest of the head's candidates, which is the head's lowest-ranked slot: each program reads only
         #    the priorities of its own chunk, so no program's latency grows with the head's k_h.
         start = split * CHUNK
-        end = tl.minimum(start + CHUNK, B)
+        end = tl.minimum(start + CHUNK, B_h)
         best_p = float("inf")
         best_t = _INT32_MAX_C
         best_j = _INT32_MAX_C
@@ -199,41 +203,49 @@ if triton is not None:
             s_lv = tl.sum(q.to(tl.float32) * kl[None, :], axis=1) * qk_scale
             tl.store(MID_C + crow + NS, s_lv * _LN2_C, mask=g_ok)
 
-    @triton.jit
-    def _decode_stage2(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KC, VC, SP, PR, POS, META,
-                       KS, VS, KNS, VNS, s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
-                       s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
-                       HKV, B, D, NS, CHUNK, SINKS, WINDOW, T_ALL, K_ALL,
-                       G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PACKED: tl.constexpr,
-                       QUANT: tl.constexpr):
-        qh = tl.program_id(0)  # one program per query head of every batch row (batch-flat)
-        row = qh // G  # its (batch row, KV head), flattened
-        n64 = (row // HKV).to(tl.int64)
-        h64 = (row % HKV).to(tl.int64)
+        # -- 4. the combine, fused: a ticket from the row's counter after this program's scratch stores (the barrier:
+        #    every thread's stores are issued before the release) and its cache reads; the last of the row's NS
+        #    programs to arrive sees every other one's scratch (acquire; its loads bypass L1), resets the counter
+        #    for the next call and combines.  No program waits for another.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == NS - 1:
+            tl.store(CNT + row, 0)
+            if APART:
+                _combine_apart(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, KNS, VNS, kc, vc,
+                               spp, prp, sp_off, s_kc_b, s_kc_d, s_vc_b, s_vc_d, s_sp_b, s_pr_j, row, pos, pos_bad, B_h,
+                               D, NS, CHUNK, SINKS, WINDOW, G, BLOCK_S, BLOCK_D, QUANT)
+            else:
+                _combine(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, KNS, VNS, kc, vc, spp,
+                         prp, sp_off, s_kc_b, s_kc_d, s_vc_b, s_vc_d, s_sp_b, s_pr_j, row, pos, pos_bad, B_h, D, NS,
+                         CHUNK, SINKS, WINDOW, G, BLOCK_S, BLOCK_D, QUANT)
+
+    def _combine_fn(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, KNS, VNS, kc, vc, spp, prp,
+                 sp_off, s_kc_b, s_kc_d, s_vc_b, s_vc_d, s_sp_b, s_pr_j, row, pos, pos_bad, B, D, NS, CHUNK, SINKS,
+                 WINDOW, G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+        """The combine of one (batch row, KV head) ``row`` (its position ``pos``, budget ``B`` and bases ``kc, vc,
+        spp, prp, sp_off`` as the attention found them), run by the last of its programs to arrive (every other
+        one has written its scratch and read the cache): the eviction decision from the chunks' candidates, the
+        merge of each query head of the group, and the cache update.  Every scratch load bypasses L1 (``.cg``):
+        the partials were written by other SMs."""
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        pos, pos_bad, B, kc, vc, spp, prp, sp_off = _row_head(
-            POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b, s_sp_n, s_sp_h,
-            s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, SINKS, WINDOW, T_ALL, K_ALL, PACKED)
+        row64 = row.to(tl.int64)
         t_new = pos - WINDOW
         slot_new = tl.where(pos < SINKS, pos, SINKS + (tl.maximum(pos, SINKS) - SINKS) % WINDOW)
         LR0 = SINKS + WINDOW
         ns_h = tl.minimum(tl.maximum((B + CHUNK - 1) // CHUNK, 1), NS)  # the splits holding this head's slots
 
-        crow = qh.to(tl.int64) * (NS + 1)
-        lse_lv = tl.load(MID_C + crow + NS)  # the leaving token's logit and value (split 0 of stage 1)
-        o_lv = tl.load(VLV + row.to(tl.int64) * D + d, mask=d_ok, other=0.0)
-
-        # -- 1. the eviction decision: the lowest of the head's chunk candidates (the order of stage 1)
+        # -- 1. the eviction decision: the lowest of the head's chunk candidates (the order of the chunk scan)
         best_p = float("inf")
         best_t = _INT32_MAX_C
         best_j = _INT32_MAX_C
-        for i0 in range(0, ns_h, BLOCK_S):  # (names unique to this loop)
+        for i0 in range(0, ns_h, BLOCK_S):
             ci = i0 + tl.arange(0, BLOCK_S)
             ci_ok = ci < ns_h
-            p_blk = tl.load(CP + row * NS + ci, mask=ci_ok, other=float("inf"))
-            t_blk = tl.load(CT + row * NS + ci, mask=ci_ok, other=_INT32_MAX_C)
-            j_blk = tl.load(CJ + row * NS + ci, mask=ci_ok, other=_INT32_MAX_C)
+            p_blk = tl.load(CP + row * NS + ci, mask=ci_ok, other=float("inf"), cache_modifier=".cg")
+            t_blk = tl.load(CT + row * NS + ci, mask=ci_ok, other=_INT32_MAX_C, cache_modifier=".cg")
+            j_blk = tl.load(CJ + row * NS + ci, mask=ci_ok, other=_INT32_MAX_C, cache_modifier=".cg")
             bmin = tl.min(p_blk, axis=0)
             cand = ci_ok & (p_blk == bmin)
             tmin = tl.min(tl.where(cand, t_blk, _INT32_MAX_C), axis=0)
@@ -248,52 +260,97 @@ if triton is not None:
         keep = keep & (pos_bad == 0)
         dst = tl.where(keep, best_j, 0) + LR0
         dst_c = dst.to(tl.int64)
+        skip = tl.where(keep, dst // CHUNK, -1)  # the split whose candidate is evicted (-1: none)
 
-        # -- 2. LSE merge (natural log) of the splits' partials, of their candidates but the evicted one, and of
-        #    the leaving token when kept
-        mrow = qh.to(tl.int64) * NS
-        o, lse = merge_splits(MID_O, MID_L, mrow, mrow, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D, -1)
-        o_c, lse_c = merge_splits(CV, MID_C, row.to(tl.int64) * NS, crow, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D,
-                                  tl.where(keep, dst // CHUNK, -1))
-        lse_lv = tl.where(keep, lse_lv, float("-inf"))
-        m = tl.maximum(tl.maximum(lse, lse_c), lse_lv)  # (finite: split 0 holds the new token; a refused
-        m = tl.where(m == float("-inf"), 0.0, m)         #  row's NaN partials stay NaN through w)
-        w = tl.exp(lse - m)
-        w_c = tl.exp(lse_c - m)
-        w_lv = tl.exp(lse_lv - m)
-        o = (o * w + o_c * w_c + o_lv * w_lv) / (w + w_c + w_lv)
-        lse = m + tl.log(w + w_c + w_lv)
-        tl.store(OUT + qh.to(tl.int64) * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
-        tl.store(LSE + qh, lse)
+        # -- 2. per query head of the group: LSE merge (natural log) of the splits' partials, of their candidates
+        #    but the evicted one, and of the leaving token when kept
+        o_lv = tl.load(VLV + row64 * D + d, mask=d_ok, other=0.0, cache_modifier=".cg")
+        for g in range(G):
+            qh = row64 * G + g
+            crow = qh * (NS + 1)
+            mrow = qh * NS
+            lse_lv = tl.load(MID_C + crow + NS, cache_modifier=".cg")  # the leaving token's logit (split 0)
+            o, lse = merge_splits(MID_O, MID_L, mrow, mrow, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D, -1, ".cg")
+            o_c, lse_c = merge_splits(CV, MID_C, row64 * NS, crow, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D, skip, ".cg")
+            lse_lv = tl.where(keep, lse_lv, float("-inf"))
+            m = tl.maximum(tl.maximum(lse, lse_c), lse_lv)  # (finite: split 0 holds the new token; a refused
+            m = tl.where(m == float("-inf"), 0.0, m)         #  row's NaN partials stay NaN through w)
+            w = tl.exp(lse - m)
+            w_c = tl.exp(lse_c - m)
+            w_lv = tl.exp(lse_lv - m)
+            o = (o * w + o_c * w_c + o_lv * w_lv) / (w + w_c + w_lv)
+            tl.store(OUT + qh * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
+            tl.store(LSE + qh, m + tl.log(w + w_c + w_lv))
 
-        # -- 3. the cache update of KV head h, by its first query head's program only: no other program of
-        #    this launch reads the cache, and stage 1 (which read it) is done
-        if qh % G == 0:
-            kd_ok = d < tl.where(keep, D, 0)  # d_ok & keep (the interpreter broadcasts int1 scalars badly)
-            ring_k = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=kd_ok)
-            ring_v = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=kd_ok)
-            tl.debug_barrier()  # every thread has read ring slot r before anyone overwrites it
-            tl.store(kc + dst_c * s_kc_b + d * s_kc_d, ring_k, mask=kd_ok)
-            tl.store(vc + dst_c * s_vc_b + d * s_vc_d, ring_v, mask=kd_ok)
-            if QUANT:  # the scales move with the codes (no requantisation)
-                ksp = KS + sp_off
-                vsp = VS + sp_off
-                ring_ks = tl.load(ksp + slot_new * s_sp_b, mask=keep)
-                ring_vs = tl.load(vsp + slot_new * s_sp_b, mask=keep)
-                tl.debug_barrier()
-                tl.store(ksp + dst_c * s_sp_b, ring_ks, mask=keep)
-                tl.store(vsp + dst_c * s_sp_b, ring_vs, mask=keep)
-            tl.store(spp + dst_c * s_sp_b, t_new, mask=keep)
-            tl.store(prp + (dst_c - LR0) * s_pr_j, lp, mask=keep)
-            nd_ok = d < tl.where(pos_bad, 0, D)  # a refused position writes nothing
-            kn = tl.load(KN + row.to(tl.int64) * D + d, mask=nd_ok)
-            vn = tl.load(VN + row.to(tl.int64) * D + d, mask=nd_ok)
-            tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kn, mask=nd_ok)
-            tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vn, mask=nd_ok)
-            tl.store(spp + slot_new * s_sp_b, pos, mask=pos_bad == 0)
-            if QUANT:  # the new token's codes (stored above) and their scales
-                tl.store(KS + sp_off + slot_new * s_sp_b, tl.load(KNS + row), mask=pos_bad == 0)
-                tl.store(VS + sp_off + slot_new * s_sp_b, tl.load(VNS + row), mask=pos_bad == 0)
+        # -- 3. the cache update of this KV head: every other program of the row has read the cache already
+        kd_ok = d < tl.where(keep, D, 0)  # d_ok & keep (the interpreter broadcasts int1 scalars badly)
+        ring_k = tl.load(kc + slot_new * s_kc_b + d * s_kc_d, mask=kd_ok)
+        ring_v = tl.load(vc + slot_new * s_vc_b + d * s_vc_d, mask=kd_ok)
+        tl.debug_barrier()  # every thread has read ring slot r before anyone overwrites it
+        tl.store(kc + dst_c * s_kc_b + d * s_kc_d, ring_k, mask=kd_ok)
+        tl.store(vc + dst_c * s_vc_b + d * s_vc_d, ring_v, mask=kd_ok)
+        if QUANT:  # the scales move with the codes (no requantisation)
+            ksp = KS + sp_off
+            vsp = VS + sp_off
+            ring_ks = tl.load(ksp + slot_new * s_sp_b, mask=keep)
+            ring_vs = tl.load(vsp + slot_new * s_sp_b, mask=keep)
+            tl.debug_barrier()
+            tl.store(ksp + dst_c * s_sp_b, ring_ks, mask=keep)
+            tl.store(vsp + dst_c * s_sp_b, ring_vs, mask=keep)
+        tl.store(spp + dst_c * s_sp_b, t_new, mask=keep)
+        tl.store(prp + (dst_c - LR0) * s_pr_j, lp, mask=keep)
+        nd_ok = d < tl.where(pos_bad, 0, D)  # a refused position writes nothing
+        kn = tl.load(KN + row64 * D + d, mask=nd_ok)
+        vn = tl.load(VN + row64 * D + d, mask=nd_ok)
+        tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kn, mask=nd_ok)
+        tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vn, mask=nd_ok)
+        tl.store(spp + slot_new * s_sp_b, pos, mask=pos_bad == 0)
+        if QUANT:  # the new token's codes (stored above) and their scales
+            tl.store(KS + sp_off + slot_new * s_sp_b, tl.load(KNS + row), mask=pos_bad == 0)
+            tl.store(VS + sp_off + slot_new * s_sp_b, tl.load(VNS + row), mask=pos_bad == 0)
+
+    # the combine inlined into the step (sm_90 on: no spills), or as a function of its own (before sm_90, where the
+    # inlined combine spills 84 bytes at bf16, D = 128; ``python -m benchmarks.tools.registers``)
+    _combine = triton.jit(_combine_fn)
+    _combine_apart = triton.jit(_combine_fn, noinline=True)
+
+
+def arch_options(arch: int) -> tuple[int, bool]:
+    """``(num_stages, APART)`` of the fused step on a GPU of compute capability ``arch`` (90 for sm_90): from
+    Hopper on the key loop's loads run one tile ahead (two stages) and the combine is inlined; before it one stage
+    and the combine a function of its own, which keep sm_80 (bf16, D = 128) clear of register spills (two
+    stages there spill 24 bytes, an inlined combine 84; ``python -m benchmarks.tools.registers``)."""
+    return (2, False) if arch >= 90 else (1, True)
+
+
+_ARCH: dict[int, int] = {}
+
+
+def _device_arch(device: torch.device) -> int:
+    """Compute capability of a CUDA device as one int (90 for 9.0), cached; 90 for the interpreter."""
+    if device.type != "cuda":
+        return 90
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _ARCH:
+        major, minor = torch.cuda.get_device_capability(idx)
+        _ARCH[idx] = 10 * major + minor
+    return _ARCH[idx]
+
+
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def ticket_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """The fused step's per-(batch row, KV head) arrival counters: int32, zero between calls (the last program of
+    a row resets its own), at least ``rows`` of them; one buffer per device and CUDA stream (launches on one
+    stream are ordered, so two calls never share a counter at once), grown by a zero fill when too small."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    cnt = _TICKETS.get(key)
+    if cnt is None or cnt.numel() < rows:
+        cnt = torch.zeros(max(rows, 256, 2 * (0 if cnt is None else cnt.numel())), dtype=torch.int32, device=device)
+        _TICKETS[key] = cnt
+    return cnt
+
 
 def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, num_splits, block_n,
                    packed=None):
@@ -333,7 +390,7 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
     num_warps = 4 if (not upcast or dev.type != "cuda") and D <= 128 else 8
     block_d = max(16, triton.next_power_of_2(D))
     g_pad = max(16, triton.next_power_of_2(G))
-    rows = N * Hkv  # one (batch row, KV head) per program of stage 1 (times its splits)
+    rows = N * Hkv  # one (batch row, KV head) per program (times its splits)
     if packed is None or num_splits is not None:
         ns, chunk = plan_splits(n_keys, rows, block_n, num_splits, dev)
     else:  # chunks sized as for the mean budget (the work of all heads fills the GPU about twice),
@@ -368,22 +425,20 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
     lse = empty((N, Hq), dtype=torch.float32, device=dev)
     strides = (*strides, *pr_strides)
 
-    _decode_stage1[(rows, ns)](
-        q_c, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, mid_o, mid_l, mid_c, cand_v, leave_v, cand_p, cand_tj[0],
-        cand_tj[1], meta,
-        ks, vs, kns, vns, *strides,
-        Hkv, B, D, s, w, chunk, ns, scale * LOG2E, t_all, k_all,
-        G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, UPCAST=upcast,
-        PACKED=packed is not None, QUANT=quant is not None, num_warps=num_warps, num_stages=2,
-    )
-    _decode_stage2[(N * Hq,)](
-        mid_o, mid_l, mid_c, cand_v, leave_v, cand_p, cand_tj[0], cand_tj[1], out, lse, lp, kn, vn, k_cache, v_cache,
-        slot_pos, pr, pos_c,
-        meta, ks, vs, kns, vns, *strides,
-        Hkv, B, D, ns, chunk, s, w, t_all, k_all,
-        G=G, BLOCK_S=min(16, triton.next_power_of_2(ns)), BLOCK_D=block_d, PACKED=packed is not None,
-        QUANT=quant is not None, num_warps=4,
-    )
+    cnt = ticket_counters(dev, rows)
+    stages, apart = arch_options(_device_arch(dev))
+    try:
+        _decode_step[(rows, ns)](
+            q_c, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, lp, out, lse, mid_o, mid_l, mid_c, cand_v, leave_v,
+            cand_p, cand_tj[0], cand_tj[1], cnt, meta, ks, vs, kns, vns, *strides,
+            Hkv, B, D, s, w, chunk, ns, scale * LOG2E, t_all, k_all,
+            G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=min(16, triton.next_power_of_2(ns)),
+            UPCAST=upcast, PACKED=packed is not None, QUANT=quant is not None, APART=apart, num_warps=num_warps,
+            num_stages=stages,
+        )
+    except BaseException:  # a launch that did not finish may leave tickets taken: the next call starts from zero
+        cnt.zero_()
+        raise
     return out, lse
 
 
@@ -471,11 +526,11 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     Returns ``(out [N, Hq, D] in q's dtype, lse float32 [N, Hq])`` (``[Hq, D]``, ``[Hq]`` in the
     batch-1 form), natural-log LSE.  Not differentiable.
 
-    Backends: CUDA tensors (or CPU ones under ``TRITON_INTERPRET=1``) run two Triton launches over
-    all (row, KV head) pairs at once that fuse the decision, the split-K attention, the merge and
-    the cache update (see the module docstring for the race-free split of work); other CPU tensors
-    run a vectorised PyTorch step.  Neither reads a value back to the host.  The scorer that
-    produces ``leaving_prio`` is not fused.
+    Backends: CUDA tensors (or CPU ones under ``TRITON_INTERPRET=1``) run one Triton launch over
+    all (row, KV head) pairs at once that fuses the decision, the split-K attention, the merge and
+    the cache update (docs/DESIGN.md section 9 for the race-free split of work); other CPU tensors run
+    a vectorised PyTorch step.  Neither reads a value back to the host.  The scorer that produces
+    ``leaving_prio`` is not fused.
     """
     if not isinstance(state, SlotState):
         raise TypeError(f"state must be a kvpop_kernels.layout.SlotState(k_cache, v_cache, slot_pos, slot_prio), "

@@ -1,6 +1,6 @@
-"""Registers and spills of ``fixed_budget_decode``'s two kernels, compiled for a GPU without one.
+"""Registers and spills of ``fixed_budget_decode``'s kernel, compiled for a GPU without one.
 
-``python -m benchmarks.tools.registers`` (no ``TRITON_INTERPRET``; about a minute) compiles both stages through
+``python -m benchmarks.tools.registers`` (no ``TRITON_INTERPRET``; about a minute) compiles the fused step through
 the whole CUDA compiler (TTIR -> PTX -> ptxas) for the configurations the GPU runs (bf16 / fp16 / float32
 caches, int8 / fp8 codes, uniform and packed layouts, sm_90 and sm_80) with the host's launch options, runs the
 ptxas that ships with Triton with ``-v`` on the PTX, and prints one line per kernel: registers per thread and
@@ -56,12 +56,13 @@ def main() -> int:
         kv = "*" + (codes or dt)
         ptrs = dict(Q="*" + dt, OUT="*" + dt, KN=kv, VN=kv, KC=kv, VC=kv, SP="*i32", PR="*fp32", LP="*fp32",
                     POS="*i64", META="*i64", MID_O="*fp32", MID_L="*fp32", MID_C="*fp32", CV="*fp32", VLV="*fp32",
-                    CP="*fp32", CT="*i32", CJ="*i32", LSE="*fp32", KS="*fp32", VS="*fp32", KNS="*fp32",
+                    CP="*fp32", CT="*i32", CJ="*i32", CNT="*i32", LSE="*fp32", KS="*fp32", VS="*fp32", KNS="*fp32",
                     VNS="*fp32", qk_scale="fp32")
-        c1 = dict(G=G, G_PAD=16, BLOCK_D=D, BLOCK_N=32, UPCAST=dt == "fp32", PACKED=packed, QUANT=codes is not None)
-        c2 = dict(G=G, BLOCK_S=16, BLOCK_D=D, PACKED=packed, QUANT=codes is not None)
-        for stage, fn, consts, opts in (("stage 1", dm._decode_stage1, c1, {"num_warps": warps, "num_stages": 2}),
-                                        ("stage 2", dm._decode_stage2, c2, {"num_warps": 4})):
+        c1 = dict(G=G, G_PAD=16, BLOCK_D=D, BLOCK_N=32, BLOCK_S=16, UPCAST=dt == "fp32", PACKED=packed,
+                  QUANT=codes is not None)
+        stages, c1["APART"] = dm.arch_options(arch)
+        opts1 = {"num_warps": warps, "num_stages": stages}
+        for stage, fn, consts, opts in (("step", dm._decode_step, c1, opts1),):
             try:
                 kernel = tcompile(ASTSource(fn=fn, signature=_signature(fn, ptrs, consts), constexprs=consts),
                                   target=GPUTarget("cuda", arch, 32), options=opts)
@@ -80,10 +81,11 @@ def main() -> int:
                 return 0
             finally:
                 os.unlink(f.name)
-            regs = re.search(r"Used (\d+) registers", res.stderr)
-            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+            regs = re.search(r"Used (\d+) registers", res.stderr)  # (the kernel's, listed first)
+            # spills summed over the kernel and the functions it calls (the combine, where it is not inlined)
+            spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
             rows.append((f"sm_{arch} {name}", stage, regs.group(1) if regs else "?",
-                         "/".join(spill.groups()) if spill else "?"))
+                         f"{sum(int(a) for a, _ in spill)}/{sum(int(b) for _, b in spill)}" if spill else "?"))
     print(f"{'configuration':30s} {'kernel':8s} {'registers':>9s} {'spill st/ld bytes':>18s}")
     for cfg, stage, regs, spill in rows:
         print(f"{cfg:30s} {stage:8s} {regs:>9s} {spill:>18s}")
