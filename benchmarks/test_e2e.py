@@ -15,12 +15,16 @@ transformers' dense ``DynamicCache`` and SDPA, at 8K, 32K and 131K tokens of con
   ``benchmarks/test_decode.py`` builds one layer's.  ``generate`` is then given ``context + 1`` token ids and the
   filled cache: it runs the last token and decodes ``NEW_TOKENS`` greedily; that is what is timed (tokens/s of
   all rows, wall clock, ``generate``'s own overheads included).
-* Memory: the peak allocated during ``generate`` minus the weights, per layer (CUDA); on the CPU the cache's bytes
-  per layer (no allocator statistics there).  Flat memory: kvpop's figure at the longest context / the shortest.
+* Memory: the peak allocated during ``generate`` minus the weights (CUDA; on the CPU the cache's bytes, no
+  allocator statistics there), per layer in the comparison.  Flat memory is read at one depth: kvpop alone with
+  every layer (its cache fits at any context) is also run at the contexts where the comparison had fewer layers,
+  and its figure at the longest context / the shortest is the target (the prompt's token ids, which ``generate``
+  holds, are in both).
 
 ``extra_info``: per context ``{kvpop,dense}_tokens_per_s_ctx*``, ``{kvpop,dense}_mem_per_layer_gb_ctx*``,
-``layers_ctx*``, ``kvpop_over_dense_ctx*``; the targets' ``kvpop_over_dense_ctx32k`` (goal >= 3 at batch 32) and
-``kvpop_mem_longest_over_shortest`` (<= 1.1); a roofline per case (``benchmarks/tools/roofline.py``).
+``layers_ctx*``, ``kvpop_over_dense_ctx*``, ``kvpop_mem_gb_all_layers_ctx*``; the targets'
+``kvpop_over_dense_ctx32k`` (goal >= 3 at batch 32) and ``kvpop_mem_longest_over_shortest`` (<= 1.1); a roofline
+per case (``benchmarks/tools/roofline.py``).
 
 ``test_train_step_16k``: one retrofit training step at S = 16384 of a Qwen3-8B-shaped model with ``TRAIN_LAYERS``
 layers (36 layers of float32 master weights, their gradients and a bf16 teacher do not fit in 80 GB), KVpop's step
@@ -235,22 +239,44 @@ def run_case(model, provider: str, batch: int, ctx: int, new_tokens: int = NEW_T
     steps = new_tokens
     nbytes, flops = rl.model_decode_cost(shape, batch=batch, keys_per_head=BUDGET if provider == "kvpop" else ctx + 1,
                                          cache_bytes=cache_bytes, elt=elt)
-    return {"tokens_per_s": batch * new_tokens / seconds, "seconds": seconds, "mem_per_layer_gb": above / layers / 1e9,
+    return {"tokens_per_s": batch * new_tokens / seconds, "seconds": seconds, "mem_above_weights_gb": above / 1e9,
             "cache_bytes": cache_bytes, "layers": layers, "step": (nbytes, flops, seconds / steps)}
+
+
+def _kvpop_case(model, batch: int, ctx: int) -> dict:
+    import kvpop
+
+    kvpop.patch(model, sinks=SINKS, window=WINDOW, budget=BUDGET)
+    try:
+        return run_case(model, "kvpop", batch, ctx)
+    finally:
+        kvpop.unpatch(model)
+
+
+def _attempt(not_run: dict, key: str, layers: int, work):
+    """``work(build_model(layers))``, or None with the reason in ``not_run[key]`` when it runs out of memory (the
+    layer plan's margin too thin: that case only)."""
+    try:
+        return work(build_model(layers))
+    except torch.cuda.OutOfMemoryError as e:
+        not_run[key] = f"out of memory with {layers} layers: {str(e).splitlines()[0][:160]}"
+        _MODEL.clear()
+        if CUDA:
+            torch.cuda.empty_cache()
+        return None
 
 
 @pytest.mark.benchmark(group="e2e-decode")
 @pytest.mark.parametrize("batch", BATCHES, ids=[f"b{b}" for b in BATCHES])
 def test_e2e_decode(benchmark, batch):
-    import kvpop
-
     benchmark.group = f"e2e-decode-b{batch}"
+    full = MODEL["num_hidden_layers"]
     info: dict = {"batch": batch, "budget": BUDGET, "window": WINDOW, "sinks": SINKS, "new_tokens": NEW_TOKENS,
                   "contexts": CONTEXTS, "model": f"Qwen3 shape {MODEL}, random weights, {DTYPE}",
                   "context_fill": "synthetic (random keys/values; kvpop: a full slot state at the position)",
-                  "memory": "CUDA peak during generate above the weights, per layer" if CUDA
-                  else "cache bytes per layer (CPU)"}
-    not_run, results = {}, {}
+                  "memory": "CUDA peak during generate above the weights" if CUDA else "cache bytes (CPU)"}
+    not_run, results, at_full = {}, {}, {}
+    # kvpop against dense, the same layers (as many as the dense cache leaves room for)
     for ctx in CONTEXTS:
         layers = layers_for(batch, ctx, _device_memory())
         lab = _lab(ctx)
@@ -262,36 +288,49 @@ def test_e2e_decode(benchmark, batch):
         if why:
             not_run[lab] = why
             continue
-        try:
-            model = build_model(layers)
-            kvpop.patch(model, sinks=SINKS, window=WINDOW, budget=BUDGET)
-            try:
-                kv = run_case(model, "kvpop", batch, ctx)
-            finally:
-                kvpop.unpatch(model)
-            dense = run_case(model, "dense", batch, ctx)
-        except torch.cuda.OutOfMemoryError as e:  # the plan's margin was too thin: this case only, said so
-            not_run[lab] = f"out of memory with {layers} layers: {str(e).splitlines()[0][:160]}"
-            _MODEL.clear()
-            torch.cuda.empty_cache()
+        pair = _attempt(not_run, lab, layers,
+                        lambda m, c=ctx: (_kvpop_case(m, batch, c), run_case(m, "dense", batch, c)))
+        if pair is None:
             continue
-        results[ctx] = (kv, dense)
+        results[ctx] = kv, dense = pair
+        if layers == full:
+            at_full[ctx] = kv
         for name, r in (("kvpop", kv), ("dense", dense)):
             info[f"{name}_tokens_per_s_ctx{lab}"] = r["tokens_per_s"]
-            info[f"{name}_mem_per_layer_gb_ctx{lab}"] = r["mem_per_layer_gb"]
+            info[f"{name}_mem_per_layer_gb_ctx{lab}"] = r["mem_above_weights_gb"] / layers
             info[f"{name}_cache_bytes_ctx{lab}"] = r["cache_bytes"]
             rl.record(info, f"{name}-ctx{lab}", *r["step"], _device_name(), main=name == "kvpop" and ctx == TARGET_CTX)
         info[f"kvpop_over_dense_ctx{lab}"] = kv["tokens_per_s"] / dense["tokens_per_s"]
         if CUDA:
             torch.cuda.empty_cache()
+    # flat memory: kvpop alone with every layer at the contexts the comparison ran with fewer (its cache fits)
+    for ctx in CONTEXTS:
+        lab = _lab(ctx)
+        if ctx in at_full or lab in not_run:
+            continue
+        why = fits_in_time(EST_BUILD_S * (full not in _MODEL) + EST_CASE_S)
+        if why:
+            not_run[f"{lab} (kvpop, {full} layers)"] = why
+            continue
+        kv = _attempt(not_run, f"{lab} (kvpop, {full} layers)", full, lambda m, c=ctx: _kvpop_case(m, batch, c))
+        if kv is not None:
+            at_full[ctx] = kv
+            info[f"kvpop_tokens_per_s_all_layers_ctx{lab}"] = kv["tokens_per_s"]
+    for ctx, kv in at_full.items():
+        info[f"kvpop_mem_gb_all_layers_ctx{_lab(ctx)}"] = kv["mem_above_weights_gb"]
+    per_layer = {kv["cache_bytes"] / kv["layers"] for kv, _ in results.values()}
+    assert len(per_layer) <= 1, f"kvpop's cache bytes per layer changed with the context: {sorted(per_layer)}"
     # the targets' figures under the names the verdict table reads (benchmarks/tools/targets.py)
     if 32768 in results:
         kv, dense = results[32768]
         info["kvpop_over_dense_ctx32k"] = kv["tokens_per_s"] / dense["tokens_per_s"]
-    if CONTEXTS[0] in results and CONTEXTS[-1] in results:
-        (k0, d0), (k1, d1) = results[CONTEXTS[0]], results[CONTEXTS[-1]]
-        info["kvpop_mem_longest_over_shortest"] = k1["mem_per_layer_gb"] / k0["mem_per_layer_gb"]
-        info["dense_mem_longest_over_shortest"] = d1["mem_per_layer_gb"] / d0["mem_per_layer_gb"]
+    if CONTEXTS[0] in at_full and CONTEXTS[-1] in at_full:
+        info["kvpop_mem_longest_over_shortest"] = (at_full[CONTEXTS[-1]]["mem_above_weights_gb"]
+                                                   / at_full[CONTEXTS[0]]["mem_above_weights_gb"])
+    if CONTEXTS[0] in results and CONTEXTS[-1] in results:  # dense's, per layer (its layer counts differ)
+        (_, d0), (_, d1) = results[CONTEXTS[0]], results[CONTEXTS[-1]]
+        info["dense_mem_longest_over_shortest"] = (d1["mem_above_weights_gb"] / d1["layers"]) / (
+            d0["mem_above_weights_gb"] / d0["layers"])
     if not_run:
         info["not_run"] = "; ".join(f"ctx {c}: {why}" for c, why in not_run.items())
     benchmark.extra_info.update(info)
