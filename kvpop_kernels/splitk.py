@@ -111,22 +111,20 @@ if triton is not None:
 
     @triton.jit
     def merge_splits(MID_O, MID_L, orow0, lrow0, NS, D, d, d_ok, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                     skip, CACHE: tl.constexpr = ""):
+                     skip):
         """Online-softmax merge of ``NS`` normalised partial outputs ``MID_O[orow0 + i, :D]`` with their
         natural-log LSEs ``MID_L[lrow0 + i]`` (``-inf`` for an empty split), ``BLOCK_S`` splits per vector
         step -> ``(out [BLOCK_D], lse)``; zeros and ``-inf`` when every split is empty, NaN when a
-        split is NaN.  Split ``skip`` (``-1``: none) is left out (after the loads, which do not wait for it).
-        ``CACHE``: the loads' cache modifier (``".cg"``: past L1, for partials written by other programs of the
-        same launch)."""
+        split is NaN.  Split ``skip`` (``-1``: none) is left out (after the loads, which do not wait for it)."""
         m_i = float("-inf")
         l_i = 0.0
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for i0 in range(0, NS, BLOCK_S):
             i = i0 + tl.arange(0, BLOCK_S)
             i_ok = i < NS
-            lse_i = tl.load(MID_L + lrow0 + i, mask=i_ok, other=float("-inf"), cache_modifier=CACHE)
+            lse_i = tl.load(MID_L + lrow0 + i, mask=i_ok, other=float("-inf"))
             o_i = tl.load(MID_O + (orow0 + i)[:, None] * D + d[None, :], mask=i_ok[:, None] & d_ok[None, :],
-                          other=0.0, cache_modifier=CACHE)
+                          other=0.0)
             lse_i = tl.where(i == skip, float("-inf"), lse_i)
             m_new = tl.maximum(m_i, tl.max(lse_i, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

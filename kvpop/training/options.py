@@ -142,8 +142,10 @@ def check_options(args: Any) -> None:
         if getattr(args, name) < 0:
             _fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     lm = getattr(args, "lm_weight", 0.0)
-    if not (math.isfinite(lm) and 0 <= lm <= MAX_LM_WEIGHT):
-        _fail(f"--lm-weight must lie in [0, {MAX_LM_WEIGHT:g}], got {lm:g}: it weighs the language-model loss against "
+    if not (math.isfinite(lm) and lm >= 0):
+        _fail(f"--lm-weight must be a finite number >= 0, got {lm}")
+    if lm > MAX_LM_WEIGHT:
+        _fail(f"--lm-weight must be at most {MAX_LM_WEIGHT:g}, got {lm:g}: it weighs the language-model loss against "
               f"the distillation's KL (a weight far above 1 drowns the KL, and near 1e30 the gradients overflow)")
     if lm and args.no_train_model:
         _fail(f"--lm-weight {lm:g} trains the model's weights on the data; with --no-train-model nothing would use it")

@@ -101,7 +101,7 @@ def test_options_without_effect_are_refused_naming_them(capsys, tmp_path, extra,
     (["--gamma-min", "0.999999991", "--gamma-max", "0.999999999", "--gamma-init", "0.999999995"],
      "--gamma-max 0.999999999 is 1.0 in float32"),
     (["--gamma-min", "1e-30"], "--gamma-min 1e-30 gives gamma_min 1e-30, below 0.5"),
-    (["--lm-weight", "1e30"], "--lm-weight must lie in [0, 1000]"),
+    (["--lm-weight", "1e30"], "--lm-weight must be at most 1000, got 1e+30"),
     (["--decay-nats", "-5"], "--decay-nats must be a positive finite number"),
     (["--decay-nats", "1e9"], "--decay-nats 1e+09 over --seq-len 64"),
 ])
