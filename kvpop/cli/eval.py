@@ -159,7 +159,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, metavar="JSONL",
                    help='your own traces: JSONL of {"input_ids": [...]} or {"text": ...} (tokenized with --model\'s '
                         "tokenizer); measures teacher-forced NLL and top-1 agreement with dense past the budget "
-                        "(default budgets 6.25/12.5/25%% of the longest trace)")
+                        "(default budgets 6.25/12.5/25%% of the longest trace; on short traces those below sinks + "
+                        "window + 1 are left out and the runs' trained budgets measured, as the command says)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="with --data: cut every record into sequences of this many tokens (default: records whole)")
     p.add_argument("--dms-valid-data", default=None, metavar="JSONL",
