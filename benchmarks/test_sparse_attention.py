@@ -136,6 +136,11 @@ def test_sparse_attention(benchmark, S, budget, provider, mode):
     if benchmark.stats:
         t = benchmark.stats.stats.min
         extra.update(tflops_visible=per_pair * pairs / t / 1e12, tflops_own=per_pair * own / t / 1e12)
+        elt = torch.empty((), dtype=DTYPE).element_size()
+        hkv = HQ if provider == "sdpa" else HKV  # (dense SDPA reads keys and values repeated to every query head)
+        rl.record(extra, provider, *rl.causal_attention_cost(batch=BATCH, hq=HQ, hkv=hkv, s=S, d=D, elt=elt,
+                                                             backward=mode == "fwd_bwd", pairs=own), t,
+                  device_name(), main=True)
     benchmark.extra_info.update(extra)
 
 

@@ -178,6 +178,11 @@ def test_future_target(benchmark, provider, shape):
     })
     if provider != "sdpa":
         benchmark.extra_info["tflops_qk"] = 2 * D * pairs / sec / 1e12 if sec > 0 else math.nan
+    if sec > 0:  # the roofline: the op's own product(s), as test_future_target_vs_sdpa counts them
+        es = q.element_size()
+        cost = (rl.causal_attention_cost(batch=B, hq=Hq, hkv=Hkv, s=S, d=D, elt=es) if provider == "sdpa" else
+                rl.target_cost(batch=B, hq=Hq, hkv=Hkv, s=S, d=D, elt=es, pairs=pairs))
+        rl.record(benchmark.extra_info, provider, *cost, sec, device_name(), main=True)
     benchmark.pedantic(timed, rounds=3 if not CUDA else 10, iterations=1, warmup_rounds=0)
 
 
