@@ -24,9 +24,10 @@ Both ops are order statistics of one ranking, ``O(S log S)`` work per head, para
 * A wavelet tree of the permutation answers it in ``L = ceil(log2 S)`` steps per token.  Level
   ``l`` lists the entries grouped by value block of ``2^(L-l)`` (its nodes), in index order within a
   node, and keeps ``Z_l``, the running count of entries whose value lies in the lower half of their
-  node.  A query walks from the root with its prefix length ``j`` inside the node: ``c0 = Z_l[a + j]
-  - Z_l[a]`` of them are in the lower half; it descends there if ``k <= c0``, else into the upper
-  half with ``k - c0``; the leaf reached is the answer.
+  node.  A query walks from the root with its prefix length ``j`` inside the node that starts at
+  ``a``: ``c0 = Z_l[a + j] - Z_l[a]`` of them are in the lower half (``Z_l[a] = a / 2``: every node
+  before ``a`` is full), and it descends there if ``k <= c0``, else into the upper half with
+  ``k - c0``; the leaf reached is the answer (one load per level).
 * Building the levels: on a GPU one segmented ``torch.sort`` of the ``L * S`` keys
   ``(node, index, half)`` per head (a radix sort: fixed passes over the keys) and a running count
   (Triton); on the CPU path the classic top-down build, a stable partition per level (``O(S)`` each).
@@ -154,14 +155,15 @@ def _torch_tree(a: torch.Tensor) -> list[torch.Tensor]:
     g = torch.arange(S, device=a.device).expand(R, S)
     cur, Z = a, []
     for lev in range(L):
+        half = 1 << (L - 1 - lev)
         bit = (cur >> (L - 1 - lev)) & 1
         z = torch.nn.functional.pad(torch.cumsum(1 - bit, dim=-1), (1, 0))
         Z.append(z)
         if lev == L - 1:
             break
         start = (cur >> (L - lev)) << (L - lev)  # the node's first index (values are 0 .. S-1, all present)
-        low = z[:, :S] - z.gather(-1, start)  # lower-half entries before g in its node
-        dest = torch.where(bit == 0, start + low, start + (1 << (L - 1 - lev)) + (g - start - low))
+        low = z[:, :S] - (start >> 1)  # lower-half entries before g in its node (Z_l[start] = start / 2)
+        dest = torch.where(bit == 0, start + low, g + half - low)
         cur = torch.empty_like(cur).scatter_(-1, dest, cur)
     return Z
 
@@ -172,11 +174,11 @@ def _torch_kth(Z: list[torch.Tensor], m: torch.Tensor, k: torch.Tensor) -> torch
     L = len(Z)
     a = torch.zeros_like(m)
     for lev, z in enumerate(Z):
-        c0 = z.gather(-1, a + m) - z.gather(-1, a)
-        low = k <= c0
-        k = torch.where(low, k, k - c0)
-        m = torch.where(low, c0, m - c0)
-        a = torch.where(low, a, a + (1 << (L - 1 - lev)))
+        c0 = z.gather(-1, a + m) - (a >> 1)  # lower-half entries of the prefix (Z_l[a] = a / 2)
+        high = k > c0
+        m = torch.where(high, m - c0, c0)
+        k -= c0 * high
+        a += high * (1 << (L - 1 - lev))
     return a
 
 
@@ -263,8 +265,8 @@ if triton is not None:
         # k-th smallest of the first m entries (1 <= k <= m where ask): L steps down the tree Z [L, S + 1]
         a = tl.zeros_like(m)
         for lev in range(L):
-            z = Z + lev * (S + 1)
-            c0 = tl.load(z + a + m, mask=ask, other=0) - tl.load(z + a, mask=ask, other=0)
+            # lower-half entries of the prefix; every node before a is full, so Z_l[a] = a / 2
+            c0 = tl.load(Z + lev * (S + 1) + a + m, mask=ask, other=0) - (a >> 1)
             low = k <= c0
             k = tl.where(low, k, k - c0)
             m = tl.where(low, c0, m - c0)

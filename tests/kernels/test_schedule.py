@@ -137,7 +137,7 @@ def test_triton_and_torch_build_the_same_tree():
 
 
 _priorities = st.one_of(
-    st.sampled_from([0.0, 1.0, -1.0, 0.5]),  # heavy ties
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5]),  # heavy ties (and signed zeros, which tie)
     st.floats(-4, 4, allow_nan=False, width=32),
     st.sampled_from([float("inf"), float("-inf"), float("nan")]),
 )
@@ -156,6 +156,8 @@ _priorities = st.one_of(
 def test_hypothesis_matches_brute_force(backend, data, S, s, w, k, batch, heads):
     vals = data.draw(st.lists(_priorities, min_size=batch * heads * S, max_size=batch * heads * S))
     p = torch.tensor(vals, dtype=torch.float32).view(batch, heads, S)
+    if data.draw(st.booleans()):  # head-adaptive: one k per KV head
+        k = data.draw(st.lists(st.integers(0, 60), min_size=heads, max_size=heads))
     _check_against_reference(p.to(_dev()), s, w, k)
 
 
