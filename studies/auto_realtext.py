@@ -129,21 +129,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="test: a run to score once; the row named auto is compared with the others")
     p.add_argument("--write", default=None, help="record: the JSON to write (a .md beside it)")
     a = parse(p, argv)  # the one write rule: --write into studies/results needs --write-shipped
-    out, split = Path(a.out), Path(a.split)
-    if a.stage == "test":
-        runs = {}
-        for r in a.run:
-            name, sep, d = r.partition("=")
-            if not sep or not name or not Path(d).is_dir():
-                p.error(f"--run {r!r}: give NAME=DIR of a trained run")
-            runs[name] = Path(d)
-        test_stage(out, split, runs)
-    rec = record(out, split)
-    text = markdown(rec)
-    if a.write:  # the record and its table beside it
-        write_json(Path(a.write), rec)
-        Path(a.write).with_suffix(".md").write_text(text)
-    print(text)
+    try:
+        out, split = Path(a.out), Path(a.split)
+        if a.stage == "test":
+            runs = {}
+            for r in a.run:
+                name, sep, d = r.partition("=")
+                if not sep or not name or not Path(d).is_dir():
+                    p.error(f"--run {r!r}: give NAME=DIR of a trained run")
+                runs[name] = Path(d)
+            test_stage(out, split, runs)
+        rec = record(out, split)
+        text = markdown(rec)
+        if a.write:  # the record and its table beside it
+            write_json(Path(a.write), rec)
+            Path(a.write).with_suffix(".md").write_text(text)
+        print(text)
+    except ValueError as e:  # no row scored yet, a run not trained: one line, not a traceback
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -97,3 +97,11 @@ def test_decay_test_checks_its_runs_before_drawing_and_says_too_few_records_in_o
     assert D.main(["test", "--out", str(tmp_path), "--base", str(tmp_path), "--split-name", "test_fresh_h5",
                    "--test-records", "4"]) == 2
     assert "only 3 fresh test records could be made (asked for 4)" in _one_line(capsys.readouterr().err)
+
+
+def test_auto_realtext_record_before_any_score_is_a_one_line_error(tmp_path, capsys):
+    from studies import auto_realtext as AR
+
+    assert AR.main(["record", "--out", str(tmp_path / "empty"), "--split", str(tmp_path / "fresh.jsonl")]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err.startswith("python -m studies.auto_realtext: error:") and "no row scored on fresh.jsonl" in err
