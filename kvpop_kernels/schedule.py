@@ -314,6 +314,24 @@ def _k_tensor(k: int | torch.Tensor, H: int, device: torch.device) -> torch.Tens
     return torch.full((H,), k, dtype=torch.int32, device=device) if isinstance(k, int) else k
 
 
+def gpu_traffic(B: int, H: int, S: int, *, priority_bytes: int = 4, decisions: bool = False) -> int:
+    """Bytes one call of the GPU path reads and writes (``eviction_schedule``, or ``eviction_decisions``
+    with ``decisions=True``) for priorities ``[B, H, S]`` of ``priority_bytes`` each: every kernel's loads
+    and stores with all tokens asking, plus each ``torch.sort``'s input and output (its int64 indices
+    included; not the radix sort's internal passes).  About ``B H S (48 + 32 L)`` with ``L = ceil(log2 S)``
+    (int32 level keys up to ``S = 2^15``): the figure a roofline of the schedule divides by its time."""
+    R, L = B * H, _levels(S)
+    kb = 4 if 2 * L <= 31 else 8  # the level keys' bytes
+    n, nl = R * S, R * L * S
+    prep = n * priority_bytes + n * 4
+    rank_sort = n * 4 + n * (4 + 8)
+    order = n * 8 + n * 8 + nl * kb
+    level_sort = nl * kb + nl * (kb + 8)
+    counts = R * L * 4 + nl * (kb + 4)
+    walk = R * -(-S // _BLOCK) * 4 + n * 4 + nl * 4 + (n * (4 + 1 + 4) if decisions else n * 4)
+    return prep + rank_sort + order + level_sort + counts + walk
+
+
 def _triton_tree(priority: torch.Tensor, sinks: int, of_perm: bool):
     """``(perm, rank, Z)`` int32 of the Triton path: ``perm``/``rank`` ``[R, S]`` and the wavelet tree of
     ``perm`` (``of_perm``) or of ``rank``, ``Z [R, L, S + 1]``.  Four launches and two sorts."""

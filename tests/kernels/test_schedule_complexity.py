@@ -86,3 +86,45 @@ def test_torch_path_work_is_s_log_s(monkeypatch):
     assert small > 0
     ratio = large / small
     assert 0.8 * LOG_RATIO < ratio < 1.15 * LOG_RATIO, (small, large, ratio)
+
+
+@pytest.mark.parametrize("S", [100, 1024])
+@pytest.mark.parametrize("decisions", [False, True])
+def test_gpu_traffic_is_what_the_kernels_move(monkeypatch, S, decisions):
+    """``gpu_traffic`` (the bytes a roofline of the schedule divides by) against the bytes the kernels load
+    and store through the interpreter plus each sort's input and outputs.  With no sinks, a window of one
+    and k = 1 every token asks but the last two of each row (no decision / never evicted) and the top one."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    from kvpop_kernels.schedule import _levels, gpu_traffic
+
+    if not kutils.interpreting():
+        pytest.skip("counts the kernels' bytes through Triton's interpreter")
+    moved = {"bytes": 0}
+    load, store, sort = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store, torch.sort
+
+    def nbytes(ptrs, mask):
+        return int(mask.data.sum()) * ptrs.get_element_ty().primitive_bitwidth // 8
+
+    def counted_load(self, ptrs, mask, *a, **kw):
+        moved["bytes"] += nbytes(ptrs, mask)
+        return load(self, ptrs, mask, *a, **kw)
+
+    def counted_store(self, ptrs, value, mask, *a, **kw):
+        moved["bytes"] += nbytes(ptrs, mask)
+        return store(self, ptrs, value, mask, *a, **kw)
+
+    def counted_sort(x, *a, **kw):
+        out = sort(x, *a, **kw)
+        moved["bytes"] += x.numel() * x.element_size() + out.values.numel() * (x.element_size() + 8)
+        return out
+
+    p = torch.randn(2, 3, S, dtype=torch.bfloat16)
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_load", counted_load)
+    monkeypatch.setattr(InterpreterBuilder, "create_masked_store", counted_store)
+    monkeypatch.setattr(torch, "sort", counted_sort)
+    (eviction_decisions if decisions else eviction_schedule)(p, sinks=0, window=1, k=1)
+    want = gpu_traffic(2, 3, S, priority_bytes=2, decisions=decisions)
+    idle = 6 * 3 * (4 * _levels(S) + 4)  # rows x idle tokens x (one Z load per level + the perm gather)
+    assert want - idle <= moved["bytes"] <= want, (moved, want)
+    assert abs(gpu_traffic(1, 8, 16384) / (8 * 16384 * (48 + 32 * 14)) - 1) < 1e-3  # the docstring's form
