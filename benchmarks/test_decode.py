@@ -405,6 +405,16 @@ def test_decode_generate(benchmark, monkeypatch, provider, ctx):
     assert out.shape == (1, ctx + GEN_TOKENS)
     info = dict(ctx=ctx, new_tokens=GEN_TOKENS, total_s=total, prefill_s=t_prefill,
                 decode_tokens_per_s=GEN_TOKENS / max(total - t_prefill, 1e-9))
+    # the roofline of one decode step: the weights and every layer's cache read (kvpop: its slots, positions and
+    # priorities; dense: the keys and values of the context)
+    shape, elt = rl.ModelShape.of(model.config), torch.empty((), dtype=DTYPE).element_size()
+    hkv, d, k = shape.kv_heads, shape.head_dim, GEN_BUDGET - SINKS - GEN_WINDOW
+    keys = GEN_BUDGET if provider == "kvpop" else ctx + GEN_TOKENS // 2
+    per_layer = (hkv * GEN_BUDGET * (2 * d * elt + 4) + hkv * k * 4 if provider == "kvpop"
+                 else 2 * hkv * keys * d * elt)
+    rl.record(info, provider, *rl.model_decode_cost(shape, batch=1, keys_per_head=keys,
+                                                    cache_bytes=shape.layers * per_layer, elt=elt),
+              max(total - t_prefill, 1e-9) / GEN_TOKENS, device_name(), main=True)
     if CUDA:
         info.update(peak_mem_bytes=torch.cuda.max_memory_allocated())
     benchmark.extra_info.update(info)
