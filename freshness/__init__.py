@@ -521,6 +521,10 @@ def stamp(specs: Iterable[str], today: Sentinels, *, unchanged: bool = False, kn
                          f"({man['machine'][:12]} against {machine[:12]} here): stamp from that machine, or "
                          "regenerate every file here and stamp them all with --new-machine")
     man["machine"] = machine
+    from .kernel_sets import kernel_set
+
+    ks = kernel_set()  # the kernel set these files were made with (docs/DESIGN.md section 14)
+    man["kernel_set"] = ks
     for spec in _expand(specs):
         g = group_of(spec)
         rec = man.setdefault("files", {}).get(spec)
@@ -530,7 +534,7 @@ def stamp(specs: Iterable[str], today: Sentinels, *, unchanged: bool = False, kn
                 and rec["sentinels"] != digests):
             raise ValueError(f"{spec}: its sentinels moved but its bytes did not: regenerate it ({g.command}), "
                              "or pass --unchanged if regenerating it gave the same bytes")
-        man["files"][spec] = {"sha256": now, "sentinels": digests,
+        man["files"][spec] = {"sha256": now, "sentinels": digests, "kernel_set": ks,
                               **({"training_code": training_digest()} if _trained(g.sentinels) else {}),
                               **({"known_stale": known_stale_reason} if known_stale_reason else {})}
         for s in g.sentinels:

@@ -42,3 +42,17 @@ def test_every_kernel_set_names_its_variables_and_an_unknown_one_is_refused(monk
     ks = K.kernel_set()
     assert ks["aten_cpu_capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "NO AVX")
     assert ks["torch"]
+
+
+def test_a_stamp_records_the_kernel_set_the_file_was_made_with(monkeypatch):
+    import freshness as F
+
+    spec = "README.md#walkthrough"
+    g = F.group_of(spec)
+    today = F.Sentinels(digests={s: "d" for s in g.sentinels})
+    monkeypatch.setattr(F, "machine_digest", lambda: "m")
+    monkeypatch.setattr(K, "kernel_set", lambda: {"aten_cpu_capability": "AVX2", "mkl_cbwr": "COMPATIBLE",
+                                                  "cpu": "x", "torch": "t"})
+    man = F.stamp([spec], today, man={"machine": "m", "files": {}})
+    assert man["files"][spec]["kernel_set"]["aten_cpu_capability"] == "AVX2"
+    assert man["kernel_set"]["mkl_cbwr"] == "COMPATIBLE"

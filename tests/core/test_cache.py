@@ -6,6 +6,7 @@ import torch
 from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
+import kvpop
 from kvpop.core.cache import KVpopCache, PriorityHooks, cache_attention
 from kvpop_kernels import eviction_schedule, sparse_attention
 
@@ -100,9 +101,9 @@ def test_prefill_plus_decode_equals_teacher_forced(model, policy, sinks, window,
     with torch.no_grad():
         full = model(ids).logits
         cache = KVpopCache(config=STATE.cfg, num_layers=2)
-        outs = [model(ids[:, :prompt], past_key_values=cache).logits]
+        outs = [model(ids[:, :prompt], **kvpop.cache_kwargs(cache)).logits]
         for i in range(prompt, 48):
-            outs.append(model(ids[:, i:i + 1], past_key_values=cache).logits)
+            outs.append(model(ids[:, i:i + 1], **kvpop.cache_kwargs(cache)).logits)
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-4, rtol=1e-5)
     assert cache.get_seq_length() == 48
 
@@ -113,9 +114,9 @@ def test_long_range_slots_hold_the_schedule(model):
     ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(5))
     cache = KVpopCache(config=cfg, num_layers=2)
     with torch.no_grad():
-        model(ids[:, :9], past_key_values=cache)
+        model(ids[:, :9], **kvpop.cache_kwargs(cache))
         for i in range(9, 40):
-            model(ids[:, i:i + 1], past_key_values=cache)
+            model(ids[:, i:i + 1], **kvpop.cache_kwargs(cache))
     # recompute the full keys of layer 0 from a teacher-forced pass
     captured = {}
 
@@ -145,9 +146,9 @@ def test_memory_is_flat(model):
     ids = torch.randint(0, 64, (1, 6 * 10 + 1))
     sizes = {}
     with torch.no_grad():
-        model(ids[:, :1], past_key_values=cache)
+        model(ids[:, :1], **kvpop.cache_kwargs(cache))
         for i in range(1, ids.shape[1]):
-            model(ids[:, i:i + 1], past_key_values=cache)
+            model(ids[:, i:i + 1], **kvpop.cache_kwargs(cache))
             if i + 1 in (3 * 10, 6 * 10):
                 sizes[i + 1] = cache.nbytes()
     assert sizes[30] == sizes[60] > 0
@@ -159,7 +160,7 @@ def test_generate_with_explicit_cache(model):
     STATE.cfg = cfg = _cfg(2, 4, 10, "streaming")
     ids = torch.randint(0, 64, (1, 12))
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=KVpopCache(config=cfg, num_layers=2), max_new_tokens=25,
+        out = model.generate(ids, **kvpop.cache_kwargs(KVpopCache(config=cfg, num_layers=2)), max_new_tokens=25,
                              do_sample=False)
     assert out.shape == (1, 37)
 
@@ -173,8 +174,8 @@ def test_batch_rows_equal_rows_alone(model, policy):
     def run(x):
         cache = KVpopCache(config=cfg, num_layers=2)
         with torch.no_grad():
-            outs = [model(x[:, :9], past_key_values=cache).logits]
-            outs += [model(x[:, i:i + 1], past_key_values=cache).logits for i in range(9, 30)]
+            outs = [model(x[:, :9], **kvpop.cache_kwargs(cache)).logits]
+            outs += [model(x[:, i:i + 1], **kvpop.cache_kwargs(cache)).logits for i in range(9, 30)]
         return torch.cat(outs, 1), cache
 
     together, cache = run(ids)
@@ -189,9 +190,9 @@ def test_batch_size_cannot_change_mid_sequence(model):
     STATE.cfg = cfg = _cfg(2, 4, 10, "streaming")
     cache = KVpopCache(config=cfg, num_layers=2)
     with torch.no_grad():
-        model(torch.randint(0, 64, (2, 8)), past_key_values=cache)
+        model(torch.randint(0, 64, (2, 8)), **kvpop.cache_kwargs(cache))
         with pytest.raises(ValueError, match="holds 2 sequences but the call has batch size 3"):
-            model(torch.randint(0, 64, (3, 1)), past_key_values=cache)
+            model(torch.randint(0, 64, (3, 1)), **kvpop.cache_kwargs(cache))
 
 
 def test_bad_config():
@@ -268,7 +269,8 @@ def test_later_chunks_are_decoded_token_by_token(model, policy):
     with torch.no_grad():
         full = model(ids).logits
         cache = KVpopCache(config=cfg, num_layers=2)
-        parts = [model(ids[:, a:b], past_key_values=cache).logits for a, b in [(0, 7), (7, 19), (19, 20), (20, 40)]]
+        parts = [model(ids[:, a:b], **kvpop.cache_kwargs(cache)).logits
+                 for a, b in [(0, 7), (7, 19), (19, 20), (20, 40)]]
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-4, rtol=1e-5)
 
 
@@ -295,7 +297,7 @@ def test_patched_generate_uses_the_cache(scorer):
     assert torch.equal(m.generate(ids, max_new_tokens=30, do_sample=False), dense)
     kvpop.patch(m, budget=14)
     plain = m.generate(ids, max_new_tokens=30, do_sample=False)  # a KVpopCache is made by default
-    explicit = m.generate(ids, past_key_values=kvpop.KVpopCache(m), max_new_tokens=30, do_sample=False)
+    explicit = m.generate(ids, **kvpop.cache_kwargs(kvpop.KVpopCache(m)), max_new_tokens=30, do_sample=False)
     assert torch.equal(plain, explicit) and plain.shape == (1, 42)
     kvpop.unpatch(m)
     assert torch.equal(m.generate(ids, max_new_tokens=30, do_sample=False), dense)
@@ -310,7 +312,7 @@ def test_both_cache_keywords():
     m, _ = _patched_tiny(sinks=2, window=8, budget=14)
     ids = torch.randint(0, 128, (1, 20))
     with torch.no_grad():
-        ref = m(ids, past_key_values=kvpop.KVpopCache(m)).logits
+        ref = m(ids, **kvpop.cache_kwargs(kvpop.KVpopCache(m))).logits
         if "cache" in inspect.signature(type(m).forward).parameters:  # transformers >= 5.24
             torch.testing.assert_close(m(ids, cache=kvpop.KVpopCache(m)).logits, ref, atol=0, rtol=0)
         torch.testing.assert_close(m(ids).logits, ref, atol=1e-5, rtol=1e-5)  # prefill == full forward

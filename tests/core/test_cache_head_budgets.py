@@ -56,8 +56,8 @@ def _cfg(policy="kvpop", head_budgets=HB):
 def _run(model, ids, prompt, cfg):
     cache = KVpopCache(config=cfg, num_layers=2)
     with torch.no_grad():
-        outs = [model(ids[:, :prompt], past_key_values=cache).logits]
-        outs += [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(prompt, ids.shape[1])]
+        outs = [model(ids[:, :prompt], **kvpop.cache_kwargs(cache)).logits]
+        outs += [model(ids[:, i:i + 1], **kvpop.cache_kwargs(cache)).logits for i in range(prompt, ids.shape[1])]
     return torch.cat(outs, 1), cache
 
 
@@ -165,7 +165,7 @@ def test_cache_for_other_budgets_is_refused(model):
     cache = KVpopCache(config=_cfg(head_budgets=((16, 6), (14, 8))), num_layers=2)
     with pytest.raises(ValueError, match="head_budgets"):
         with torch.no_grad():
-            model(torch.arange(5)[None], past_key_values=cache)
+            model(torch.arange(5)[None], **kvpop.cache_kwargs(cache))
 
 
 # ------------------------------------------------------------------- through kvpop.patch + generate

@@ -485,7 +485,7 @@ def test_cache_prefill_and_decode_match_the_full_forward(scorer, prompt_len):
     cache = kvpop.KVpopCache(m)
     outs = []
     with torch.no_grad():
-        outs.append(m(ids[:, :prompt_len], past_key_values=cache, use_cache=True).logits)
+        outs.append(m(ids[:, :prompt_len], **kvpop.cache_kwargs(cache), use_cache=True).logits)
         for t in range(prompt_len, 48):
-            outs.append(m(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            outs.append(m(ids[:, t:t + 1], **kvpop.cache_kwargs(cache), use_cache=True).logits)
     torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=2e-4, rtol=2e-4)

@@ -114,10 +114,10 @@ def test_fixed_budget_generation(family, scorer):
     ids = _ids()
     full = _logits(m, ids)  # teacher-forced, the same scorer's mask
     cache = kvpop.KVpopCache(m)
-    outs = [_logits(m, ids[:, :20], past_key_values=cache)]
+    outs = [_logits(m, ids[:, :20], **kvpop.cache_kwargs(cache))]
     sizes = []
     for i in range(20, S):
-        outs.append(_logits(m, ids[:, i:i + 1], past_key_values=cache))
+        outs.append(_logits(m, ids[:, i:i + 1], **kvpop.cache_kwargs(cache)))
         sizes.append(cache.nbytes())
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-4, rtol=1e-4)
     assert len(set(sizes)) == 1

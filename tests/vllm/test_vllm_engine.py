@@ -90,7 +90,7 @@ def reference(scorers: str, policy: str, ids: list[int], n: int, model: str = MO
     m = _REF_MODELS[model, scorers]
     with torch.no_grad():
         cache = kvpop.KVpopCache(m, policy=policy)
-        out = m.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=n, do_sample=False,
+        out = m.generate(torch.tensor([ids]), **kvpop.cache_kwargs(cache), max_new_tokens=n, do_sample=False,
                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     gen = out.sequences[0, len(ids):].tolist()
     lps = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, gen)]
@@ -106,7 +106,8 @@ def reference_batch(scorers: str, policy: str, prompts: list[list[int]], n: int,
     ids = torch.tensor([[0] * (S - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = m.generate(ids, attention_mask=mask, past_key_values=kvpop.KVpopCache(m, policy=policy), max_new_tokens=n,
+        out = m.generate(ids, attention_mask=mask, **kvpop.cache_kwargs(kvpop.KVpopCache(m, policy=policy)),
+                         max_new_tokens=n,
                          do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     res = []
     for r in range(len(prompts)):

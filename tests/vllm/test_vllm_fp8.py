@@ -36,7 +36,8 @@ def reference_quantized(scorers: str, ids: list[int], n: int, kv_dtype: str = "f
     base.reference(scorers, "kvpop", ids[:1], 1)  # loads the model with the scorers
     m = base._REF_MODELS[base.MODEL, scorers]
     with torch.no_grad():
-        out = m.generate(torch.tensor([ids]), past_key_values=kvpop.KVpopCache(m, policy="kvpop", kv_dtype=kv_dtype),
+        cache = kvpop.KVpopCache(m, policy="kvpop", kv_dtype=kv_dtype)
+        out = m.generate(torch.tensor([ids]), **kvpop.cache_kwargs(cache),
                          max_new_tokens=n, do_sample=False, pad_token_id=0, output_scores=True,
                          return_dict_in_generate=True)
     gen = out.sequences[0, len(ids):].tolist()
