@@ -182,15 +182,12 @@ def _torch_kth(Z: list[torch.Tensor], m: torch.Tensor, k: torch.Tensor) -> torch
     return a
 
 
-def _torch_schedule(priority: torch.Tensor, sinks: int, window: int, k: int | torch.Tensor,
-                    decisions: bool) -> tuple[torch.Tensor, ...]:
-    """The CPU path: ``evict_at`` or ``(y, bnd)``, ranking in float64."""
-    Bsz, H, S = priority.shape
-    R = Bsz * H
-    p = priority.detach().to(torch.float64).reshape(R, S)
+def _torch_rows(p: torch.Tensor, kr: torch.Tensor, sinks: int, window: int,
+                decisions: bool) -> tuple[torch.Tensor, ...]:
+    """``evict_at`` or ``(y, bnd)`` (int64) of the rows ``p [R, S]`` (float64), ``kr [R, 1]`` each row's k."""
+    R, S = p.shape
     perm, rank = _torch_order(p, sinks)
-    kt = (torch.full((H,), k) if isinstance(k, int) else k.cpu()).to(torch.int64)
-    kr = kt.repeat(Bsz).view(R, 1).expand(R, S).to(p.device)
+    kr = kr.expand(R, S)
     t = torch.arange(S, device=p.device).expand(R, S)
     elig = (t >= sinks) & (t + window <= S - 1)
     if not decisions:
@@ -198,14 +195,29 @@ def _torch_schedule(priority: torch.Tensor, sinks: int, window: int, k: int | to
         pk = _torch_kth(_torch_tree(perm), torch.where(ask, rank, S), torch.where(ask, kr, 1))
         ev = torch.maximum(t, pk) + window
         ev = torch.where(ask & (ev <= S - 1), ev, NEVER)
-        ev = torch.where(elig & (kr == 0), t + window, ev)
-        return (ev.to(torch.int32).view(Bsz, H, S),)
+        return (torch.where(elig & (kr == 0), t + window, ev),)
     ask = elig & (kr >= 1) & (t - sinks >= kr)  # a full long-range set before t
     v = _torch_kth(_torch_tree(rank), torch.where(ask, t, S), torch.where(ask, kr, 1))
     bnd = perm.gather(-1, v.clamp(max=S - 1))
-    y = torch.where(ask, torch.where(rank < v, 1, -1), 0)
-    bnd = torch.where(ask, bnd, -1)
-    return y.to(torch.int8).view(Bsz, H, S), bnd.to(torch.int32).view(Bsz, H, S)
+    return torch.where(ask, torch.where(rank < v, 1, -1), 0), torch.where(ask, bnd, -1)
+
+
+_CPU_CHUNK = 1 << 16  # tokens per batch of rows on the CPU path (its arrays stay in the cache)
+
+
+def _torch_schedule(priority: torch.Tensor, sinks: int, window: int, k: int | torch.Tensor,
+                    decisions: bool) -> tuple[torch.Tensor, ...]:
+    """The CPU path: ``evict_at`` or ``(y, bnd)``, ranking in float64, a few rows at a time."""
+    Bsz, H, S = priority.shape
+    R = Bsz * H
+    p = priority.detach().to(torch.float64).reshape(R, S)
+    kt = (torch.full((H,), k) if isinstance(k, int) else k.cpu()).to(torch.int64)
+    kr = kt.repeat(Bsz).view(R, 1).to(p.device)
+    step = max(1, _CPU_CHUNK // S)
+    parts = [_torch_rows(p[r:r + step], kr[r:r + step], sinks, window, decisions) for r in range(0, R, step)]
+    outs = [torch.cat(col) for col in zip(*parts)]
+    dtypes = (torch.int8, torch.int32) if decisions else (torch.int32,)
+    return tuple(o.to(dt).view(Bsz, H, S) for o, dt in zip(outs, dtypes))
 
 
 # ------------------------------------------------------------------------------ Triton

@@ -120,6 +120,18 @@ def test_signed_zeros_tie():
             assert torch.equal(y, y_want) and torch.equal(bnd, b_want)
 
 
+def test_cpu_path_in_row_batches(monkeypatch):
+    """The CPU path runs a few rows at a time (its arrays stay in the cache): batches of one and of two
+    rows, a per-head k, give the reference's schedule and decisions."""
+    from kvpop_kernels import schedule as sc
+
+    monkeypatch.setattr(kutils, "interpreting", lambda: False)
+    p = torch.randint(0, 4, (3, 2, 40)).float()
+    for chunk in (40, 80):
+        monkeypatch.setattr(sc, "_CPU_CHUNK", chunk)
+        _check_against_reference(p, 2, 3, [3, 0])
+
+
 def test_triton_and_torch_build_the_same_tree():
     """The Triton path's levels (a sort of the level keys + running counts) equal the CPU path's
     (a stable partition per level), for the tree of ``perm`` and of ``rank``."""
