@@ -25,7 +25,7 @@ from kvpop_kernels.layout import PackedLayout, QuantizedLayout, UniformLayout
 # token, split-K attention, the last program of each row combining the splits)
 DECODE_LAUNCHES_UNIFORM = 1
 DECODE_LAUNCHES_PACKED = 1  # head-adaptive budgets
-DECODE_LAUNCHES_QUANTIZED = 1  # int8 / fp8 slots, the new token encoded on the host side of the launch
+DECODE_LAUNCHES_QUANTIZED = 1  # int8 / fp8 slots, the new token quantised in the same launch
 # launches per layer of one KVpopCache decode step of a patched model (the policy's work is PyTorch ops)
 CACHE_STEP_LAUNCHES_PER_LAYER = 1  # batch 1
 BATCHED_STEP_LAUNCHES_PER_LAYER = 1  # batch > 1: still one launch, every row in its grid
@@ -90,18 +90,18 @@ def _layout(kind: str, hkv: int, budget: int):
     if kind == "uniform":
         return UniformLayout(budget)
     if kind == "packed":
-        return PackedLayout(tuple(budget + 8 * (h == 0) - 8 * (h == 1) for h in range(hkv)))
+        return PackedLayout(tuple(budget + 2 * (h == 0) - 2 * (h == 1) for h in range(hkv)))
     return QuantizedLayout(kind, UniformLayout(budget))
 
 
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("kind, bound", [("uniform", DECODE_LAUNCHES_UNIFORM), ("packed", DECODE_LAUNCHES_PACKED),
                                          ("int8", DECODE_LAUNCHES_QUANTIZED), ("fp8", DECODE_LAUNCHES_QUANTIZED)])
 def test_fixed_budget_decode_launches(kind, bound, n):
-    """Every layout's step, batch 1 and 3, through evictions (the cache fills after ``budget`` steps)."""
+    """Every layout's step, batch 1 and 2, through evictions (the cache fills after ``budget`` steps)."""
     if kind == "fp8" and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("this torch has no float8_e4m3fn")
-    hq, hkv, d, budget, steps = 4, 2, 16, 20, 26
+    hq, hkv, d, budget, steps = 4, 2, 16, 12, 15
     lay = _layout(kind, hkv, budget)
     state = lay.empty_state(n, hkv, S, W, k_dim=d, v_dim=d, dtype=torch.float32, device="cpu")
     gen = torch.Generator().manual_seed(0)
