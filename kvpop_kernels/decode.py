@@ -22,7 +22,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .splitk import merge_splits, online_softmax_tile, store_split
+    from .splitk import online_softmax_tile, store_split
 except Exception:  # pragma: no cover - depends on the install
     triton = None
 
@@ -58,6 +58,43 @@ if triton is not None:
         return tl.where(bad, 0, off), tl.where(bad, 0, koff), tl.where(bad, 0, bud).to(tl.int32), bad
 
     @triton.jit
+    def _quantize_new(X, row64, D, d, d_ok, FP8: tl.constexpr):
+        """Row ``row``'s new key or value ``X[row, :D]`` (the model's dtype) quantised in registers exactly as
+        ``layout.quantize`` does it: one float32 scale ``max|x| / qmax`` and codes ``x / scale`` (IEEE divisions;
+        int8: rounded half up, clipped to +-127; fp8 e4m3: rounded to nearest even in integer arithmetic, the same
+        bits on every GPU and in the interpreter, at most 448).  ``(codes: int8, or fp8's bits as uint8, codes
+        times scale in float32, scale)``; lanes outside ``d_ok`` read as 0."""
+        x = tl.load(X + row64 * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        if FP8:
+            sc = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0)
+            r = tl.math.div_rn(x, tl.where(sc > 0, sc, 1.0))
+            a = tl.abs(r)
+            bits = a.to(tl.int32, bitcast=True)
+            # normal (a >= 2**-6): float32's mantissa rounded to 3 bits, ties to even, the exponent rebiased 127 -> 7
+            rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+            mag = tl.minimum(rb - (120 << 3), 0x7E)
+            val = tl.minimum((rb << 20).to(tl.float32, bitcast=True), 448.0)
+            # subnormal (a < 2**-6): a multiple of 2**-9, ties to even (8 of them is the smallest normal, code 8)
+            y = a * 512.0
+            f = tl.floor(y)
+            h = y - f
+            fi = f.to(tl.int32)
+            m = fi + ((h > 0.5) | ((h == 0.5) & ((fi & 1) == 1))).to(tl.int32)
+            sub = a < 0.015625
+            mag = tl.where(sub, m, mag)
+            val = tl.where(sub, m.to(tl.float32) * 0.001953125, val)
+            neg = r.to(tl.int32, bitcast=True) < 0  # (the sign of -0.0 too, as torch's cast keeps it)
+            codes = (mag | tl.where(neg, 0x80, 0)).to(tl.uint8)
+            deq = tl.where(neg, -val, val) * sc
+        else:
+            sc = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 127.0)
+            r = tl.math.div_rn(x, tl.where(sc > 0, sc, 1.0))
+            c = tl.minimum(tl.maximum(tl.floor(r + 0.5), -127.0), 127.0)
+            codes = c.to(tl.int8)
+            deq = c * sc
+        return codes, deq, sc
+
+    @triton.jit
     def _row_head(POS, META, KC, VC, SP, PR, n64, h64, s_kc_n, s_kc_h, s_kc_b, s_vc_n, s_vc_h, s_vc_b,
                   s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j, HKV, B, SINKS, WINDOW, T_ALL, K_ALL,
                   PACKED: tl.constexpr):
@@ -80,13 +117,13 @@ if triton is not None:
 
     @triton.jit
     def _decode_step(Q, KN, VN, KC, VC, SP, PR, POS, LP, OUT, LSE, MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, CNT,
-                     META, KS, VS, KNS, VNS,
+                     META, KS, VS,
                      s_kc_n, s_kc_h, s_kc_b, s_kc_d, s_vc_n, s_vc_h, s_vc_b, s_vc_d,
                      s_sp_n, s_sp_h, s_sp_b, s_pr_n, s_pr_h, s_pr_j,
                      HKV, B, D, SINKS, WINDOW, CHUNK, NS, qk_scale, T_ALL, K_ALL,
-                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                     G: tl.constexpr, G_PAD: tl.constexpr, G_P2: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
-                     PACKED: tl.constexpr, QUANT: tl.constexpr, APART: tl.constexpr):
+                     PACKED: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr, APART: tl.constexpr):
         """The whole step of one (batch row, KV head) and one split of its slots (docs/DESIGN.md section 9): the
         chunk's eviction candidate and partial attention into scratch, then a ticket; the last program of the
         row to arrive combines (:func:`_combine`)."""
@@ -171,11 +208,12 @@ if triton is not None:
                 vl = vl * tl.load(vsp + slot_new * s_sp_b, mask=leaving, other=0.0)
             tl.store(VLV + row.to(tl.int64) * D + d, vl, mask=d_ok)
         nd_ok = d < tl.where(first, D, 0)
-        kn = tl.load(KN + row.to(tl.int64) * D + d, mask=nd_ok, other=0.0).to(tl.float32)
-        vn = tl.load(VN + row.to(tl.int64) * D + d, mask=nd_ok, other=0.0).to(tl.float32)
-        if QUANT:  # dequantised on load: codes times the new token's scale
-            kn = kn * tl.load(KNS + row, mask=first, other=0.0)
-            vn = vn * tl.load(VNS + row, mask=first, other=0.0)
+        if QUANT:  # quantised in registers and attended as the cache will hold it: codes times scale
+            kn = _quantize_new(KN, row.to(tl.int64), D, d, nd_ok, FP8)[1]
+            vn = _quantize_new(VN, row.to(tl.int64), D, d, nd_ok, FP8)[1]
+        else:
+            kn = tl.load(KN + row.to(tl.int64) * D + d, mask=nd_ok, other=0.0).to(tl.float32)
+            vn = tl.load(VN + row.to(tl.int64) * D + d, mask=nd_ok, other=0.0).to(tl.float32)
         m_i = tl.where(first, tl.sum(qf * kn[None, :], axis=1) * qk_scale, float("-inf"))
         l_i = tl.where(first, 1.0, 0.0) + tl.zeros([G_PAD], tl.float32)
         acc = l_i[:, None] * vn[None, :]
@@ -212,17 +250,67 @@ if triton is not None:
         if ticket == NS - 1:
             tl.store(CNT + row, 0)
             if APART:
-                _combine_apart(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, KNS, VNS, kc, vc,
+                _combine_apart(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, kc, vc,
                                spp, prp, sp_off, s_kc_b, s_kc_d, s_vc_b, s_vc_d, s_sp_b, s_pr_j, row, pos, pos_bad, B_h,
-                               D, NS, CHUNK, SINKS, WINDOW, G, BLOCK_S, BLOCK_D, QUANT)
+                               D, NS, CHUNK, SINKS, WINDOW, G, G_P2, BLOCK_S, BLOCK_D, QUANT, FP8)
             else:
-                _combine(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, KNS, VNS, kc, vc, spp,
+                _combine(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, kc, vc, spp,
                          prp, sp_off, s_kc_b, s_kc_d, s_vc_b, s_vc_d, s_sp_b, s_pr_j, row, pos, pos_bad, B_h, D, NS,
-                         CHUNK, SINKS, WINDOW, G, BLOCK_S, BLOCK_D, QUANT)
+                         CHUNK, SINKS, WINDOW, G, G_P2, BLOCK_S, BLOCK_D, QUANT, FP8)
 
-    def _combine_fn(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, KNS, VNS, kc, vc, spp, prp,
+    @triton.jit
+    def _merge_group(MID_O, MID_L, MID_C, CV, row64, qh, g_ok, NS, ns_h, D, skip, d, d_ok, G_P2: tl.constexpr,
+                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The online LSE merges of the combine for the query heads ``qh [G_P2]`` of KV head ``row`` at once,
+        ``BLOCK_S`` splits per step (a ``[G_P2, BLOCK_S, BLOCK_D]`` tile: the loads of all heads in flight
+        together): ``(o, lse)`` of the splits' partials ``MID_O, MID_L`` and ``(o_c, lse_c)`` of the
+        candidates' values ``CV`` (shared by the group) under each head's logits ``MID_C``, split ``skip`` left
+        out (-1: none); ``o [G_P2, BLOCK_D]`` normalised, natural-log ``lse [G_P2]``, as ``splitk.merge_splits``
+        per head (zeros and ``-inf`` when empty, NaN when a split is NaN).  Loads past L1 (``.cg``)."""
+        m_p = tl.full([G_P2], float("-inf"), tl.float32)
+        l_p = tl.zeros([G_P2], tl.float32)
+        acc_p = tl.zeros([G_P2, BLOCK_D], tl.float32)
+        m_c = tl.full([G_P2], float("-inf"), tl.float32)
+        l_c = tl.zeros([G_P2], tl.float32)
+        acc_c = tl.zeros([G_P2, BLOCK_D], tl.float32)
+        for i0 in range(0, ns_h, BLOCK_S):
+            i = i0 + tl.arange(0, BLOCK_S)
+            i_ok = i < ns_h
+            gi_ok = g_ok[:, None] & i_ok[None, :]
+            lse_i = tl.load(MID_L + qh[:, None] * NS + i[None, :], mask=gi_ok, other=float("-inf"),
+                            cache_modifier=".cg")
+            o_i = tl.load(MID_O + (qh[:, None, None] * NS + i[None, :, None]) * D + d[None, None, :],
+                          mask=gi_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            lc_i = tl.load(MID_C + qh[:, None] * (NS + 1) + i[None, :], mask=gi_ok, other=float("-inf"),
+                           cache_modifier=".cg")
+            v_i = tl.load(CV + (row64 * NS + i[:, None]) * D + d[None, :], mask=i_ok[:, None] & d_ok[None, :],
+                          other=0.0, cache_modifier=".cg")
+            lc_i = tl.where(i[None, :] == skip, float("-inf"), lc_i)
+            # the partials
+            m_new = tl.maximum(m_p, tl.max(lse_i, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_p - m_safe)
+            beta = tl.exp(lse_i - m_safe[:, None])  # 0 for empty splits (lse = -inf), NaN for a refused one
+            acc_p = acc_p * alpha[:, None] + tl.sum(o_i * beta[:, :, None], axis=1)
+            l_p = l_p * alpha + tl.sum(beta, axis=1)
+            m_p = m_new
+            # the candidates
+            m_new = tl.maximum(m_c, tl.max(lc_i, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_c - m_safe)
+            beta = tl.exp(lc_i - m_safe[:, None])
+            acc_c = acc_c * alpha[:, None] + tl.sum(v_i[None, :, :] * beta[:, :, None], axis=1)
+            l_c = l_c * alpha + tl.sum(beta, axis=1)
+            m_c = m_new
+        lp_div = tl.where(l_p == 0, 1.0, l_p)  # (a NaN sum stays NaN: out and lse both NaN)
+        lc_div = tl.where(l_c == 0, 1.0, l_c)
+        return acc_p / lp_div[:, None], m_p + tl.log(lp_div), acc_c / lc_div[:, None], m_c + tl.log(lc_div)
+
+    def _combine_fn(MID_O, MID_L, MID_C, CV, VLV, CP, CT, CJ, OUT, LSE, LP, KN, VN, KS, VS, kc, vc, spp, prp,
                  sp_off, s_kc_b, s_kc_d, s_vc_b, s_vc_d, s_sp_b, s_pr_j, row, pos, pos_bad, B, D, NS, CHUNK, SINKS,
-                 WINDOW, G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+                 WINDOW, G: tl.constexpr, G_P2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                 QUANT: tl.constexpr,
+                 FP8: tl.constexpr):
         """The combine of one (batch row, KV head) ``row`` (its position ``pos``, budget ``B`` and bases ``kc, vc,
         spp, prp, sp_off`` as the attention found them), run by the last of its programs to arrive (every other
         one has written its scratch and read the cache): the eviction decision from the chunks' candidates, the
@@ -262,25 +350,24 @@ if triton is not None:
         dst_c = dst.to(tl.int64)
         skip = tl.where(keep, dst // CHUNK, -1)  # the split whose candidate is evicted (-1: none)
 
-        # -- 2. per query head of the group: LSE merge (natural log) of the splits' partials, of their candidates
-        #    but the evicted one, and of the leaving token when kept
+        # -- 2. every query head of the group at once: LSE merge (natural log) of the splits' partials, of their
+        #    candidates but the evicted one, and of the leaving token when kept
+        g = tl.arange(0, G_P2)
+        g_ok = g < G
+        qh = row64 * G + g
+        o, lse, o_c, lse_c = _merge_group(MID_O, MID_L, MID_C, CV, row64, qh, g_ok, NS, ns_h, D, skip, d, d_ok, G_P2,
+                                          BLOCK_S, BLOCK_D)
         o_lv = tl.load(VLV + row64 * D + d, mask=d_ok, other=0.0, cache_modifier=".cg")
-        for g in range(G):
-            qh = row64 * G + g
-            crow = qh * (NS + 1)
-            mrow = qh * NS
-            lse_lv = tl.load(MID_C + crow + NS, cache_modifier=".cg")  # the leaving token's logit (split 0)
-            o, lse = merge_splits(MID_O, MID_L, mrow, mrow, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D, -1, ".cg")
-            o_c, lse_c = merge_splits(CV, MID_C, row64 * NS, crow, ns_h, D, d, d_ok, BLOCK_S, BLOCK_D, skip, ".cg")
-            lse_lv = tl.where(keep, lse_lv, float("-inf"))
-            m = tl.maximum(tl.maximum(lse, lse_c), lse_lv)  # (finite: split 0 holds the new token; a refused
-            m = tl.where(m == float("-inf"), 0.0, m)         #  row's NaN partials stay NaN through w)
-            w = tl.exp(lse - m)
-            w_c = tl.exp(lse_c - m)
-            w_lv = tl.exp(lse_lv - m)
-            o = (o * w + o_c * w_c + o_lv * w_lv) / (w + w_c + w_lv)
-            tl.store(OUT + qh * D + d, o.to(OUT.dtype.element_ty), mask=d_ok)
-            tl.store(LSE + qh, m + tl.log(w + w_c + w_lv))
+        lse_lv = tl.load(MID_C + qh * (NS + 1) + NS, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        lse_lv = tl.where(keep, lse_lv, float("-inf"))  # (the leaving token's logits: split 0)
+        m = tl.maximum(tl.maximum(lse, lse_c), lse_lv)  # (finite: split 0 holds the new token; a refused
+        m = tl.where(m == float("-inf"), 0.0, m)         #  row's NaN partials stay NaN through w)
+        w = tl.exp(lse - m)
+        w_c = tl.exp(lse_c - m)
+        w_lv = tl.exp(lse_lv - m)
+        o = (o * w[:, None] + o_c * w_c[:, None] + o_lv[None, :] * w_lv[:, None]) / (w + w_c + w_lv)[:, None]
+        tl.store(OUT + qh[:, None] * D + d[None, :], o.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + qh, m + tl.log(w + w_c + w_lv), mask=g_ok)
 
         # -- 3. the cache update of this KV head: every other program of the row has read the cache already
         kd_ok = d < tl.where(keep, D, 0)  # d_ok & keep (the interpreter broadcasts int1 scalars badly)
@@ -300,19 +387,32 @@ if triton is not None:
         tl.store(spp + dst_c * s_sp_b, t_new, mask=keep)
         tl.store(prp + (dst_c - LR0) * s_pr_j, lp, mask=keep)
         nd_ok = d < tl.where(pos_bad, 0, D)  # a refused position writes nothing
-        kn = tl.load(KN + row64 * D + d, mask=nd_ok)
-        vn = tl.load(VN + row64 * D + d, mask=nd_ok)
-        tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kn, mask=nd_ok)
-        tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vn, mask=nd_ok)
+        if QUANT:  # the new token's codes and scales, quantised again as the attention did (the same ops)
+            kq, _, ksc = _quantize_new(KN, row64, D, d, nd_ok, FP8)
+            vq, _, vsc = _quantize_new(VN, row64, D, d, nd_ok, FP8)
+            tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kq.to(kc.dtype.element_ty, bitcast=True), mask=nd_ok)
+            tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vq.to(vc.dtype.element_ty, bitcast=True), mask=nd_ok)
+            tl.store(KS + sp_off + slot_new * s_sp_b, ksc, mask=pos_bad == 0)
+            tl.store(VS + sp_off + slot_new * s_sp_b, vsc, mask=pos_bad == 0)
+        else:
+            kn = tl.load(KN + row64 * D + d, mask=nd_ok)
+            vn = tl.load(VN + row64 * D + d, mask=nd_ok)
+            tl.store(kc + slot_new * s_kc_b + d * s_kc_d, kn, mask=nd_ok)
+            tl.store(vc + slot_new * s_vc_b + d * s_vc_d, vn, mask=nd_ok)
         tl.store(spp + slot_new * s_sp_b, pos, mask=pos_bad == 0)
-        if QUANT:  # the new token's codes (stored above) and their scales
-            tl.store(KS + sp_off + slot_new * s_sp_b, tl.load(KNS + row), mask=pos_bad == 0)
-            tl.store(VS + sp_off + slot_new * s_sp_b, tl.load(VNS + row), mask=pos_bad == 0)
 
     # the combine inlined into the step (sm_90 on: no spills), or as a function of its own (before sm_90, where the
     # inlined combine spills 84 bytes at bf16, D = 128; ``python -m benchmarks.tools.registers``)
     _combine = triton.jit(_combine_fn)
     _combine_apart = triton.jit(_combine_fn, noinline=True)
+
+
+def merge_block(num_splits: int, G: int, block_d: int) -> int:
+    """Splits the combine merges per vector step: 16 (fewer when there are fewer), and fewer again where the
+    ``[next_pow2(G), BLOCK_S, BLOCK_D]`` tile of the group's partials would pass 2048 elements (16 registers a
+    thread at 4 warps; at 4096, 24 bytes spill on sm_90 for bf16, G = 4, D = 128, and at 8192 300)."""
+    g2 = triton.next_power_of_2(G)
+    return max(1, min(16, triton.next_power_of_2(num_splits), 2048 // (g2 * block_d)))
 
 
 def arch_options(arch: int) -> tuple[int, bool]:
@@ -353,19 +453,20 @@ def ticket_counters(device: torch.device, rows: int) -> torch.Tensor:
 
 
 def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, num_splits, block_n,
-                   packed=None):
+                   packed=None, kv_dtype=None):
     """Batched form: ``q [N, Hq, D]``, caches ``[N, Hkv, B, D]``, ``pos [N]`` int on q's device; ``step`` the
-    encoded new token (``SlotLayout.encode``).
+    new token in the model's dtype (a quantised layout's is quantised in the kernel, as ``SlotLayout.encode``
+    does it: no separate pass).
 
-    A quantised layout (``state.k_scale`` set): caches and ``k_new, v_new`` hold codes; ``k_scale, v_scale``
-    float32 with ``slot_pos``'s shape and strides, the new token's scales ``[N, Hkv]`` float32.
+    A quantised layout (``kv_dtype`` ``"int8"`` or ``"fp8"``, ``state.k_scale`` set): caches hold codes;
+    ``k_scale, v_scale`` float32 with ``slot_pos``'s shape and strides.
 
     ``packed = (meta, max_budget)``: the packed layout (caches ``[N, T, D]``, ``slot_pos [N, T]``,
     ``slot_prio [N, K]``), ``meta [3, Hkv]`` int64 on the device (budgets, slot offsets, long-range
     offsets) and a host bound on the largest budget, over which the splits are cut."""
     q, k_new, v_new, leaving_prio, pos = step.q, step.k_new, step.v_new, step.leaving_prio, step.pos
     k_cache, v_cache, slot_pos, slot_prio = state.k_cache, state.v_cache, state.slot_pos, state.slot_prio
-    quant = None if state.k_scale is None else (state.k_scale, state.v_scale, step.k_new_scale, step.v_new_scale)
+    quant = None if state.k_scale is None else (state.k_scale, state.v_scale)
     N, Hq, D = q.shape
     Hkv = k_new.shape[1]
     G = Hq // Hkv
@@ -410,7 +511,7 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
         pr = torch.full((N, Hkv, 1) if packed is None else (N, 1), float("-inf"), dtype=torch.float32, device=dev)
     pr_strides = pr.stride() if packed is None else (pr.stride(0), 0, pr.stride(1))
     # a quantised layout's scales (dummy pointers, never read, otherwise)
-    ks, vs, kns, vns = (pr,) * 4 if quant is None else (quant[0], quant[1], *(x.contiguous() for x in quant[2:]))
+    ks, vs = (pr, pr) if quant is None else quant
 
     # per query head: each split's partial and the logits of its eviction candidate and of the leaving token;
     # per (row, KV head) and split: the candidate's value, priority, position and long-range index
@@ -430,10 +531,12 @@ def _triton_decode(step: DecodeStep, state: SlotState, *, sinks, window, scale, 
     try:
         _decode_step[(rows, ns)](
             q_c, kn, vn, k_cache, v_cache, slot_pos, pr, pos_c, lp, out, lse, mid_o, mid_l, mid_c, cand_v, leave_v,
-            cand_p, cand_tj[0], cand_tj[1], cnt, meta, ks, vs, kns, vns, *strides,
+            cand_p, cand_tj[0], cand_tj[1], cnt, meta, ks, vs, *strides,
             Hkv, B, D, s, w, chunk, ns, scale * LOG2E, t_all, k_all,
-            G=G, G_PAD=g_pad, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=min(16, triton.next_power_of_2(ns)),
-            UPCAST=upcast, PACKED=packed is not None, QUANT=quant is not None, APART=apart, num_warps=num_warps,
+            G=G, G_PAD=g_pad, G_P2=triton.next_power_of_2(G), BLOCK_D=block_d, BLOCK_N=block_n,
+            BLOCK_S=merge_block(ns, G, block_d),
+            UPCAST=upcast, PACKED=packed is not None, QUANT=quant is not None, FP8=kv_dtype == "fp8", APART=apart,
+            num_warps=num_warps,
             num_stages=stages,
         )
     except BaseException:  # a launch that did not finish may leave tickets taken: the next call starts from zero
@@ -528,9 +631,9 @@ def fixed_budget_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
 
     Backends: CUDA tensors (or CPU ones under ``TRITON_INTERPRET=1``) run one Triton launch over
     all (row, KV head) pairs at once that fuses the decision, the split-K attention, the merge and
-    the cache update (docs/DESIGN.md section 9 for the race-free split of work); other CPU tensors run
-    a vectorised PyTorch step.  Neither reads a value back to the host.  The scorer that produces
-    ``leaving_prio`` is not fused.
+    the cache update (a quantised layout's new token is quantised in it too; docs/DESIGN.md section 9
+    for the race-free split of work); other CPU tensors run a vectorised PyTorch step.  Neither reads a
+    value back to the host.  The scorer that produces ``leaving_prio`` is not fused.
     """
     if not isinstance(state, SlotState):
         raise TypeError(f"state must be a kvpop_kernels.layout.SlotState(k_cache, v_cache, slot_pos, slot_prio), "
@@ -565,7 +668,7 @@ def _step(lay: SlotLayout, step: DecodeStep, state: SlotState, *, sinks, window,
         return q.new_empty(q.shape), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if triton_path:
         check_split_options(num_splits, block_n)
-        return _triton_decode(lay.encode(step), state, sinks=sinks, window=window, scale=scale,
+        return _triton_decode(step, state, sinks=sinks, window=window, scale=scale, kv_dtype=lay.kv_dtype,
                               num_splits=num_splits, block_n=block_n,
                               packed=lay.kernel_meta(state, sinks, window, q.device, checked))
     return _torch_step(lay, step, state, sinks=sinks, window=window, scale=scale)

@@ -49,17 +49,20 @@ def main() -> int:
     except Exception as exc:  # pragma: no cover - depends on the Triton release
         print(f"Triton's compiler API is not reachable here: {exc!r}")
         return 0
+    import triton
+
     from kvpop_kernels import decode as dm
 
     rows = []
     for name, dt, arch, G, D, warps, packed, codes in CONFIGS:
         kv = "*" + (codes or dt)
-        ptrs = dict(Q="*" + dt, OUT="*" + dt, KN=kv, VN=kv, KC=kv, VC=kv, SP="*i32", PR="*fp32", LP="*fp32",
+        ptrs = dict(Q="*" + dt, OUT="*" + dt, KN="*" + dt, VN="*" + dt, KC=kv, VC=kv, SP="*i32", PR="*fp32", LP="*fp32",
                     POS="*i64", META="*i64", MID_O="*fp32", MID_L="*fp32", MID_C="*fp32", CV="*fp32", VLV="*fp32",
-                    CP="*fp32", CT="*i32", CJ="*i32", CNT="*i32", LSE="*fp32", KS="*fp32", VS="*fp32", KNS="*fp32",
-                    VNS="*fp32", qk_scale="fp32")
-        c1 = dict(G=G, G_PAD=16, BLOCK_D=D, BLOCK_N=32, BLOCK_S=16, UPCAST=dt == "fp32", PACKED=packed,
-                  QUANT=codes is not None)
+                    CP="*fp32", CT="*i32", CJ="*i32", CNT="*i32", LSE="*fp32", KS="*fp32", VS="*fp32",
+                    qk_scale="fp32")
+        c1 = dict(G=G, G_PAD=16, G_P2=triton.next_power_of_2(G), BLOCK_D=D, BLOCK_N=32,
+                  BLOCK_S=dm.merge_block(32, G, D), UPCAST=dt == "fp32", PACKED=packed, QUANT=codes is not None,
+                  FP8=codes == "fp8e4nv")
         stages, c1["APART"] = dm.arch_options(arch)
         opts1 = {"num_warps": warps, "num_stages": stages}
         for stage, fn, consts, opts in (("step", dm._decode_step, c1, opts1),):

@@ -180,6 +180,58 @@ def test_empty_slots_scales_are_never_read(backend, kv_dtype):
         assert torch.equal(state[4][0], ref[4]) and torch.equal(state[5][0], ref[5])
 
 
+
+# the values where rounding is decided, in units of the scale (each row's largest is qmax: scale 1 exactly)
+EDGES = {
+    "int8": [127.0, 2.5, -2.5, 0.5, -0.5, 1.5, -1.5, 3.4999, 126.5, -127.0, 0.0, -0.0, 1e-3],
+    # e4m3: ties to even among normals (1.0625, 1.1875, 248) and subnormals (k * 2**-9), the largest subnormal
+    # rounding up to the smallest normal, a value past the last code, zeros of either sign
+    "fp8": [448.0, 1.0625, 1.1875, -1.0625, 248.0, 300.0, 2.5 * 2.0 ** -9, 0.5 * 2.0 ** -9, 1.5 * 2.0 ** -9,
+            -3.5 * 2.0 ** -9, 2.0 ** -6 - 2.0 ** -12, 2.0 ** -10, 0.0, -0.0, 447.9],
+}
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_new_token_codes_on_the_rounding_edges(backend, kv_dtype):
+    """The new token's codes and scales as the step stores them are bit for bit ``quantize``'s on the values where
+    rounding is decided (int8 rounds half up, fp8 e4m3 to nearest even, fp8's subnormals and its largest code,
+    zeros of either sign), a unit scale in the first KV head and a scale of no simple form in the second.  (The
+    Triton step quantises in its launch: fp8 in integer arithmetic.)"""
+    vals = torch.tensor(EDGES[kv_dtype])
+    Hkv, G, D, s, w, B = 2, 2, vals.numel(), 2, 3, 8
+    kn = torch.stack([vals, vals * 0.3712]).unsqueeze(0)  # [1, Hkv, D]
+    vn = -kn.flip(-1)
+    q = torch.randn(1, Hkv * G, D, generator=torch.Generator().manual_seed(3))
+    kc, vc, ks, vs, sp, pr = qstate(1, (Hkv, B), D, s, w, None, kv_dtype)
+    fixed_budget_decode(q, kn, vn, SlotState(kc, vc, sp, pr, k_scale=ks, v_scale=vs), torch.zeros(1, Hkv),
+                        pos=torch.tensor([0]), sinks=s, window=w, layout=QuantizedLayout(kv_dtype))
+    for name, codes, scale, x in (("key", kc, ks, kn), ("value", vc, vs, vn)):
+        want, want_scale = quantize(x[0], kv_dtype)
+        got = codes[0, :, 0]  # the new token's slot (sink 0)
+        if got.dtype == FP8:
+            got, want = got.view(torch.uint8), want.view(torch.uint8)
+        assert torch.equal(got, want), f"{name} codes {got.tolist()} != quantize's {want.tolist()}"
+        assert torch.equal(scale[0, :, 0], want_scale), name
+
+
+def test_triton_step_quantises_in_its_launch(monkeypatch):
+    """The Triton step quantises the new token inside its one launch: no PyTorch pass before it (the layout's
+    ``encode`` and ``quantize`` are never called), and its steps still equal the reference's, codes bit for bit."""
+    from kvpop_kernels import _utils as kutils
+    from kvpop_kernels.layout import quantized as lq
+
+    if not kutils.interpreting():
+        pytest.skip("the interpreter runs the Triton step on the CPU (TRITON_INTERPRET=1)")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the new token was quantised outside the launch")
+
+    monkeypatch.setattr(lq.QuantizedLayout, "encode", refuse)
+    monkeypatch.setattr(lq, "quantize", refuse)
+    for kv_dtype in ("int8",) if FP8 is None else ("int8", "fp8"):
+        run_quantized(kv_dtype, 2, 2, 12, 2, 3, 9, B=8)
+
+
 def test_refusals():
     N, Hkv, D, s, w, B = 1, 2, 16, 1, 2, 6
     q, kn, vn, lp = step_inputs(N, Hkv, 1, D, torch.Generator().manual_seed(0))
