@@ -252,10 +252,11 @@ if triton is not None:
         else:
             idx = x.to(tl.int64)
             val = i.to(tl.int64)
-        kbase = row.to(tl.int64) * L * S
+        kp = KEYS + row.to(tl.int64) * L * S + idx  # level 0's slot; a level further on is S further
         for lev in range(L):
             key = ((((val >> (L - lev)) << L) | idx) << 1) | ((val >> (L - 1 - lev)) & 1)
-            tl.store(KEYS + kbase + lev * S + idx, key.to(KEYS.dtype.element_ty), mask=ok)
+            tl.store(kp, key.to(KEYS.dtype.element_ty), mask=ok)
+            kp += S
 
     @triton.jit
     def _counts_kernel(SK, Z, S, BLOCK: tl.constexpr):
@@ -278,7 +279,8 @@ if triton is not None:
         a = tl.zeros_like(m)
         for lev in range(L):
             # lower-half entries of the prefix; every node before a is full, so Z_l[a] = a / 2
-            c0 = tl.load(Z + lev * (S + 1) + a + m, mask=ask, other=0) - (a >> 1)
+            c0 = tl.load(Z + a + m, mask=ask, other=0) - (a >> 1)
+            Z += S + 1  # the next level (pointer arithmetic: 64-bit)
             low = k <= c0
             k = tl.where(low, k, k - c0)
             m = tl.where(low, c0, m - c0)
