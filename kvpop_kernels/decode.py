@@ -402,7 +402,7 @@ if triton is not None:
         tl.store(spp + slot_new * s_sp_b, pos, mask=pos_bad == 0)
 
     # the combine inlined into the step (sm_90 on: no spills), or as a function of its own (before sm_90, where the
-    # inlined combine spills 84 bytes at bf16, D = 128; ``python -m benchmarks.tools.registers``)
+    # inlined combine spills 20 bytes in the int8 packed G = 8, D = 64 build; ``python -m benchmarks.tools.registers``)
     _combine = triton.jit(_combine_fn)
     _combine_apart = triton.jit(_combine_fn, noinline=True)
 
@@ -418,8 +418,8 @@ def merge_block(num_splits: int, G: int, block_d: int) -> int:
 def arch_options(arch: int) -> tuple[int, bool]:
     """``(num_stages, APART)`` of the fused step on a GPU of compute capability ``arch`` (90 for sm_90): from
     Hopper on the key loop's loads run one tile ahead (two stages) and the combine is inlined; before it one stage
-    and the combine a function of its own, which keep sm_80 (bf16, D = 128) clear of register spills (two
-    stages there spill 24 bytes, an inlined combine 84; ``python -m benchmarks.tools.registers``)."""
+    and the combine a function of its own, which keep sm_80 clear of register spills (two stages spill 24 bytes
+    at bf16, D = 128, an inlined combine 20 at int8 packed, G = 8, D = 64; ``python -m benchmarks.tools.registers``)."""
     return (2, False) if arch >= 90 else (1, True)
 
 
