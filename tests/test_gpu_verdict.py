@@ -321,9 +321,10 @@ def test_byte_and_flop_counts_by_hand():
     # one decode step, hq=2 / hkv=1, d=8, B=8 (k=3), bf16: per slot 2*8*2 + 4 (position) bytes, 4 per priority;
     # q, k/v new, leaving priority 68; output and lse 40; the replaced slot 40
     assert rl.decode_step_cost(batch=1, hq=2, hkv=1, d=8, slots=8, k_lr=3, elt=2) == (8 * 36 + 12 + 68 + 40 + 40, 512)
-    # int8 slots with two float32 scales each: 16 + 4 + 8 per slot
+    # int8 slots with two float32 scales each: 16 + 4 + 8 per slot; the new token read in bf16 (quantised in the
+    # launch), its slot written as codes and scales
     assert rl.decode_step_cost(batch=1, hq=2, hkv=1, d=8, slots=8, k_lr=3, elt=2, code_elt=1,
-                               scales=True) == (8 * 28 + 12 + 60 + 40 + 32, 512)
+                               scales=True) == (8 * 28 + 12 + 68 + 40 + 32, 512)
     # head-adaptive (packed) budgets of the same total move the same bytes and FLOPs as uniform ones
     packed = rl.decode_step_cost(batch=3, hq=4, hkv=2, d=8, slots=(4, 12), k_lr=(1, 9), elt=2)
     assert packed == rl.decode_step_cost(batch=3, hq=4, hkv=2, d=8, slots=8, k_lr=5, elt=2) == (3 * 912, 3 * 1024)

@@ -149,9 +149,10 @@ def decode_step_cost(*, batch: int, hq: int, hkv: int, d: int, slots: int | Sequ
     outputs (2 in bf16); ``code_elt``: of a slot's key/value element (default ``elt``; 1 for int8/fp8), ``scales``:
     one float32 scale per slot for keys and one for values (a quantised layout).
 
-    Bytes: the queries, the new key/value and the leaving token's priority read, every slot's key, value,
-    position (int32), priority (float32, long-range slots) and scales read, the output and its log-normaliser
-    (float32) written, one slot's key, value, position, priority and scales written per KV head.  FLOPs:
+    Bytes: the queries, the new key/value (in the model's dtype: a quantised layout's kernel quantises them in
+    the launch) and the leaving token's priority read, every slot's key, value, position (int32), priority
+    (float32, long-range slots) and scales read, the output and its log-normaliser (float32) written, one slot's
+    key, value, position, priority and scales written per KV head.  FLOPs:
     ``4 * d`` per (query head, slot): ``q . k`` and ``p * v``."""
     for what, x in (("batch", batch), ("hq", hq), ("hkv", hkv), ("d", d), ("elt", elt)):
         _pos_int(what, x)
@@ -164,7 +165,7 @@ def decode_step_cost(*, batch: int, hq: int, hkv: int, d: int, slots: int | Sequ
     sc = 8 if scales else 0  # two float32 scales per slot
     T, K = sum(per_head), sum(k_per)
     state = T * (2 * d * ce + 4 + sc) + 4 * K
-    token_in = hq * d * elt + hkv * (2 * d * ce + sc) + hkv * 4  # q, k/v new (codes + scales), leaving priority
+    token_in = hq * d * elt + hkv * 2 * d * elt + hkv * 4  # q, the new k/v, the leaving token's priority
     out = hq * d * elt + hq * 4
     written = hkv * (2 * d * ce + 4 + 4 + sc)
     g = hq // hkv
