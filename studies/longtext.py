@@ -43,13 +43,15 @@ from typing import Any
 from .paths import check_out_dir
 
 __all__ = ["stdlib_files", "build_corpus", "read_records", "context_use", "headroom", "main", "SEQ_LEN", "WINDOW",
-           "SINKS", "BUDGET", "BAR", "continue_pretraining", "ledger_rows"]
+           "SINKS", "BUDGET", "BAR", "LEDGER_SPLIT", "continue_pretraining", "ledger_rows"]
 
 SEQ_LEN = 4096
 WINDOW = 256
 SINKS = 4
 BUDGET = 512
 """12.5 % of :data:`SEQ_LEN`."""
+LEDGER_SPLIT = "stdlib_test4k"
+"""The ledger's name of the long records' test split (the first 48 of ``test.jsonl``)."""
 BAR = -0.02
 """The issue's bar: the exact label minus the recency fine-tune, the interval's upper end below this."""
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}

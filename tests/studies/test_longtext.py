@@ -136,3 +136,29 @@ def test_ledger_rows_of_a_headroom_record(tmp_path):
     rows = json.loads((out / "realtext" / "evidence_rows.json").read_text())
     assert {r["policy"] for r in rows["rows"] if r.get("split") == "long_test"} == {r["policy"] for r in new["rows"]}
     assert len(rows["rows"]) > 2  # the archive's rows stay beside them
+
+
+def test_shipped_long_records_are_their_intervals():
+    """Round five's records (issue 61 items 1-2): each interval is the paired interval of the record's own
+    per-file values, and the ledger holds the headroom split's rows and comparison as the record gives them."""
+    from studies.ledger import read_ledger
+    from studies.paired import paired_interval
+    from studies.paths import RESULTS_DIR
+
+    ev = RESULTS_DIR / "evidence" / "realtext"
+    for name in ("long_context_3m.json", "long_context_4k.json"):
+        rec = json.loads((ev / name).read_text())
+        r = paired_interval(rec["per_sequence"]["full"], rec["per_sequence"]["cut"], clusters=rec["files"])
+        assert rec["full_minus_cut"]["ci95"] == list(r.ci95)
+        assert rec["full_minus_cut"]["n_clusters"] == len(rec["files"]) == len(set(rec["files"])) >= 20
+    head = json.loads((ev / "long_headroom_4k.json").read_text())
+    per = head["per_sequence"]
+    (name, got), = head["oracle_minus_streaming"].items()
+    r = paired_interval(per[name], per["streaming"], clusters=head["files"])
+    assert got["ci95"] == list(r.ci95) and (head["budget"], head["window"], head["seq_len"]) == (512, 256, 4096)
+    rows = [x for x in read_ledger(RESULTS_DIR / "evidence.json") if x.get("split") == L.LEDGER_SPLIT]
+    assert {x["policy"]: x["per_sequence"][0] for x in rows} == {
+        "streaming[long]": per["streaming"], f"oracle[label mean, gamma {name[7:-1]}, long]": per[name]}
+    comps = [c for c in json.loads((RESULTS_DIR / "evidence.json").read_text())["comparisons"]
+             if c["split"] == L.LEDGER_SPLIT]
+    assert len(comps) == 1 and comps[0]["ci95"] == got["ci95"]
