@@ -27,31 +27,45 @@ def _call(S):
     eviction_decisions(p, **kw)
 
 
-def _triton_work(S, monkeypatch):
-    """Elements loaded and stored by the kernels + elements sorted, for one call of each op."""
+def _counting(mp, fn):
+    """Run ``fn()`` with every interpreted kernel load and store and every ``torch.sort`` counted: returns
+    ``{"elements", "bytes"}`` moved by the kernels (masked-out lanes excluded) and ``{"sorted",
+    "sort_bytes"}`` (the input's elements; input + values + int64 indices bytes)."""
     from triton.runtime.interpreter import InterpreterBuilder
 
-    count = {"mem": 0, "sorted": 0}
+    count = dict(elements=0, bytes=0, sorted=0, sort_bytes=0)
     load, store, sort = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store, torch.sort
 
+    def tally(ptrs, mask):
+        n = int(mask.data.sum())
+        count["elements"] += n
+        count["bytes"] += n * ptrs.get_element_ty().primitive_bitwidth // 8
+
     def counted_load(self, ptrs, mask, *a, **kw):
-        count["mem"] += int(mask.data.sum())
+        tally(ptrs, mask)
         return load(self, ptrs, mask, *a, **kw)
 
     def counted_store(self, ptrs, value, mask, *a, **kw):
-        count["mem"] += int(mask.data.sum())
+        tally(ptrs, mask)
         return store(self, ptrs, value, mask, *a, **kw)
 
     def counted_sort(x, *a, **kw):
         count["sorted"] += x.numel()
+        count["sort_bytes"] += x.numel() * (2 * x.element_size() + 8)
         return sort(x, *a, **kw)
 
-    with monkeypatch.context() as mp:
-        mp.setattr(InterpreterBuilder, "create_masked_load", counted_load)
-        mp.setattr(InterpreterBuilder, "create_masked_store", counted_store)
-        mp.setattr(torch, "sort", counted_sort)
-        _call(S)
+    with mp.context() as m:
+        m.setattr(InterpreterBuilder, "create_masked_load", counted_load)
+        m.setattr(InterpreterBuilder, "create_masked_store", counted_store)
+        m.setattr(torch, "sort", counted_sort)
+        fn()
     return count
+
+
+def _triton_work(S, monkeypatch):
+    """Elements loaded and stored by the kernels + elements sorted, for one call of each op."""
+    c = _counting(monkeypatch, lambda: _call(S))
+    return {"mem": c["elements"], "sorted": c["sorted"]}
 
 
 def _torch_work(S):
@@ -94,37 +108,15 @@ def test_gpu_traffic_is_what_the_kernels_move(monkeypatch, S, decisions):
     """``gpu_traffic`` (the bytes a roofline of the schedule divides by) against the bytes the kernels load
     and store through the interpreter plus each sort's input and outputs.  With no sinks, a window of one
     and k = 1 every token asks but the last two of each row (no decision / never evicted) and the top one."""
-    from triton.runtime.interpreter import InterpreterBuilder
-
     from kvpop_kernels.schedule import _levels, gpu_traffic
 
     if not kutils.interpreting():
         pytest.skip("counts the kernels' bytes through Triton's interpreter")
-    moved = {"bytes": 0}
-    load, store, sort = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store, torch.sort
-
-    def nbytes(ptrs, mask):
-        return int(mask.data.sum()) * ptrs.get_element_ty().primitive_bitwidth // 8
-
-    def counted_load(self, ptrs, mask, *a, **kw):
-        moved["bytes"] += nbytes(ptrs, mask)
-        return load(self, ptrs, mask, *a, **kw)
-
-    def counted_store(self, ptrs, value, mask, *a, **kw):
-        moved["bytes"] += nbytes(ptrs, mask)
-        return store(self, ptrs, value, mask, *a, **kw)
-
-    def counted_sort(x, *a, **kw):
-        out = sort(x, *a, **kw)
-        moved["bytes"] += x.numel() * x.element_size() + out.values.numel() * (x.element_size() + 8)
-        return out
-
     p = torch.randn(2, 3, S, dtype=torch.bfloat16)
-    monkeypatch.setattr(InterpreterBuilder, "create_masked_load", counted_load)
-    monkeypatch.setattr(InterpreterBuilder, "create_masked_store", counted_store)
-    monkeypatch.setattr(torch, "sort", counted_sort)
-    (eviction_decisions if decisions else eviction_schedule)(p, sinks=0, window=1, k=1)
+    op = eviction_decisions if decisions else eviction_schedule
+    c = _counting(monkeypatch, lambda: op(p, sinks=0, window=1, k=1))
+    moved = c["bytes"] + c["sort_bytes"]
     want = gpu_traffic(2, 3, S, priority_bytes=2, decisions=decisions)
     idle = 6 * 3 * (4 * _levels(S) + 4)  # rows x idle tokens x (one Z load per level + the perm gather)
-    assert want - idle <= moved["bytes"] <= want, (moved, want)
+    assert want - idle <= moved <= want, (c, want)
     assert abs(gpu_traffic(1, 8, 16384) / (8 * 16384 * (48 + 32 * 14)) - 1) < 1e-3  # the docstring's form
