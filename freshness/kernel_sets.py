@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name}:\n{tables[name]}", flush=True)
         print(json.dumps(walkthrough_bands(tables), indent=1))
         return 0
-    from kvpop.demo.reproduce import SHIPPED, exact_moves, measure_bands
+    from kvpop.demo.reproduce import SHIPPED, exact_moves, measure_bands, measured_moves
 
     ref_dir = args.reference or SHIPPED
     runs: dict[str, dict] = {}
@@ -144,15 +144,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "1", "--no-progress", *(["--resume"] if out.exists() else [])], env=env_of(name),
                            check=True)
         runs[name] = {t: json.loads((out / t / "results.json").read_text()) for t in ("kvtrace", "lookahead")}
-    bands, moved = {}, {}
+    bands, moves, moved = {}, {}, {}
     for t in ("kvtrace", "lookahead"):
         shipped = json.loads((ref_dir / t / "results.json").read_text())
         bands[t] = measure_bands([r[t] for r in runs.values()], shipped)
+        moves[t] = {n: {p: round(d, 4) for p, d in measured_moves([r[t]], shipped).items()} for n, r in runs.items()}
         moved[t] = exact_moves([r[t] for r in runs.values()], shipped)
     command = (f"python -m freshness.kernel_sets demo --out DIR --sets {','.join(names)} --write "
                "kvpop/data/demo_results/bands.json")
     record = {"rule": "docs/DESIGN.md section 14", "kernel_sets": names, "reference": kernel_set(),
-              "command": command, "bands": bands, "exact_rows_moved": moved}
+              "command": command, "bands": bands, "moves": moves, "exact_rows_moved": moved}
     text = json.dumps(record, indent=1) + "\n"
     if args.write:
         args.write.write_text(text)

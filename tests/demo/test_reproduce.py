@@ -41,10 +41,11 @@ def test_cells_only_one_side_has_fail_the_verdict():
     assert v.extra == [("h2o", 512, 16)] and not v.ok
 
 
-def test_measure_bands_takes_the_largest_move_per_policy_rounded_up():
+def test_measure_bands_gives_every_trained_row_the_tasks_largest_move_rounded_up():
     runs = [_res([("dms", 256, 16, 0.8123), ("kvpop-mlstm-joint", 256, 16, 0.7)]),
             _res([("dms", 256, 16, 0.7901), ("kvpop-mlstm-joint", 256, 16, 0.7), ("streaming", 256, 16, 0.2)])]
-    assert R.measure_bands(runs, SHIPPED) == {"dms": 0.013, "kvpop-mlstm-joint": 0.0}
+    assert R.measured_moves(runs, SHIPPED) == {"dms": pytest.approx(0.0123), "kvpop-mlstm-joint": 0.0}
+    assert R.measure_bands(runs, SHIPPED) == {"dms": 0.013, "kvpop-mlstm-joint": 0.013}
     assert R.exact_moves(runs, SHIPPED) == [("streaming", 256, 16, 0.2, 0.1)]
 
 
@@ -93,3 +94,10 @@ def test_the_demo_prints_a_verdict_only_for_a_run_with_the_shipped_settings(monk
     other["demo"]["settings"]["dms"]["lr"] = 0.2
     assert run.reproduction_verdict(other, "kvtrace") is None
     assert run.reproduction_verdict(mine, "lookahead") is None  # nothing shipped for it
+
+
+def test_main_refuses_results_without_bands(tmp_path, capsys):
+    (tmp_path / "out" / "kvtrace").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        R.main([str(tmp_path / "out"), "--shipped", str(tmp_path)])
+    assert e.value.code == 2 and "holds no bands.json" in capsys.readouterr().err
