@@ -105,7 +105,8 @@ GROUPS: tuple[Group, ...] = (
           (*_demo("kvtrace", ("dense", "streaming", "kvpop-mlp", "kvpop-mlstm-joint", "dms")),
            "forward/kvpop-mlp", "forward/kvpop-mlstm", "forward/streaming", "forward/dms"),
           "python -m pytest -q tests/test_readme.py -k walkthrough (it prints the tables the block makes; paste "
-          "them between the README's walkthrough markers); python -m freshness stamp README.md#walkthrough"),
+          "them between the README's walkthrough markers, then the bands after them from python -m "
+          "freshness.kernel_sets walkthrough); python -m freshness stamp README.md#walkthrough"),
     Group("evidence ledger", (f"{STUDY_RESULTS}/evidence.json", f"{STUDY_RESULTS}/evidence.md", "README.md#evidence",
                               *(f"{STUDY_RESULTS}/evidence/{i}/evidence_rows.json" for i in ("kvtrace", "lookahead",
                                                                                        "realtext")),
