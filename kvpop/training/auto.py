@@ -684,7 +684,8 @@ class _Trials:
         run, warm = self.options(settings)
         before = 0
         if warm == "scorer-only":  # the scorers trained alone first, then the joint run starts from them
-            first = self.validated({**run, "no_train_model": True}, d / "scorer-only")
+            # the model frozen: no next-token loss (it trains the model's weights)
+            first = self.validated({**run, "no_train_model": True, "lm_weight": 0.0}, d / "scorer-only")
             before = first["steps"]
             run["init_scorers"] = str(d / "scorer-only" / "scorers.safetensors")
         r = self.validated(run, d)
@@ -713,8 +714,8 @@ def summary_lines(record: dict) -> list[str]:
         lines.append(f"what the select part resolved: {sm['resolution']}")
     part, skipped = sm.get("partly_skipped_for_budget", []), sm.get("skipped_for_budget", [])
     if sm.get("not_applicable"):
-        lines.append(f"stages of the learned scorer not run (the fixed mask was chosen): "
-                     f"{', '.join(sm['not_applicable'])}")
+        lines.append(f"stages not run, as they could change nothing served under the choice (the fixed mask, or a "
+                     f"fixed decay for the decay range): {', '.join(sm['not_applicable'])}")
     if part:
         lines.append(f"stages cut short by the budget: {', '.join(part)}")
     if skipped:
