@@ -46,6 +46,8 @@ def test_measure_bands_gives_every_trained_row_the_tasks_largest_move_rounded_up
             _res([("dms", 256, 16, 0.7901), ("kvpop-mlstm-joint", 256, 16, 0.7), ("streaming", 256, 16, 0.2)])]
     assert R.measured_moves(runs, SHIPPED) == {"dms": pytest.approx(0.0123), "kvpop-mlstm-joint": 0.0}
     assert R.measure_bands(runs, SHIPPED) == {"dms": 0.013, "kvpop-mlstm-joint": 0.013}
+    exact = [_res([("dms", 256, 16, 0.9915)])]  # a move of 0.052 to the last bit: not rounded up past it
+    assert R.measure_bands(exact, _res([("dms", 256, 16, 0.9395)])) == {"dms": 0.052}
     assert R.exact_moves(runs, SHIPPED) == [("streaming", 256, 16, 0.2, 0.1)]
 
 
@@ -101,3 +103,18 @@ def test_main_refuses_results_without_bands(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         R.main([str(tmp_path / "out"), "--shipped", str(tmp_path)])
     assert e.value.code == 2 and "holds no bands.json" in capsys.readouterr().err
+
+
+def test_the_shipped_bands_cover_every_trained_row_of_the_shipped_results():
+    record = json.loads(R.BANDS.read_text())
+    assert record["kernel_sets"] and record["command"].startswith("python -m freshness.kernel_sets demo")
+    for task, bands in record["bands"].items():
+        shipped = json.loads((R.SHIPPED / task / "results.json").read_text())
+        trained = {r["policy"] for r in shipped["rows"]} - set(R.EXACT_POLICIES)
+        assert set(bands) == trained, task
+        assert not record["exact_rows_moved"][task], f"{task}: a row the rule holds exact moved"
+        # the shipped results are within their own bands of themselves, and every moved cell of the kernel sets
+        # measured lies within them (what the bands were drawn from)
+        assert R.compare(shipped, shipped, bands).ok
+        for moves in record["moves"][task].values():
+            assert max(moves.values()) <= max(bands.values())
