@@ -50,7 +50,8 @@ def _fresh_manifest(today):
     for g in fr.GROUPS:
         for f in g.files:
             man["files"][f] = {"sha256": fr.sha(fr.file_bytes(f)), "sentinels": {s: today.digests[s]
-                                                                                 for s in g.sentinels}}
+                                                                                 for s in g.sentinels},
+                               **({"training_code": fr.training_digest()} if fr._trained(g.sentinels) else {})}
     return man
 
 

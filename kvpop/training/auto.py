@@ -83,6 +83,7 @@ import torch.nn.functional as F
 from kvpop.core.files import replace_files
 
 from .auto_data import AutoSettings
+from .trial_records import PATIENCE, early_stopping  # noqa: F401  (re-exported: the search's early stopping)
 
 if TYPE_CHECKING:
     from kvpop.training.search import Stage
@@ -128,9 +129,6 @@ RUN_FILES = ("scorers.safetensors", "gates.safetensors", "model", "head_budgets.
 """What of the chosen trial is copied into ``OUT``."""
 SERVED_FILES = ("scorers.safetensors", "model", "head_budgets.json")
 """A run's served outputs: what early stopping keeps of a trial's best validated state (``best/``)."""
-PATIENCE = 2
-"""``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
-better or equal score (a tie goes to the later state)."""
 MAX_BUDGET = 1e15
 """The largest ``--auto-budget`` taken (steps or minutes): more than any search spends, and exact as a float."""
 DEFAULT_TRIALS = 8
@@ -807,23 +805,6 @@ def early_stopped(d: Path, *, total: int, every: int, patience: int, train_to: C
     if best["step"] != vals[-1]["step"]:
         replace_files(keep, d, SERVED_FILES)  # the outputs are the best state's (last.pt stays the last step's)
     return best, vals
-
-
-def early_stopping(steps: int, patience: int | None = None, every: int | None = None) -> tuple[int, int]:
-    """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience`` (``None``: not given) for trials of
-    ``steps`` (``--steps``): each trial validated every ``every`` steps (default a quarter of ``steps``, rounded
-    up: at most four validations) and stopped after ``patience`` (default :data:`PATIENCE`) validations without
-    a better score on the fit sequences, its best state kept; ``patience`` 0: no early stopping, one validation
-    after ``steps``.  ValueError naming a bad value."""
-    patience = PATIENCE if patience is None else patience
-    if patience < 0:
-        raise ValueError(f"--auto-patience must be >= 0, got {patience}")
-    if every is not None and not 1 <= every <= steps:
-        raise ValueError(f"--auto-eval-every must lie in [1, --steps {steps}], got {every}")
-    if every is not None and not patience:
-        raise ValueError(f"--auto-eval-every {every} is the validation interval of early stopping, which "
-                         f"--auto-patience 0 switches off: leave one of them out")
-    return (every or math.ceil(steps / 4)), patience
 
 
 class _Signalled(BaseException):

@@ -211,11 +211,9 @@ def check_inputs(found: Any, expected: Mapping[str, Any], where: Path | str) -> 
 
 def effective_options(options: Mapping[str, Any]) -> dict:
     """``options`` (a record's ``search_inputs["options"]``) with ``auto_patience`` and ``auto_eval_every`` as the
-    values the search uses (:func:`kvpop.training.auto.early_stopping`: ``None``, not given, is the default), so
+    values the search uses (:func:`early_stopping`: ``None``, not given, is the default), so
     that giving a default explicitly on ``--resume`` is the same search; values it refuses are left as they are
     (the search refuses them itself)."""
-    from .auto import early_stopping
-
     out = dict(options)
     steps = out.get("steps")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -294,3 +292,24 @@ def search_inputs(args: Any, *, model_dir: Path | None, overrides: dict | None =
         except OSError as e:
             raise ValueError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
     return json.loads(json.dumps({"options": options, "files": files}))  # as a record holds it
+
+
+PATIENCE = 2
+"""``--auto-patience``'s default: a trial stops after two validations (of four along its ``--steps``) without a
+better or equal score (a tie goes to the later state)."""
+
+def early_stopping(steps: int, patience: int | None = None, every: int | None = None) -> tuple[int, int]:
+    """``(every, patience)`` of ``--auto-eval-every`` / ``--auto-patience`` (``None``: not given) for trials of
+    ``steps`` (``--steps``): each trial validated every ``every`` steps (default a quarter of ``steps``, rounded
+    up: at most four validations) and stopped after ``patience`` (default :data:`PATIENCE`) validations without
+    a better score on the fit sequences, its best state kept; ``patience`` 0: no early stopping, one validation
+    after ``steps``.  ValueError naming a bad value."""
+    patience = PATIENCE if patience is None else patience
+    if patience < 0:
+        raise ValueError(f"--auto-patience must be >= 0, got {patience}")
+    if every is not None and not 1 <= every <= steps:
+        raise ValueError(f"--auto-eval-every must lie in [1, --steps {steps}], got {every}")
+    if every is not None and not patience:
+        raise ValueError(f"--auto-eval-every {every} is the validation interval of early stopping, which "
+                         f"--auto-patience 0 switches off: leave one of them out")
+    return (every or math.ceil(steps / 4)), patience

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ARCHITECTURE", "register", "hf_overrides"]
+from .settings import ARCHITECTURE  # the architecture name that selects the plugin's model class (no vLLM import)
 
-ARCHITECTURE = "KVpopQwen3ForCausalLM"
-"""The model architecture name that selects the plugin's model class."""
+__all__ = ["ARCHITECTURE", "register", "hf_overrides"]
 
 
 def register() -> None:

@@ -14,6 +14,8 @@ __all__ = ["Settings", "resolve", "check_scorer_file", "check_architecture", "ch
 POLICIES = ("kvpop", "streaming")
 _KEYS = ("kvpop_scorers", "kvpop_policy", "kvpop_config", "kvpop_pack")
 PACKS = ("rows", "slots")
+ARCHITECTURE = "KVpopQwen3ForCausalLM"
+"""The plugin's architecture name (``kvpop.vllm.ARCHITECTURE``; defined here, where no vLLM import is needed)."""
 OTHER_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 """The architectures of the families kvpop patches, which vLLM serves with its own model class: a model config of
 one of them that carries kvpop settings is refused (:func:`check_architecture`), never served dense."""
@@ -59,8 +61,6 @@ def check_architecture(hf_config: Any, architecture: str | None) -> None:
     """ValueError when ``hf_config`` carries kvpop settings (``kvpop_scorers``, ``kvpop_config``, ...) but is served
     as ``architecture``, not the plugin's: vLLM's own model class never reads them, so the engine would serve the
     dense model without a word (``hf_overrides`` without ``"architectures"``, or with the checkpoint's own)."""
-    from . import ARCHITECTURE
-
     found = [k for k in _KEYS if _get(hf_config, k) is not None]
     if found and architecture != ARCHITECTURE:
         raise ValueError(f"the model config carries kvpop settings ({', '.join(found)}) but is served as "
