@@ -60,10 +60,15 @@ def test_schedule_gpu(benchmark, provider, S):
     flops = 4 * 32 * 128 * S * S / 2
     info = dict(S=S, t_schedule_s=t_sched, t_sdpa_fwd_s=t_attn, ratio_schedule_over_sdpa=t_sched / t_attn,
                 sdpa_tflops=flops / t_attn / 1e12)
-    # the schedule's roofline: the priorities read by each of the two ops, their outputs written once (its
-    # comparisons are not FLOPs: memory is its only floor); SDPA's: causal attention's bytes and FLOPs
-    sched_bytes = 2 * rl.tensor_bytes(p) + rl.tensor_bytes(*_both(p))
-    rl.record(info, "schedule", sched_bytes, 0, t_sched, device_name(), main=provider == "kvpop")
+    # the schedule's roofline: the bytes its kernels and sorts move (kvpop_kernels.schedule.gpu_traffic, both ops;
+    # its comparisons are not FLOPs: memory is its only floor), beside the floor of any algorithm (the priorities
+    # read by each op, their outputs written once); SDPA's: causal attention's bytes and FLOPs
+    from kvpop_kernels.schedule import gpu_traffic
+
+    floor = 2 * rl.tensor_bytes(p) + rl.tensor_bytes(*_both(p))
+    moved = gpu_traffic(1, 8, S) + gpu_traffic(1, 8, S, decisions=True)
+    rl.record(info, "schedule", moved, 0, t_sched, device_name(), main=provider == "kvpop")
+    rl.record(info, "schedule-io-floor", floor, 0, t_sched, device_name())
     rl.record(info, "sdpa", *rl.causal_attention_cost(batch=1, hq=32, hkv=8, s=S, d=128, elt=2), t_attn,
               device_name(), main=provider == "sdpa")
     benchmark.extra_info.update(info)
