@@ -651,10 +651,13 @@ class _Trials:
             sel = self.score(d, "select")
             return {"score": _mean(sel), "per_sequence": sel, "steps": steps}
 
-        best, vals = early_stopped(d, total=steps, every=self.every, patience=self.patience,
-                                   train_to=lambda target: self.train_to(run, d, target),
-                                   fit_score=lambda: check_score(_mean(self.score(d, "fit")), d, '"fit_score"'),
-                                   note=self._note)
+        from kvpop.progress import one_bar
+
+        with one_bar():  # one bar over the trial's segments: its elapsed time and ETA are the trial's
+            best, vals = early_stopped(d, total=steps, every=self.every, patience=self.patience,
+                                       train_to=lambda target: self.train_to(run, d, target),
+                                       fit_score=lambda: check_score(_mean(self.score(d, "fit")), d, '"fit_score"'),
+                                       note=self._note)
         sel = self.score(d, "select")  # the best fit state, scored once on the select sequences
         return {"score": _mean(sel), "per_sequence": sel, "steps": vals[-1]["step"], "best_step": best["step"],
                 "validations": vals}
