@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .paths import check_out_dir
+from .paths import check_out_dir, parse
 
 __all__ = ["stdlib_files", "build_corpus", "read_records", "context_use", "headroom", "main", "SEQ_LEN", "WINDOW",
            "SINKS", "BUDGET", "BAR", "LEDGER_SPLIT", "continue_pretraining", "ledger_rows"]
@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--split", required=True, help="the split's name in the ledger")
     g.add_argument("--model-name", required=True)
     g.add_argument("--runs", required=True, help="where RUNS/realtext/evidence_rows.json is written")
+    g.add_argument("--write-shipped", action="store_true",
+                   help="allow --runs in what the project ships (studies/results/...); refused without it")
     for name, help_ in (("context", "dense NLL with the full context against the context cut to --keep"),
                         ("headroom", "the exact label against recency at one budget")):
         q = sub.add_parser(name, help=help_)
@@ -338,17 +340,18 @@ def main(argv: list[str] | None = None) -> int:
             q.add_argument("--window", type=int, default=WINDOW)
             q.add_argument("--label", default="mean")
             q.add_argument("--gammas", default="0.9995")
-    a = p.parse_args(argv)
+    a = parse(p, argv)  # the one write rule: --write-shipped for a path the project ships
+    shipped = getattr(a, "write_shipped", False)
     try:
         if a.cmd == "corpus":
-            check_out_dir(a.out)
+            check_out_dir(a.out, write_shipped=shipped)
             m = build_corpus(a.out, stdlib_files(a.stdlib), seq_len=a.seq_len)
             print(json.dumps({s: v["records"] for s, v in m["splits"].items()}))
             return 0
         if a.cmd == "ledger":
             from .ledger import write_split_rows
 
-            check_out_dir(a.runs, "--runs")
+            check_out_dir(a.runs, "--runs", write_shipped=shipped)
             new = ledger_rows(json.loads(Path(a.record).read_text()), split=a.split, model=a.model_name)
             print(write_split_rows(a.runs, "realtext", a.split, new))
             return 0
@@ -359,14 +362,14 @@ def main(argv: list[str] | None = None) -> int:
         from .paired import paired_interval
 
         if a.cmd == "pretrain":
-            check_out_dir(a.out)
+            check_out_dir(a.out, write_shipped=shipped)
             torch.set_num_threads(a.threads)
             continue_pretraining(a.model, a.data, a.out, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed,
                                  valid=a.valid_data, eval_n=a.eval_n, eval_every=a.eval_every,
                                  max_minutes=a.max_minutes)
             return 0
 
-        check_out_dir(a.out, "--out", file=True)
+        check_out_dir(a.out, "--out", write_shipped=shipped, file=True)
         torch.set_num_threads(a.threads)
         base = load_model(a.model).eval()
         traces, files = read_records(a.data, a.n)
