@@ -211,92 +211,104 @@ def _locked_run(args: argparse.Namespace, out: Path) -> int:
     if args.model is not None:  # before any work: the family, the config and the weight files (headers only)
         _checked(rundir.check_model, args.model)
 
-    import torch
-
-    from kvpop.training.methods import DMSMethod, KVpopMethod
-    from kvpop.training.options import method_config, train_config
-    from kvpop.training.runstate import CheckpointError, RunMismatch
-    from kvpop.training.train import TrainingDiverged, TrainingInterrupted, learning_rates, save_model, train
+    from kvpop.training.options import method_config
 
     try:
         kv_cfg = method_config(args)
     except (TypeError, ValueError) as e:
         _fail(str(e))
-    method = (KVpopMethod if args.method == "kvpop" else DMSMethod)(kv_cfg)
     from kvpop.training.distributed import finish_process, setup_process, wait_for_ranks
 
-    rank, world, device, started = _checked(setup_process, args.device)
+    rank, _, device, started = _checked(setup_process, args.device)
     try:
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        if device.type == "cpu" and rank == 0 and interpreter_warning() is not None:
-            print(interpreter_warning(), file=sys.stderr)
-        if args.bf16 and device.type != "cuda":
-            _fail(f"--bf16 needs a CUDA device (this run is on {device}); leave it out on the CPU")
-        torch.manual_seed(args.seed)
-        model, source = _load_model(args, device)
-        model_print = _checked(rundir.model_print, source)
-        data = _checked(_data, args, model, source)
-        chosen = None
-        if args.method == "kvpop" and (args.head_budgets is not None or args.allocate is not None):
-            kv_cfg, chosen = _checked(_head_budgets, args, kv_cfg, model, source, out)
-            method = KVpopMethod(kv_cfg)
-            over = [b for r in kv_cfg.head_budgets for b in r if b > args.seq_len]
-            if over and args.head_budgets is not None and rank == 0:
-                print(f"kvpop train: warning: --head-budgets {args.head_budgets}: {len(over)} head(s) hold more than "
-                      f"--seq-len {args.seq_len} entries (up to {max(over)}): a training sequence never fills them, "
-                      f"and a head whose budget holds the whole sequence evicts nothing to learn from", file=sys.stderr)
-        torch.manual_seed(args.seed)  # the scorers' initialisation
-        try:
-            method.attach(model)
-        except (TypeError, ValueError) as e:
-            _fail(f"cannot patch {source or 'the --tiny model'}: {e}")
-        if args.init_scorers is not None:  # a warm start (a resume then restores last.pt's state over it)
-            from kvpop.core.checkpoint import load_scorers
-
-            try:
-                load_scorers(model, args.init_scorers)
-            except (OSError, ValueError) as e:
-                _fail(f"--init-scorers {args.init_scorers}: {e}")
-        tcfg = train_config(args, out, data_fingerprint=_checked(rundir.data_print, args.data),
-                            model_fingerprint=model_print)
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            if not args.resume or not (out / "args.json").exists():
-                rundir.write_args(out, rundir.arg_dict(args))
-            if chosen is not None and chosen[1] is not None:
-                written = rundir.write_head_budgets(out, *chosen)
-                if args.allocate is not None:
-                    print(f"kvpop train: --allocate {args.allocate}: per-head budgets {[list(r) for r in chosen[0]]} "
-                          f"(mean {args.budget}){_allocation_notes(args, kv_cfg, chosen)}; wrote {written}",
-                          file=sys.stderr)
-        try:
-            hist = train(model, data, tcfg, resume=args.resume, method=method)  # writes last.pt, history.jsonl
-        except TrainingInterrupted as e:
-            if rank == 0 and not getattr(args, "_auto_trial", False):  # --auto says it for the whole search
-                print(f"kvpop train: {e}: run the same command with --resume to continue", file=sys.stderr)
-            return 128 + e.signum
-        except RunMismatch as e:
-            _fail(rundir.mismatch_message(e, model_dir=source, head_budgets=args.head_budgets, out=out))
-        except (CheckpointError, TrainingDiverged) as e:
-            _fail(str(e))
-        from kvpop.training.runstate import output_step
-
-        step = output_step(out / method.layer_file) if rank == 0 else None  # just written and stamped by train
-        if not args.no_train_model:
-            try:
-                save_model(model, out / "model", step=step)
-            except (OSError, ValueError) as e:
-                _fail(f"{e} (the scorers and last.pt of the finished run are in {out})")
-        if rank == 0:
-            line, warning = rundir.closing_report(out, hist, method=args.method, steps=args.steps, step=step,
-                                                  train_model=not args.no_train_model,
-                                                  lr_scorer=learning_rates(tcfg, args.method)[1],
-                                                  priority_source=getattr(args, "priority_source", None))
-            print(line)
-            if warning is not None:
-                print(warning, file=sys.stderr)
-        wait_for_ranks(started)  # every rank done before the group is torn down
-        return 0
+        rc = _train_on(args, out, kv_cfg, rank, device)
+        if rc == 0:
+            wait_for_ranks(started)  # every rank done before the group is torn down
+        return rc
     finally:
-        finish_process(started)
+        finish_process(started)  # the model (and FSDP's hold on the group) is freed by now
+
+
+def _train_on(args: argparse.Namespace, out: Path, kv_cfg, rank: int, device) -> int:
+    """The run on this process once it joined the group: its model, data and scorers live in this frame
+    only, so they (and an FSDP model's references to the process group) are freed before the group is left;
+    a group torn down while a sharded model still held it once aborted in gloo's teardown."""
+    import torch
+
+    from kvpop.training import rundir
+    from kvpop.training.methods import DMSMethod, KVpopMethod
+    from kvpop.training.options import train_config
+    from kvpop.training.runstate import CheckpointError, RunMismatch
+    from kvpop.training.train import TrainingDiverged, TrainingInterrupted, learning_rates, save_model, train
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if device.type == "cpu" and rank == 0 and interpreter_warning() is not None:
+        print(interpreter_warning(), file=sys.stderr)
+    if args.bf16 and device.type != "cuda":
+        _fail(f"--bf16 needs a CUDA device (this run is on {device}); leave it out on the CPU")
+    method = (KVpopMethod if args.method == "kvpop" else DMSMethod)(kv_cfg)
+    torch.manual_seed(args.seed)
+    model, source = _load_model(args, device)
+    model_print = _checked(rundir.model_print, source)
+    data = _checked(_data, args, model, source)
+    chosen = None
+    if args.method == "kvpop" and (args.head_budgets is not None or args.allocate is not None):
+        kv_cfg, chosen = _checked(_head_budgets, args, kv_cfg, model, source, out)
+        method = KVpopMethod(kv_cfg)
+        over = [b for r in kv_cfg.head_budgets for b in r if b > args.seq_len]
+        if over and args.head_budgets is not None and rank == 0:
+            print(f"kvpop train: warning: --head-budgets {args.head_budgets}: {len(over)} head(s) hold more than "
+                  f"--seq-len {args.seq_len} entries (up to {max(over)}): a training sequence never fills them, "
+                  f"and a head whose budget holds the whole sequence evicts nothing to learn from", file=sys.stderr)
+    torch.manual_seed(args.seed)  # the scorers' initialisation
+    try:
+        method.attach(model)
+    except (TypeError, ValueError) as e:
+        _fail(f"cannot patch {source or 'the --tiny model'}: {e}")
+    if args.init_scorers is not None:  # a warm start (a resume then restores last.pt's state over it)
+        from kvpop.core.checkpoint import load_scorers
+
+        try:
+            load_scorers(model, args.init_scorers)
+        except (OSError, ValueError) as e:
+            _fail(f"--init-scorers {args.init_scorers}: {e}")
+    tcfg = train_config(args, out, data_fingerprint=_checked(rundir.data_print, args.data),
+                        model_fingerprint=model_print)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.resume or not (out / "args.json").exists():
+            rundir.write_args(out, rundir.arg_dict(args))
+        if chosen is not None and chosen[1] is not None:
+            written = rundir.write_head_budgets(out, *chosen)
+            if args.allocate is not None:
+                print(f"kvpop train: --allocate {args.allocate}: per-head budgets {[list(r) for r in chosen[0]]} "
+                      f"(mean {args.budget}){_allocation_notes(args, kv_cfg, chosen)}; wrote {written}",
+                      file=sys.stderr)
+    try:
+        hist = train(model, data, tcfg, resume=args.resume, method=method)  # writes last.pt, history.jsonl
+    except TrainingInterrupted as e:
+        if rank == 0 and not getattr(args, "_auto_trial", False):  # --auto says it for the whole search
+            print(f"kvpop train: {e}: run the same command with --resume to continue", file=sys.stderr)
+        return 128 + e.signum
+    except RunMismatch as e:
+        _fail(rundir.mismatch_message(e, model_dir=source, head_budgets=args.head_budgets, out=out))
+    except (CheckpointError, TrainingDiverged) as e:
+        _fail(str(e))
+    from kvpop.training.runstate import output_step
+
+    step = output_step(out / method.layer_file) if rank == 0 else None  # just written and stamped by train
+    if not args.no_train_model:
+        try:
+            save_model(model, out / "model", step=step)
+        except (OSError, ValueError) as e:
+            _fail(f"{e} (the scorers and last.pt of the finished run are in {out})")
+    if rank == 0:
+        line, warning = rundir.closing_report(out, hist, method=args.method, steps=args.steps, step=step,
+                                              train_model=not args.no_train_model,
+                                              lr_scorer=learning_rates(tcfg, args.method)[1],
+                                              priority_source=getattr(args, "priority_source", None))
+        print(line)
+        if warning is not None:
+            print(warning, file=sys.stderr)
+    return 0

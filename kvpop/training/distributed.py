@@ -7,6 +7,7 @@ is replicated (``--dist ddp``) or sharded with FSDP2 (``--dist fsdp``, see ``kvp
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -57,6 +58,10 @@ def wait_for_ranks(started: bool) -> None:
 
 
 def finish_process(started: bool) -> None:
-    """Leave the process group :func:`setup_process` joined (nothing when it joined none)."""
+    """Leave the process group :func:`setup_process` joined (nothing when it joined none).  Garbage is
+    collected first, so that a sharded model no longer referenced (FSDP holds the group) releases it now,
+    while the interpreter is whole, not in its finalisation after the group is gone."""
     if started and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
