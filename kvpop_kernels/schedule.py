@@ -213,7 +213,9 @@ def _torch_schedule(priority: torch.Tensor, sinks: int, window: int, k: int | to
     p = priority.detach().to(torch.float64).reshape(R, S)
     kt = (torch.full((H,), k) if isinstance(k, int) else k.cpu()).to(torch.int64)
     kr = kt.repeat(Bsz).view(R, 1).to(p.device)
-    step = max(1, _CPU_CHUNK // S)
+    # rows per pass: enough for the cache (_CPU_CHUNK tokens) and at least one per intra-op thread, since a sort
+    # along the last dimension is parallel over rows only (one 64K row per pass sorted on one thread of two)
+    step = max(1, _CPU_CHUNK // S, torch.get_num_threads())
     parts = [_torch_rows(p[r:r + step], kr[r:r + step], sinks, window, decisions) for r in range(0, R, step)]
     outs = [torch.cat(col) for col in zip(*parts)]
     dtypes = (torch.int8, torch.int32) if decisions else (torch.int32,)

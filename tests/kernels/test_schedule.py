@@ -127,9 +127,19 @@ def test_cpu_path_in_row_batches(monkeypatch):
 
     monkeypatch.setattr(kutils, "interpreting", lambda: False)
     p = torch.randint(0, 4, (3, 2, 40)).float()
-    for chunk in (40, 80):
-        monkeypatch.setattr(sc, "_CPU_CHUNK", chunk)
-        _check_against_reference(p, 2, 3, [3, 0])
+    threads = torch.get_num_threads()
+    seen = []
+    real_rows = sc._torch_rows
+    monkeypatch.setattr(sc, "_torch_rows", lambda pr, *a: seen.append(pr.shape[0]) or real_rows(pr, *a))
+    try:  # rows per pass: max(the cache's chunk / S, the intra-op threads), the last pass what is left
+        for chunk, n_threads, want in ((40, 1, [1] * 6), (80, 1, [2] * 3), (40, 4, [4, 2])):
+            monkeypatch.setattr(sc, "_CPU_CHUNK", chunk)
+            torch.set_num_threads(n_threads)
+            seen.clear()
+            _check_against_reference(p, 2, 3, [3, 0])
+            assert seen[:len(want)] == want, (chunk, n_threads, seen)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_triton_and_torch_build_the_same_tree():
