@@ -305,27 +305,35 @@ def _fsdp_setup():
 _CFG = dict(lr_model=1e-3, lr_scorer=1e-2, warmup_steps=1, progress=False)
 
 
-def _fsdp_worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
-
+def _fsdp_steps(rank, out_dir):
     from kvpop.training.train import save_model
+
+    # two steps with a checkpoint, then a fresh sharded model resumes for the third
+    m, teacher, data = _fsdp_setup()
+    h1 = train(m, data, TrainConfig(steps=2, dist="fsdp", checkpoint_dir=out_dir, checkpoint_every=1,
+                                    activation_checkpointing=True, **_CFG), teacher=teacher)
+    assert type(m).__name__.startswith("FSDP")
+    m, teacher, data = _fsdp_setup()
+    h2 = train(m, data, TrainConfig(steps=3, dist="fsdp", checkpoint_dir=out_dir, **_CFG), teacher=teacher,
+               resume=True)
+    save_model(m, os.path.join(out_dir, "model"))
+    if rank == 0:
+        torch.save(h1 + h2, os.path.join(out_dir, "hist.pt"))
+
+
+def _fsdp_worker(rank, world, init_file, out_dir):
+    import gc
+
+    import torch.distributed as dist
 
     os.environ["TRITON_INTERPRET"] = "0"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        # two steps with a checkpoint, then a fresh sharded model resumes for the third
-        m, teacher, data = _fsdp_setup()
-        h1 = train(m, data, TrainConfig(steps=2, dist="fsdp", checkpoint_dir=out_dir, checkpoint_every=1,
-                                        activation_checkpointing=True, **_CFG), teacher=teacher)
-        assert type(m).__name__.startswith("FSDP")
-        m, teacher, data = _fsdp_setup()
-        h2 = train(m, data, TrainConfig(steps=3, dist="fsdp", checkpoint_dir=out_dir, **_CFG), teacher=teacher,
-                   resume=True)
-        save_model(m, os.path.join(out_dir, "model"))
-        if rank == 0:
-            torch.save(h1 + h2, os.path.join(out_dir, "hist.pt"))
+        _fsdp_steps(rank, out_dir)  # the sharded models are freed on return, before the group is left
+        dist.barrier()
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 
