@@ -168,6 +168,12 @@ GROUPS: tuple[Group, ...] = (
           "python -m studies.equal_bytes --instrument realtext|kvtrace|lookahead --out OUT --stage all (about 6, 13 "
           "and 2 minutes on one core: see evidence.md); cp OUT/equal_bytes.* studies/results/evidence/<instrument>/; "
           "python -m freshness stamp the files"),
+    Group("the 16-bit side at equal bytes trained at its budget",
+          tuple(f"{STUDY_RESULTS}/evidence/realtext/equal_bytes_trained{x}" for x in (".json", ".md",
+                                                                                        "_test_log.jsonl")),
+          ("code/kvpop-mlp-joint", "forward/kvpop-mlp", "forward/kvpop-mlp-int8"),
+          "python -m studies.equal_bytes_trained train (six runs, about 2 minutes each on one core) and test (about 3 "
+          "minutes; see evidence.md); python -m freshness stamp the files"),
     Group("the mLSTM scorer on real text",
           tuple(f"{STUDY_RESULTS}/evidence/realtext/mlstm.{x}" for x in ("json", "md")),
           (f"code/{CODE_MLSTM}", "code/kvpop-mlp-joint", "code/fixed-finetune", "code/dense", "forward/kvpop-mlstm",
