@@ -436,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(1)
         out = check_out_dir(a.out, write_shipped=shipped)
+        for flag, path in (("--data", a.data), ("--valid-data", a.valid_data)):
+            if not Path(path).is_file():  # the defaults are the files the study used on its machine
+                raise ValueError(f"{flag} {path}: no such file; build the real-text train split with python -m "
+                                 f"studies.realtext_corpus --out CORPUS --splits train and pass {flag}")
         if a.cmd == "train":
             if a.budget not in BUDGETS or a.seed not in SEEDS:
                 raise ValueError(f"--budget {a.budget} --seed {a.seed}: allowed budgets {BUDGETS}, seeds {SEEDS}")

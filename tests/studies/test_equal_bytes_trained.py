@@ -151,3 +151,13 @@ def test_refusals(tmp_path, capsys):
     assert T.main(args) == 2
     assert "in the train split" in capsys.readouterr().err
     assert not (tmp_path / "rec").exists()
+
+
+def test_a_missing_train_split_is_named_with_how_to_build_it(tmp_path, capsys):
+    """The default --data / --valid-data are the files the study used on its machine: elsewhere a missing one
+    is refused before any work, naming the flag and the command that builds the split."""
+    rc = T.main(["train", "--out", str(tmp_path / "o"), "--budget", "75", "--seed", "0",
+                 "--data", str(tmp_path / "none.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--data" in err and "none.jsonl" in err and "studies.realtext_corpus" in err
+    assert not (tmp_path / "o" / "runs").exists()
