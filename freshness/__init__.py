@@ -174,6 +174,13 @@ GROUPS: tuple[Group, ...] = (
           ("code/kvpop-mlp-joint", "forward/kvpop-mlp", "forward/kvpop-mlp-int8"),
           "python -m studies.equal_bytes_trained train (six runs, about 2 minutes each on one core) and test (about 3 "
           "minutes; see evidence.md); python -m freshness stamp the files"),
+    Group("lookahead's controls with head-adaptive budgets",
+          tuple(f"{STUDY_RESULTS}/evidence/lookahead/controls_adaptive.{x}" for x in ("json", "md")),
+          (*_demo("lookahead", ("kvpop-mlp-joint",)),),
+          "python -m studies.controls_adaptive --out OUT --seeds 0,1,2 --n-valid 16 --n-test 128 (about 6 minutes "
+          "on one core; see evidence.md), then the same with --record-only --record "
+          "studies/results/evidence/lookahead/controls_adaptive.json --write-shipped; python -m freshness stamp "
+          "the files"),
     Group("the mLSTM scorer on real text",
           tuple(f"{STUDY_RESULTS}/evidence/realtext/mlstm.{x}" for x in ("json", "md")),
           (f"code/{CODE_MLSTM}", "code/kvpop-mlp-joint", "code/fixed-finetune", "code/dense", "forward/kvpop-mlstm",
