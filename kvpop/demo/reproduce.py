@@ -1,11 +1,13 @@
 """Does a ``kvpop demo`` run reproduce the shipped results?  The rule of docs/DESIGN.md section 14.
 
-The demo's figures fall in two kinds.  Rows that train nothing or train only an MLP scorer against a frozen
-model (dense, StreamingLLM, TOVA, H2O, ``kvpop-mlp``) are the same on every CPU: their sums round
-differently on another CPU's kernels, but no trained state amplifies that into another kept token.  Rows that
-train the model, an mLSTM scorer or DMS's gates amplify the last bits of their sums over 100-200 steps into
-other weights and so other kept tokens: on another CPU (or another kernel set of the same CPU: ATen's
-``ATEN_CPU_CAPABILITY``, MKL's ``MKL_CBWR``) they move.  For those rows the shipped ``bands.json`` holds the
+The demo's figures fall in two kinds.  Rows that train nothing (dense, StreamingLLM, TOVA, H2O) are the same on
+every CPU: their sums round differently on another CPU's kernels, but no trained state amplifies that into another
+kept token.  Rows that train anything (the model, a scorer, DMS's gates) can amplify the last bits of their sums over
+100-200 steps into other weights and so other kept tokens: on another CPU (or another kernel set of the same CPU:
+ATen's ``ATEN_CPU_CAPABILITY``, MKL's ``MKL_CBWR``) they move.  That includes ``kvpop-mlp``, an MLP scorer trained
+against the frozen model: it moved on lookahead by up to 0.059 under ``avx512`` with ``MKL_CBWR=COMPATIBLE``
+(2026-12-05), since its labels come from the frozen model's attention, whose matrix products that MKL path orders
+differently.  For those rows the shipped ``bands.json`` holds the
 largest move of any of them measured across kernel sets, per task; a cell reproduces when it is within its row's
 band of the shipped cell (exact rows: band 0).
 
@@ -30,8 +32,8 @@ __all__ = ["SHIPPED", "BANDS", "EXACT_POLICIES", "Verdict", "compare", "measure_
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "demo_results"
 """The shipped results, one directory per task."""
 BANDS = SHIPPED / "bands.json"
-EXACT_POLICIES = ("dense", "streaming", "tova", "h2o", "kvpop-mlp")
-"""Rows the rule holds to the shipped cell exactly on any CPU (nothing trained, or an MLP scorer alone)."""
+EXACT_POLICIES = ("dense", "streaming", "tova", "h2o")
+"""Rows the rule holds to the shipped cell exactly on any CPU: those that train nothing."""
 
 
 def _cells(results: Mapping[str, Any]) -> dict[tuple[str, int, int], float]:
