@@ -123,14 +123,15 @@ def test_intervals_carry_the_seed_level_check():
     assert c["strength"].startswith("a better") and c["not_causal_b"] is False
 
 
-def test_no_write_into_the_shipped_results_without_the_flag(capsys):
+def test_no_write_into_the_shipped_results_without_the_flag(capsys, tmp_path):
     target = RESULTS_DIR / "evidence" / "lookahead" / "adaptive_should_not_exist"
     with pytest.raises(SystemExit) as e:
         A.main(["--out", str(target)])
     assert e.value.code == 2 and "--write-shipped" in capsys.readouterr().err
     assert not target.exists()
     with pytest.raises(SystemExit):
-        A.main(["--out", "/tmp/x", "--record", str(RESULTS_DIR / "evidence" / "lookahead" / "nope.json")])
+        A.main(["--out", str(tmp_path / "x"), "--record", str(RESULTS_DIR / "evidence" / "lookahead" / "nope.json")])
+    assert not (tmp_path / "x").exists() and not (RESULTS_DIR / "evidence" / "lookahead" / "nope.json").exists()
 
 
 def test_the_shipped_record_and_its_tables_agree():
