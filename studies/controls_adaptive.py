@@ -54,7 +54,7 @@ from .controls_synthetic import (
     mean,
     sequence_accuracies,
 )
-from .fresh_synthetic import FRESH2_FIRST, check_disjoint, earlier_ranges
+from .fresh_synthetic import FRESH2_FIRST, check_disjoint, earlier_ranges, missing
 from .fresh_synthetic import N_TEST as FRESH2_N
 from .ledger import TestLog, write_json
 from .paths import parse
@@ -287,8 +287,7 @@ def intervals(runs: dict, a: str, budget: int, *, n_boot: int = 10_000) -> list[
 def build_record(st: AdaptiveStage, controls: dict, trained: dict, tl: TestLog, table: dict, *, n: int,
                  first: int = FIRST, n_boot: int = 10_000) -> dict:
     """The record (refused unless every (row, seed) of ``table`` is logged on this split)."""
-    lost = [f"{r}|seed{s}" for r, ss in table.items() for s in ss if f"{r}|seed{s}" not in tl.entries]
-    if lost:
+    if lost := missing(tl, table):
         raise ValueError(f"not scored yet: {', '.join(lost)}")
     test: dict[str, dict] = {}
     for row, ss in table.items():

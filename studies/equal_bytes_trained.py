@@ -198,12 +198,15 @@ def check_bytes(runs: dict) -> dict:
 # scoring
 # ---------------------------------------------------------------------------------------------------------------
 
-def digests(path: str | Path) -> list[str]:
-    """One digest per record of a token-id JSONL file (its ``input_ids``)."""
-    import hashlib
+def digests(path: str | Path, n: int | None = None) -> set[bytes]:
+    """The digests (:func:`kvpop.training.data.digests`) of the first ``n`` records of a token-id JSONL file (all
+    when ``n`` is None), whole records as written."""
+    import torch
 
-    return [hashlib.blake2b(json.dumps(json.loads(x)["input_ids"]).encode(), digest_size=16).hexdigest()
-            for x in Path(path).read_text().splitlines() if x.strip()]
+    from kvpop.training import data as data_io
+
+    recs = data_io.read_jsonl(str(path))
+    return data_io.digests([torch.tensor(r, dtype=torch.int64) for r in recs[:n]])
 
 
 class Split:
@@ -394,9 +397,9 @@ def test(out: Path, split_path: Path, seeds, *, n: int, record: Path, command: s
         for b in BUDGETS:
             if not (run_dir(out, b, s) / "train.json").exists():
                 raise ValueError(f"seed {s} at B = {b} is not trained ({run_dir(out, b, s)}): run the train stage")
-    have = digests(split_path)[:n]
-    overlap = {"train": {"file": data, "records_shared": len(set(have) & set(digests(data)))},
-               "validation": {"file": valid, "records_shared": len(set(have) & set(digests(valid)))}}
+    have = digests(split_path, n)
+    overlap = {"train": {"file": data, "records_shared": len(have & digests(data))},
+               "validation": {"file": valid, "records_shared": len(have & digests(valid))}}
     for k, v in overlap.items():
         if v["records_shared"]:
             raise ValueError(f"--split {split_path}: {v['records_shared']} of its records are in the {k} split")

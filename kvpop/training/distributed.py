@@ -64,4 +64,3 @@ def finish_process(started: bool) -> None:
     if started and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
-        gc.collect()
